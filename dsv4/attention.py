@@ -1,0 +1,304 @@
+"""DeepSeek-V4 attention: shared-KV MQA with sinks, sliding window, and the CSA / HCA compressors.
+
+One attention block per layer. All three layer types attend over a causal sliding window of raw
+tokens; HCA layers add every causally complete entry of a 128:1 compressor, CSA layers add the
+`index_topk` entries of a 4:1 overlapping compressor that a lightning indexer picks per query.
+
+The core (softmax over window + compressed keys + sink) sits behind one function boundary,
+`core_attention`, with interchangeable implementations (`ATTENTION_IMPLS`): the pure-jnp one here,
+Pallas kernels from `dsv4/pallas/` registered by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv4.config import CSA, HCA, SLIDING, Config
+from dsv4.layers import F32, RMSNorm, Rope, apply_rope, linear, param, rms_normalize
+
+NEG_INF = float("-inf")
+
+
+class CompressedKeys(NamedTuple):
+    """Compressed entries a layer's queries may attend to, with the rule that says which.
+
+    entries: [B, C, D]. HCA: `topk_indices` is None and query at position p sees entry c iff
+    c < (p + 1) // rate. CSA: `topk_indices` [B, S, K] lists the entries each query sees (-1 = none).
+    """
+
+    entries: jax.Array
+    rate: int
+    topk_indices: jax.Array | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# The core: softmax(scale · q·k) over window keys and compressed keys, plus a per-head sink logit.
+# ---------------------------------------------------------------------------------------------
+def core_attention_jnp(
+    q: jax.Array,
+    kv: jax.Array,
+    q_pos: jax.Array,
+    kv_pos: jax.Array,
+    sinks: jax.Array,
+    *,
+    sliding_window: int,
+    scale: float,
+    compressed: CompressedKeys | None = None,
+    query_chunk: int = 512,
+) -> jax.Array:
+    """Pure-jnp V4 attention core, processed in query chunks so memory is O(chunk · keys).
+
+    q: [B, S, H, D]; kv: [B, T, D] (K = V, one head); q_pos: [B, S]; kv_pos: [B, T] (-1 = empty slot);
+    sinks: [H]. A query at p sees kv row j iff p - sliding_window < kv_pos[j] <= p. → [B, S, H, D].
+    """
+    b, s, h, d = q.shape
+    n_chunks = -(-s // query_chunk)
+    chunk = -(-s // n_chunks)  # balanced chunks: no chunk is mostly padding
+    pad = n_chunks * chunk - s
+
+    def padded(x, value=0):
+        return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=value) if pad else x
+
+    def chunks(x):  # [B, S, ...] → [n_chunks, B, chunk, ...]
+        return jnp.moveaxis(x.reshape(b, n_chunks, chunk, *x.shape[2:]), 1, 0)
+
+    xs = {"q": chunks(padded(q)), "pos": chunks(padded(q_pos))}
+    if compressed is not None and compressed.topk_indices is not None:
+        xs["topk"] = chunks(padded(compressed.topk_indices, -1))
+
+    def one_chunk(x):
+        qc, pos = x["q"], x["pos"]  # [B, Q, H, D], [B, Q]
+        logits, values, masks = [], [], []
+        logits.append(jnp.einsum("bqhd,btd->bqht", qc, kv, preferred_element_type=F32))
+        values.append(("bqht,btd->bqhd", kv))
+        masks.append((kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= pos[..., None])
+                     & (kv_pos[:, None, :] > pos[..., None] - sliding_window))  # fmt: skip
+        if compressed is not None and compressed.topk_indices is None:  # HCA: causally complete entries
+            entries = compressed.entries
+            logits.append(jnp.einsum("bqhd,bcd->bqhc", qc, entries, preferred_element_type=F32))
+            values.append(("bqhc,bcd->bqhd", entries))
+            visible = (pos[..., None] + 1) // compressed.rate
+            masks.append(jnp.arange(entries.shape[1])[None, None, :] < visible)
+        elif compressed is not None:  # CSA: the indexer's picks
+            idx = x["topk"]  # [B, Q, K]
+            gathered = jax.vmap(lambda e, i: e[jnp.maximum(i, 0)])(compressed.entries, idx)  # [B, Q, K, D]
+            logits.append(jnp.einsum("bqhd,bqkd->bqhk", qc, gathered, preferred_element_type=F32))
+            values.append(("bqhk,bqkd->bqhd", gathered))
+            masks.append(idx >= 0)
+        logits = [jnp.where(m[:, :, None, :], lg * scale, NEG_INF) for lg, m in zip(logits, masks)]
+        row_max = jnp.max(jnp.stack([lg.max(-1) for lg in logits]), axis=0)  # [B, Q, H]
+        row_max = jnp.maximum(row_max, sinks.astype(F32))  # the sink joins the softmax
+        probs = [jnp.exp(lg - row_max[..., None]) for lg in logits]
+        denom = sum(p.sum(-1) for p in probs) + jnp.exp(sinks.astype(F32) - row_max)
+        out = sum(jnp.einsum(eq, p.astype(v.dtype), v, preferred_element_type=F32) for p, (eq, v) in zip(probs, values))
+        return (out / denom[..., None]).astype(q.dtype)
+
+    out = jax.lax.map(one_chunk, xs) if n_chunks > 1 else one_chunk(jax.tree.map(lambda a: a[0], xs))[None]
+    out = jnp.moveaxis(out, 0, 1).reshape(b, n_chunks * chunk, h, d)
+    return out[:, :s]
+
+
+AttentionFn = Callable[..., jax.Array]
+ATTENTION_IMPLS: dict[str, AttentionFn] = {"jnp": core_attention_jnp}
+
+
+def register_attention_impl(name: str, fn: AttentionFn) -> None:
+    """Makes `fn` (same signature as `core_attention_jnp`) selectable as `attention_impl=name`."""
+    ATTENTION_IMPLS[name] = fn
+
+
+def get_attention_impl(name: str) -> AttentionFn:
+    if name not in ATTENTION_IMPLS and name == "pallas":
+        import dsv4.pallas  # noqa: F401  (registers its kernels on import)
+    try:
+        return ATTENTION_IMPLS[name]
+    except KeyError:
+        raise ValueError(f"attention_impl={name!r}; available: {sorted(ATTENTION_IMPLS)}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Compressors: pool `rate` tokens into one entry with a softmax gate per channel.
+# ---------------------------------------------------------------------------------------------
+def pool_windows(kv: jax.Array, gate: jax.Array, position_bias: jax.Array, rate: int, *, overlap: bool,
+                 head_dim: int) -> jax.Array:  # fmt: skip
+    """Softmax-gated pooling of complete windows.
+
+    kv, gate: [B, S, W] with W = head_dim (no overlap) or 2·head_dim (overlap); only the first
+    (S // rate) · rate tokens are used. position_bias: [rate, W]. → [B, S // rate, head_dim] float32.
+    With overlap (CSA), entry w pools 2·rate slots: window w-1's first half-channels ("Ca") and
+    window w's second half-channels ("Cb"); entry 0's Ca slots are empty (gate -inf).
+    """
+    b, s, width = kv.shape
+    n = s // rate
+    kv = kv[:, : n * rate].reshape(b, n, rate, width)
+    gate = gate[:, : n * rate].reshape(b, n, rate, width).astype(F32) + position_bias.astype(F32)
+    if overlap:
+        prev_kv = jnp.pad(kv[:, :-1, :, :head_dim], [(0, 0), (1, 0), (0, 0), (0, 0)])
+        prev_gate = jnp.pad(gate[:, :-1, :, :head_dim], [(0, 0), (1, 0), (0, 0), (0, 0)], constant_values=NEG_INF)
+        kv = jnp.concatenate([prev_kv, kv[..., head_dim:]], axis=2)  # [B, n, 2·rate, D]
+        gate = jnp.concatenate([prev_gate, gate[..., head_dim:]], axis=2)
+    weights = jax.nn.softmax(gate, axis=2).astype(kv.dtype)
+    return jnp.sum(kv * weights, axis=2)
+
+
+class Compressor(nnx.Module):
+    """Turns hidden states into compressed entries: project, pool windows, RMSNorm, RoPE at the window start.
+
+    Used three ways: HCA (rate 128, no overlap, head_dim), CSA (rate 4, overlapping, head_dim) and the
+    CSA indexer's own keys (rate 4, overlapping, index_head_dim).
+    """
+
+    def __init__(self, config: Config, *, rate: int, head_dim: int, overlap: bool, rngs: nnx.Rngs, dtype):
+        width = 2 * head_dim if overlap else head_dim
+        d = config.hidden_size
+        self.kv_proj = nnx.Dict(weight=param(rngs, (width, d), ("kv_width", "embed"), dtype=dtype))
+        self.gate_proj = nnx.Dict(weight=param(rngs, (width, d), ("kv_width", "embed"), dtype=dtype))
+        self.position_bias = param(rngs, (rate, width), (None, "kv_width"), dtype=F32, init="zeros")
+        self.kv_norm = RMSNorm(head_dim, config.rms_norm_eps, axis_name="head_dim", rngs=rngs)
+        self.rate, self.head_dim, self.overlap = rate, head_dim, overlap
+
+    def __call__(self, x: jax.Array, rope: Rope, first_position: int | jax.Array = 0) -> jax.Array:
+        """x: [B, S, hidden] → entries [B, S // rate, head_dim] for the complete windows."""
+        kv = linear(x, self.kv_proj["weight"][...])
+        gate = linear(x, self.gate_proj["weight"][...])
+        pooled = pool_windows(kv, gate, self.position_bias[...], self.rate, overlap=self.overlap,
+                              head_dim=self.head_dim)  # fmt: skip
+        entries = self.kv_norm(pooled.astype(x.dtype))
+        positions = (first_position + self.rate * jnp.arange(entries.shape[1]))[None]  # [1, C]
+        cos, sin = rope.cos_sin(positions)
+        return apply_rope(entries, cos.astype(x.dtype), sin.astype(x.dtype))
+
+
+class Indexer(Compressor):
+    """Lightning indexer: scores Σ_h w_h · ReLU(q_h · k_s) over its own compressed keys, keeps the top k.
+
+    Its keys come from its own overlapping compressor at `index_head_dim` (hence the base class).
+    """
+
+    def __init__(self, config: Config, *, rngs: nnx.Rngs, dtype):
+        rate = config.compress_rate(CSA)
+        super().__init__(config, rate=rate, head_dim=config.index_head_dim, overlap=True, rngs=rngs, dtype=dtype)
+        self.q_b_proj = nnx.Dict(weight=param(
+            rngs, (config.index_n_heads * config.index_head_dim, config.q_lora_rank), ("index_heads", "q_lora"),
+            dtype=dtype))  # fmt: skip
+        self.scorer = nnx.Dict(weights_proj=nnx.Dict(weight=param(
+            rngs, (config.index_n_heads, config.hidden_size), ("index_n_heads", "embed"), dtype=dtype)))
+        self.n_heads, self.topk = config.index_n_heads, config.index_topk
+
+    def keys(self, x: jax.Array, rope: Rope) -> jax.Array:
+        return self(x, rope)
+
+    def select(self, x: jax.Array, q_residual: jax.Array, positions: jax.Array, keys: jax.Array, rope: Rope,
+               query_chunk: int = 512) -> jax.Array:  # fmt: skip
+        """→ topk_indices [B, S, min(index_topk, C)] int32, -1 where fewer entries are visible."""
+        b, s, _ = x.shape
+        n_keys = keys.shape[1]
+        q = linear(q_residual, self.q_b_proj["weight"][...]).reshape(b, s, self.n_heads, self.head_dim)
+        cos, sin = rope.cos_sin(positions)
+        q = apply_rope(q, cos.astype(q.dtype), sin.astype(q.dtype))
+        weights = linear(x, self.scorer["weights_proj"]["weight"][...]).astype(F32) * self.n_heads**-0.5
+        k = min(self.topk, n_keys)
+        return index_topk_jnp(q, keys, weights, positions, rate=self.rate, k=k, softmax_scale=self.head_dim**-0.5,
+                              query_chunk=query_chunk)  # fmt: skip
+
+
+def index_topk_jnp(q, keys, weights, positions, *, rate: int, k: int, softmax_scale: float, query_chunk: int = 512):
+    """Pure-jnp lightning indexer: q [B, S, Hi, Di], keys [B, C, Di], weights [B, S, Hi] → [B, S, k] int32.
+
+    Entry c is visible to the query at position p iff c < (p + 1) // rate. Picks beyond the visible
+    count come back as -1. Ties go to the lower index (lax.top_k is stable).
+    """
+    b, s = positions.shape
+    entries = jnp.arange(keys.shape[1])
+
+    def one_chunk(args):
+        qc, wc, pc = args
+        dots = jnp.einsum("bqhd,bcd->bqhc", qc, keys, preferred_element_type=F32)
+        scores = jnp.einsum("bqhc,bqh->bqc", jax.nn.relu(dots) * softmax_scale, wc)
+        visible = entries[None, None, :] < ((pc + 1) // rate)[..., None]
+        values, idx = jax.lax.top_k(jnp.where(visible, scores, NEG_INF), k)
+        return jnp.where(jnp.isneginf(values) | (idx >= ((pc + 1) // rate)[..., None]), -1, idx).astype(jnp.int32)
+
+    n_chunks = -(-s // query_chunk)
+    if n_chunks == 1:
+        return one_chunk((q, weights, positions))
+    chunk = -(-s // n_chunks)
+    pad = n_chunks * chunk - s
+
+    def split(x):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(b, n_chunks, chunk, *x.shape[2:]), 1, 0)
+
+    out = jax.lax.map(one_chunk, (split(q), split(weights), split(positions)))
+    return jnp.moveaxis(out, 0, 1).reshape(b, n_chunks * chunk, k)[:, :s]
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention block.
+# ---------------------------------------------------------------------------------------------
+class Attention(nnx.Module):
+    """q LoRA → per-head unweighted RMSNorm → RoPE; one shared K=V head; sinks; grouped output projection."""
+
+    def __init__(self, config: Config, layer_type: str, *, rngs: nnx.Rngs, dtype, attention_impl: str = "jnp"):
+        d, h, hd = config.hidden_size, config.num_attention_heads, config.head_dim
+        g, r = config.o_groups, config.o_lora_rank
+        self.q_a_proj = nnx.Dict(weight=param(rngs, (config.q_lora_rank, d), ("q_lora", "embed"), dtype=dtype))
+        self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, axis_name="q_lora", rngs=rngs)
+        self.q_b_proj = nnx.Dict(weight=param(rngs, (h * hd, config.q_lora_rank), ("q_heads", "q_lora"), dtype=dtype))
+        self.kv_proj = nnx.Dict(weight=param(rngs, (hd, d), ("head_dim", "embed"), dtype=dtype))
+        self.kv_norm = RMSNorm(hd, config.rms_norm_eps, axis_name="head_dim", rngs=rngs)
+        self.o_a_proj = nnx.Dict(weight=param(rngs, (g * r, h * hd // g), ("o_groups_rank", "o_group_in"), dtype=dtype))
+        self.o_b_proj = nnx.Dict(weight=param(rngs, (d, g * r), ("embed", "o_groups_rank"), dtype=dtype))
+        self.sinks = param(rngs, (h,), ("heads",), dtype=F32, init="zeros")
+        if layer_type == HCA:
+            self.compressor = Compressor(config, rate=config.compress_rate(HCA), head_dim=hd, overlap=False,
+                                         rngs=rngs, dtype=dtype)  # fmt: skip
+        elif layer_type == CSA:
+            self.compressor = Compressor(config, rate=config.compress_rate(CSA), head_dim=hd, overlap=True,
+                                         rngs=rngs, dtype=dtype)  # fmt: skip
+            self.compressor.indexer = Indexer(config, rngs=rngs, dtype=dtype)
+        self.layer_type = layer_type
+        self.rope = Rope(config.rope_main if layer_type == SLIDING else config.rope_compress, config.qk_rope_head_dim)
+        self.n_heads, self.head_dim, self.o_groups = h, hd, g
+        self.sliding_window, self.eps = config.sliding_window, config.rms_norm_eps
+        self.attention_impl = attention_impl
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Full-sequence (stateless) attention. x: [B, S, hidden]; positions: [B, S] → [B, S, hidden]."""
+        b, s, _ = x.shape
+        cos, sin = self.rope.cos_sin(positions)
+        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+        q_residual = self.q_a_norm(linear(x, self.q_a_proj["weight"][...]))
+        q = linear(q_residual, self.q_b_proj["weight"][...]).reshape(b, s, self.n_heads, self.head_dim)
+        q = apply_rope(rms_normalize(q, self.eps), cos, sin)  # [B, S, H, D]
+        kv = apply_rope(self.kv_norm(linear(x, self.kv_proj["weight"][...])), cos, sin)  # [B, S, D]
+
+        compressed = None
+        if self.layer_type != SLIDING:
+            entries = self.compressor(x, self.rope)  # [B, S // rate, D]
+            topk = None
+            if self.layer_type == CSA and entries.shape[1] > 0:
+                indexer = self.compressor.indexer
+                topk = indexer.select(x, q_residual, positions, indexer.keys(x, self.rope), self.rope)
+            if entries.shape[1] > 0:
+                compressed = CompressedKeys(entries, self.compressor.rate, topk)
+
+        out = get_attention_impl(self.attention_impl)(
+            q, kv, positions, positions, self.sinks[...], sliding_window=self.sliding_window,
+            scale=self.head_dim**-0.5, compressed=compressed,
+        )  # fmt: skip
+        return self.project_out(out, cos, sin)
+
+    def project_out(self, out: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """Undo RoPE on the output's rope channels (V = K carried it), then the grouped low-rank projection."""
+        b, s = out.shape[:2]
+        out = apply_rope(out, cos, -sin).reshape(b, s, self.o_groups, -1)  # [B, S, G, H·D/G]
+        w_a = self.o_a_proj["weight"][...]
+        w_a = w_a.reshape(self.o_groups, -1, w_a.shape[-1])  # [G, R, H·D/G]
+        grouped = jnp.einsum("bsgi,gri->bsgr", out, w_a, preferred_element_type=F32).astype(out.dtype)
+        return linear(grouped.reshape(b, s, -1), self.o_b_proj["weight"][...])

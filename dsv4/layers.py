@@ -1,0 +1,195 @@
+"""Small building blocks shared by the attention and MoE blocks: parameters, norms, RoPE, hyper-connections.
+
+Every weight is declared once, here or in the block that owns it, with its shape in the checkpoint's
+(transformers') layout, its dtype class and its logical axes; random init, abstract shapes, sharding
+and checkpoint loading are all derived from those declarations (see `dsv4/weights.py`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv4.config import Config, RopeConfig
+
+F32 = jnp.float32
+
+
+class Buffer(nnx.Variable):
+    """A loaded, never-trained tensor (`tid2eid`, `e_score_correction_bias`)."""
+
+
+def param(rngs: nnx.Rngs | None, shape, axes, *, dtype, init: str = "normal", std: float = 0.02) -> nnx.Param:
+    """Declares one weight: `shape` in checkpoint layout ([out, in] for linears), logical `axes`.
+
+    `rngs=None` builds the value lazily under `nnx.eval_shape` only (the loader fills it).
+    """
+    if len(axes) != len(shape):
+        raise ValueError(f"axes {axes} do not match shape {shape}")
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (std * jax.random.normal(rngs.params(), shape, F32)).astype(dtype)
+    return nnx.Param(value, axes=tuple(axes))
+
+
+def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """`x @ weight.T` for a [out, in] weight, accumulating in float32."""
+    return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=F32).astype(x.dtype)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """Unweighted RMSNorm over the last axis, in float32, cast back to x's dtype."""
+    x32 = x.astype(F32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Weighted RMSNorm; the weight stays float32 as in the reference (multiply in float32, cast once)."""
+
+    def __init__(self, dim: int, eps: float, *, axis_name: str, rngs: nnx.Rngs):
+        self.weight = param(rngs, (dim,), (axis_name,), dtype=F32, init="ones")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(F32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...] * normed).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary embeddings: interleaved pairs (x[2i], x[2i+1]) on the trailing `rope_dim` channels.
+# ---------------------------------------------------------------------------------------------
+def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> tuple[np.ndarray, float]:
+    """One inverse frequency per interleaved pair, and the cos/sin scale, for `rope`.
+
+    NOTE: float32 arithmetic on purpose, in the reference's order (`1 / base ** (2i / dim)`), so the
+    frequencies agree to the last bit instead of to float64 rounding.
+    YaRN blends interpolated (÷ factor) and extrapolated frequencies with a linear ramp over the pair
+    index between the correction dims of `beta_fast` and `beta_slow` rotations.
+    """
+    exponents = np.arange(0, rope_dim, 2, dtype=np.float32) / np.float32(rope_dim)
+    pos_freqs = np.float32(rope.rope_theta) ** exponents
+    inv_extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    if rope.rope_type == "default":
+        return inv_extrapolation, 1.0
+    factor = float(rope.factor)
+    inv_interpolation = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
+
+    def correction_dim(rotations: float) -> float:
+        turns = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return rope_dim * math.log(turns) / (2 * math.log(rope.rope_theta))
+
+    low, high = correction_dim(rope.beta_fast or 32), correction_dim(rope.beta_slow or 1)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = np.clip((np.arange(rope_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1) - ramp).astype(np.float32)  # weight of the extrapolated (unscaled) frequency
+    inv_freq = (inv_interpolation * (1 - keep) + inv_extrapolation * keep).astype(np.float32)
+    if rope.attention_factor is not None:
+        scale = rope.attention_factor
+    elif rope.mscale and rope.mscale_all_dim:
+        scale = (0.1 * rope.mscale * math.log(factor) + 1) / (0.1 * rope.mscale_all_dim * math.log(factor) + 1)
+    else:
+        scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv_freq, float(scale)
+
+
+class Rope:
+    """cos/sin tables on demand for one RoPE setting. Positions are float32 (exact up to 2^24)."""
+
+    def __init__(self, rope: RopeConfig, rope_dim: int):
+        inv_freq, self.scale = rope_inv_freq(rope, rope_dim)
+        self.inv_freq = tuple(float(f) for f in inv_freq)  # static (hashable) for jit
+        self.rope_dim = rope_dim
+
+    def cos_sin(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """positions: [...] int → cos, sin: [..., rope_dim // 2] float32."""
+        freqs = positions.astype(F32)[..., None] * jnp.asarray(self.inv_freq, F32)
+        return jnp.cos(freqs) * self.scale, jnp.sin(freqs) * self.scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates the trailing `2 * cos.shape[-1]` channels of x pairwise; the rest passes through.
+
+    x: [..., S, (H,) D]; cos/sin: [..., S, rope_dim/2] broadcast over any head axis between.
+    Pass `-sin` to undo a rotation (used on the attention output, since V = K carries RoPE).
+    """
+    rope_dim = 2 * cos.shape[-1]
+    while cos.ndim < x.ndim:  # insert head axes: cos is [..., S, R], x is [..., S, H, D]
+        cos, sin = cos[..., None, :], sin[..., None, :]
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].astype(F32)
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(rope.shape)
+    return jnp.concatenate([nope, rotated.astype(x.dtype)], axis=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifold-constrained hyper-connections (mHC).
+# ---------------------------------------------------------------------------------------------
+class HyperConnection(nnx.Module):
+    """Mixes the `hc_mult` residual copies into one block input and back out.
+
+    From the copies it predicts `pre` (collapse weights), `post` (expand weights) and `comb` (an
+    hc×hc mixing matrix made doubly stochastic by Sinkhorn steps, so the residual norm cannot grow).
+    """
+
+    def __init__(self, config: Config, *, rngs: nnx.Rngs):
+        hc, d = config.hc_mult, config.hidden_size
+        n_out = (2 + hc) * hc
+        self.fn = param(rngs, (n_out, hc * d), ("hc_out", "hc_embed"), dtype=F32)
+        self.base = param(rngs, (n_out,), ("hc_out",), dtype=F32, init="zeros")
+        self.scale = param(rngs, (3,), (None,), dtype=F32, init="ones")
+        self.hc_mult, self.iters, self.hc_eps, self.norm_eps = hc, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+
+    def __call__(self, streams: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """streams: [B, S, hc, D] → post [B, S, hc], comb [B, S, hc, hc] (float32), collapsed [B, S, D]."""
+        hc, eps = self.hc_mult, self.hc_eps
+        flat = rms_normalize(streams.reshape(*streams.shape[:2], -1).astype(F32), self.norm_eps)
+        mixes = jnp.einsum("bsi,oi->bso", flat, self.fn[...], preferred_element_type=F32)
+        pre_w, post_w, comb_w = mixes[..., :hc], mixes[..., hc : 2 * hc], mixes[..., 2 * hc :]
+        base, scale = self.base[...], self.scale[...]
+        pre = jax.nn.sigmoid(pre_w * scale[0] + base[:hc]) + eps
+        post = 2 * jax.nn.sigmoid(post_w * scale[1] + base[hc : 2 * hc])
+        comb_logits = comb_w.reshape(*comb_w.shape[:-1], hc, hc) * scale[2] + base[2 * hc :].reshape(hc, hc)
+        comb = jax.nn.softmax(comb_logits, axis=-1) + eps
+        # Sinkhorn: columns first, then (iters - 1) rounds of rows and columns, as in the reference.
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
+            comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+        collapsed = jnp.einsum("bsj,bsjd->bsd", pre, streams.astype(F32)).astype(streams.dtype)
+        return post, comb, collapsed
+
+
+def hc_merge(block_output: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """New copies: post_k · output + Σ_j comb[j, k] · stream_j (comb is applied transposed)."""
+    dtype = streams.dtype
+    mixed = jnp.einsum("bsjk,bsjd->bskd", comb.astype(dtype), streams)
+    return post.astype(dtype)[..., None] * block_output[:, :, None, :] + mixed
+
+
+class HyperHead(nnx.Module):
+    """Final collapse of the hc copies into one hidden state (no post / comb)."""
+
+    def __init__(self, config: Config, *, rngs: nnx.Rngs):
+        hc, d = config.hc_mult, config.hidden_size
+        self.hc_fn = param(rngs, (hc, hc * d), ("hc", "hc_embed"), dtype=F32)
+        self.hc_base = param(rngs, (hc,), ("hc",), dtype=F32, init="zeros")
+        self.hc_scale = param(rngs, (1,), (None,), dtype=F32, init="ones")
+        self.hc_eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
+
+    def __call__(self, streams: jax.Array) -> jax.Array:
+        flat = rms_normalize(streams.reshape(*streams.shape[:2], -1).astype(F32), self.norm_eps)
+        mixes = jnp.einsum("bsi,oi->bso", flat, self.hc_fn[...], preferred_element_type=F32)
+        pre = jax.nn.sigmoid(mixes * self.hc_scale[...] + self.hc_base[...]) + self.hc_eps
+        return jnp.einsum("bsj,bsjd->bsd", pre, streams.astype(F32)).astype(streams.dtype)

@@ -1,0 +1,109 @@
+"""The DeepSeek-V4 causal LM in Flax NNX.
+
+Module and attribute names mirror transformers' `DeepseekV4ForCausalLM` state dict
+(`layers.3.self_attn.compressor.indexer.q_b_proj.weight`, ...), so a checkpoint tensor's name *is*
+its path in this module tree (`dsv4/weights.py` relies on that).
+
+The residual stream is `hc_mult` copies wide ([B, S, hc, D]); hyper-connections collapse it into each
+block's input and expand the block's output back.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv4.attention import Attention
+from dsv4.config import Config
+from dsv4.layers import F32, HyperConnection, HyperHead, RMSNorm, hc_merge, param
+from dsv4.moe import MoE
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: Config, layer_idx: int, *, rngs: nnx.Rngs, dtype, attention_impl: str):
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.attn_hc = HyperConnection(config, rngs=rngs)
+        self.input_layernorm = RMSNorm(d, eps, axis_name="embed", rngs=rngs)
+        self.self_attn = Attention(config, config.layer_types[layer_idx], rngs=rngs, dtype=dtype,
+                                   attention_impl=attention_impl)  # fmt: skip
+        self.ffn_hc = HyperConnection(config, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(d, eps, axis_name="embed", rngs=rngs)
+        self.mlp = MoE(config, config.mlp_layer_types[layer_idx], rngs=rngs, dtype=dtype)
+
+    def __call__(self, streams: jax.Array, positions: jax.Array, token_ids: jax.Array) -> jax.Array:
+        """streams: [B, S, hc, D] → [B, S, hc, D]."""
+        post, comb, collapsed = self.attn_hc(streams)
+        streams = hc_merge(self.self_attn(self.input_layernorm(collapsed), positions), streams, post, comb)
+        post, comb, collapsed = self.ffn_hc(streams)
+        return hc_merge(self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams, post, comb)
+
+
+class DeepseekV4(nnx.Module):
+    """DeepSeek-V4 causal LM. `dtype` is the weights' and activations' dtype; norms, sinks, biases and
+    hyper-connection weights stay float32 as in the reference."""
+
+    def __init__(self, config: Config, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, attention_impl: str = "jnp"):
+        d, v = config.hidden_size, config.vocab_size
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.embed_tokens = nnx.Dict(weight=param(rngs, (v, d), ("vocab", "embed"), dtype=dtype))
+        self.layers = nnx.List([
+            DecoderLayer(config, i, rngs=rngs, dtype=dtype, attention_impl=attention_impl)
+            for i in range(config.num_hidden_layers)
+        ])  # fmt: skip
+        self.hc_head = HyperHead(config, rngs=rngs)
+        self.norm = RMSNorm(d, config.rms_norm_eps, axis_name="embed", rngs=rngs)
+        self.lm_head = nnx.Dict(weight=param(rngs, (v, d), ("vocab", "embed"), dtype=dtype))
+
+    # ---- pure forward pieces (traced under jit) ----------------------------------------------
+    def hidden_states(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """token_ids: [B, S] → final normed hidden states [B, S, D] (full-sequence, no cache)."""
+        b, s = token_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        x = self.embed_tokens["weight"][...][token_ids]  # [B, S, D]
+        streams = jnp.broadcast_to(x[:, :, None, :], (b, s, self.config.hc_mult, x.shape[-1]))
+        for layer in self.layers:
+            streams = layer(streams, positions, token_ids)
+        return self.norm(self.hc_head(streams))
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """token_ids: [B, S] → logits [B, S, vocab] float32."""
+        h = self.hidden_states(token_ids, positions)
+        return jnp.einsum("bsd,vd->bsv", h, self.lm_head["weight"][...], preferred_element_type=F32)
+
+    # ---- user-facing, jitted ------------------------------------------------------------------
+    def logits(self, token_ids) -> jax.Array:
+        """Full-sequence logits for token ids [S] or [B, S] (int) → [..., S, vocab] float32."""
+        ids = jnp.asarray(token_ids)
+        squeeze = ids.ndim == 1
+        if squeeze:
+            ids = ids[None]
+        if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"token_ids must be int [S] or [B, S]; got {ids.dtype}{list(ids.shape)}")
+        check_token_ids(ids, self.config.vocab_size)
+        if ids.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(f"sequence of {ids.shape[1]} tokens exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings}")  # fmt: skip
+        graphdef, state = nnx.split(self)
+        out = _jitted_logits(graphdef, state, ids.astype(jnp.int32))
+        return out[0] if squeeze else out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jitted_logits(graphdef, state, ids):
+    return nnx.merge(graphdef, state)(ids)
+
+
+def check_token_ids(ids, vocab_size: int) -> None:
+    """Raises ValueError naming the first out-of-range token id and its position."""
+    import numpy as np
+
+    host = np.asarray(ids)
+    bad = np.argwhere((host < 0) | (host >= vocab_size))
+    if bad.size:
+        where = tuple(int(i) for i in bad[0])
+        raise ValueError(f"token id {int(host[where])} at position {where} is out of range [0, {vocab_size})")

@@ -1,0 +1,95 @@
+"""DeepSeek-V4 mixture of experts: routed SwiGLU experts (learned or hash routing) plus one shared expert."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv4.config import Config
+from dsv4.layers import F32, Buffer, linear, param
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """silu(min(gate, limit)) · clip(up, ±limit): the clamp V4 puts on every expert, shared included."""
+    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+def router_scores(logits: jax.Array, scoring_func: str) -> jax.Array:
+    if scoring_func == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    if scoring_func == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def routed_experts_jnp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, gate_up: jax.Array,
+                       down: jax.Array, limit: float) -> jax.Array:  # fmt: skip
+    """Dropless routed experts by sorting token-expert pairs and grouped matmuls (`lax.ragged_dot`).
+
+    x: [N, D]; expert_ids, weights: [N, K]; gate_up: [E, 2I, D]; down: [E, D, I] → [N, D].
+    """
+    n, k = expert_ids.shape
+    e, two_i, _ = gate_up.shape
+    flat_ids = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)  # pairs grouped by expert
+    token_of_pair = order // k
+    group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
+    xs = x[token_of_pair]  # [N·K, D]
+    h = jax.lax.ragged_dot(xs, jnp.swapaxes(gate_up, 1, 2), group_sizes, preferred_element_type=F32)
+    h = swiglu(h[:, : two_i // 2], h[:, two_i // 2 :], limit).astype(x.dtype)
+    y = jax.lax.ragged_dot(h, jnp.swapaxes(down, 1, 2), group_sizes, preferred_element_type=F32)  # [N·K, D]
+    y = y * weights.reshape(-1)[order][:, None].astype(F32)
+    return jnp.zeros((n, x.shape[1]), F32).at[token_of_pair].add(y).astype(x.dtype)
+
+
+class MoE(nnx.Module):
+    """Router (top-k over scores + a selection-only bias, or a fixed `tid2eid[token]` table) → experts."""
+
+    def __init__(self, config: Config, mlp_type: str, *, rngs: nnx.Rngs, dtype):
+        d, i, e = config.hidden_size, config.moe_intermediate_size, config.n_routed_experts
+        self.is_hash = mlp_type == "hash_moe"
+        gate = {"weight": param(rngs, (e, d), ("experts", "embed"), dtype=dtype)}
+        if self.is_hash:
+            gate["tid2eid"] = Buffer(jnp.zeros((config.vocab_size, config.num_experts_per_tok), jnp.int32),
+                                     axes=("vocab", None))  # fmt: skip
+        else:
+            gate["e_score_correction_bias"] = Buffer(jnp.zeros((e,), F32), axes=("experts",))
+        self.gate = nnx.Dict(gate)
+        self.experts = nnx.Dict(
+            gate_up_proj=param(rngs, (e, 2 * i, d), ("experts", "expert_mlp2", "embed"), dtype=dtype),
+            down_proj=param(rngs, (e, d, i), ("experts", "embed", "expert_mlp"), dtype=dtype),
+        )
+        self.shared_experts = nnx.Dict(
+            gate_proj=nnx.Dict(weight=param(rngs, (i, d), ("mlp", "embed"), dtype=dtype)),
+            up_proj=nnx.Dict(weight=param(rngs, (i, d), ("mlp", "embed"), dtype=dtype)),
+            down_proj=nnx.Dict(weight=param(rngs, (d, i), ("embed", "mlp"), dtype=dtype)),
+        )
+        self.top_k, self.scoring_func, self.limit = config.num_experts_per_tok, config.scoring_func, config.swiglu_limit
+        self.scaling, self.norm_topk = config.routed_scaling_factor, config.norm_topk_prob
+
+    def route(self, x: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x: [N, D], token_ids: [N] → expert ids [N, K] int32, weights [N, K] float32."""
+        logits = jnp.einsum("nd,ed->ne", x, self.gate["weight"][...], preferred_element_type=F32)
+        scores = router_scores(logits, self.scoring_func)
+        if self.is_hash:
+            ids = self.gate["tid2eid"][...][token_ids].astype(jnp.int32)
+        else:
+            # The bias steers which experts are picked, never how much they weigh.
+            _, ids = jax.lax.top_k(scores + self.gate["e_score_correction_bias"][...], self.top_k)
+        weights = jnp.take_along_axis(scores, ids, axis=-1)
+        if self.norm_topk:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        return ids, weights * self.scaling
+
+    def __call__(self, x: jax.Array, token_ids: jax.Array) -> jax.Array:
+        """x: [B, S, D]; token_ids: [B, S] → [B, S, D]."""
+        b, s, d = x.shape
+        flat = x.reshape(b * s, d)
+        ids, weights = self.route(flat, token_ids.reshape(-1))
+        routed = routed_experts_jnp(flat, ids, weights, self.experts["gate_up_proj"][...],
+                                    self.experts["down_proj"][...], self.limit)  # fmt: skip
+        sh = self.shared_experts
+        shared = linear(swiglu(linear(flat, sh["gate_proj"]["weight"][...]), linear(flat, sh["up_proj"]["weight"][...]),
+                               self.limit), sh["down_proj"]["weight"][...])  # fmt: skip
+        return (routed + shared).reshape(b, s, d)
