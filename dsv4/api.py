@@ -17,8 +17,8 @@ from dsv4.weights import CheckpointError, load_into
 log = logging.getLogger("dsv4")
 
 
-def _build(config: Config, *, dtype, attention_impl: str, seed: int = 0) -> DeepseekV4:
-    return DeepseekV4(config, rngs=nnx.Rngs(seed), dtype=dtype, attention_impl=attention_impl)
+def _build(config: Config, *, dtype, attention_impl: str, rngs) -> DeepseekV4:
+    return DeepseekV4(config, rngs=rngs, dtype=dtype, attention_impl=attention_impl)
 
 
 def init_random(config: Config | str, seed: int = 0, *, dtype=jnp.float32, attention_impl: str = "jnp") -> DeepseekV4:
@@ -28,8 +28,8 @@ def init_random(config: Config | str, seed: int = 0, *, dtype=jnp.float32, atten
     """
     if isinstance(config, str):
         config = Config.preset(config)
-    model = _build(config, dtype=dtype, attention_impl=attention_impl, seed=seed)
     rng = np.random.default_rng(seed)
+    model = _build(config, dtype=dtype, attention_impl=attention_impl, rngs=rng)
     for layer in model.layers:  # hash routing needs a real table: distinct experts per token
         if layer.mlp.is_hash:
             table = np.argsort(rng.random((config.vocab_size, config.n_routed_experts)), axis=1)
@@ -47,7 +47,7 @@ def load(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, attention_impl: st
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     config = Config.from_hf(model_dir)
-    abstract = nnx.eval_shape(lambda: _build(config, dtype=dtype, attention_impl=attention_impl))
+    abstract = nnx.eval_shape(lambda: _build(config, dtype=dtype, attention_impl=attention_impl, rngs=nnx.Rngs(0)))
     model = load_into(abstract, model_dir)
     for i, layer in enumerate(model.layers):
         if layer.mlp.is_hash:

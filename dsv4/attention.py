@@ -49,12 +49,15 @@ def core_attention_jnp(
     sliding_window: int,
     scale: float,
     compressed: CompressedKeys | None = None,
+    kv_aligned: bool = False,
     query_chunk: int = 512,
 ) -> jax.Array:
     """Pure-jnp V4 attention core, processed in query chunks so memory is O(chunk · keys).
 
     q: [B, S, H, D]; kv: [B, T, D] (K = V, one head); q_pos: [B, S]; kv_pos: [B, T] (-1 = empty slot);
     sinks: [H]. A query at p sees kv row j iff p - sliding_window < kv_pos[j] <= p. → [B, S, H, D].
+    `kv_aligned` promises kv row i is query i's own token (T == S, kv_pos == q_pos, a full-sequence
+    forward): each query chunk then only reads the rows its window can reach, not all T.
     """
     b, s, h, d = q.shape
     n_chunks = -(-s // query_chunk)
@@ -71,13 +74,24 @@ def core_attention_jnp(
     if compressed is not None and compressed.topk_indices is not None:
         xs["topk"] = chunks(padded(compressed.topk_indices, -1))
 
+    if kv_aligned:
+        # Rows [start - (W - 1), start + chunk) cover every window of the chunk; pad in front for chunk 0.
+        halo = min(sliding_window - 1, s)
+        kv_band = jnp.pad(padded(kv), [(0, 0), (halo, 0), (0, 0)])
+        pos_band = jnp.pad(padded(kv_pos, -1), [(0, 0), (halo, 0)], constant_values=-1)
+        xs["start"] = jnp.arange(n_chunks) * chunk
+
     def one_chunk(x):
         qc, pos = x["q"], x["pos"]  # [B, Q, H, D], [B, Q]
+        keys, key_pos = kv, kv_pos
+        if kv_aligned:
+            keys = jax.lax.dynamic_slice_in_dim(kv_band, x["start"], chunk + halo, axis=1)
+            key_pos = jax.lax.dynamic_slice_in_dim(pos_band, x["start"], chunk + halo, axis=1)
         logits, values, masks = [], [], []
-        logits.append(jnp.einsum("bqhd,btd->bqht", qc, kv, preferred_element_type=F32))
-        values.append(("bqht,btd->bqhd", kv))
-        masks.append((kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= pos[..., None])
-                     & (kv_pos[:, None, :] > pos[..., None] - sliding_window))  # fmt: skip
+        logits.append(jnp.einsum("bqhd,btd->bqht", qc, keys, preferred_element_type=F32))
+        values.append(("bqht,btd->bqhd", keys))
+        masks.append((key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= pos[..., None])
+                     & (key_pos[:, None, :] > pos[..., None] - sliding_window))  # fmt: skip
         if compressed is not None and compressed.topk_indices is None:  # HCA: causally complete entries
             entries = compressed.entries
             logits.append(jnp.einsum("bqhd,bcd->bqhc", qc, entries, preferred_element_type=F32))
@@ -103,8 +117,22 @@ def core_attention_jnp(
     return out[:, :s]
 
 
+def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, scale: float,
+                          compressed: CompressedKeys | None = None, kv_aligned: bool = False,
+                          query_chunk: int | None = None) -> jax.Array:  # fmt: skip
+    """The blocked online-softmax Pallas kernel (`dsv4/pallas/attention.py`); interpreted off-GPU."""
+    from dsv4.pallas.attention import v4_attention
+
+    del kv_aligned, query_chunk  # the kernel finds each query block's window band itself
+    extra = {}
+    if compressed is not None:
+        extra = dict(compressed=compressed.entries, compress_rate=compressed.rate, topk_indices=compressed.topk_indices)
+    return v4_attention(q, kv, q_pos, kv_pos, sinks.astype(F32), sliding_window=sliding_window, scale=scale,
+                        interpret=jax.default_backend() != "gpu", **extra)  # fmt: skip
+
+
 AttentionFn = Callable[..., jax.Array]
-ATTENTION_IMPLS: dict[str, AttentionFn] = {"jnp": core_attention_jnp}
+ATTENTION_IMPLS: dict[str, AttentionFn] = {"jnp": core_attention_jnp, "pallas": core_attention_pallas}
 
 
 def register_attention_impl(name: str, fn: AttentionFn) -> None:
@@ -113,8 +141,6 @@ def register_attention_impl(name: str, fn: AttentionFn) -> None:
 
 
 def get_attention_impl(name: str) -> AttentionFn:
-    if name not in ATTENTION_IMPLS and name == "pallas":
-        import dsv4.pallas  # noqa: F401  (registers its kernels on import)
     try:
         return ATTENTION_IMPLS[name]
     except KeyError:
@@ -263,9 +289,10 @@ class Attention(nnx.Module):
                                          rngs=rngs, dtype=dtype)  # fmt: skip
             self.compressor.indexer = Indexer(config, rngs=rngs, dtype=dtype)
         self.layer_type = layer_type
-        self.rope = Rope(config.rope_main if layer_type == SLIDING else config.rope_compress, config.qk_rope_head_dim)
+        self.rope = Rope.build(config.rope_main if layer_type == SLIDING else config.rope_compress, config.qk_rope_head_dim)
         self.n_heads, self.head_dim, self.o_groups = h, hd, g
         self.sliding_window, self.eps = config.sliding_window, config.rms_norm_eps
+        get_attention_impl(attention_impl)  # an unknown name fails here, not mid-trace
         self.attention_impl = attention_impl
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -290,7 +317,7 @@ class Attention(nnx.Module):
 
         out = get_attention_impl(self.attention_impl)(
             q, kv, positions, positions, self.sinks[...], sliding_window=self.sliding_window,
-            scale=self.head_dim**-0.5, compressed=compressed,
+            scale=self.head_dim**-0.5, compressed=compressed, kv_aligned=True,
         )  # fmt: skip
         return self.project_out(out, cos, sin)
 

@@ -322,7 +322,7 @@ class Config:
         """The config.json transformers would write for this model (round-trips through from_hf)."""
         out: dict[str, Any] = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"]}
         for f in dataclasses.fields(self):
-            if f.name in _STRUCTURED or f.name in ("qk_rope_head_dim", "quantization_config_json"):
+            if f.name in ("rope_main", "rope_compress", "compress_rates", "qk_rope_head_dim", "quantization_config_json"):
                 continue
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value

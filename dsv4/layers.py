@@ -7,6 +7,7 @@ and checkpoint loading are all derived from those declarations (see `dsv4/weight
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -23,10 +24,12 @@ class Buffer(nnx.Variable):
     """A loaded, never-trained tensor (`tid2eid`, `e_score_correction_bias`)."""
 
 
-def param(rngs: nnx.Rngs | None, shape, axes, *, dtype, init: str = "normal", std: float = 0.02) -> nnx.Param:
+def param(rngs: nnx.Rngs | np.random.Generator, shape, axes, *, dtype, init: str = "normal",
+          std: float = 0.02) -> nnx.Param:  # fmt: skip
     """Declares one weight: `shape` in checkpoint layout ([out, in] for linears), logical `axes`.
 
-    `rngs=None` builds the value lazily under `nnx.eval_shape` only (the loader fills it).
+    `rngs` is an `nnx.Rngs` (under `nnx.eval_shape`, to build abstract shapes for the loader) or a
+    numpy Generator (concrete random init: host-side, so no per-shape device compilation).
     """
     if len(axes) != len(shape):
         raise ValueError(f"axes {axes} do not match shape {shape}")
@@ -34,6 +37,8 @@ def param(rngs: nnx.Rngs | None, shape, axes, *, dtype, init: str = "normal", st
         value = jnp.ones(shape, dtype)
     elif init == "zeros":
         value = jnp.zeros(shape, dtype)
+    elif isinstance(rngs, np.random.Generator):
+        value = jnp.asarray((std * rngs.standard_normal(shape, np.float32)).astype(jnp.dtype(dtype)))
     else:
         value = (std * jax.random.normal(rngs.params(), shape, F32)).astype(dtype)
     return nnx.Param(value, axes=tuple(axes))
@@ -104,13 +109,22 @@ def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> tuple[np.ndarray, float]:
     return inv_freq, float(scale)
 
 
+@dataclasses.dataclass(frozen=True)
 class Rope:
-    """cos/sin tables on demand for one RoPE setting. Positions are float32 (exact up to 2^24)."""
+    """cos/sin tables on demand for one RoPE setting. Positions are float32 (exact up to 2^24).
 
-    def __init__(self, rope: RopeConfig, rope_dim: int):
-        inv_freq, self.scale = rope_inv_freq(rope, rope_dim)
-        self.inv_freq = tuple(float(f) for f in inv_freq)  # static (hashable) for jit
-        self.rope_dim = rope_dim
+    Frozen and compared by value: it is static module state, so two models with the same config
+    must hash alike or every loaded model would recompile.
+    """
+
+    inv_freq: tuple[float, ...]
+    scale: float
+    rope_dim: int
+
+    @classmethod
+    def build(cls, rope: RopeConfig, rope_dim: int) -> Rope:
+        inv_freq, scale = rope_inv_freq(rope, rope_dim)
+        return cls(tuple(float(f) for f in inv_freq), scale, rope_dim)
 
     def cos_sin(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """positions: [...] int → cos, sin: [..., rope_dim // 2] float32."""

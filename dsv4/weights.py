@@ -270,3 +270,59 @@ def load_into(abstract_model: nnx.Module, model_dir: str, *, sharding_for=None) 
     for path, var in flat:
         var.set_value(values[path]) if hasattr(var, "set_value") else setattr(var, "value", values[path])
     return nnx.merge(graphdef, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing checkpoints (tests, conversions): either layout, float tensors in the model's dtypes.
+# ---------------------------------------------------------------------------------------------
+_TO_DEEPSEEK = [
+    (r"^embed_tokens\.weight$", "embed.weight"), (r"^lm_head\.weight$", "head.weight"),
+    (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"\.input_layernorm\.", ".attn_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.attn_hc\.(fn|base|scale)$", r".hc_attn_\1"), (r"\.ffn_hc\.(fn|base|scale)$", r".hc_ffn_\1"),
+    (r"\.sinks$", ".attn_sink"),
+    (r"\.compressor\.indexer\.scorer\.weights_proj\.", ".indexer.weights_proj."),
+    (r"\.compressor\.indexer\.q_b_proj\.", ".indexer.wq_b."),
+    (r"\.compressor\.indexer\.", ".indexer.compressor."),
+    (r"\.kv_norm\.", ".norm."), (r"\.position_bias$", ".ape"),
+    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."), (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+    (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
+    (r"\.q_a_proj\.", ".wq_a."), (r"\.self_attn\.q_b_proj\.", ".self_attn.wq_b."), (r"\.kv_proj\.", ".wkv."),
+    (r"\.gate_proj\.", ".wgate."), (r"\.o_a_proj\.", ".wo_a."), (r"\.o_b_proj\.", ".wo_b."),
+    (r"\.q_a_norm\.", ".q_norm."), (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+    (r"\.mlp\.", ".ffn."), (r"\.self_attn\.", ".attn."),
+]  # fmt: skip
+
+
+def deepseek_tensors(name: str, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """One canonical tensor → its DeepSeek-layout tensor(s) (experts split per expert and per w1/w3)."""
+    m = re.match(r"^(layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
+    if m:
+        prefix = f"{m.group(1)}.ffn.experts"
+        if m.group(2) == "down_proj":
+            return [(f"{prefix}.{e}.w2.weight", value[e]) for e in range(value.shape[0])]
+        half = value.shape[1] // 2
+        return [t for e in range(value.shape[0])
+                for t in ((f"{prefix}.{e}.w1.weight", value[e, :half]), (f"{prefix}.{e}.w3.weight", value[e, half:]))]
+    for pattern, repl in _TO_DEEPSEEK:
+        name = re.sub(pattern, repl, name)
+    return [(name, value)]
+
+
+def save(model: nnx.Module, model_dir: str, *, layout: str = "transformers") -> None:
+    """Writes config.json + model.safetensors; `layout` is "transformers" or "deepseek" (as released)."""
+    from safetensors.numpy import save_file
+
+    if layout not in ("transformers", "deepseek"):
+        raise ValueError(f"layout={layout!r}: choose 'transformers' or 'deepseek'")
+    os.makedirs(model_dir, exist_ok=True)
+    tensors: dict[str, np.ndarray] = {}
+    for path, var in declared_tensors(model):
+        name, value = module_name(path), np.ascontiguousarray(np.asarray(var[...]))
+        if layout == "deepseek":
+            tensors.update((n, np.ascontiguousarray(v)) for n, v in deepseek_tensors(name, value))
+        else:
+            tensors[name if name.startswith("lm_head.") else f"model.{name}"] = value
+    save_file(tensors, os.path.join(model_dir, "model.safetensors"))
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(model.config.to_hf(), f, indent=2)
