@@ -151,21 +151,25 @@ def get_attention_impl(name: str) -> AttentionFn:
 # Compressors: pool `rate` tokens into one entry with a softmax gate per channel.
 # ---------------------------------------------------------------------------------------------
 def pool_windows(kv: jax.Array, gate: jax.Array, position_bias: jax.Array, rate: int, *, overlap: bool,
-                 head_dim: int) -> jax.Array:  # fmt: skip
+                 head_dim: int, prev_kv: jax.Array | None = None, prev_gate: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """Softmax-gated pooling of complete windows.
 
     kv, gate: [B, S, W] with W = head_dim (no overlap) or 2·head_dim (overlap); only the first
-    (S // rate) · rate tokens are used. position_bias: [rate, W]. → [B, S // rate, head_dim] float32.
+    (S // rate) · rate tokens are used. position_bias: [rate, W]. → [B, S // rate, head_dim].
     With overlap (CSA), entry w pools 2·rate slots: window w-1's first half-channels ("Ca") and
-    window w's second half-channels ("Cb"); entry 0's Ca slots are empty (gate -inf).
+    window w's second half-channels ("Cb"). Entry 0 takes its Ca slots from `prev_kv` / `prev_gate`
+    ([B, rate, head_dim], the gate with its position bias already added), or none (gate -inf).
     """
     b, s, width = kv.shape
     n = s // rate
     kv = kv[:, : n * rate].reshape(b, n, rate, width)
     gate = gate[:, : n * rate].reshape(b, n, rate, width).astype(F32) + position_bias.astype(F32)
     if overlap:
-        prev_kv = jnp.pad(kv[:, :-1, :, :head_dim], [(0, 0), (1, 0), (0, 0), (0, 0)])
-        prev_gate = jnp.pad(gate[:, :-1, :, :head_dim], [(0, 0), (1, 0), (0, 0), (0, 0)], constant_values=NEG_INF)
+        if prev_kv is None:
+            prev_kv = jnp.zeros((b, rate, head_dim), kv.dtype)
+            prev_gate = jnp.full((b, rate, head_dim), NEG_INF, F32)
+        prev_kv = jnp.concatenate([prev_kv[:, None].astype(kv.dtype), kv[:, :-1, :, :head_dim]], axis=1)
+        prev_gate = jnp.concatenate([prev_gate[:, None].astype(F32), gate[:, :-1, :, :head_dim]], axis=1)
         kv = jnp.concatenate([prev_kv, kv[..., head_dim:]], axis=2)  # [B, n, 2·rate, D]
         gate = jnp.concatenate([prev_gate, gate[..., head_dim:]], axis=2)
     weights = jax.nn.softmax(gate, axis=2).astype(kv.dtype)
@@ -198,6 +202,71 @@ class Compressor(nnx.Module):
         positions = (first_position + self.rate * jnp.arange(entries.shape[1]))[None]  # [1, C]
         cos, sin = rope.cos_sin(positions)
         return apply_rope(entries, cos.astype(x.dtype), sin.astype(x.dtype))
+
+    def init_state(self, batch: int, capacity: int, dtype) -> dict[str, jax.Array]:
+        """Per-slot compressor state: the entries so far, the open window's raw projections, and (CSA)
+        the last closed window's Ca half with its gate (bias added), which the next entry overlaps."""
+        width = 2 * self.head_dim if self.overlap else self.head_dim
+        state = {
+            "entries": jnp.zeros((batch, capacity, self.head_dim), dtype),
+            "open_kv": jnp.zeros((batch, self.rate, width), dtype),
+            "open_gate": jnp.zeros((batch, self.rate, width), dtype),
+        }
+        if self.overlap:
+            state["prev_kv"] = jnp.zeros((batch, self.rate, self.head_dim), dtype)
+            state["prev_gate"] = jnp.full((batch, self.rate, self.head_dim), NEG_INF, F32)
+        return state
+
+    def extend(self, state: dict[str, jax.Array], x: jax.Array, start: jax.Array, valid: jax.Array,
+               rope: Rope) -> dict[str, jax.Array]:  # fmt: skip
+        """Feeds the chunk x [B, n, hidden] of tokens at positions start[b] + [0, valid[b]) into the state.
+
+        Windows are aligned to absolute positions, so the open window holds tokens
+        [start - start % rate, start). Every window the chunk closes becomes an entry at index
+        position // rate; the unfinished tail becomes the new open window.
+        """
+        b, n, _ = x.shape
+        r = self.rate
+        kv = linear(x, self.kv_proj["weight"][...])  # [B, n, width]
+        gate = linear(x, self.gate_proj["weight"][...])
+        span = -(-(r + n) // r) * r  # the open window plus the chunk, in whole windows
+        held = start % r  # tokens already in the open window
+        j = jnp.arange(span)
+        from_open = j[None, :] < held[:, None]  # [B, span]
+        chunk_idx = jnp.clip(j[None, :] - held[:, None], 0, n - 1)
+
+        def lay_out(open_part, chunk_part):  # [B, r, w], [B, n, w] → [B, span, w] in absolute-position order
+            open_part = jnp.pad(open_part, [(0, 0), (0, span - r), (0, 0)])
+            return jnp.where(from_open[..., None], open_part, jnp.take_along_axis(chunk_part, chunk_idx[..., None], 1))
+
+        ext_kv, ext_gate = lay_out(state["open_kv"], kv), lay_out(state["open_gate"], gate)
+        prev = (state["prev_kv"], state["prev_gate"]) if self.overlap else (None, None)
+        pooled = pool_windows(ext_kv, ext_gate, self.position_bias[...], r, overlap=self.overlap,
+                              head_dim=self.head_dim, prev_kv=prev[0], prev_gate=prev[1])  # fmt: skip
+        entries = self.kv_norm(pooled.astype(x.dtype))  # [B, span / r, hd]
+        first = (start - held) // r  # entry index of the open window
+        n_windows = span // r
+        cos, sin = rope.cos_sin((first[:, None] + jnp.arange(n_windows)[None]) * r)
+        entries = apply_rope(entries, cos.astype(x.dtype), sin.astype(x.dtype))
+
+        closed = (held + valid) // r  # windows completed by this chunk
+        capacity = state["entries"].shape[1]
+        w = jnp.arange(n_windows)
+        target = jnp.where(w[None] < closed[:, None], first[:, None] + w[None], capacity)  # capacity = dropped
+        new = dict(state)
+        new["entries"] = jax.vmap(lambda store, t, e: store.at[t].set(e.astype(store.dtype), mode="drop"))(
+            state["entries"], target, entries)
+        windows_kv = ext_kv.reshape(b, n_windows, r, -1)
+        windows_gate = ext_gate.reshape(b, n_windows, r, -1)
+        pick = lambda a, i: jnp.take_along_axis(a, i[:, None, None, None], 1)[:, 0]  # noqa: E731
+        new["open_kv"], new["open_gate"] = pick(windows_kv, closed), pick(windows_gate, closed)
+        if self.overlap:
+            last = jnp.maximum(closed - 1, 0)
+            has_closed = (closed > 0)[:, None, None]
+            ca_gate = pick(windows_gate, last)[..., : self.head_dim].astype(F32) + self.position_bias[...][:, : self.head_dim]
+            new["prev_kv"] = jnp.where(has_closed, pick(windows_kv, last)[..., : self.head_dim], state["prev_kv"])
+            new["prev_gate"] = jnp.where(has_closed, ca_gate, state["prev_gate"])
+        return new
 
 
 class Indexer(Compressor):
@@ -320,6 +389,68 @@ class Attention(nnx.Module):
             scale=self.head_dim**-0.5, compressed=compressed, kv_aligned=True,
         )  # fmt: skip
         return self.project_out(out, cos, sin)
+
+    # ---- incremental (cached) path ----------------------------------------------------------
+    def init_state(self, batch: int, max_len: int, dtype) -> dict:
+        """Per-slot cache of this layer for `batch` request slots of up to `max_len` tokens.
+
+        window / window_pos: a ring of the last `sliding_window` tokens' K=V rows (slot = position % W).
+        CSA / HCA add their compressor's state, CSA also the indexer's (its keys are its entries).
+        """
+        w = self.sliding_window
+        state = {"window": jnp.zeros((batch, w, self.head_dim), dtype),
+                 "window_pos": jnp.full((batch, w), -1, jnp.int32)}  # fmt: skip
+        if self.layer_type != SLIDING:
+            state["compressor"] = self.compressor.init_state(batch, max_len // self.compressor.rate, dtype)
+        if self.layer_type == CSA:
+            indexer = self.compressor.indexer
+            state["indexer"] = indexer.init_state(batch, max_len // indexer.rate, dtype)
+        return state
+
+    def forward_chunk(self, x: jax.Array, start: jax.Array, valid: jax.Array, state: dict) -> tuple[jax.Array, dict]:
+        """Attention for a chunk x [B, n, hidden] of tokens at positions start[b] + [0, n), of which the
+        first valid[b] are real; reads and extends `state`. → ([B, n, hidden], new state)."""
+        b, n, _ = x.shape
+        positions = start[:, None] + jnp.arange(n)[None]  # [B, n] global positions
+        real = jnp.arange(n)[None] < valid[:, None]
+        cos, sin = self.rope.cos_sin(positions)
+        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+        q_residual = self.q_a_norm(linear(x, self.q_a_proj["weight"][...]))
+        q = linear(q_residual, self.q_b_proj["weight"][...]).reshape(b, n, self.n_heads, self.head_dim)
+        q = apply_rope(rms_normalize(q, self.eps), cos, sin)
+        kv = apply_rope(self.kv_norm(linear(x, self.kv_proj["weight"][...])), cos, sin)  # [B, n, D]
+
+        new = dict(state)
+        compressed = None
+        if self.layer_type != SLIDING:
+            new["compressor"] = self.compressor.extend(state["compressor"], x, start, valid, self.rope)
+            entries = new["compressor"]["entries"]
+            topk = None
+            if self.layer_type == CSA:
+                indexer = self.compressor.indexer
+                new["indexer"] = indexer.extend(state["indexer"], x, start, valid, self.rope)
+                topk = indexer.select(x, q_residual, positions, new["indexer"]["entries"], self.rope)
+            if entries.shape[1] > 0:
+                compressed = CompressedKeys(entries, self.compressor.rate, topk)
+
+        keys = jnp.concatenate([state["window"], kv.astype(state["window"].dtype)], axis=1)  # [B, W + n, D]
+        key_pos = jnp.concatenate([state["window_pos"], jnp.where(real, positions, -1)], axis=1)
+        out = get_attention_impl(self.attention_impl)(
+            q, keys, positions, key_pos, self.sinks[...], sliding_window=self.sliding_window,
+            scale=self.head_dim**-0.5, compressed=compressed,
+        )  # fmt: skip
+
+        # The ring keeps positions [end - W, end): slot s holds the one position ≡ s (mod W) in that range.
+        w = self.sliding_window
+        end = start + valid
+        slot = jnp.arange(w)[None]
+        wanted = end[:, None] - w + (slot - (end[:, None] - w)) % w  # [B, W]
+        from_chunk = wanted >= start[:, None]
+        idx = jnp.clip(wanted - start[:, None], 0, n - 1)
+        new["window"] = jnp.where(from_chunk[..., None], jnp.take_along_axis(keys[:, w:], idx[..., None], 1),
+                                  state["window"])  # fmt: skip
+        new["window_pos"] = jnp.where(from_chunk, wanted, state["window_pos"])
+        return self.project_out(out, cos, sin), new
 
     def project_out(self, out: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """Undo RoPE on the output's rope channels (V = K carried it), then the grouped low-rank projection."""

@@ -41,6 +41,14 @@ class DecoderLayer(nnx.Module):
         return hc_merge(self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams, post, comb)
 
 
+    def forward_chunk(self, streams, start, valid, token_ids, state):
+        post, comb, collapsed = self.attn_hc(streams)
+        attn, state = self.self_attn.forward_chunk(self.input_layernorm(collapsed), start, valid, state)
+        streams = hc_merge(attn, streams, post, comb)
+        post, comb, collapsed = self.ffn_hc(streams)
+        return hc_merge(self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams, post, comb), state
+
+
 class DeepseekV4(nnx.Module):
     """DeepSeek-V4 causal LM. `dtype` is the weights' and activations' dtype; norms, sinks, biases and
     hyper-connection weights stay float32 as in the reference."""
@@ -74,6 +82,32 @@ class DeepseekV4(nnx.Module):
         """token_ids: [B, S] → logits [B, S, vocab] float32."""
         h = self.hidden_states(token_ids, positions)
         return jnp.einsum("bsd,vd->bsv", h, self.lm_head["weight"][...], preferred_element_type=F32)
+
+    # ---- incremental: chunked prefill and decode over a per-slot cache -------------------------------
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> dict:
+        """An empty cache for `batch` request slots of up to `max_len` tokens each."""
+        dtype = dtype or self.dtype
+        return {"num_tokens": jnp.zeros((batch,), jnp.int32),
+                "layers": [layer.self_attn.init_state(batch, max_len, dtype) for layer in self.layers]}  # fmt: skip
+
+    def forward_chunk(self, cache: dict, token_ids: jax.Array, valid: jax.Array | None = None):
+        """Runs the next chunk of each slot: token_ids [B, n], of which the first valid[b] are real
+        (default all). Positions continue from cache["num_tokens"].
+        → (logits [B, vocab] float32 at each slot's last real token, new cache)."""
+        b, n = token_ids.shape
+        if valid is None:
+            valid = jnp.full((b,), n, jnp.int32)
+        start = cache["num_tokens"]
+        x = self.embed_tokens["weight"][...][token_ids]
+        streams = jnp.broadcast_to(x[:, :, None, :], (b, n, self.config.hc_mult, x.shape[-1]))
+        states = []
+        for layer, state in zip(self.layers, cache["layers"]):
+            streams, state = layer.forward_chunk(streams, start, valid, token_ids, state)
+            states.append(state)
+        last = jnp.take_along_axis(streams, jnp.maximum(valid - 1, 0)[:, None, None, None], axis=1)  # [B, 1, hc, D]
+        h = self.norm(self.hc_head(last))[:, 0]
+        logits = jnp.einsum("bd,vd->bv", h, self.lm_head["weight"][...], preferred_element_type=F32)
+        return logits, {"num_tokens": start + valid, "layers": states}
 
     # ---- user-facing, jitted ------------------------------------------------------------------
     def logits(self, token_ids) -> jax.Array:
