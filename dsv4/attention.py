@@ -162,6 +162,8 @@ def pool_windows(kv: jax.Array, gate: jax.Array, position_bias: jax.Array, rate:
     """
     b, s, width = kv.shape
     n = s // rate
+    if n == 0:
+        return jnp.zeros((b, 0, head_dim), kv.dtype)
     kv = kv[:, : n * rate].reshape(b, n, rate, width)
     gate = gate[:, : n * rate].reshape(b, n, rate, width).astype(F32) + position_bias.astype(F32)
     if overlap:

@@ -178,9 +178,13 @@ class HyperConnection(nnx.Module):
         comb = jax.nn.softmax(comb_logits, axis=-1) + eps
         # Sinkhorn: columns first, then (iters - 1) rounds of rows and columns, as in the reference.
         comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
-            comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+
+        def sinkhorn_step(_, c):
+            c = c / (c.sum(axis=-1, keepdims=True) + eps)
+            return c / (c.sum(axis=-2, keepdims=True) + eps)
+
+        # A loop, not an unrolled Python for: 2 × 43 layers × 20 steps would bloat every compile.
+        comb = jax.lax.fori_loop(0, self.iters - 1, sinkhorn_step, comb)
         collapsed = jnp.einsum("bsj,bsjd->bsd", pre, streams.astype(F32)).astype(streams.dtype)
         return post, comb, collapsed
 
