@@ -23,7 +23,7 @@ from dsv4.moe import MoE
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: Config, layer_idx: int, *, rngs: nnx.Rngs, dtype, attention_impl: str):
+    def __init__(self, config: Config, layer_idx: int, *, rngs: nnx.Rngs, dtype, attention_impl: str, moe_impl: str):
         d, eps = config.hidden_size, config.rms_norm_eps
         self.attn_hc = HyperConnection(config, rngs=rngs)
         self.input_layernorm = RMSNorm(d, eps, axis_name="embed", rngs=rngs)
@@ -31,7 +31,7 @@ class DecoderLayer(nnx.Module):
                                    attention_impl=attention_impl)  # fmt: skip
         self.ffn_hc = HyperConnection(config, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(d, eps, axis_name="embed", rngs=rngs)
-        self.mlp = MoE(config, config.mlp_layer_types[layer_idx], rngs=rngs, dtype=dtype)
+        self.mlp = MoE(config, config.mlp_layer_types[layer_idx], rngs=rngs, dtype=dtype, moe_impl=moe_impl)
 
     def __call__(self, streams: jax.Array, positions: jax.Array, token_ids: jax.Array) -> jax.Array:
         """streams: [B, S, hc, D] → [B, S, hc, D]."""
@@ -53,13 +53,14 @@ class DeepseekV4(nnx.Module):
     """DeepSeek-V4 causal LM. `dtype` is the weights' and activations' dtype; norms, sinks, biases and
     hyper-connection weights stay float32 as in the reference."""
 
-    def __init__(self, config: Config, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, attention_impl: str = "jnp"):
+    def __init__(self, config: Config, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, attention_impl: str = "jnp",
+                 moe_impl: str = "jnp"):  # fmt: skip
         d, v = config.hidden_size, config.vocab_size
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.embed_tokens = nnx.Dict(weight=param(rngs, (v, d), ("vocab", "embed"), dtype=dtype))
         self.layers = nnx.List([
-            DecoderLayer(config, i, rngs=rngs, dtype=dtype, attention_impl=attention_impl)
+            DecoderLayer(config, i, rngs=rngs, dtype=dtype, attention_impl=attention_impl, moe_impl=moe_impl)
             for i in range(config.num_hidden_layers)
         ])  # fmt: skip
         self.hc_head = HyperHead(config, rngs=rngs)

@@ -43,10 +43,23 @@ def routed_experts_jnp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, 
     return jnp.zeros((n, x.shape[1]), F32).at[token_of_pair].add(y).astype(x.dtype)
 
 
+def routed_experts_pallas(x, expert_ids, weights, gate_up, down, limit):
+    """The grouped-GEMM Pallas kernels (`dsv4/pallas/moe.py`); interpreted off-GPU."""
+    from dsv4.pallas.moe import routed_experts
+
+    return routed_experts(x, expert_ids, weights, gate_up, down, limit, interpret=jax.default_backend() != "gpu")
+
+
+MOE_IMPLS = {"jnp": routed_experts_jnp, "pallas": routed_experts_pallas}
+
+
 class MoE(nnx.Module):
     """Router (top-k over scores + a selection-only bias, or a fixed `tid2eid[token]` table) → experts."""
 
-    def __init__(self, config: Config, mlp_type: str, *, rngs: nnx.Rngs, dtype):
+    def __init__(self, config: Config, mlp_type: str, *, rngs: nnx.Rngs, dtype, moe_impl: str = "jnp"):
+        if moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl={moe_impl!r}; available: {sorted(MOE_IMPLS)}")
+        self.moe_impl = moe_impl
         d, i, e = config.hidden_size, config.moe_intermediate_size, config.n_routed_experts
         self.is_hash = mlp_type == "hash_moe"
         gate = {"weight": param(rngs, (e, d), ("experts", "embed"), dtype=dtype)}
@@ -87,7 +100,7 @@ class MoE(nnx.Module):
         b, s, d = x.shape
         flat = x.reshape(b * s, d)
         ids, weights = self.route(flat, token_ids.reshape(-1))
-        routed = routed_experts_jnp(flat, ids, weights, self.experts["gate_up_proj"][...],
+        routed = MOE_IMPLS[self.moe_impl](flat, ids, weights, self.experts["gate_up_proj"][...],
                                     self.experts["down_proj"][...], self.limit)  # fmt: skip
         sh = self.shared_experts
         shared = linear(swiglu(linear(flat, sh["gate_proj"]["weight"][...]), linear(flat, sh["up_proj"]["weight"][...]),

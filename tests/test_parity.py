@@ -104,3 +104,11 @@ def test_chunked_prefill_then_decode_matches_reference(name, chunk):
             tokens = np.zeros((b, width), np.int32)
             tokens[:, 0] = generated[:, s + step]
             logits, cache = _chunk_step(graphdef, state, cache, jnp.asarray(tokens), jnp.ones((b,), jnp.int32))
+
+
+def test_pallas_kernels_selected_still_match_reference():
+    """The model with both Pallas kernels selected (interpreted on CPU) passes the same parity bar."""
+    ref = dict(np.load(os.path.join(FIXTURES, "tiny_mixed", "reference.npz")))
+    model = dsv4.load(os.path.join(FIXTURES, "tiny_mixed"), dtype=jnp.float32, attention_impl="pallas",
+                      moe_impl="pallas")  # fmt: skip
+    assert rel_err(model.logits(ref["input_ids"]), ref["logits"]) < TOL
