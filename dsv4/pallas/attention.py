@@ -62,18 +62,19 @@ class BlockSizes:
     num_warps, num_stages: Triton launch parameters (None: 8 warps for D >= 256, else 4; 2 stages).
 
     All sizes are powers of two (Triton tensor shapes must be); the KV-side blocks are >= 16 (`tl.dot`).
-    Defaults are picked for D = 512 on H200 in the Triton lowering, not measured: a [64, 512] f32
-    accumulator is 128 registers per thread at 8 warps, and a [64, 512] bf16 KV tile is 64 KiB of shared
-    memory per pipeline stage (see docs/KERNEL_NOTES.md).
+    Defaults measured on one H200 (2026-11-30, docs/BENCHMARKS.md): 128-row KV blocks with one pipeline
+    stage beat 64 × 2 stages (the first guess) by 10-30% on every layer type at 32K-512K, e.g. HCA at 512K
+    646 ms against 840 ms; 32 × 3 stages was slowest. A [128, 512] bf16 tile is 128 KiB of shared memory,
+    so there is no room for a second stage.
     """
 
     block_q: int | None = None
     block_h: int = 64
-    block_kv: int = 64
-    block_compressed: int = 64
-    block_topk: int = 64
+    block_kv: int = 128
+    block_compressed: int = 128
+    block_topk: int = 128
     num_warps: int | None = None
-    num_stages: int = 2
+    num_stages: int = 1
 
     def __post_init__(self):
         if self.block_q is not None and not _is_power_of_2(self.block_q):

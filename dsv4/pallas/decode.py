@@ -1,0 +1,502 @@
+"""DeepSeek-V4 decode attention over a paged cache (flash-decoding), as a Triton-lowered Pallas kernel, with its
+jnp reference.
+
+One new token per request, requests of different lengths in one batch. Each query (request b, head h) sees the
+last `sliding_window` raw tokens of its request (a ring of pages), optionally compressed entries from a second
+paged pool (HCA: every visible entry; CSA: the indexer's top-k picks), and a per-head sink logit. All heads share
+the one KV head that is both K and V. Layout of this file (see dsv4/pallas/README.md):
+
+- `BlockSizes`                       tile sizes, the split count and launch parameters (frozen, validated).
+- `paged_decode_attention_kernel`    one program = one (request, head block, key split); writes a partial
+                                     softmax state (max, sum, acc) for its share of the keys.
+- `paged_decode_attention`           the public jitted entry: checks shapes/dtypes, computes per-request bounds,
+                                     calls `pl.pallas_call`, and combines the splits exactly in jnp.
+- `paged_decode_attention_reference` the spec in plain jnp (gathers every key, materialized mask), for tests.
+
+Cache layout (the cache subsystem adapts to this; dsv4/cache/README.md sizes the page groups):
+
+    Window ring.  kv_pages [P, page_size, D], block_tables [B, max_pages] int32, seq_lens [B] int32.
+        Request b has seq_lens[b] = L tokens, the new one included, and the new token's KV is already written.
+        Token t (0-based position) lives in ring slot r = t mod ring_size, i.e. at
+            kv_pages[block_tables[b, r // page_size], r % page_size, :].
+        ring_size defaults to sliding_window (the cache manager's `max_entries=sliding_window` group, which
+        needs ceil(sliding_window / page_size) pages); any ring_size >= sliding_window works, and a ring_size
+        at least the longest request is a plain linear paged cache. The query (position L - 1) sees tokens
+        max(0, L - sliding_window) .. L - 1. L = 0 marks an empty batch slot (output 0).
+    Compressed pool (optional).  compressed_pages [Pc, compressed_page_size, D],
+        compressed_block_tables [B, max_compressed_pages] int32, compressed_lens [B] int32.
+        Entry c of request b lives at compressed_pages[compressed_block_tables[b, c // cps], c % cps, :]
+        (cps = compressed_page_size); compressed_lens[b] = entries present and visible (for HCA the caller
+        passes L // compress_rate: complete entries only), capped at max_compressed_pages · cps.
+        HCA (topk_indices None): entries 0 .. compressed_lens[b] - 1 are all visible.
+        CSA: topk_indices [B, K] int32 lists entry ids (distinct; -1 = none; ids outside
+        [0, compressed_lens[b]) are ignored). The list is taken as is: no causal check beyond that.
+    FP8 (optional): kv_pages / compressed_pages float8_e4m3fn with float32 scales, value = f32(fp8) · scale:
+        per channel [D], or per token and 64-channel tile [P, page_size, D // 64] (paged like the values).
+    Block-table entries past what a request uses are never dereferenced (any id, e.g. the null page 0).
+
+NOTE: flash-decoding. The keys of one request (window blocks, then compressed blocks, `block_kv` keys each) are
+dealt to `num_splits` programs in contiguous runs; each writes (max, sum, acc) with the max in the log2 domain,
+starting from an empty state (no sink). The sink joins once, in the jnp combine, so it is neither lost nor counted
+per split. A split with no keys writes (-1e30, 0, 0) and drops out of the combine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# NOTE: the dequantizing row loader and the online-softmax step are the prefill kernel's, shared on purpose: the
+# two kernels must round identically (FP8 → q.dtype, P → q.dtype for P·V, log2-domain exp2).
+from dsv4.pallas.attention import _M_FLOOR, SCALE_TILE, _load_values, _online_softmax_step
+
+__all__ = ["BlockSizes", "paged_decode_attention", "paged_decode_attention_kernel", "paged_decode_attention_reference"]
+
+F32 = jnp.float32
+FP8 = jnp.float8_e4m3fn
+LOG2E = math.log2(math.e)
+# NOTE: `tl.dot` needs every matmul dimension >= 16, so compiled programs need block_h >= 16 and block_kv >= 16.
+_MIN_DOT_DIM = 16
+# Programs to aim for when the split count is left to the heuristic: two per SM of an H200 (132 SMs).
+_TARGET_PROGRAMS = 264
+
+
+def _is_power_of_2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes and launch parameters of `paged_decode_attention`.
+
+    block_h:    heads per program (clamped to H; must then divide H). Tile rows M = block_h (one token).
+    block_kv:   keys per inner step (window tokens, compressed entries or top-k slots; gathered row by row).
+    num_splits: key-axis splits per (request, head block). None: enough programs for about two per H200 SM,
+                at most one split per key block.
+    num_warps, num_stages: Triton launch parameters (None: 8 warps for D >= 256, else 4; 2 stages).
+
+    Defaults are picked for H = 64, D = 512 on H200, not measured: one program holds all 64 heads of a request,
+    so each KV row is read once per split for every head (MQA); the [64, 512] f32 accumulator is 128 registers
+    per thread at 8 warps, as in the prefill kernel.
+    """
+
+    block_h: int = 64
+    block_kv: int = 64
+    num_splits: int | None = None
+    num_warps: int | None = None
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if not _is_power_of_2(self.block_h):
+            raise ValueError(f"BlockSizes.block_h={self.block_h} must be a power of two")
+        if not _is_power_of_2(self.block_kv) or self.block_kv < _MIN_DOT_DIM:
+            raise ValueError(f"BlockSizes.block_kv={self.block_kv} must be a power of two >= {_MIN_DOT_DIM}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"BlockSizes.num_splits={self.num_splits} must be None or >= 1")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"BlockSizes.num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
+        if self.num_stages < 1:
+            raise ValueError(f"BlockSizes.num_stages={self.num_stages} must be >= 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks shared by the kernel entry and the reference.
+# ---------------------------------------------------------------------------------------------
+def _check_scales(name, scales, pages, pages_name) -> str | None:
+    """Validates FP8 scales for pages [P, page_size, D]; → "channel", "tile" or None (not FP8)."""
+    p, page_size, d = pages.shape
+    if pages.dtype != FP8:
+        if scales is not None:
+            raise ValueError(f"{name} given but {pages_name} is {pages.dtype}, not float8_e4m3fn")
+        return None
+    if scales is None:
+        raise ValueError(f"{pages_name} is float8_e4m3fn {pages.shape}; {name} is required")
+    if scales.dtype != F32:
+        raise ValueError(f"{name} must be float32, got {scales.dtype}")
+    if scales.shape == (d,):
+        return "channel"
+    if d % SCALE_TILE == 0 and scales.shape == (p, page_size, d // SCALE_TILE):
+        return "tile"
+    raise ValueError(
+        f"{name}.shape={scales.shape} fits neither per-channel ({d},) nor per-token-tile "
+        f"({p}, {page_size}, {d // SCALE_TILE}) (D % {SCALE_TILE} == 0) for {pages_name}.shape={pages.shape}"
+    )
+
+
+def _check_inputs(q, kv_pages, block_tables, seq_lens, sinks, *, sliding_window, ring_size, compressed_pages,
+                  compressed_block_tables, compressed_lens, topk_indices, kv_scales, compressed_scales):  # fmt: skip
+    """Raises ValueError (with shapes) on malformed inputs; → (ring_size, kv scale layout, compressed scale layout)."""
+    if q.ndim != 3 or kv_pages.ndim != 3:
+        raise ValueError(f"expected q [B, H, D] and kv_pages [P, page_size, D], got q.shape={q.shape}, "
+                         f"kv_pages.shape={kv_pages.shape}")  # fmt: skip
+    b, h, d = q.shape
+    page_size = kv_pages.shape[1]
+    if kv_pages.shape[2] != d or kv_pages.shape[0] == 0 or page_size == 0:
+        raise ValueError(f"kv_pages.shape={kv_pages.shape} must be (P >= 1, page_size >= 1, D = {d})")
+    if q.dtype not in (jnp.bfloat16, jnp.float16, F32):
+        raise ValueError(f"q.dtype={q.dtype} must be bfloat16, float16 or float32")
+    if kv_pages.dtype not in (q.dtype, FP8):
+        raise ValueError(f"kv_pages.dtype={kv_pages.dtype} must be q.dtype={q.dtype} or float8_e4m3fn")
+    if sinks.shape != (h,) or sinks.dtype != F32:
+        raise ValueError(f"sinks must be float32 [H] = ({h},), got {sinks.dtype} {sinks.shape}")
+    if seq_lens.shape != (b,) or seq_lens.dtype != jnp.int32:
+        raise ValueError(f"seq_lens must be int32 [B] = ({b},), got {seq_lens.dtype} {seq_lens.shape}")
+    if not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int")
+    ring_size = sliding_window if ring_size is None else ring_size
+    if not isinstance(ring_size, int) or ring_size < sliding_window:
+        raise ValueError(f"ring_size={ring_size!r} must be an int >= sliding_window={sliding_window}")
+    ring_pages = -(-ring_size // page_size)
+    if block_tables.ndim != 2 or block_tables.shape[0] != b or block_tables.shape[1] < ring_pages \
+            or block_tables.dtype != jnp.int32:  # fmt: skip
+        raise ValueError(f"block_tables must be int32 [B, >= ceil(ring_size / page_size)] = ({b}, >= {ring_pages}) "
+                         f"for ring_size={ring_size}, page_size={page_size}; got {block_tables.dtype} "
+                         f"{block_tables.shape}")  # fmt: skip
+    kv_layout = _check_scales("kv_scales", kv_scales, kv_pages, "kv_pages")
+    compressed_layout = None
+    if compressed_pages is None:
+        if any(x is not None for x in (compressed_block_tables, compressed_lens, topk_indices, compressed_scales)):
+            raise ValueError("compressed_block_tables / compressed_lens / topk_indices / compressed_scales given "
+                             "without compressed_pages")  # fmt: skip
+    else:
+        if compressed_pages.ndim != 3 or compressed_pages.shape[2] != d or 0 in compressed_pages.shape:
+            raise ValueError(f"compressed_pages.shape={compressed_pages.shape} must be (Pc >= 1, cps >= 1, D = {d})")
+        if compressed_pages.dtype not in (q.dtype, FP8):
+            raise ValueError(f"compressed_pages.dtype={compressed_pages.dtype} must be q.dtype={q.dtype} or "
+                             "float8_e4m3fn")  # fmt: skip
+        cbt = compressed_block_tables
+        if cbt is None or cbt.ndim != 2 or cbt.shape[0] != b or cbt.shape[1] == 0 or cbt.dtype != jnp.int32:
+            raise ValueError(f"compressed_block_tables must be int32 [B, >= 1] with B = {b}, got "
+                             f"{None if cbt is None else (cbt.dtype, cbt.shape)}")  # fmt: skip
+        if compressed_lens is None or compressed_lens.shape != (b,) or compressed_lens.dtype != jnp.int32:
+            raise ValueError(
+                f"compressed_lens must be int32 [B] = ({b},), got "
+                f"{None if compressed_lens is None else (compressed_lens.dtype, compressed_lens.shape)}"
+            )
+        if topk_indices is not None and (topk_indices.ndim != 2 or topk_indices.shape[0] != b
+                                         or topk_indices.shape[1] == 0 or topk_indices.dtype != jnp.int32):  # fmt: skip
+            raise ValueError(f"topk_indices must be int32 [B, K >= 1] with B = {b}, got {topk_indices.dtype} "
+                             f"{topk_indices.shape}")  # fmt: skip
+        compressed_layout = _check_scales("compressed_scales", compressed_scales, compressed_pages, "compressed_pages")
+    return ring_size, kv_layout, compressed_layout
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference: the spec, every key gathered and masked. Fine for small shapes only.
+# ---------------------------------------------------------------------------------------------
+def _gather_reference(pages, scales, table, entry, dtype):
+    """pages [P, ps, D], table [B, n], entry int32 [B, N] (>= 0) → dequantized rows [B, N, D] in `dtype`."""
+    page_size = pages.shape[1]
+    page = jnp.take_along_axis(table, entry // page_size, axis=1)  # [B, N]
+    row = entry % page_size
+    values = pages[page, row]  # [B, N, D]
+    if scales is None:
+        return values.astype(dtype)
+    full = scales[None, None, :] if scales.ndim == 1 else jnp.repeat(scales[page, row], SCALE_TILE, axis=-1)
+    return (values.astype(F32) * full).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "ring_size"))
+def paged_decode_attention_reference(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    sinks: jax.Array,
+    *,
+    sliding_window: int,
+    scale: float,
+    ring_size: int | None = None,
+    compressed_pages: jax.Array | None = None,
+    compressed_block_tables: jax.Array | None = None,
+    compressed_lens: jax.Array | None = None,
+    topk_indices: jax.Array | None = None,
+    kv_scales: jax.Array | None = None,
+    compressed_scales: jax.Array | None = None,
+) -> jax.Array:
+    """Paged V4 decode attention straight from the spec (same arguments as `paged_decode_attention`). → [B, H, D].
+
+    Numerics follow `dsv4.pallas.attention.v4_attention_reference`: f32 logits, the sink joins the row max,
+    unnormalized probabilities rounded to the value dtype for P·V (f32 accumulate), divided at the end.
+    """
+    ring_size, _, _ = _check_inputs(
+        q, kv_pages, block_tables, seq_lens, sinks, sliding_window=sliding_window, ring_size=ring_size,
+        compressed_pages=compressed_pages, compressed_block_tables=compressed_block_tables,
+        compressed_lens=compressed_lens, topk_indices=topk_indices, kv_scales=kv_scales,
+        compressed_scales=compressed_scales,
+    )  # fmt: skip
+    b = q.shape[0]
+    token = seq_lens[:, None] - sliding_window + jnp.arange(sliding_window)  # [B, W]: the window's positions
+    mask = token >= 0
+    keys = _gather_reference(kv_pages, kv_scales, block_tables, jnp.where(mask, token, 0) % ring_size, q.dtype)
+    if compressed_pages is not None:
+        capacity = compressed_block_tables.shape[1] * compressed_pages.shape[1]
+        count = jnp.minimum(compressed_lens, capacity)[:, None]  # [B, 1]
+        if topk_indices is None:  # HCA
+            entry = jnp.broadcast_to(jnp.arange(capacity), (b, capacity))
+        else:  # CSA
+            entry = topk_indices
+        cmask = (entry >= 0) & (entry < count)  # [B, N]
+        entries = _gather_reference(compressed_pages, compressed_scales, compressed_block_tables,
+                                    jnp.where(cmask, entry, 0), q.dtype)  # fmt: skip
+        keys = jnp.concatenate([keys, entries], axis=1)  # [B, W + N, D]
+        mask = jnp.concatenate([mask, cmask], axis=1)
+    keys = jnp.where(mask[..., None], keys, 0)  # rows nobody wrote may hold anything (NaN): 0 · NaN is NaN
+    logits = jnp.einsum("bhd,bnd->bhn", q, keys, preferred_element_type=F32) * scale  # [B, H, N]
+    logits = jnp.where(mask[:, None, :], logits, -jnp.inf)
+    row_max = jnp.maximum(jnp.maximum(logits.max(-1), sinks), _M_FLOOR)  # [B, H]
+    probs = jnp.exp(logits - row_max[..., None])  # unnormalized
+    denom = probs.sum(-1) + jnp.exp(sinks - row_max)
+    out = jnp.einsum("bhn,bnd->bhd", probs.astype(keys.dtype), keys, preferred_element_type=F32)
+    out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel.
+# ---------------------------------------------------------------------------------------------
+def paged_decode_attention_kernel(
+    q_ref,  # [block_h, D]
+    meta_ref,  # [4]: seq_len, window tokens visible, compressed items to scan, compressed entries present
+    block_table_ref,  # [max_pages]
+    kv_ref,  # [P · page_size, D] (pages flattened)
+    kv_scales_ref,  # [D] or [P · page_size, D // 64] or None
+    compressed_table_ref,  # [max_compressed_pages] or None
+    compressed_ref,  # [Pc · cps, D] or None
+    compressed_scales_ref,  # [D] or [Pc · cps, D // 64] or None
+    topk_ref,  # [K] or None
+    acc_init_ref,  # aliased partial buffers or None; never read
+    max_init_ref,
+    sum_init_ref,
+    acc_ref,  # [block_h, D] f32
+    max_ref,  # [block_h] f32, log2 domain
+    sum_ref,  # [block_h] f32
+    *,
+    sliding_window: int,
+    ring_size: int,
+    page_size: int,
+    compressed_page_size: int,
+    scale: float,
+    num_splits: int,
+    kv_scale_layout: str | None,
+    compressed_scale_layout: str | None,
+    block_kv: int,
+):
+    """One program: block_h heads of one request, against its share (split pl.program_id(2)) of the keys.
+
+    The request's key blocks, window first, are numbered 0 .. n_window_blocks + n_compressed_blocks - 1 and split
+    into `num_splits` contiguous runs; this program walks its run in two loops (window part, compressed part),
+    gathering rows through the block tables. The state starts empty: max = -1e30 (never -inf), sum = 0, acc = 0.
+    """
+    del acc_init_ref, max_init_ref, sum_init_ref, sliding_window
+    block_h, head_dim = q_ref.shape
+    compute_dtype = q_ref.dtype
+    split = pl.program_id(2)
+
+    q = q_ref[...]  # [block_h, D]
+    seq_len, n_window, n_items, count = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
+    n_window_blocks = lax.div(n_window + block_kv - 1, block_kv)
+    n_blocks = n_window_blocks + lax.div(n_items + block_kv - 1, block_kv)
+    per_split = lax.div(n_blocks + num_splits - 1, num_splits)
+    lo = jnp.minimum(split * per_split, n_blocks)
+    hi = jnp.minimum(lo + per_split, n_blocks)
+
+    step = functools.partial(_online_softmax_step, logit_scale=scale * LOG2E, compute_dtype=compute_dtype)
+    carry = (jnp.zeros((block_h, head_dim), F32), jnp.full((block_h,), _M_FLOOR, F32), jnp.zeros((block_h,), F32))
+    first_token = seq_len - n_window
+
+    def window_body(i, carry):
+        j = i * block_kv + jnp.arange(block_kv)  # [N]: j-th visible token of the window
+        valid = j < n_window
+        slot = lax.rem(first_token + j, ring_size)  # ring slot (positions are >= 0)
+        page = plgpu.load(block_table_ref.at[lax.div(slot, page_size)], mask=valid, other=0)  # [N]
+        row = jnp.where(valid, page * page_size + lax.rem(slot, page_size), 0)
+        keys = _load_values(kv_ref, kv_scales_ref, kv_scale_layout, row, valid, compute_dtype)  # [N, D]
+        return step(carry, q, keys, jnp.broadcast_to(valid[None, :], (block_h, block_kv)))
+
+    carry = lax.fori_loop(jnp.minimum(lo, n_window_blocks), jnp.minimum(hi, n_window_blocks), window_body, carry)
+
+    if compressed_ref is not None:
+
+        def compressed_body(i, carry):
+            item = i * block_kv + jnp.arange(block_kv)  # [N]: HCA entry id, or CSA top-k slot
+            if topk_ref is None:
+                entry = item
+            else:
+                entry = plgpu.load(topk_ref.at[item], mask=item < n_items, other=-1)
+            valid = (item < n_items) & (entry >= 0) & (entry < count)
+            entry = jnp.where(valid, entry, 0)
+            page = plgpu.load(compressed_table_ref.at[lax.div(entry, compressed_page_size)], mask=valid, other=0)
+            row = jnp.where(valid, page * compressed_page_size + lax.rem(entry, compressed_page_size), 0)
+            keys = _load_values(compressed_ref, compressed_scales_ref, compressed_scale_layout, row, valid,
+                                compute_dtype)  # fmt: skip  # [N, D]
+            return step(carry, q, keys, jnp.broadcast_to(valid[None, :], (block_h, block_kv)))
+
+        start = jnp.maximum(lo, n_window_blocks) - n_window_blocks
+        stop = jnp.maximum(hi, n_window_blocks) - n_window_blocks
+        carry = lax.fori_loop(start, stop, compressed_body, carry)
+
+    acc, row_max, row_sum = carry
+    acc_ref[...] = acc
+    max_ref[...] = row_max
+    sum_ref[...] = row_sum
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry.
+# ---------------------------------------------------------------------------------------------
+def _combine_splits(acc, row_max, row_sum, sinks, dtype):
+    """Exact flash-decoding combine. acc [B, n, H, D], row_max / row_sum [B, n, H] (log2 domain) → [B, H, D]."""
+    sink = sinks * LOG2E  # [H]
+    total_max = jnp.maximum(jnp.maximum(row_max.max(axis=1), sink), _M_FLOOR)  # [B, H]
+    weight = jnp.exp2(row_max - total_max[:, None])  # [B, n, H]
+    denom = (weight * row_sum).sum(axis=1) + jnp.exp2(sink - total_max)  # [B, H]
+    out = (weight[..., None] * acc).sum(axis=1)  # [B, H, D]
+    out = out * jnp.where(denom > 0, 1.0 / denom, 0.0)[..., None]  # 0 only for a -inf sink and no keys
+    return out.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "ring_size", "block_sizes", "interpret"))
+def paged_decode_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    sinks: jax.Array,
+    *,
+    sliding_window: int,
+    scale: float,
+    ring_size: int | None = None,
+    compressed_pages: jax.Array | None = None,
+    compressed_block_tables: jax.Array | None = None,
+    compressed_lens: jax.Array | None = None,
+    topk_indices: jax.Array | None = None,
+    kv_scales: jax.Array | None = None,
+    compressed_scales: jax.Array | None = None,
+    block_sizes: BlockSizes = BlockSizes(),
+    interpret: bool = False,
+    out_init: float | jax.Array | None = None,
+) -> jax.Array:
+    """Decode attention for a ragged batch over paged caches (layout: module docstring). → [B, H, D] in q.dtype.
+
+    q:            [B, H, D]  one new token per request (bf16 / f16 / f32; D a power of two >= 16)
+    kv_pages:     [P, page_size, D] window ring pages (q.dtype, or float8_e4m3fn with kv_scales)
+    block_tables: [B, max_pages] int32, max_pages >= ceil(ring_size / page_size)
+    seq_lens:     [B] int32 tokens per request including the new one (0 = empty slot)
+    sinks:        [H] float32 per-head sink logit
+    sliding_window: window length W; ring_size: ring slots per request (default W, must be >= W)
+    scale:        logit scale
+    compressed_pages [Pc, cps, D], compressed_block_tables [B, max_cpages] int32, compressed_lens [B] int32:
+                  the compressed pool (HCA when topk_indices is None; CSA with topk_indices [B, K] int32)
+    kv_scales / compressed_scales: float32 [D] (per channel) or [pages, page_size, D // 64] (per token, 64-tiles)
+    block_sizes:  tiles, split count and launch parameters; interpret: run in the Pallas interpreter (CPU).
+    out_init:     testing hook; the kernel's partial buffers (acc, max, sum per split) start filled with this value
+                  (aliased), so anything the kernel fails to write reaches the output (pass NaN to poison).
+
+    Grid (B, H // block_h, num_splits); the splits are combined in jnp (O(B · num_splits · H · D)).
+    """
+    ring_size, kv_layout, compressed_layout = _check_inputs(
+        q, kv_pages, block_tables, seq_lens, sinks, sliding_window=sliding_window, ring_size=ring_size,
+        compressed_pages=compressed_pages, compressed_block_tables=compressed_block_tables,
+        compressed_lens=compressed_lens, topk_indices=topk_indices, kv_scales=kv_scales,
+        compressed_scales=compressed_scales,
+    )  # fmt: skip
+    b, h, d = q.shape
+    page_size = kv_pages.shape[1]
+    if not _is_power_of_2(d) or d < _MIN_DOT_DIM:
+        raise ValueError(f"head dim D={d} (q.shape={q.shape}) must be a power of two >= {_MIN_DOT_DIM}")
+    block_h, block_kv = min(block_sizes.block_h, h), block_sizes.block_kv
+    if h % block_h:
+        raise ValueError(f"BlockSizes.block_h={block_sizes.block_h} does not divide num_heads={h} (q.shape={q.shape})")
+    if not interpret and block_h < _MIN_DOT_DIM:
+        raise ValueError(f"tile rows block_h = {block_h} < {_MIN_DOT_DIM} for q.shape={q.shape}")
+
+    # Per-request bounds: (seq_len, window tokens visible, compressed items to scan, compressed entries present).
+    seq_lens = jnp.maximum(seq_lens, 0)
+    n_window = jnp.minimum(seq_lens, sliding_window)
+    zeros = jnp.zeros_like(seq_lens)
+    count, n_items, max_items, compressed_page_size = zeros, zeros, 0, 1
+    if compressed_pages is not None:
+        compressed_page_size = compressed_pages.shape[1]
+        capacity = compressed_block_tables.shape[1] * compressed_page_size
+        count = jnp.clip(compressed_lens, 0, capacity)
+        if topk_indices is None:
+            n_items, max_items = count, capacity
+        else:  # scan up to the last listed slot
+            k = topk_indices.shape[1]
+            n_items, max_items = jnp.where(topk_indices >= 0, jnp.arange(1, k + 1), 0).max(axis=1), k
+    meta = jnp.stack([seq_lens, n_window, n_items, count], axis=1).astype(jnp.int32)  # [B, 4]
+
+    num_splits = block_sizes.num_splits
+    if num_splits is None:
+        max_blocks = pl.cdiv(sliding_window, block_kv) + pl.cdiv(max_items, block_kv)
+        num_splits = max(1, min(pl.cdiv(_TARGET_PROGRAMS, b * (h // block_h)), max_blocks))
+    grid = (b, h // block_h, num_splits)
+
+    def flat(pages):  # [P, ps, X] → [P · ps, X]: rows gathered by page · ps + row
+        return pages.reshape(pages.shape[0] * pages.shape[1], *pages.shape[2:])
+
+    def scale_spec(layout, scales):
+        if layout == "channel":
+            return pl.BlockSpec((d,), lambda i, j, s: (0,))
+        if layout == "tile":
+            return pl.BlockSpec(scales.shape, lambda i, j, s: (0, 0))
+        return None
+
+    kv_flat, kv_scales_flat = flat(kv_pages), kv_scales if kv_layout != "tile" else flat(kv_scales)
+    compressed_flat = compressed_scales_flat = None
+    if compressed_pages is not None:
+        compressed_flat = flat(compressed_pages)
+        compressed_scales_flat = compressed_scales if compressed_layout != "tile" else flat(compressed_scales)
+
+    acc_spec = pl.BlockSpec((None, None, block_h, d), lambda i, j, s: (i, s, j, 0))
+    stat_spec = pl.BlockSpec((None, None, block_h), lambda i, j, s: (i, s, j))
+    out_shape = (jax.ShapeDtypeStruct((b, num_splits, h, d), F32), jax.ShapeDtypeStruct((b, num_splits, h), F32),
+                 jax.ShapeDtypeStruct((b, num_splits, h), F32))  # fmt: skip
+    inits = (None, None, None)
+    if out_init is not None:
+        inits = tuple(jnp.full(o.shape, out_init, F32) for o in out_shape)
+    in_specs = [
+        pl.BlockSpec((None, block_h, d), lambda i, j, s: (i, j, 0)),  # q
+        pl.BlockSpec((None, 4), lambda i, j, s: (i, 0)),  # meta
+        pl.BlockSpec((None, block_tables.shape[1]), lambda i, j, s: (i, 0)),  # block_tables
+        pl.BlockSpec(kv_flat.shape, lambda i, j, s: (0, 0)),  # kv pages
+        scale_spec(kv_layout, kv_scales_flat),
+        None
+        if compressed_pages is None
+        else pl.BlockSpec((None, compressed_block_tables.shape[1]), lambda i, j, s: (i, 0)),  # fmt: skip
+        None if compressed_pages is None else pl.BlockSpec(compressed_flat.shape, lambda i, j, s: (0, 0)),
+        scale_spec(compressed_layout, compressed_scales_flat),
+        None if topk_indices is None else pl.BlockSpec((None, topk_indices.shape[1]), lambda i, j, s: (i, 0)),
+        None if out_init is None else acc_spec,
+        None if out_init is None else stat_spec,
+        None if out_init is None else stat_spec,
+    ]
+    args = (q, meta, block_tables, kv_flat, kv_scales_flat, compressed_block_tables, compressed_flat,
+            compressed_scales_flat, topk_indices, *inits)  # fmt: skip
+    n_args = sum(a is not None for a in args)  # pallas_call numbers inputs after dropping the Nones
+    kernel = functools.partial(
+        paged_decode_attention_kernel, sliding_window=sliding_window, ring_size=ring_size, page_size=page_size,
+        compressed_page_size=compressed_page_size, scale=float(scale), num_splits=num_splits,
+        kv_scale_layout=kv_layout, compressed_scale_layout=compressed_layout, block_kv=block_kv,
+    )  # fmt: skip
+    num_warps = block_sizes.num_warps or (8 if d >= 256 else 4)
+    acc, row_max, row_sum = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=(acc_spec, stat_spec, stat_spec),
+        out_shape=out_shape,
+        input_output_aliases={} if out_init is None else {n_args - 3: 0, n_args - 2: 1, n_args - 1: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=block_sizes.num_stages),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(*args)
+    return _combine_splits(acc, row_max, row_sum, sinks, q.dtype)

@@ -1,0 +1,424 @@
+"""DeepSeek-V4 lightning indexer with a streaming top-k, as a Triton-lowered Pallas kernel, with its jnp reference.
+
+For each query token s (position p) and each compressed indexer key c the indexer scores
+
+    score[s, c] = softmax_scale · Σ_h weights[s, h] · ReLU(q[s, h, :] · keys[c, :])        (float32)
+
+over the causally visible entries c < (p + 1) // rate, and keeps the `k` best per query. Layout of this file
+(see dsv4/pallas/README.md):
+
+- `BlockSizes`              tile sizes and launch parameters (frozen, validated).
+- `index_topk_kernel`       the kernel body: one program = one (query block, batch row); it streams over the
+                            visible keys in chunks and merges each chunk into a running top-k buffer.
+- `index_topk`              the public jitted entry: checks shapes/dtypes, folds scales into the weights, calls
+                            `pl.pallas_call` (`interpret=True` runs it on CPU).
+- `index_topk_reference`    the spec in plain jnp (materialized [B, S, C] scores), for tests. It is
+                            `dsv4.attention.index_topk_jnp` plus FP8 dequantization and k > C.
+
+Output order (the model only needs the set, but the order is defined): descending score, ties to the lower
+entry index, then -1 for the slots left when fewer than k entries are visible. This is exactly what
+`lax.top_k` over the masked scores returns, so the kernel and the reference agree element for element
+whenever they compute bit-identical scores. -0.0 counts as +0.0 (lax.top_k alone would order -0.0 below +0.0).
+NaN scores are not supported (they break the comparison network silently).
+
+NOTE (the top-k merge): the [S, C] score matrix is never written. A program holds a running buffer of the best
+K = next_pow2(max(k, block_c)) (score, index) pairs per query, sorted best first, in registers. It scores the
+visible keys `K` at a time (a "chunk", computed as K / block_c matmul sub-tiles), sorts the chunk worst first
+with a bitonic network, takes the elementwise better of (buffer[i], chunk[i]) — a bitonic sequence that holds
+exactly the top K of the union — and sorts that with a bitonic merge (log2 K stages). Chunks where no score
+beats the buffer's current K-th best are skipped (`lax.cond`). Per key that is about log2(K)·(log2(K)+3)/4
+compare-exchanges (27 at K = 512, 38 at K = 2048), branch-free and exact; docs/KERNEL_NOTES.md has the cost.
+
+FP8: q and/or keys may be float8_e4m3fn with float32 scales, value = float32(fp8) · scale. Scales must be > 0
+(ReLU(a·x) = a·ReLU(x) needs a >= 0), which absmax scaling guarantees.
+- q_scale: per tensor `()` or per (token, head) `[B, S, Hi]` (DeepSeek's act_quant with block = Di).
+  Folded into the weights: w · q_scale.
+- k_scale: per tensor `()` (folded into the weights) or per entry `[B, C]` (multiplies score column c).
+When both are FP8 the matmul runs in FP8 (f32 accumulate); when one is, it is upcast to the other's dtype
+(exact: e4m3 ⊂ bf16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = ["BlockSizes", "index_topk", "index_topk_kernel", "index_topk_reference"]
+
+F32 = jnp.float32
+FP8 = jnp.float8_e4m3fn
+NEG_INF = float("-inf")
+# Index of an empty buffer slot or an invisible entry: sorts after every real entry of equal (-inf) score.
+_SENTINEL = jnp.iinfo(jnp.int32).max
+# NOTE: `tl.dot` needs every matmul dimension >= 16, so compiled tiles need block_q · Hi >= 16 and block_c >= 16.
+_MIN_DOT_DIM = 16
+_DEFAULT_TILE_ROWS = 64  # matmul rows (tokens × heads) per program when block_q is left to the default
+
+
+def _is_power_of_2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes and launch parameters of `index_topk`.
+
+    block_q:  query tokens per program. None: max(1, 64 // Hi) (1 token × 64 heads for V4). Matmul rows
+              M = block_q · Hi (token-major); the running top-k buffer is [block_q, K] scores + indices.
+    block_c:  keys per matmul sub-tile ([M, Di] × [Di, block_c]). The merge chunk is K = next_pow2(max(k,
+              block_c)) keys, i.e. K / block_c sub-tiles per merge.
+    num_warps, num_stages: Triton launch parameters (None: 8 warps when M · block_c >= 8192, else 4; 2 stages).
+
+    All sizes are powers of two (Triton tensor shapes must be). Defaults are picked for Hi = 64, Di = 128 on
+    H200, not measured: the [64, 64] f32 score tile is 32 registers per thread at the default 4 warps; the K = 512
+    buffer (scores + indices, one query) is 4 KiB.
+    """
+
+    block_q: int | None = None
+    block_c: int = 64
+    num_warps: int | None = None
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block_q is not None and not _is_power_of_2(self.block_q):
+            raise ValueError(f"BlockSizes.block_q={self.block_q} must be None or a power of two")
+        if not _is_power_of_2(self.block_c) or self.block_c < _MIN_DOT_DIM:
+            raise ValueError(f"BlockSizes.block_c={self.block_c} must be a power of two >= {_MIN_DOT_DIM}")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"BlockSizes.num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
+        if self.num_stages < 1:
+            raise ValueError(f"BlockSizes.num_stages={self.num_stages} must be >= 1")
+
+    def tile(self, num_heads: int) -> int:
+        """→ block_q for an indexer with `num_heads` heads."""
+        return self.block_q if self.block_q is not None else max(1, _DEFAULT_TILE_ROWS // num_heads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks shared by the kernel entry and the reference.
+# ---------------------------------------------------------------------------------------------
+def _check_inputs(q, keys, weights, positions, *, rate, k, q_scale, k_scale) -> tuple[str | None, str | None]:
+    """Raises ValueError (with shapes) on malformed inputs; → (q scale layout, k scale layout), each
+    "tensor", "token_head" / "row", or None (not FP8)."""
+    if q.ndim != 4 or keys.ndim != 3:
+        raise ValueError(
+            f"expected q [B, S, Hi, Di] and keys [B, C, Di], got q.shape={q.shape}, keys.shape={keys.shape}"
+        )
+    b, s, h, d = q.shape
+    c = keys.shape[1]
+    if keys.shape != (b, c, d) or c == 0:
+        raise ValueError(f"keys.shape={keys.shape} must be (B, C >= 1, Di) = ({b}, C, {d}) for q.shape={q.shape}")
+    if weights.shape != (b, s, h) or weights.dtype != F32:
+        raise ValueError(f"weights must be float32 [B, S, Hi] = ({b}, {s}, {h}), got {weights.dtype} {weights.shape}")
+    if positions.shape != (b, s) or positions.dtype != jnp.int32:
+        raise ValueError(f"positions must be int32 [B, S] = ({b}, {s}), got {positions.dtype} {positions.shape}")
+    for name, x in (("q", q), ("keys", keys)):
+        if x.dtype not in (jnp.bfloat16, jnp.float16, F32, FP8):
+            raise ValueError(f"{name}.dtype={x.dtype} must be bfloat16, float16, float32 or float8_e4m3fn")
+    if q.dtype != keys.dtype and FP8 not in (q.dtype, keys.dtype):
+        raise ValueError(f"q.dtype={q.dtype} and keys.dtype={keys.dtype} differ (only float8_e4m3fn may mix)")
+    if not isinstance(rate, int) or rate < 1:
+        raise ValueError(f"rate={rate!r} must be a positive int")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r} must be a positive int")
+
+    def layout(name, scale, x, per_row_shape, per_row_name):
+        if x.dtype != FP8:
+            if scale is not None:
+                raise ValueError(f"{name} given but the scaled input is {x.dtype}, not float8_e4m3fn")
+            return None
+        if scale is None:
+            raise ValueError(f"{name} is required: its input is float8_e4m3fn {x.shape}")
+        if scale.dtype != F32:
+            raise ValueError(f"{name} must be float32, got {scale.dtype}")
+        if scale.shape == ():
+            return "tensor"
+        if scale.shape == per_row_shape:
+            return per_row_name
+        raise ValueError(f"{name}.shape={scale.shape} fits neither per-tensor () nor {per_row_shape}")
+
+    return layout("q_scale", q_scale, q, (b, s, h), "token_head"), layout("k_scale", k_scale, keys, (b, c), "row")
+
+
+def _visible(positions, rate: int, num_entries: int):
+    """→ int32 visible-entry count per query: min(max((p + 1) // rate, 0), C)."""
+    return jnp.clip((positions + 1) // rate, 0, num_entries)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference: the spec, with the [B, S, C] scores materialized. Fine for small shapes only.
+# ---------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale"))
+def index_topk_reference(
+    q: jax.Array,
+    keys: jax.Array,
+    weights: jax.Array,
+    positions: jax.Array,
+    *,
+    rate: int,
+    k: int,
+    softmax_scale: float,
+    q_scale: jax.Array | None = None,
+    k_scale: jax.Array | None = None,
+) -> jax.Array:
+    """Lightning indexer top-k straight from the spec (same arguments as `index_topk`). → int32 [B, S, k].
+
+    Numerics follow `dsv4.attention.index_topk_jnp`: f32 dots, ReLU · softmax_scale, head-weighted f32 sum,
+    `lax.top_k` (ties to the lower index). FP8 inputs are dequantized to float32 first. k may exceed C.
+    """
+    q_layout, k_layout = _check_inputs(q, keys, weights, positions, rate=rate, k=k, q_scale=q_scale,
+                                       k_scale=k_scale)  # fmt: skip
+    if q_layout is not None:
+        scale = q_scale if q_layout == "tensor" else q_scale[..., None]  # [] or [B, S, Hi, 1]
+        q = q.astype(F32) * scale
+    if k_layout is not None:
+        scale = k_scale if k_layout == "tensor" else k_scale[..., None]  # [] or [B, C, 1]
+        keys = keys.astype(F32) * scale
+    if q.dtype != keys.dtype:
+        q, keys = q.astype(F32), keys.astype(F32)
+    c = keys.shape[1]
+    dots = jnp.einsum("bqhd,bcd->bqhc", q, keys, preferred_element_type=F32)  # [B, S, Hi, C]
+    scores = jnp.einsum("bqhc,bqh->bqc", jax.nn.relu(dots) * softmax_scale, weights)  # [B, S, C]
+    scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 → +0.0 (lax.top_k orders -0.0 below +0.0)
+    visible = _visible(positions, rate, c)  # [B, S]
+    scores = jnp.where(jnp.arange(c) < visible[..., None], scores, NEG_INF)
+    if k > c:  # lax.top_k needs k <= C; the padding is never visible
+        scores = jnp.pad(scores, ((0, 0), (0, 0), (0, k - c)), constant_values=NEG_INF)
+    values, idx = lax.top_k(scores, k)  # [B, S, k]
+    return jnp.where(jnp.isneginf(values) | (idx >= visible[..., None]), -1, idx).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bitonic network on (score, index) pairs, row-wise on [R, N] arrays (N a power of two).
+# ---------------------------------------------------------------------------------------------
+def _better(v1, i1, v2, i2):
+    """(v1, i1) ranks before (v2, i2): higher score, ties to the lower index."""
+    return (v1 > v2) | ((v1 == v2) & (i1 < i2))
+
+
+def _compare_exchange(values, indices, stride: int, best_first):
+    """One bitonic stage: pairs (i, i + stride) within groups of 2·stride. values/indices: [R, N].
+
+    best_first: bool, broadcastable to [1, N // (2·stride), 1, 1] — the order each group leaves in.
+    NOTE: the pair halves come from `jnp.split` over a size-2 axis, which the Triton lowering turns into
+    `tt.split` (it cannot slice register tensors); masked sums work too but compile 3× slower in the interpreter.
+    """
+    r, n = values.shape
+    shape = (r, n // (2 * stride), 2, stride)
+    v1, v2 = jnp.split(values.reshape(shape), 2, axis=2)  # [R, G, 1, stride] each
+    i1, i2 = jnp.split(indices.reshape(shape), 2, axis=2)
+    # For distinct pairs better(2, 1) == not better(1, 2); equal pairs (empty slots) are identical, so swapping
+    # them is harmless. Hence one comparison serves both directions.
+    swap = _better(v2, i2, v1, i1) == best_first  # [R, G, 1, stride]
+    keep_first = (lax.broadcasted_iota(jnp.int32, (1, 1, 2, 1), 2) == 0) != swap  # [R, G, 2, stride]
+    values = jnp.where(keep_first, v1, v2).reshape(r, n)
+    indices = jnp.where(keep_first, i1, i2).reshape(r, n)
+    return values, indices
+
+
+def _bitonic_sort_worst_first(values, indices):
+    """Full bitonic sort of each row, worst first. [R, N] → [R, N]; log2(N)·(log2(N)+1)/2 stages."""
+    n = values.shape[1]
+    size = 2
+    while size <= n:
+        stride = size // 2
+        while stride >= 1:
+            group_start = lax.broadcasted_iota(jnp.int32, (1, n // (2 * stride), 1, 1), 1) * (2 * stride)
+            best_first = (group_start & size) != 0  # alternate directions build bitonic runs; the last pass is one run
+            values, indices = _compare_exchange(values, indices, stride, best_first)
+            stride //= 2
+        size *= 2
+    return values, indices
+
+
+def _bitonic_merge_best_first(values, indices):
+    """Sorts rows that are bitonic (e.g. V-shaped), best first. [R, N] → [R, N]; log2(N) stages."""
+    stride = values.shape[1] // 2
+    while stride >= 1:
+        values, indices = _compare_exchange(values, indices, stride, True)
+        stride //= 2
+    return values, indices
+
+
+def _merge_chunk(buffer, chunk):
+    """Top-K of buffer ∪ chunk, best first. buffer: sorted best first; chunk: any order. Each ([R, K], [R, K]).
+
+    With the buffer best-first and the chunk worst-first, the better of each aligned pair is a bitonic sequence
+    holding exactly the top K of the union (the classic bitonic top-k step); a bitonic merge then sorts it.
+    """
+    chunk_v, chunk_i = _bitonic_sort_worst_first(*chunk)
+    buf_v, buf_i = buffer
+    take_buffer = _better(buf_v, buf_i, chunk_v, chunk_i)
+    return _bitonic_merge_best_first(jnp.where(take_buffer, buf_v, chunk_v), jnp.where(take_buffer, buf_i, chunk_i))
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel.
+# ---------------------------------------------------------------------------------------------
+def index_topk_kernel(
+    q_ref,  # [block_q, Hi, Di]
+    weights_ref,  # [block_q, Hi] f32, softmax_scale and per-tensor / per-(token, head) scales folded in
+    positions_ref,  # [block_q]
+    keys_ref,  # [C, Di]
+    k_scale_ref,  # [C] f32 per-entry scales, or None
+    out_init_ref,  # the aliased output buffer or None; never read
+    o_ref,  # [block_q, k]
+    *,
+    seq_len: int,
+    rate: int,
+    k: int,
+    chunk: int,
+    block_c: int,
+    compute_dtype,
+):
+    """One program: the top-k entries of block_q query tokens of one batch row, streaming over their keys.
+
+    The running buffer ([block_q, K] scores and indices, best first) starts empty: (-inf, sentinel). Keys are
+    scored `chunk` (= K) at a time in block_c-wide sub-tiles; a chunk is merged only when some of its scores beat
+    the buffer's K-th best (keys arrive in increasing index order, so an equal score never wins a tie).
+    """
+    del out_init_ref
+    block_q, num_heads, head_dim = q_ref.shape
+    rows = block_q * num_heads
+    num_entries = keys_ref.shape[0]
+    n_sub = chunk // block_c
+
+    token = pl.program_id(0) * block_q + jnp.arange(block_q)  # [block_q]
+    token_valid = token < seq_len  # the last query block may overhang S
+    q = plgpu.load(q_ref, mask=token_valid[:, None, None]).astype(compute_dtype)  # [block_q, Hi, Di]
+    q = q.reshape(rows, head_dim)  # [M, Di], row = t · Hi + h
+    weights = plgpu.load(weights_ref, mask=token_valid[:, None], other=0.0)  # [block_q, Hi]
+    positions = plgpu.load(positions_ref, mask=token_valid, other=-1)  # [block_q]
+    visible = jnp.minimum(lax.div(jnp.maximum(positions + 1, 0), rate), num_entries)  # [block_q]
+    max_visible = visible.max()
+
+    def score_sub_tile(t, carry, chunk_start):
+        """Scores keys [chunk_start + t·block_c, +block_c) and writes them into sub-tile t of the chunk."""
+        chunk_v, chunk_i = carry  # [block_q, n_sub, block_c]
+        start = chunk_start + t * block_c
+        entry = start + jnp.arange(block_c)  # [block_c]
+        in_bounds = entry < num_entries
+        keys = plgpu.load(keys_ref.at[pl.ds(start, block_c), :], mask=in_bounds[:, None])  # [block_c, Di]
+        dots = lax.dot_general(q, keys.astype(compute_dtype), (((1,), (1,)), ((), ())),
+                               precision=lax.Precision.HIGHEST, preferred_element_type=F32)  # fmt: skip  # [M, block_c]
+        dots = jnp.maximum(dots, 0.0).reshape(block_q, num_heads, block_c)
+        scores = (dots * weights[:, :, None]).sum(axis=1)  # [block_q, block_c]
+        if k_scale_ref is not None:
+            scores = scores * plgpu.load(k_scale_ref.at[pl.ds(start, block_c)], mask=in_bounds, other=0.0)[None, :]
+        valid = entry[None, :] < visible[:, None]  # [block_q, block_c]; also masks the overhang rows and C
+        scores = jnp.where(valid, jnp.where(scores == 0, 0.0, scores), NEG_INF)  # -0.0 → +0.0, as the reference
+        entries = jnp.where(valid, entry[None, :], _SENTINEL)
+        here = lax.broadcasted_iota(jnp.int32, (1, n_sub, 1), 1) == t  # [1, n_sub, 1]
+        return jnp.where(here, scores[:, None, :], chunk_v), jnp.where(here, entries[:, None, :], chunk_i)
+
+    def chunk_body(j, buffer):
+        chunk_start = j * chunk
+        empty = (jnp.full((block_q, n_sub, block_c), NEG_INF, F32),
+                 jnp.full((block_q, n_sub, block_c), _SENTINEL, jnp.int32))  # fmt: skip
+        n_tiles = jnp.minimum(lax.div(max_visible - chunk_start + block_c - 1, block_c), n_sub)
+        chunk_v, chunk_i = lax.fori_loop(0, n_tiles, functools.partial(score_sub_tile, chunk_start=chunk_start), empty)
+        chunk_v, chunk_i = chunk_v.reshape(block_q, chunk), chunk_i.reshape(block_q, chunk)
+        kth_best = buffer[0].min(axis=1)  # [block_q]; the buffer's worst entry
+        improves = (chunk_v > kth_best[:, None]).astype(jnp.int32).max()
+        return lax.cond(improves > 0, lambda: _merge_chunk(buffer, (chunk_v, chunk_i)), lambda: buffer)
+
+    buffer = (jnp.full((block_q, chunk), NEG_INF, F32), jnp.full((block_q, chunk), _SENTINEL, jnp.int32))
+    _, best = lax.fori_loop(0, lax.div(max_visible + chunk - 1, chunk), chunk_body, buffer)
+    best = jnp.where(best == _SENTINEL, -1, best)  # [block_q, K]
+    column = jnp.arange(chunk)
+    plgpu.store(o_ref.at[:, pl.ds(0, chunk)], best, mask=token_valid[:, None] & (column < k)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry.
+# ---------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "block_sizes", "interpret"))
+def index_topk(
+    q: jax.Array,
+    keys: jax.Array,
+    weights: jax.Array,
+    positions: jax.Array,
+    *,
+    rate: int,
+    k: int,
+    softmax_scale: float,
+    q_scale: jax.Array | None = None,
+    k_scale: jax.Array | None = None,
+    block_sizes: BlockSizes = BlockSizes(),
+    interpret: bool = False,
+    out_init: jax.Array | None = None,
+) -> jax.Array:
+    """Lightning-indexer top-k without materializing the scores. → int32 [B, S, k].
+
+    q:         [B, S, Hi, Di] indexer queries (bf16 / f16 / f32 / float8_e4m3fn with q_scale; Hi, Di powers of two)
+    keys:      [B, C, Di]     compressed indexer keys (q.dtype, or float8_e4m3fn with k_scale)
+    weights:   [B, S, Hi]     float32 per-head weights
+    positions: [B, S] int32   global query positions; entry c is visible iff c < (p + 1) // rate
+    rate:      compression rate of the keys (4 for CSA)
+    k:         entries kept per query (index_topk); may exceed C; slots past the visible count are -1
+    softmax_scale: the scores' scale (Di ** -0.5 in the model)
+    q_scale:   float32 () or [B, S, Hi], only with FP8 q; k_scale: float32 () or [B, C], only with FP8 keys
+    block_sizes: tiles and launch parameters; interpret: run the kernel in the Pallas interpreter (CPU).
+    out_init:  testing hook; the output buffer starts as this int32 [B, S, k] array (aliased), so any element the
+               kernel fails to write keeps its value (pass an impossible index to poison).
+
+    Output rows are sorted by descending score, ties to the lower index, -1 last (see the module docstring).
+    Grid (nQ, B), query blocks first (the launch's x axis, the only one not capped at 65535).
+    """
+    q_layout, k_layout = _check_inputs(q, keys, weights, positions, rate=rate, k=k, q_scale=q_scale,
+                                       k_scale=k_scale)  # fmt: skip
+    b, s, h, d = q.shape
+    c = keys.shape[1]
+    if not _is_power_of_2(h) or not _is_power_of_2(d) or d < _MIN_DOT_DIM:
+        raise ValueError(f"q.shape={q.shape}: Hi must be a power of two and Di a power of two >= {_MIN_DOT_DIM}")
+    block_q = block_sizes.tile(h)
+    if not interpret and block_q * h < _MIN_DOT_DIM:
+        raise ValueError(f"matmul rows block_q * Hi = {block_q} * {h} < {_MIN_DOT_DIM} for q.shape={q.shape}")
+    if out_init is not None and (out_init.shape != (b, s, k) or out_init.dtype != jnp.int32):
+        raise ValueError(f"out_init must be int32 {(b, s, k)}, got {out_init.dtype} {out_init.shape}")
+
+    # Everything that scales a whole (token, head) row folds into the weights: ReLU commutes with scales > 0.
+    weights = weights * softmax_scale
+    if q_layout is not None:
+        weights = weights * q_scale  # () or [B, S, Hi]
+    if k_layout == "tensor":
+        weights, k_scale = weights * k_scale, None
+    compute_dtype = keys.dtype if q.dtype == FP8 else q.dtype  # both FP8: an FP8 matmul; one: upcast it
+
+    chunk = _next_power_of_2(max(k, block_sizes.block_c))
+    grid = (pl.cdiv(s, block_q), b)
+    out_spec = pl.BlockSpec((None, block_q, k), lambda i, j: (j, i, 0))
+    in_specs = [
+        pl.BlockSpec((None, block_q, h, d), lambda i, j: (j, i, 0, 0)),  # q
+        pl.BlockSpec((None, block_q, h), lambda i, j: (j, i, 0)),  # weights
+        pl.BlockSpec((None, block_q), lambda i, j: (j, i)),  # positions
+        pl.BlockSpec((None, c, d), lambda i, j: (j, 0, 0)),  # keys
+        None if k_scale is None else pl.BlockSpec((None, c), lambda i, j: (j, 0)),  # k_scale
+        None if out_init is None else out_spec,
+    ]
+    args = (q, weights, positions, keys, k_scale, out_init)
+    kernel = functools.partial(index_topk_kernel, seq_len=s, rate=rate, k=k, chunk=chunk,
+                               block_c=block_sizes.block_c, compute_dtype=compute_dtype)  # fmt: skip
+    num_warps = block_sizes.num_warps or (8 if block_q * h * block_sizes.block_c >= 8192 else 4)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_spec,
+        out_shape=jax.ShapeDtypeStruct((b, s, k), jnp.int32),
+        # pallas_call numbers inputs after dropping the Nones
+        input_output_aliases={} if out_init is None else {sum(a is not None for a in args) - 1: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=block_sizes.num_stages),
+        interpret=interpret,
+        name="index_topk",
+    )(*args)
