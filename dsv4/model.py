@@ -20,6 +20,10 @@ from dsv4.attention import Attention
 from dsv4.config import Config
 from dsv4.layers import F32, HyperConnection, HyperHead, RMSNorm, hc_merge, param
 from dsv4.moe import MoE
+from dsv4.sharding import constrain
+from dsv4.sharding.rules import active, use_mesh
+
+STREAM_AXES = ("batch", "seq", None, "embed")  # the residual copies [B, S, hc, D]
 
 
 class DecoderLayer(nnx.Module):
@@ -75,8 +79,9 @@ class DeepseekV4(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         x = self.embed_tokens["weight"][...][token_ids]  # [B, S, D]
         streams = jnp.broadcast_to(x[:, :, None, :], (b, s, self.config.hc_mult, x.shape[-1]))
+        streams = constrain(streams, STREAM_AXES)  # sequence parallel when a mesh is active
         for layer in self.layers:
-            streams = layer(streams, positions, token_ids)
+            streams = constrain(layer(streams, positions, token_ids), STREAM_AXES)
         return self.norm(self.hc_head(streams))
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
@@ -124,13 +129,17 @@ class DeepseekV4(nnx.Module):
             raise ValueError(f"sequence of {ids.shape[1]} tokens exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}")  # fmt: skip
         graphdef, state = nnx.split(self)
-        out = _jitted_logits(graphdef, state, ids.astype(jnp.int32))
+        out = _jitted_logits(graphdef, state, ids.astype(jnp.int32), active())
         return out[0] if squeeze else out
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _jitted_logits(graphdef, state, ids):
-    return nnx.merge(graphdef, state)(ids)
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _jitted_logits(graphdef, state, ids, layout):
+    """`layout` (the active mesh and rules, or None) is static: a different layout is a different program."""
+    if layout is None:
+        return nnx.merge(graphdef, state)(ids)
+    with use_mesh(*layout):
+        return nnx.merge(graphdef, state)(ids)
 
 
 def check_token_ids(ids, vocab_size: int) -> None:

@@ -1,0 +1,36 @@
+"""Device meshes and placing a model's parameters on one."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from dsv4.sharding.rules import SEQUENCE_PARALLEL, ShardingRules, named_sharding
+
+
+def make_mesh(sp: int | None = None, *, devices=None) -> Mesh:
+    """A 1-D mesh with axis "sp" over `sp` devices (default: all, across every process)."""
+    devices = list(devices if devices is not None else jax.devices())
+    sp = sp or len(devices)
+    if sp > len(devices) or sp < 1:
+        raise ValueError(f"sp={sp} but {len(devices)} devices are available")
+    return Mesh(np.asarray(devices[:sp]), ("sp",))
+
+
+def param_sharding(mesh: Mesh, rules: ShardingRules = SEQUENCE_PARALLEL):
+    """`sharding_for(path, var)` for the checkpoint loader: each parameter by its logical `axes`."""
+
+    def sharding_for(path, var):
+        return named_sharding(mesh, rules, var.get_metadata().get("axes", (None,) * len(var.shape)), var.shape)
+
+    return sharding_for
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules: ShardingRules = SEQUENCE_PARALLEL) -> nnx.Module:
+    """Moves every parameter of `model` onto `mesh` as its logical axes say (in place; returns it)."""
+    sharding_for = param_sharding(mesh, rules)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
+        var.set_value(jax.device_put(var[...], sharding_for(path, var)))
+    return model

@@ -1,0 +1,76 @@
+"""Logical axis names → mesh axes: the one table that decides how dsv4 is laid out over devices.
+
+Model code names logical axes only (`"seq"`, `"experts"`, `"embed"`, ...): on every parameter through
+its `axes` metadata, and on activations through `constrain(x, axes)`. Turning sequence parallelism on
+is a change of this table, not of the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """logical axis → mesh axis (or None: replicated). Unlisted logical axes are replicated."""
+
+    rules: tuple[tuple[str, str | None], ...] = ()
+
+    def mesh_axis(self, logical: str | None) -> str | None:
+        return None if logical is None else dict(self.rules).get(logical)
+
+    def spec(self, logical_axes: Sequence[str | None]) -> PartitionSpec:
+        """PartitionSpec for an array with these logical axes; a mesh axis may appear only once."""
+        physical = [self.mesh_axis(a) for a in logical_axes]
+        used = [p for p in physical if p is not None]
+        if len(used) != len(set(used)):
+            raise ValueError(f"logical axes {tuple(logical_axes)} map mesh axis twice: {tuple(physical)}")
+        return PartitionSpec(*physical)
+
+
+# The seed article's layout: the sequence split over every device, positions kept global; the routed
+# experts split over the same devices (expert parallelism); all other weights replicated.
+SEQUENCE_PARALLEL = ShardingRules((("seq", "sp"), ("experts", "sp")))
+REPLICATED = ShardingRules()
+
+_ACTIVE: list[tuple[Mesh, ShardingRules]] = []
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules: ShardingRules = SEQUENCE_PARALLEL) -> Iterator[None]:
+    """Within this block, `constrain` lays activations out on `mesh` by `rules` (tracing reads it)."""
+    _ACTIVE.append((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def active() -> tuple[Mesh, ShardingRules] | None:
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Annotates an activation's layout; a no-op when no mesh is active (the single-device path)."""
+    current = active()
+    if current is None:
+        return x
+    mesh, rules = current
+    spec = rules.spec(logical_axes)
+    if all(p is None for p in spec):
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def named_sharding(mesh: Mesh, rules: ShardingRules, logical_axes: Sequence[str | None], shape) -> NamedSharding:
+    """Sharding for a parameter; an axis that does not divide evenly over its mesh axis stays replicated."""
+    spec = list(rules.spec(logical_axes))
+    for i, axis in enumerate(spec):
+        if axis is not None and shape[i] % mesh.shape[axis]:
+            spec[i] = None
+    return NamedSharding(mesh, PartitionSpec(*spec))
