@@ -286,6 +286,7 @@ class Indexer(Compressor):
         self.scorer = nnx.Dict(weights_proj=nnx.Dict(weight=param(
             rngs, (config.index_n_heads, config.hidden_size), ("index_n_heads", "embed"), dtype=dtype)))
         self.n_heads, self.topk = config.index_n_heads, config.index_topk
+        self.use_kernel = False  # the Pallas top-k kernel; set with attention_impl="pallas"
 
     def keys(self, x: jax.Array, rope: Rope) -> jax.Array:
         return self(x, rope)
@@ -300,6 +301,11 @@ class Indexer(Compressor):
         q = apply_rope(q, cos.astype(q.dtype), sin.astype(q.dtype))
         weights = linear(x, self.scorer["weights_proj"]["weight"][...]).astype(F32) * self.n_heads**-0.5
         k = min(self.topk, n_keys)
+        if self.use_kernel:
+            from dsv4.pallas.indexer import index_topk
+
+            return index_topk(q, keys, weights, positions, rate=self.rate, k=k, softmax_scale=self.head_dim**-0.5,
+                              interpret=jax.default_backend() != "gpu")  # fmt: skip
         return index_topk_jnp(q, keys, weights, positions, rate=self.rate, k=k, softmax_scale=self.head_dim**-0.5,
                               query_chunk=query_chunk)  # fmt: skip
 
@@ -359,6 +365,7 @@ class Attention(nnx.Module):
             self.compressor = Compressor(config, rate=config.compress_rate(CSA), head_dim=hd, overlap=True,
                                          rngs=rngs, dtype=dtype)  # fmt: skip
             self.compressor.indexer = Indexer(config, rngs=rngs, dtype=dtype)
+            self.compressor.indexer.use_kernel = attention_impl == "pallas"
         self.layer_type = layer_type
         self.rope = Rope.build(config.rope_main if layer_type == SLIDING else config.rope_compress, config.qk_rope_head_dim)
         self.n_heads, self.head_dim, self.o_groups = h, hd, g

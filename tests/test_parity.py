@@ -107,7 +107,7 @@ def test_chunked_prefill_then_decode_matches_reference(name, chunk):
 
 
 def test_pallas_kernels_selected_still_match_reference():
-    """The model with both Pallas kernels selected (interpreted on CPU) passes the same parity bar."""
+    """The model with the Pallas kernels selected (attention, indexer, MoE; interpreted on CPU) passes the same bar."""
     ref = dict(np.load(os.path.join(FIXTURES, "tiny_mixed", "reference.npz")))
     model = dsv4.load(os.path.join(FIXTURES, "tiny_mixed"), dtype=jnp.float32, attention_impl="pallas",
                       moe_impl="pallas")  # fmt: skip
