@@ -205,22 +205,37 @@ class Compressor(nnx.Module):
         cos, sin = rope.cos_sin(positions)
         return apply_rope(entries, cos.astype(x.dtype), sin.astype(x.dtype))
 
-    def init_state(self, batch: int, capacity: int, dtype) -> dict[str, jax.Array]:
+    def init_state(self, batch: int, capacity: int, dtype, pages: tuple[int, int] | None = None) -> dict[str, jax.Array]:
         """Per-slot compressor state: the entries so far, the open window's raw projections, and (CSA)
-        the last closed window's Ca half with its gate (bias added), which the next entry overlaps."""
+        the last closed window's Ca half with its gate (bias added), which the next entry overlaps.
+
+        Entries live per slot ([batch, capacity, hd]) or, with `pages=(num_pages, page_size)`, in a pool
+        shared by all slots ([num_pages, page_size, hd]) that a block table maps entry indices into."""
         width = 2 * self.head_dim if self.overlap else self.head_dim
         state = {
-            "entries": jnp.zeros((batch, capacity, self.head_dim), dtype),
             "open_kv": jnp.zeros((batch, self.rate, width), dtype),
             "open_gate": jnp.zeros((batch, self.rate, width), dtype),
         }
+        if pages is None:
+            state["entries"] = jnp.zeros((batch, capacity, self.head_dim), dtype)
+        else:
+            state["entry_pages"] = jnp.zeros((*pages, self.head_dim), dtype)
         if self.overlap:
             state["prev_kv"] = jnp.zeros((batch, self.rate, self.head_dim), dtype)
             state["prev_gate"] = jnp.full((batch, self.rate, self.head_dim), NEG_INF, F32)
         return state
 
+    @staticmethod
+    def read(state: dict[str, jax.Array], block_table: jax.Array | None = None) -> jax.Array:
+        """All entry slots of each request, [B, capacity, hd] (entry c at index c; unwritten ones are
+        never visible: attention and the indexer only look below the causal count)."""
+        if "entries" in state:
+            return state["entries"]
+        pages = state["entry_pages"][block_table]  # [B, pages per request, page_size, hd]
+        return pages.reshape(pages.shape[0], -1, pages.shape[-1])
+
     def extend(self, state: dict[str, jax.Array], x: jax.Array, start: jax.Array, valid: jax.Array,
-               rope: Rope) -> dict[str, jax.Array]:  # fmt: skip
+               rope: Rope, block_table: jax.Array | None = None) -> dict[str, jax.Array]:  # fmt: skip
         """Feeds the chunk x [B, n, hidden] of tokens at positions start[b] + [0, valid[b]) into the state.
 
         Windows are aligned to absolute positions, so the open window holds tokens
@@ -252,12 +267,21 @@ class Compressor(nnx.Module):
         entries = apply_rope(entries, cos.astype(x.dtype), sin.astype(x.dtype))
 
         closed = (held + valid) // r  # windows completed by this chunk
-        capacity = state["entries"].shape[1]
         w = jnp.arange(n_windows)
-        target = jnp.where(w[None] < closed[:, None], first[:, None] + w[None], capacity)  # capacity = dropped
         new = dict(state)
-        new["entries"] = jax.vmap(lambda store, t, e: store.at[t].set(e.astype(store.dtype), mode="drop"))(
-            state["entries"], target, entries)
+        if "entries" in state:
+            capacity = state["entries"].shape[1]
+            target = jnp.where(w[None] < closed[:, None], first[:, None] + w[None], capacity)  # capacity = dropped
+            new["entries"] = jax.vmap(lambda store, t, e: store.at[t].set(e.astype(store.dtype), mode="drop"))(
+                state["entries"], target, entries)
+        else:
+            pool = state["entry_pages"]
+            num_pages, page_size = pool.shape[:2]
+            index = first[:, None] + w[None]  # [B, n_windows] entry indices
+            page = jnp.take_along_axis(block_table, jnp.clip(index // page_size, 0, block_table.shape[1] - 1), 1)
+            page = jnp.where(w[None] < closed[:, None], page, num_pages)  # num_pages = dropped
+            new["entry_pages"] = pool.at[page.reshape(-1), (index % page_size).reshape(-1)].set(
+                entries.reshape(-1, entries.shape[-1]).astype(pool.dtype), mode="drop")
         windows_kv = ext_kv.reshape(b, n_windows, r, -1)
         windows_gate = ext_gate.reshape(b, n_windows, r, -1)
         pick = lambda a, i: jnp.take_along_axis(a, i[:, None, None, None], 1)[:, 0]  # noqa: E731
@@ -400,23 +424,30 @@ class Attention(nnx.Module):
         return self.project_out(out, cos, sin)
 
     # ---- incremental (cached) path ----------------------------------------------------------
-    def init_state(self, batch: int, max_len: int, dtype) -> dict:
+    @property
+    def table_name(self) -> str | None:
+        """The block table this layer's entries are paged through: one per compression rate."""
+        return None if self.layer_type == SLIDING else f"rate{self.compressor.rate}"
+
+    def init_state(self, batch: int, max_len: int, dtype, pages: tuple[int, int] | None = None) -> dict:
         """Per-slot cache of this layer for `batch` request slots of up to `max_len` tokens.
 
         window / window_pos: a ring of the last `sliding_window` tokens' K=V rows (slot = position % W).
-        CSA / HCA add their compressor's state, CSA also the indexer's (its keys are its entries).
+        CSA / HCA add their compressor's state, CSA also the indexer's (its keys are its entries, paged
+        through the same table). `pages=(num_pages, page_size)` pages the entries (see Compressor).
         """
         w = self.sliding_window
         state = {"window": jnp.zeros((batch, w, self.head_dim), dtype),
                  "window_pos": jnp.full((batch, w), -1, jnp.int32)}  # fmt: skip
         if self.layer_type != SLIDING:
-            state["compressor"] = self.compressor.init_state(batch, max_len // self.compressor.rate, dtype)
+            state["compressor"] = self.compressor.init_state(batch, max_len // self.compressor.rate, dtype, pages)
         if self.layer_type == CSA:
             indexer = self.compressor.indexer
-            state["indexer"] = indexer.init_state(batch, max_len // indexer.rate, dtype)
+            state["indexer"] = indexer.init_state(batch, max_len // indexer.rate, dtype, pages)
         return state
 
-    def forward_chunk(self, x: jax.Array, start: jax.Array, valid: jax.Array, state: dict) -> tuple[jax.Array, dict]:
+    def forward_chunk(self, x: jax.Array, start: jax.Array, valid: jax.Array, state: dict,
+                      block_tables: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict]:  # fmt: skip
         """Attention for a chunk x [B, n, hidden] of tokens at positions start[b] + [0, n), of which the
         first valid[b] are real; reads and extends `state`. → ([B, n, hidden], new state)."""
         b, n, _ = x.shape
@@ -432,13 +463,15 @@ class Attention(nnx.Module):
         new = dict(state)
         compressed = None
         if self.layer_type != SLIDING:
-            new["compressor"] = self.compressor.extend(state["compressor"], x, start, valid, self.rope)
-            entries = new["compressor"]["entries"]
+            table = None if block_tables is None else block_tables[self.table_name]
+            new["compressor"] = self.compressor.extend(state["compressor"], x, start, valid, self.rope, table)
+            entries = Compressor.read(new["compressor"], table)
             topk = None
             if self.layer_type == CSA:
                 indexer = self.compressor.indexer
-                new["indexer"] = indexer.extend(state["indexer"], x, start, valid, self.rope)
-                topk = indexer.select(x, q_residual, positions, new["indexer"]["entries"], self.rope)
+                new["indexer"] = indexer.extend(state["indexer"], x, start, valid, self.rope, table)
+                keys = Compressor.read(new["indexer"], table)
+                topk = indexer.select(x, q_residual, positions, keys, self.rope)
             if entries.shape[1] > 0:
                 compressed = CompressedKeys(entries, self.compressor.rate, topk)
 

@@ -45,9 +45,9 @@ class DecoderLayer(nnx.Module):
         return hc_merge(self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams, post, comb)
 
 
-    def forward_chunk(self, streams, start, valid, token_ids, state):
+    def forward_chunk(self, streams, start, valid, token_ids, state, block_tables=None):
         post, comb, collapsed = self.attn_hc(streams)
-        attn, state = self.self_attn.forward_chunk(self.input_layernorm(collapsed), start, valid, state)
+        attn, state = self.self_attn.forward_chunk(self.input_layernorm(collapsed), start, valid, state, block_tables)
         streams = hc_merge(attn, streams, post, comb)
         post, comb, collapsed = self.ffn_hc(streams)
         return hc_merge(self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams, post, comb), state
@@ -90,11 +90,26 @@ class DeepseekV4(nnx.Module):
         return jnp.einsum("bsd,vd->bsv", h, self.lm_head["weight"][...], preferred_element_type=F32)
 
     # ---- incremental: chunked prefill and decode over a per-slot cache -------------------------------
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> dict:
-        """An empty cache for `batch` request slots of up to `max_len` tokens each."""
+    def init_cache(self, batch: int, max_len: int, dtype=None, *, page_size: int | None = None,
+                   num_pages: int | None = None) -> dict:  # fmt: skip
+        """An empty cache for `batch` request slots of up to `max_len` tokens each.
+
+        With `page_size` and `num_pages`, compressed entries live in per-layer page pools shared by all
+        slots, and `cache["block_tables"]["rate4" | "rate128"]` ([batch, pages per request] int32, one
+        table per compression rate) say which pages hold each slot's entries; the host (dsv4/cache)
+        fills them before a chunk runs. Page 0 is the null page. Without them, entries are per slot.
+        """
         dtype = dtype or self.dtype
-        return {"num_tokens": jnp.zeros((batch,), jnp.int32),
-                "layers": [layer.self_attn.init_state(batch, max_len, dtype) for layer in self.layers]}  # fmt: skip
+        pages = None if page_size is None else (num_pages, page_size)
+        if pages is not None and (not num_pages or num_pages < 2 or page_size < 1):
+            raise ValueError(f"paged cache needs page_size >= 1 and num_pages >= 2; got {page_size}, {num_pages}")
+        cache = {"num_tokens": jnp.zeros((batch,), jnp.int32),
+                 "layers": [layer.self_attn.init_state(batch, max_len, dtype, pages) for layer in self.layers]}  # fmt: skip
+        if pages is not None:
+            rates = {layer.self_attn.compressor.rate for layer in self.layers if layer.self_attn.table_name}
+            cache["block_tables"] = {f"rate{r}": jnp.zeros((batch, -(-(max_len // r) // page_size)), jnp.int32)
+                                     for r in sorted(rates)}  # fmt: skip
+        return cache
 
     def forward_chunk(self, cache: dict, token_ids: jax.Array, valid: jax.Array | None = None):
         """Runs the next chunk of each slot: token_ids [B, n], of which the first valid[b] are real
@@ -107,13 +122,15 @@ class DeepseekV4(nnx.Module):
         x = self.embed_tokens["weight"][...][token_ids]
         streams = jnp.broadcast_to(x[:, :, None, :], (b, n, self.config.hc_mult, x.shape[-1]))
         states = []
+        tables = cache.get("block_tables")
         for layer, state in zip(self.layers, cache["layers"]):
-            streams, state = layer.forward_chunk(streams, start, valid, token_ids, state)
+            streams, state = layer.forward_chunk(streams, start, valid, token_ids, state, tables)
             states.append(state)
         last = jnp.take_along_axis(streams, jnp.maximum(valid - 1, 0)[:, None, None, None], axis=1)  # [B, 1, hc, D]
         h = self.norm(self.hc_head(last))[:, 0]
         logits = jnp.einsum("bd,vd->bv", h, self.lm_head["weight"][...], preferred_element_type=F32)
-        return logits, {"num_tokens": start + valid, "layers": states}
+        new_cache = {**cache, "num_tokens": start + valid, "layers": states}
+        return logits, new_cache
 
     # ---- user-facing, jitted ------------------------------------------------------------------
     def logits(self, token_ids) -> jax.Array:
