@@ -4,9 +4,9 @@ One attention block per layer. All three layer types attend over a causal slidin
 tokens; HCA layers add every causally complete entry of a 128:1 compressor, CSA layers add the
 `index_topk` entries of a 4:1 overlapping compressor that a lightning indexer picks per query.
 
-The core (softmax over window + compressed keys + sink) sits behind one function boundary,
-`core_attention`, with interchangeable implementations (`ATTENTION_IMPLS`): the pure-jnp one here,
-Pallas kernels from `dsv4/pallas/` registered by name.
+The core (softmax over window + compressed keys + sink) sits behind one function boundary with
+interchangeable implementations (`ATTENTION_IMPLS`): "jnp" (`core_attention_jnp`, XLA) and "pallas"
+(`core_attention_pallas`, the kernel in `dsv4/pallas/attention.py`); a model picks one by name.
 """
 
 from __future__ import annotations
