@@ -32,5 +32,10 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: ShardingRules = SEQUENCE_P
     """Moves every parameter of `model` onto `mesh` as its logical axes say (in place; returns it)."""
     sharding_for = param_sharding(mesh, rules)
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
-        var.set_value(jax.device_put(var[...], sharding_for(path, var)))
+        # Through the host: a committed single-device array cannot be device_put onto a mesh that spans
+        # processes, but every process can hand in its own shards. (For big checkpoints pass
+        # `param_sharding(mesh)` to the loader instead, which never builds the unsharded model.)
+        host = np.asarray(var[...])
+        sharding = sharding_for(path, var)
+        var.set_value(jax.make_array_from_callback(host.shape, sharding, lambda index, h=host: h[index]))
     return model

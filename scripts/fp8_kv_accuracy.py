@@ -1,0 +1,449 @@
+#!/usr/bin/env python3
+"""FP8 KV-cache accuracy: each storage format of `dsv4/cache/quant.py` against a bf16 cache (issue 4).
+
+    PYTHONPATH=. python scripts/fp8_kv_accuracy.py                      # both parts, defaults below
+    PYTHONPATH=. python scripts/fp8_kv_accuracy.py --only tiny          # tiny fixture model only (~1 min)
+    PYTHONPATH=. python scripts/fp8_kv_accuracy.py --bytes-table        # print the bytes-per-token tables
+
+The cache format is emulated on the model's public cache pytree: after every `forward_chunk`, the rows the cache
+keeps (`cache["layers"][i]["window"]`, `["compressor"]["entries"]`, `["indexer"]["entries"]`) are replaced by
+`dequantize(quantize(rows))`, with each array's scale state carried from chunk to chunk. So the attention of a
+chunk uses its own fresh K=V rows in flight and everything older from the stored format, as a paged FP8 cache
+would. Old rows go through the round trip again at every step; that is a no-op (tests/test_cache_quant.py),
+except for float32 tile scales, which move by at most an ulp. The model computes in float32, so the only
+difference between two runs is the stored rows; the "bf16 vs f32" line is the bf16 cache's own error.
+
+Variants: bf16; fp8-tensor and fp8-channel with scales from the RMSNorm bound (`rms_norm_bound` of the kv_norm
+weight that produced the rows: cannot saturate) or calibrated on the first write (headroom 2, then frozen);
+fp8-tile (per-token 64-wide tiles, float32 scales) and fp8-tile-e8m0 (power-of-two scales, FlashMLA's V4 layout).
+
+Part 1, tiny: a fixture model (`--fixture`, loaded with `dsv4.load` in float32), random prompts (`--batch`
+× `--tiny-len` tokens, past the sliding window and through many compressed windows): chunked prefill of the
+first `--prefill` tokens in chunks of `--chunk`, then one token at a time (teacher-forced), the logits of every
+single-token step compared with the bf16-cache run: max |Δ|, relative L2, top-1 agreement.
+
+Part 2, real size: one DeepSeek-V4-Flash attention layer per `--layers` type (D = 512, 64 heads, W = 128,
+CSA 4 / HCA 128, indexer 64 × 128, top-512), random weights as `init_random` draws them, float32, random
+N(0, 1) hidden states. `--context` tokens fill the cache (compressor and indexer `extend` per 4096-token chunk;
+the ring from the last chunk; no attention over the context is computed), then `--decode-steps` single-token
+`forward_chunk` calls; their attention-block outputs [hidden] are compared with the bf16-cache run (relative
+L2, max |Δ|, smallest cosine over the steps) and, for CSA, the indexer's top-k picks with the bf16 run's.
+"idx bf16" keeps the indexer keys in bf16, separating the K=V rows' error from changed picks.
+`--norm-weights skewed` draws every kv_norm weight log-normal (σ = 1), so channel ranges differ by up to ~50× as
+trained norms can; "flat" keeps them at 1 (as `init_random` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import dsv4
+from dsv4.attention import Attention
+from dsv4.cache.layout import CSA, HCA, SLIDING, CacheLayout, KVFormat
+from dsv4.cache.quant import dequantize, init_scale_state, quantize, rms_norm_bound, saturated
+from dsv4.config import Config
+from dsv4.layers import apply_rope, linear
+
+F32 = jnp.float32
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+
+# (label, format of K=V rows and compressed entries, scale policy, format of the indexer keys: None = the same).
+# Policy "bound": scales from rms_norm_bound of the kv_norm weight that made the rows; "calibrated": first write.
+VARIANTS = [
+    ("bf16", "bf16", None, None),
+    ("fp8-tensor (bound)", "fp8-tensor", "bound", None),
+    ("fp8-tensor (calibrated)", "fp8-tensor", "calibrated", None),
+    ("fp8-channel (bound)", "fp8-channel", "bound", None),
+    ("fp8-channel (calibrated)", "fp8-channel", "calibrated", None),
+    ("fp8-tile", "fp8-tile", None, None),
+    ("fp8-tile-e8m0", "fp8-tile-e8m0", None, None),
+    ("fp8-channel (bound), idx bf16", "fp8-channel", "bound", "bf16"),
+    ("fp8-tile, idx bf16", "fp8-tile", None, "bf16"),
+]
+ROW_ARRAYS = (("window",), ("compressor", "entries"), ("indexer", "entries"))
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The emulation: quantize → dequantize the rows a cache keeps, one scale state per (layer, array).
+# ---------------------------------------------------------------------------------------------
+def _get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path, value) -> dict:
+    tree = dict(tree)
+    tree[path[0]] = value if len(path) == 1 else _set(tree[path[0]], path[1:], value)
+    return tree
+
+
+def _has(tree, path) -> bool:
+    try:
+        _get(tree, path)
+        return True
+    except KeyError:
+        return False
+
+
+def norm_weight(attn: Attention, path) -> jax.Array:
+    """The RMSNorm weight whose output the rows at `path` are (RoPE touches only the bf16 channels)."""
+    module = attn if path[0] == "window" else attn.compressor
+    module = module.indexer if path[0] == "indexer" else module
+    return module.kv_norm.weight[...]
+
+
+def formats(kv_name: str, index_name: str | None, rope_dim: int) -> tuple[KVFormat, KVFormat]:
+    kv = KVFormat.named(kv_name, rope_dim=rope_dim)
+    return kv, kv if index_name is None else KVFormat.named(index_name, rope_dim=rope_dim)
+
+
+def init_states(layer_states: list[dict], attns: list[Attention], kv_fmt: KVFormat, index_fmt: KVFormat,
+                policy: str | None) -> dict:  # fmt: skip
+    """Scale state per "layer/array" key (None entries for stateless formats are left out)."""
+    states = {}
+    for i, (state, attn) in enumerate(zip(layer_states, attns)):
+        for path in ROW_ARRAYS:
+            if _has(state, path):
+                fmt = index_fmt if path[0] == "indexer" else kv_fmt
+                width = _get(state, path).shape[-1]
+                bound = rms_norm_bound(norm_weight(attn, path)) if policy == "bound" else None
+                scale_state = init_scale_state(width, fmt, bound=bound)
+                if scale_state is not None:
+                    states[f"{i}/{'.'.join(path)}"] = scale_state
+    return states
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def quantize_layers(layer_states: list[dict], states: dict, kv_fmt: KVFormat, index_fmt: KVFormat):
+    """Every cached row array of every layer quantized → ({"layer/array": stored pytree}, new scale states)."""
+    stored, new_states = {}, dict(states)
+    for i, state in enumerate(layer_states):
+        for path in ROW_ARRAYS:
+            if _has(state, path):
+                key = f"{i}/{'.'.join(path)}"
+                stored[key], scale_state = quantize(_get(state, path), index_fmt if path[0] == "indexer" else kv_fmt,
+                                                    states.get(key))  # fmt: skip
+                if scale_state is not None:
+                    new_states[key] = scale_state
+    return stored, new_states
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def dequantize_layers(layer_states: list[dict], stored: dict, states: dict, kv_fmt: KVFormat, index_fmt: KVFormat):
+    new_layers = []
+    for i, state in enumerate(layer_states):
+        for path in ROW_ARRAYS:
+            if _has(state, path):
+                key = f"{i}/{'.'.join(path)}"
+                fmt = index_fmt if path[0] == "indexer" else kv_fmt
+                state = _set(state, path, dequantize(stored[key], fmt, states.get(key), _get(state, path).dtype))
+        new_layers.append(state)
+    return new_layers
+
+
+def round_trip_layers(layer_states: list[dict], states: dict, kv_fmt: KVFormat,
+                      index_fmt: KVFormat) -> tuple[list[dict], dict]:  # fmt: skip
+    """Every cached row array of every layer through quantize → dequantize (back in its own dtype).
+
+    NOTE: two jitted calls on purpose, so the stored arrays exist in their own dtypes between them: inside one
+    computation XLA on GPU may drop a convert pair (f32 → fp8/bf16 → f32) as "excess precision"
+    (`xla_allow_excess_precision`), and the round trip would silently do nothing. A real cache stores the
+    arrays between steps, so it is not affected.
+    """
+    stored, states = quantize_layers(layer_states, states, kv_fmt, index_fmt)
+    return dequantize_layers(layer_states, stored, states, kv_fmt, index_fmt), states
+
+
+def any_saturated(states: dict) -> int:
+    return sum(int(saturated(s)) for s in states.values())
+
+
+def compare(got: np.ndarray, want: np.ndarray) -> dict:
+    """got, want: [N, features] → max |Δ|, relative L2, top-1 agreement."""
+    diff = got - want
+    return {
+        "max_abs": float(np.abs(diff).max()),
+        "rel_l2": float(np.linalg.norm(diff) / np.linalg.norm(want)),
+        "top1": float(np.mean(got.argmax(-1) == want.argmax(-1))),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 1: the tiny fixture model, whole-model logits.
+# ---------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=0)
+def _chunk_step(graphdef, params, cache, tokens):
+    return nnx.merge(graphdef, params).forward_chunk(cache, tokens)
+
+
+def run_tiny(model, prompts: np.ndarray, *, prefill: int, chunk: int, fmts: tuple[KVFormat, KVFormat] | None, policy):
+    """→ (logits of each single-token step [B, S - prefill, V], saturated scale states). fmt None: f32 cache."""
+    graphdef, params = nnx.split(model)
+    b, s = prompts.shape
+    attns = [layer.self_attn for layer in model.layers]
+    cache = model.init_cache(b, max_len=s + 16, dtype=F32)
+    states = init_states(cache["layers"], attns, *fmts, policy) if fmts is not None else {}
+    outputs = []
+    t = 0
+    while t < s:
+        n = chunk if t < prefill else 1
+        logits, cache = _chunk_step(graphdef, params, cache, jnp.asarray(prompts[:, t : t + n]))
+        if fmts is not None:
+            layers, states = round_trip_layers(cache["layers"], states, *fmts)
+            cache = {**cache, "layers": layers}
+        if t >= prefill:
+            outputs.append(np.asarray(logits))
+        t += n
+    return np.stack(outputs, 1), any_saturated(states)
+
+
+def part_tiny(args) -> list[dict]:
+    model = dsv4.load(os.path.join(FIXTURES, args.fixture), dtype=F32)
+    cfg = model.config
+    rng = np.random.default_rng(args.seed)
+    prompts = rng.integers(0, cfg.vocab_size, (args.batch, args.tiny_len), dtype=np.int32)
+    log(f"tiny: fixture {args.fixture} (D={cfg.head_dim}, rope {cfg.qk_rope_head_dim}, W={cfg.sliding_window}, "
+        f"layers {[t.split('_')[0] for t in cfg.layer_types]}), {args.batch} × {args.tiny_len} random tokens, "
+        f"prefill {args.prefill} in chunks of {args.chunk}, then one token at a time")  # fmt: skip
+    run = functools.partial(run_tiny, model, prompts, prefill=args.prefill, chunk=args.chunk)
+    t0 = time.perf_counter()
+    exact, _ = run(fmts=None, policy=None)
+    results = []
+    base = None
+    for label, name, policy, index_name in VARIANTS:
+        fmt, index_fmt = formats(name, index_name, cfg.qk_rope_head_dim)
+        logits, n_sat = run(fmts=(fmt, index_fmt), policy=policy)
+        flat = logits.reshape(-1, logits.shape[-1])
+        if base is None:
+            base = flat
+            row = {"variant": "bf16 vs f32 cache", **compare(flat, exact.reshape(flat.shape))}
+        else:
+            row = {"variant": label, **compare(flat, base)}
+        row.update(
+            row_bytes=fmt.row_bytes(cfg.head_dim),
+            index_row_bytes=index_fmt.row_bytes(cfg.index_head_dim),
+            saturated_arrays=n_sat,
+        )
+        results.append(row)
+        log(f"  {row['variant']:30s} max|Δlogit| {row['max_abs']:.2e}  rel L2 {row['rel_l2']:.2e}  "
+            f"top-1 {100 * row['top1']:.2f}%  saturated arrays {n_sat}")  # fmt: skip
+    log(f"  ({flat.shape[0]} logit vectors per variant; logits std {base.std():.3f}; {time.perf_counter() - t0:.0f} s)")
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 2: one real-size V4-Flash attention layer.
+# ---------------------------------------------------------------------------------------------
+FILL_CHUNK = 4096
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _extend(graphdef, params, state, x, start):
+    """Compressor (and indexer) state after the chunk x [1, n, hidden] at `start`: no attention computed."""
+    attn = nnx.merge(graphdef, params)
+    n = x.shape[1]
+    valid = jnp.full((1,), n, jnp.int32)
+    new = dict(state)
+    if attn.layer_type != SLIDING:
+        new["compressor"] = attn.compressor.extend(state["compressor"], x, start, valid, attn.rope)
+    if attn.layer_type == CSA:
+        indexer = attn.compressor.indexer
+        new["indexer"] = indexer.extend(state["indexer"], x, start, valid, attn.rope)
+    return new
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _ring(graphdef, params, state, x, start):
+    """The sliding-window ring holding the last W rows of the chunk x [1, n >= W, hidden] at `start`."""
+    attn = nnx.merge(graphdef, params)
+    w, n = attn.sliding_window, x.shape[1]
+    positions = start[:, None] + jnp.arange(n - w, n)[None]  # [1, W]
+    cos, sin = attn.rope.cos_sin(positions)
+    kv = apply_rope(attn.kv_norm(linear(x[:, n - w :], attn.kv_proj["weight"][...])), cos, sin)  # [1, W, D]
+    slot = positions % w
+    new = dict(state)
+    new["window"] = jnp.zeros_like(state["window"]).at[0, slot[0]].set(kv[0])
+    new["window_pos"] = jnp.full_like(state["window_pos"], -1).at[0, slot[0]].set(positions[0])
+    return new
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _decode(graphdef, params, state, x, start):
+    """One token through the layer → (output [1, 1, hidden], new state, CSA: the indexer's picks [1, 1, k])."""
+    attn = nnx.merge(graphdef, params)
+    out, new = attn.forward_chunk(x, start, jnp.ones((1,), jnp.int32), state)
+    picks = jnp.zeros((1, 1, 1), jnp.int32)
+    if attn.layer_type == CSA:  # the same selection forward_chunk made, recomputed to compare it across variants
+        q_residual = attn.q_a_norm(linear(x, attn.q_a_proj["weight"][...]))
+        indexer = attn.compressor.indexer
+        picks = indexer.select(x, q_residual, start[:, None], new["indexer"]["entries"], attn.rope)
+    return out, new, picks
+
+
+def topk_overlap(picks: np.ndarray, ref: np.ndarray) -> float:
+    """Mean fraction of the reference's valid picks that a variant also picked. picks, ref: [steps, k]."""
+    shares = [len(set(p[p >= 0]) & set(r[r >= 0])) / max(1, (r >= 0).sum()) for p, r in zip(picks, ref)]
+    return float(np.mean(shares))
+
+
+def part_real(args) -> list[dict]:
+    cfg = Config.preset("v4-flash")
+    context, steps = args.context, args.decode_steps
+    if context % FILL_CHUNK:
+        raise SystemExit(f"--context={context} must be a multiple of {FILL_CHUNK}")
+    results = []
+    for layer_name in args.layers.split(","):
+        layer_type = {"sliding": SLIDING, "csa": CSA, "hca": HCA}[layer_name]
+        for weights in args.norm_weights.split(","):
+            t0 = time.perf_counter()
+            rng = np.random.default_rng(args.seed)
+            attn = Attention(cfg, layer_type, rngs=rng, dtype=F32)
+            if weights == "skewed":
+                norms = [attn.kv_norm] + ([attn.compressor.kv_norm] if layer_type != SLIDING else []) \
+                    + ([attn.compressor.indexer.kv_norm] if layer_type == CSA else [])  # fmt: skip
+                for norm in norms:
+                    d = norm.weight[...].shape[0]
+                    norm.weight.set_value(jnp.asarray(np.exp(rng.standard_normal(d)).astype(np.float32)))
+            graphdef, params = nnx.split(attn)
+            state = attn.init_state(1, context + 128, F32)
+            key = jax.random.key(args.seed)
+            first_chunk_state = None
+            for start in range(0, context, FILL_CHUNK):
+                key, sub = jax.random.split(key)
+                x = jax.random.normal(sub, (1, FILL_CHUNK, cfg.hidden_size), F32)
+                state = _extend(graphdef, params, state, x, jnp.array([start], jnp.int32))
+                if start == 0:  # what a first-write calibration sees: chunk 0's ring and entries
+                    first_chunk_state = _ring(graphdef, params, state, x, jnp.array([0], jnp.int32))
+            state = _ring(graphdef, params, state, x, jnp.array([context - FILL_CHUNK], jnp.int32))
+            queries = jax.random.normal(key, (steps, 1, 1, cfg.hidden_size), F32)
+            fill_s = time.perf_counter() - t0
+            log(
+                f"real: V4-Flash {layer_name} layer, norm weights {weights}, context {context}: "
+                f"filled in {fill_s:.0f} s"
+            )
+
+            outs = {}
+            variants = [("f32", None, None, None)] + [v for v in VARIANTS if layer_type == CSA or v[3] is None]
+            for label, name, policy, index_name in variants:
+                fmts = formats(name, index_name, cfg.qk_rope_head_dim) if name else None
+                s = state
+                states = {}
+                if fmts is not None:
+                    states = init_states([state], [attn], *fmts, policy)
+                    if policy == "calibrated":
+                        _, states = round_trip_layers([first_chunk_state], states, *fmts)
+                    (s,), states = round_trip_layers([state], states, *fmts)
+                out, picks = [], []
+                for t in range(steps):
+                    y, s, p = _decode(graphdef, params, s, queries[t], jnp.array([context + t], jnp.int32))
+                    if fmts is not None:
+                        (s,), states = round_trip_layers([s], states, *fmts)
+                    out.append(np.asarray(y[0, 0]))
+                    picks.append(np.asarray(p[0, 0]))
+                outs[label] = (np.stack(out), np.stack(picks), any_saturated(states), fmts)
+            for label, (out, picks, n_sat, fmts) in outs.items():
+                if label == "f32":
+                    continue
+                ref, ref_picks = outs["f32" if label == "bf16" else "bf16"][:2]
+                row = {"layer": layer_name, "norm_weights": weights, "context": context,
+                       "variant": "bf16 vs f32 cache" if label == "bf16" else label, **compare(out, ref),
+                       "row_bytes": fmts[0].row_bytes(cfg.head_dim), "saturated_arrays": n_sat}  # fmt: skip
+                del row["top1"]  # hidden states, not logits
+                cos = np.sum(out * ref, -1) / (np.linalg.norm(out, axis=-1) * np.linalg.norm(ref, axis=-1))
+                row["min_cos"] = float(cos.min())
+                row["topk_overlap"] = topk_overlap(picks, ref_picks) if layer_type == CSA else None
+                results.append(row)
+                overlap = f"  top-k overlap {100 * row['topk_overlap']:.1f}%" if layer_type == CSA else ""
+                log(f"  {row['variant']:30s} rel L2 {row['rel_l2']:.2e}  max|Δ| {row['max_abs']:.2e}  "
+                    f"min cos {row['min_cos']:.6f}{overlap}  saturated arrays {n_sat}")  # fmt: skip
+            log(f"  ({steps} decode steps per variant; {time.perf_counter() - t0:.0f} s for this layer)")
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes per token (docs/BENCHMARKS.md "KV cache bytes per token (issue 4)").
+# ---------------------------------------------------------------------------------------------
+TABLE_FORMATS = ("bf16", "fp8-channel", "fp8-tile", "fp8-tile-e8m0")
+TABLE_TOKENS = 512 * 1024
+LAYER_LABELS = {SLIDING: "sliding", CSA: "CSA", HCA: "HCA"}
+
+
+def bytes_tables(num_tokens: int = TABLE_TOKENS) -> str:
+    """The markdown tables of the docs section, from `CacheLayout` (tests/test_cache_layout.py re-derives them)."""
+    lines = ["| model | layer type | layers | " + " | ".join(f"{f} B/token/layer" for f in TABLE_FORMATS) + " |",
+             "| --- | --- | --- |" + " --- |" * len(TABLE_FORMATS)]  # fmt: skip
+    totals = ["| model | " + " | ".join(f"{f} GiB/request" for f in TABLE_FORMATS) + " | "
+              + " | ".join(f"{f} B/token" for f in TABLE_FORMATS) + " |",
+              "| --- |" + " --- |" * (2 * len(TABLE_FORMATS))]  # fmt: skip
+    for label, preset in (("V4-Flash", "v4-flash"), ("V4-Pro", "v4-pro")):
+        cfg = Config.preset(preset)
+        rope = cfg.qk_rope_head_dim
+        layouts = [CacheLayout.from_config(cfg, KVFormat.named(f, rope_dim=rope)) for f in TABLE_FORMATS]
+        per_type = [layout.by_layer_type(num_tokens) for layout in layouts]
+        for layer_type in (SLIDING, CSA, HCA):
+            if layer_type not in per_type[0]:
+                continue
+            cells = [f"{p[layer_type]['per_layer_per_token']:.2f}" for p in per_type]
+            lines.append(f"| {label} | {LAYER_LABELS[layer_type]} | {per_type[0][layer_type]['layers']} | "
+                         + " | ".join(cells) + " |")  # fmt: skip
+        gib = [f"{layout.bytes_per_request(num_tokens) / 2**30:.3f}" for layout in layouts]
+        per_token = [f"{layout.bytes_per_token(num_tokens):.1f}" for layout in layouts]
+        totals.append(f"| {label} | " + " | ".join(gib) + " | " + " | ".join(per_token) + " |")
+    return "\n".join(lines) + "\n\n" + "\n".join(totals)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--only", choices=["tiny", "real"], help="run one part (default both)")
+    p.add_argument("--bytes-table", action="store_true", help="print the bytes-per-token tables and exit")
+    p.add_argument("--fixture", default="tiny_long")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--tiny-len", type=int, default=320)
+    p.add_argument("--prefill", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--layers", default="csa,hca", help="real-size layer types: sliding,csa,hca")
+    p.add_argument("--norm-weights", default="skewed", help="skewed (log-normal kv_norm weights) and/or flat")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write all results here")
+    args = p.parse_args(argv)
+    if args.bytes_table:
+        print(bytes_tables())
+        return 0
+    # NOTE: a GPU would otherwise run float32 matmuls in TF32, noise of the order of the bf16 cache's own error.
+    jax.config.update("jax_default_matmul_precision", "highest")
+    log(f"jax {jax.__version__}, backend {jax.default_backend()}, {os.cpu_count()} CPUs; "
+        f"command: {' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:])}")  # fmt: skip
+    results = {}
+    t0 = time.perf_counter()
+    if args.only in (None, "tiny"):
+        results["tiny"] = part_tiny(args)
+    if args.only in (None, "real"):
+        results["real"] = part_real(args)
+    log(f"total {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), **results}, f, indent=1)
+    return 0 if all(math.isfinite(r["rel_l2"]) for rows in results.values() for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
