@@ -27,12 +27,13 @@ STREAM_AXES = ("batch", "seq", None, "embed")  # the residual copies [B, S, hc, 
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: Config, layer_idx: int, *, rngs: nnx.Rngs, dtype, attention_impl: str, moe_impl: str):
+    def __init__(self, config: Config, layer_idx: int, *, rngs: nnx.Rngs, dtype, attention_impl: str, moe_impl: str,
+                 indexer_impl: str = "jnp"):  # fmt: skip
         d, eps = config.hidden_size, config.rms_norm_eps
         self.attn_hc = HyperConnection(config, rngs=rngs)
         self.input_layernorm = RMSNorm(d, eps, axis_name="embed", rngs=rngs)
         self.self_attn = Attention(config, config.layer_types[layer_idx], rngs=rngs, dtype=dtype,
-                                   attention_impl=attention_impl)  # fmt: skip
+                                   attention_impl=attention_impl, indexer_impl=indexer_impl)  # fmt: skip
         self.ffn_hc = HyperConnection(config, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(d, eps, axis_name="embed", rngs=rngs)
         self.mlp = MoE(config, config.mlp_layer_types[layer_idx], rngs=rngs, dtype=dtype, moe_impl=moe_impl)
@@ -58,13 +59,14 @@ class DeepseekV4(nnx.Module):
     hyper-connection weights stay float32 as in the reference."""
 
     def __init__(self, config: Config, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, attention_impl: str = "jnp",
-                 moe_impl: str = "jnp"):  # fmt: skip
+                 moe_impl: str = "jnp", indexer_impl: str = "jnp"):  # fmt: skip
         d, v = config.hidden_size, config.vocab_size
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.embed_tokens = nnx.Dict(weight=param(rngs, (v, d), ("vocab", "embed"), dtype=dtype))
         self.layers = nnx.List([
-            DecoderLayer(config, i, rngs=rngs, dtype=dtype, attention_impl=attention_impl, moe_impl=moe_impl)
+            DecoderLayer(config, i, rngs=rngs, dtype=dtype, attention_impl=attention_impl, moe_impl=moe_impl,
+                         indexer_impl=indexer_impl)
             for i in range(config.num_hidden_layers)
         ])  # fmt: skip
         self.hc_head = HyperHead(config, rngs=rngs)
