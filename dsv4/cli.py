@@ -1,8 +1,10 @@
 """The `dsv4` command.
 
-    dsv4 generate --model tiny --prompt-len 4096 --max-new-tokens 8
-    dsv4 generate --model /path/to/checkpoint --token-ids 1,2,3 --max-new-tokens 16
-    dsv4 info --model v4-flash
+dsv4 generate --model tiny --prompt-len 4096 --max-new-tokens 8
+dsv4 generate --model /path/to/checkpoint --token-ids 1,2,3 --max-new-tokens 16
+dsv4 bench ttft --model tiny --lengths 1024,4096 --concurrency 1,4 --max-new-tokens 8
+dsv4 plan --model v4-flash --context 512k --devices 8 --kv-dtype fp8
+dsv4 info --model v4-flash
 """
 
 from __future__ import annotations
@@ -13,69 +15,295 @@ import os
 import sys
 import time
 
+EXAMPLES = """\
+examples:
+  dsv4 generate --model tiny --prompt-len 4096 --max-new-tokens 8        # random weights, synthetic prompt
+  dsv4 generate --model /path/to/checkpoint --prompt "Hello" --max-new-tokens 32
+  dsv4 bench ttft --model tiny --lengths 1024,4096 --concurrency 1,4     # TTFT / TPOT / ITL percentiles
+  dsv4 plan --model v4-flash --context 512k --devices 8 --kv-dtype fp8   # will it fit? per-device memory
+  dsv4 info --model v4-flash                                             # the resolved config
+"""
+
+
+def parse_count(text: str) -> int:
+    """'4096', '32k' / '32K' (× 1024), '1m' (× 1024²) → int."""
+    text = text.strip().lower()
+    scale = {"k": 1 << 10, "m": 1 << 20}.get(text[-1:], 1)
+    digits = text[:-1] if scale != 1 else text
+    try:
+        value = int(digits) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count like 4096, 32k or 1m") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def parse_counts(text: str) -> list[int]:
+    return [parse_count(part) for part in text.split(",") if part.strip()]
+
+
+# ----- shared options ------------------------------------------------------------------------------------
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny",
-                   help="a preset (tiny, v4-flash, v4-pro: random weights) or a checkpoint directory (default: tiny)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="weights and activations (default: float32 for tiny, bfloat16 otherwise)")
-    p.add_argument("--seed", type=int, default=0, help="seed for random weights and synthetic prompts")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="a preset (tiny, v4-flash, v4-pro: random weights) or a checkpoint directory "
+        "(config.json + safetensors; tokenizer.json enables --prompt). Default: tiny",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="weights and activations (default: float32 for tiny, bfloat16 otherwise)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed for random weights, synthetic prompts and sampling")
 
 
-def _load_model(args):
-    import jax.numpy as jnp
+def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
+    e = p.add_argument_group("engine", "how the engine batches and pads work (the defaults suit one long prompt)")
+    e.add_argument("--max-slots", type=int, default=None, help=f"requests running at once (default: {slots_default})")
+    e.add_argument(
+        "--max-model-len",
+        type=parse_count,
+        default=None,
+        help="longest prompt + new tokens, and each slot's cache length (default: just what is asked)",
+    )
+    e.add_argument(
+        "--chunk-size",
+        type=parse_count,
+        default=8192,
+        help="prefill at most this many tokens of one prompt per step (default 8192)",
+    )
+    e.add_argument(
+        "--max-num-batched-tokens",
+        type=parse_count,
+        default=None,
+        help="token budget of one step, all requests together (default: chunk size + max slots)",
+    )
+    e.add_argument(
+        "--policy",
+        default="prefill_priority",
+        choices=["prefill_priority", "decode_priority", "fcfs"],
+        help="who gets the step's budget first (default prefill_priority: a running long prefill "
+        "keeps its whole chunk)",
+    )
+    e.add_argument(
+        "--kv-dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="KV cache storage (default: the model's dtype)",
+    )
+    e.add_argument(
+        "--buckets",
+        type=parse_counts,
+        default=None,
+        help="comma-separated chunk widths calls are padded to; each one used compiles once "
+        "(default: powers of two up to the chunk size)",
+    )
+    e.add_argument(
+        "--max-packed-width",
+        type=int,
+        default=16,
+        help="chunks up to this width share one [max-slots, width] call; wider ones run alone (default 16)",
+    )
+    e.add_argument("--no-chat-template", action="store_true",
+                   help="encode --prompt as is, even if the tokenizer has a chat template")  # fmt: skip
 
-    import dsv4
 
-    dtype = args.dtype or ("float32" if args.model == "tiny" else "bfloat16")
-    if os.path.isdir(args.model):
-        return dsv4.load(args.model, dtype=jnp.dtype(dtype))
-    return dsv4.init_random(args.model, args.seed, dtype=jnp.dtype(dtype))
+def _make_llm(args, *, max_slots: int, max_model_len: int):
+    from dsv4.engine import LLM
+
+    return LLM(args.model, max_slots=args.max_slots or max_slots, max_model_len=args.max_model_len or max_model_len,
+               chunk_size=args.chunk_size, max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
+               kv_cache_dtype=args.kv_dtype, seed=args.seed, dtype=args.dtype, width_buckets=args.buckets,
+               max_packed_width=args.max_packed_width, chat_template=not args.no_chat_template)  # fmt: skip
+
+
+def _max_position_embeddings(model: str) -> int:
+    from dsv4.config import Config
+
+    return (Config.from_hf(model) if os.path.isdir(model) else Config.preset(model)).max_position_embeddings
+
+
+# ----- generate ------------------------------------------------------------------------------------------
 
 
 def cmd_generate(args) -> int:
     import numpy as np
 
-    from dsv4.generate import SamplingParams, generate
+    from dsv4.generate import SamplingParams
 
     t0 = time.perf_counter()
-    model = _load_model(args)
-    load_s = time.perf_counter() - t0
-    cfg = model.config
+    limit = _max_position_embeddings(args.model)
     if args.token_ids:
-        prompt = [int(t) for t in args.token_ids.split(",") if t.strip()]
+        prompt: list[int] | str = [int(t) for t in args.token_ids.split(",") if t.strip()]
+        prompt_len = len(prompt)
+    elif args.prompt is not None:
+        from dsv4.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model) if os.path.isdir(args.model) else None
+        if tokenizer is None:
+            raise ValueError(f"--prompt needs a tokenizer, and {args.model} has no tokenizer.json: use --token-ids")
+        prompt = tokenizer.encode(args.prompt, chat_template=not args.no_chat_template)
+        prompt_len = len(prompt)
     else:
-        prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, args.prompt_len).tolist()
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    stop = tuple(cfg.eos_token_ids) if args.stop_at_eos else ()
+        prompt_len = args.prompt_len
+        prompt = None  # drawn once the vocabulary is known
+    wanted_len = min(prompt_len + args.max_new_tokens, limit)
+    llm = _make_llm(args, max_slots=1, max_model_len=max(wanted_len, 2))
+    load_s = time.perf_counter() - t0
+    cfg = llm.config
+    if prompt is None:
+        prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, prompt_len).tolist()
+    ids = llm.encode(prompt)
     print(f"model {args.model}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, loaded in {load_s:.1f} s",
           file=sys.stderr)  # fmt: skip
-    print(f"prompt: {len(prompt)} tokens; generating up to {args.max_new_tokens}", file=sys.stderr)
-    tokens = []
+    print(f"prompt: {len(ids)} tokens; generating up to {args.max_new_tokens}", file=sys.stderr)
+    compile_s = llm.warmup(prompt_lens=[len(ids)]) if len(ids) + args.max_new_tokens <= llm.max_model_len else 0.0
 
-    def on_token(t):
-        tokens.append(t)
-        if not args.json:
-            print(t, end=" " if len(tokens) < args.max_new_tokens else "\n", flush=True)
-
-    result = generate(model, prompt, args.max_new_tokens, sampling, stop_token_ids=stop, on_token=on_token)
-    if tokens and len(tokens) < args.max_new_tokens and not args.json:
-        print()
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    stop = tuple(cfg.eos_token_ids) if args.stop_at_eos else ()
+    request_id = llm.add_request(ids, max_new_tokens=args.max_new_tokens, sampling=sampling, stop_token_ids=stop)
+    show_progress = len(ids) > llm.chunk_size
+    tty = sys.stderr.isatty()
+    output = None
+    while output is None:
+        events = llm.step()
+        progress = llm.progress(request_id)
+        if show_progress and progress is not None and not events:
+            done, total = progress
+            print(f"{'\r' if tty else ''}prefill {done}/{total} tokens", end="" if tty else "\n", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        for event in events:
+            if show_progress:
+                show_progress = False
+                print(f"{'\r' if tty else ''}prefill {len(ids)}/{len(ids)} tokens", file=sys.stderr, flush=True)
+            if not args.json:
+                print(event.token_id, end=" " if event.finish_reason is None else "\n", flush=True)
+            if event.output is not None:
+                output = event.output
+    metrics = output.metrics
     summary = {
-        "prompt_tokens": len(prompt), "generated_tokens": len(result.token_ids), "token_ids": result.token_ids,
-        "ttft_s": round(result.ttft_s, 4), "compile_s": round(result.compile_s, 2),
-        "tpot_s": None if not result.step_s else round(result.tpot_s, 4),
-        "prefill_tokens_per_s": round(len(prompt) / result.ttft_s, 1),
+        "prompt_tokens": len(ids), "generated_tokens": output.num_tokens, "token_ids": output.token_ids,
+        "finish_reason": output.finish_reason, "ttft_s": round(metrics.ttft_s, 4), "compile_s": round(compile_s, 2),
+        "tpot_s": None if metrics.tpot_s is None else round(metrics.tpot_s, 4),
+        "prefill_tokens_per_s": round(len(ids) / metrics.ttft_s, 1),
     }  # fmt: skip
+    if output.text is not None:
+        summary["text"] = output.text
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"TTFT {result.ttft_s * 1e3:.1f} ms for {len(prompt)} prompt tokens "
-              f"({summary['prefill_tokens_per_s']:.0f} tokens/s; compile {result.compile_s:.1f} s, not counted)")
-        if result.step_s:
-            print(f"TPOT {result.tpot_s * 1e3:.1f} ms (median of {len(result.step_s)}; no KV cache yet: "
-                  "each step re-runs the sequence)")  # fmt: skip
+        if output.text is not None:
+            print(output.text)
+        print(f"TTFT {metrics.ttft_s * 1e3:.1f} ms for {len(ids)} prompt tokens "
+              f"({summary['prefill_tokens_per_s']:.0f} tokens/s; compile {compile_s:.1f} s, not counted)")  # fmt: skip
+        if metrics.tpot_s is not None:
+            print(f"TPOT {metrics.tpot_s * 1e3:.1f} ms (mean of {output.num_tokens - 1} steps, cached decode)")
     return 0
+
+
+# ----- bench ---------------------------------------------------------------------------------------------
+
+
+def percentile(values, q: float) -> float | None:
+    import numpy as np
+
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def run_ttft_bench(llm, *, length: int, concurrency: int, max_new_tokens: int, seed: int) -> dict:
+    """`concurrency` synthetic prompts of `length` tokens submitted at once; latency percentiles (seconds)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, llm.config.vocab_size, length).tolist() for _ in range(concurrency)]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, max_new_tokens=max_new_tokens)
+    wall = time.perf_counter() - t0
+    errors = [o.error for o in outputs if o.error]
+    if errors:
+        raise ValueError(errors[0])
+    ttft = [o.metrics.ttft_s for o in outputs]
+    tpot = [o.metrics.tpot_s for o in outputs if o.metrics.tpot_s is not None]
+    itl = [gap for o in outputs for gap in o.metrics.itl_s]
+    generated = sum(o.num_tokens for o in outputs)
+    row = {
+        "length": length,
+        "concurrency": concurrency,
+        "max_new_tokens": max_new_tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": generated / wall,
+        "prefill_tokens_per_s": length * concurrency / max(ttft),
+    }
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        row[f"{name}_p50_s"], row[f"{name}_p99_s"] = percentile(values, 50), percentile(values, 99)
+    return row
+
+
+def format_latency_table(rows: list[dict]) -> str:
+    def ms(value):
+        return "-" if value is None else f"{value * 1e3:.1f}"
+
+    header = (f"{'length':>8} {'conc':>4} {'TTFT p50':>10} {'TTFT p99':>10} {'TPOT p50':>9} {'TPOT p99':>9} "
+              f"{'ITL p50':>9} {'ITL p99':>9} {'out tok/s':>9} {'prefill tok/s':>13}")  # fmt: skip
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r['length']:>8} {r['concurrency']:>4} {ms(r['ttft_p50_s']):>10} {ms(r['ttft_p99_s']):>10} "
+            f"{ms(r['tpot_p50_s']):>9} {ms(r['tpot_p99_s']):>9} {ms(r['itl_p50_s']):>9} "
+            f"{ms(r['itl_p99_s']):>9} {r['output_tokens_per_s']:>9.1f} {r['prefill_tokens_per_s']:>13.0f}"
+        )
+    return "\n".join(lines) + "\n(latencies in ms; p50 / p99 over requests, ITL over every gap between tokens)"
+
+
+def cmd_bench_ttft(args) -> int:
+    limit = _max_position_embeddings(args.model)
+    longest = max(args.lengths) + args.max_new_tokens
+    if longest > limit:
+        raise ValueError(f"length {max(args.lengths)} + {args.max_new_tokens} new tokens exceeds the model's "
+                         f"max_position_embeddings={limit}")  # fmt: skip
+    t0 = time.perf_counter()
+    llm = _make_llm(args, max_slots=max(args.concurrency), max_model_len=longest)
+    print(f"model {args.model} loaded in {time.perf_counter() - t0:.1f} s; engine: {llm.runner.max_slots} slots of "
+          f"{llm.max_model_len} tokens, chunk {llm.chunk_size}", file=sys.stderr)  # fmt: skip
+    rows = []
+    for length in args.lengths:
+        for concurrency in args.concurrency:
+            kwargs = dict(length=length, concurrency=concurrency, max_new_tokens=args.max_new_tokens, seed=args.seed)
+            if not args.no_warmup:  # same shapes, not measured: compilation stays out of the numbers
+                compile_before = llm.runner.compile_s
+                run_ttft_bench(llm, **kwargs)
+                print(f"warm-up length {length} × {concurrency}: compiled for "
+                      f"{llm.runner.compile_s - compile_before:.1f} s", file=sys.stderr)  # fmt: skip
+            rows.append(run_ttft_bench(llm, **kwargs))
+    if args.json:
+        print(json.dumps({"model": args.model, "chunk_size": llm.chunk_size, "max_slots": llm.runner.max_slots,
+                          "rows": rows}))  # fmt: skip
+    else:
+        print(format_latency_table(rows))
+    return 0
+
+
+# ----- plan ----------------------------------------------------------------------------------------------
+
+
+def cmd_plan(args) -> int:
+    from dsv4.config import Config
+    from dsv4.memory_plan import format_plan, plan_memory, plan_to_dict
+
+    cfg = Config.from_hf(args.model) if os.path.isdir(args.model) else Config.preset(args.model)
+    plan = plan_memory(cfg, context=args.context, devices=args.devices, kv_dtype=args.kv_dtype,
+                       weights_dtype=args.weights_dtype, chunk_size=args.chunk_size,
+                       device_memory_gib=args.device_memory_gib, headroom=args.headroom)  # fmt: skip
+    print(json.dumps(plan_to_dict(plan)) if args.json else format_plan(plan))
+    return 0 if plan.fits else 1
+
+
+# ----- info ----------------------------------------------------------------------------------------------
 
 
 def cmd_info(args) -> int:
@@ -90,28 +318,104 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dsv4",
         description="dsv4: DeepSeek-V4 inference in JAX, built for long-prompt time to first token.",
-        epilog="Examples:\n  dsv4 generate --model tiny --prompt-len 4096 --max-new-tokens 8\n"
-               "  dsv4 info --model v4-flash",
+        epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    g = sub.add_parser("generate", help="prefill a prompt, generate tokens, print TTFT",
-                       description="Prefill a prompt (synthetic random tokens unless --token-ids is given), "
-                                   "generate tokens and report time to first token.")  # fmt: skip
+    g = sub.add_parser(
+        "generate", help="prefill one prompt, stream the generated tokens, print TTFT",
+        description="Prefill one prompt (random tokens unless --token-ids or --prompt is given) in chunks, "
+                    "stream the generated token ids to stdout as they come, then print the time to first token "
+                    "(TTFT) and time per output token (TPOT). Compilation happens first and is reported apart. "
+                    "A prompt longer than one chunk shows 'prefill N/M tokens' progress on stderr.",
+        epilog="examples:\n  dsv4 generate --model tiny --prompt-len 32k --max-new-tokens 8\n"
+               "  dsv4 generate --model /ckpt --token-ids 1,2,3 --max-new-tokens 16 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     _add_model_args(g)
-    g.add_argument("--prompt-len", type=int, default=4096, help="synthetic prompt length (default 4096)")
-    g.add_argument("--token-ids", default=None, help="comma-separated prompt token ids instead of a synthetic one")
-    g.add_argument("--max-new-tokens", type=int, default=8)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--stop-at-eos", action="store_true", help="stop at the config's eos_token_id")
+    prompt = g.add_argument_group("prompt (one of)")
+    prompt.add_argument(
+        "--prompt-len",
+        type=parse_count,
+        default=4096,
+        help="length of a random synthetic prompt, e.g. 4096 or 32k (default 4096)",
+    )
+    prompt.add_argument("--token-ids", default=None, help="comma-separated prompt token ids")
+    prompt.add_argument("--prompt", default=None, help="prompt text (needs tokenizer.json in the checkpoint)")
+    s = g.add_argument_group("sampling")
+    s.add_argument("--max-new-tokens", type=int, default=8, help="tokens to generate (default 8)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    s.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set reaching this probability")
+    s.add_argument("--stop-at-eos", action="store_true", help="stop at the config's eos_token_id")
     g.add_argument("--json", action="store_true", help="print one JSON summary line instead of text")
-    g.set_defaults(func=cmd_generate)
+    _add_engine_args(g, slots_default="1")
+    g.set_defaults(func=cmd_generate)  # fmt: skip
+
+    b = sub.add_parser("bench", help="serving benchmarks (bench ttft)",
+                       description="Serving benchmarks on synthetic prompts.")  # fmt: skip
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    t = bsub.add_parser(
+        "ttft", help="TTFT / TPOT / ITL percentiles over prompt lengths × concurrency",
+        description="For each prompt length and concurrency: submit that many random prompts at once, generate "
+                    "--max-new-tokens each, and report p50 / p99 of TTFT (arrival → first token), TPOT (time per "
+                    "output token after the first) and ITL (every gap between two tokens), plus throughput. Each "
+                    "case runs once unmeasured first, so compilation stays out of the numbers.",
+        epilog="example:\n  dsv4 bench ttft --model tiny --lengths 1024,4096 --concurrency 1,4 --max-new-tokens 8",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    _add_model_args(t)
+    t.add_argument("--lengths", type=parse_counts, default=[1024, 4096], help="prompt lengths (default 1024,4096)")
+    t.add_argument("--concurrency", type=parse_counts, default=[1, 4], help="requests at once (default 1,4)")
+    t.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per request (default 8)")
+    t.add_argument("--no-warmup", action="store_true", help="skip the unmeasured first run (numbers include compiles)")
+    t.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    _add_engine_args(t, slots_default="the largest concurrency")
+    t.set_defaults(func=cmd_bench_ttft)
+
+    p = sub.add_parser(
+        "plan", help="per-device memory ledger for one long prompt; refuses a plan that does not fit",
+        description="Adds up, per device, what one prompt of --context tokens needs: weights (routed experts "
+                    "split over the devices, the rest replicated), the KV cache (compressed entries split over the "
+                    "devices along the sequence, plus each layer's sliding-window ring), one chunk's activations "
+                    "and the communication buffers; then applies 1.2x headroom. Exits 1 if it does not fit "
+                    "--device-memory-gib, naming the changes that would make it fit.",
+        epilog="examples:\n  dsv4 plan --model v4-flash --context 512k --devices 8 --kv-dtype fp8\n"
+               "  dsv4 plan --model v4-pro --context 512k --devices 8 --kv-dtype fp8 --weights-dtype fp8",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument("--model", default="v4-flash", help="a preset or a checkpoint directory (default v4-flash)")
+    p.add_argument(
+        "--context", type=parse_count, default=524288, help="prompt tokens, e.g. 524288 or 512k (default 512k)"
+    )
+    p.add_argument("--devices", type=int, default=8, help="devices (GPUs) the model is spread over (default 8)")
+    p.add_argument(
+        "--kv-dtype", default="bf16", choices=["bf16", "fp8", "fp32"], help="KV cache storage (default bf16)"
+    )
+    p.add_argument(
+        "--weights-dtype",
+        default="bf16",
+        choices=["bf16", "fp8", "fp32"],
+        help="weight storage (default bf16; fp8 = e4m3 with 128x128 block scales)",
+    )
+    p.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=96.0,
+        help="memory of one device (default 96: the seed article's H20; an H200 has about 140)",
+    )
+    p.add_argument("--chunk-size", type=parse_count, default=8192, help="prefill chunk (default 8192)")
+    p.add_argument("--headroom", type=float, default=1.2, help="plan for this multiple of the peak (default 1.2)")
+    p.add_argument("--json", action="store_true", help="print the ledger as one JSON object")
+    p.set_defaults(func=cmd_plan)  # fmt: skip
+
+    from dsv4.convert import add_convert_parser
+
+    add_convert_parser(sub)
 
     i = sub.add_parser("info", help="print the resolved config of a preset or checkpoint")
-    i.add_argument("--model", default="tiny")
+    i.add_argument("--model", default="tiny", help="a preset or a checkpoint directory (default tiny)")
     i.set_defaults(func=cmd_info)
     return parser
 
@@ -120,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"dsv4: error: {e}", file=sys.stderr)
         return 2
 

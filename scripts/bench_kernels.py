@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""GPU benchmark for the Pallas attention kernel (issue "Pallas kernels I", attention part).
+"""GPU benchmark for the Pallas kernels: attention, lightning indexer, paged decode, MoE ("Pallas kernels I").
 
-One call gives every number, each measured in the same run as its ceilings:
+One call gives every number of the sections it runs, each measured in the same run as its ceilings:
 
-    python3 scripts/bench_kernels.py --out $OUT            # H200 (the default lengths 32K, 128K, 512K)
+    python3 scripts/bench_kernels.py --only ceilings,attention,cudnn,fp8 --out $OUT   # H200, attention (~6–7 min)
+    python3 scripts/bench_kernels.py --only indexer,decode,moe --budget 420 --out $OUT  # H200, the others (~7 min)
     python3 scripts/bench_kernels.py --smoke --out /tmp/b   # CPU, tiny shapes, Pallas interpreted (checks the script)
 
-Sections (``--only ceilings,attention,cudnn,fp8``; all by default):
+Sections (``--only ceilings,attention,cudnn,fp8,indexer,decode,moe``; all by default, which does not fit one
+600 s call: the budget then drops the tail, so run the two groups above separately):
 
 ceilings   bf16 matmul 8192³ and 16384³, fp8 e4m3 matmul (``jnp.dot(..., preferred_element_type=f32)``) at the
            same sizes, and device-to-device copy bandwidth (``x ^ 1`` over a 4 GiB uint32 buffer, bytes read +
@@ -33,6 +35,42 @@ cudnn      ``jax.nn.dot_product_attention(implementation="cudnn", is_causal=True
 fp8        the Pallas kernel with kv and compressed entries in float8_e4m3fn with per-channel scales, against
            the bf16 kernel on the dequantized values (same function, so the relative L2 should be ~0), at one
            length (``--fp8-length``, default the middle of ``--lengths``).
+indexer    ``dsv4.pallas.indexer.index_topk`` (Pallas, streaming top-k) at V4-Flash shapes: B=1, Hi=64 index heads ×
+           Di=128, keys C = S/4, top-512, S = 32K, 128K, 512K (``--indexer-lengths``). fp8: q e4m3 with per
+           (token, head) scales, keys e4m3 with per-entry scales (DeepSeek's act_quant, block = Di); bf16: the same
+           random values unquantized. Against ``dsv4.attention.index_topk_jnp`` (XLA: einsum → ReLU → weighted sum →
+           mask → lax.top_k, 1024 queries per scan step) in bf16, where one call is predicted under
+           ``--indexer-xla-max-call`` (5 s; it is quadratic: ~22 s per call at 512K). Checks at the smallest S, on
+           the timed calls' outputs: every list valid (indices in [-1, visible), distinct, min(visible, 512) valid);
+           per-row set equality Pallas bf16 vs XLA bf16, and Pallas fp8 vs index_topk_jnp on the dequantized float32
+           inputs (HIGHEST precision); near-tie swaps are allowed: the fraction of differing picks and the worst
+           relative score deficit of a differing pick against the other list's 512th score are reported.
+decode     ``dsv4.pallas.decode.paged_decode_attention`` (flash-decoding over paged caches), H=64, D=512, window ring
+           128, 64 entries per page, at batch 1 and 32 (``--decode-batches``) and contexts 32K, 128K, 512K
+           (``--decode-contexts``), bf16 and fp8 pages (``--decode-fp8-scales``: per token and 64-channel tile, or
+           per channel). Layer types: hca (ring + all C = ctx/128 entries), csa (ring + 512 distinct random picks
+           of C = ctx/4 entries), sweep (ring + all C = ctx/4 entries: what reading the whole CSA cache costs, the
+           case where the bytes are large enough to measure bandwidth; bf16 and fp8, ``--decode-sweep-dtypes``).
+           Page pools are physical (256 MiB ring, 1.5 GiB compressed in bf16) and block tables map every request's
+           pages to random pool pages, with enough distinct request tables per item that the calls rotate through
+           >= 512 MiB (no L2 reuse between calls). Time: bursts of back-to-back calls (no sync between), median per
+           call ("pipelined"), plus the synchronized latency ("sync" in the note), plus a launch floor per argument
+           structure (a trivial executable with the same arguments, dispatched the same way). Checked against
+           ``paged_decode_attention_reference`` at the smallest context and largest batch (every layer and dtype),
+           and once with NaN-poisoned split partials (csa, bf16).
+moe        one V4-Flash MoE layer's routed experts: D=4096, I=2048, E=256, top-6; the shared expert is excluded.
+           Tokens 8K, 64K, 512K (``--moe-tokens``); routing: expert popularity ∝ (rank + 1)^-0.3 (``--moe-zipf``,
+           0 = uniform; ~3.7× max/mean load at the expert level), 6 distinct experts per token drawn ∝ popularity
+           (Gumbel top-k). Random weights, bf16 (12 GiB) and DeepSeek fp8 (128 × 128 block scales).
+           ``dsv4.pallas.moe.routed_experts`` (sort + gather + grouped_gate_up + grouped_down + combine) in bf16 and
+           W8A8 (``--moe-modes``; w8a16 also possible); a capacity-padded batched einsum (capacity = 1.25 × mean
+           pairs per expert, rounded up to 16; overflowing pairs are dropped, the drop fraction is reported; defined
+           here: ``capacity_einsum``); ``dsv4.moe.routed_experts_jnp`` (sort + ``lax.ragged_dot``) at the smallest
+           N and, if it ran, the middle one. Every executable's temporaries + outputs are read from the compiled
+           object and the item is skipped if they exceed the free memory (ragged_dot asked for 96 GiB at 8K
+           tokens in ANCHORS). BlockSizes sweep at the middle N (``--moe-variants-bf16``, ``--moe-variants-w8a8``).
+           Check at the smallest N: each output's relative L2 against the no-drop einsum (capacity = the largest
+           expert load, float32 intermediates), an implementation that shares nothing with the kernels.
 
 FLOPs (useful work; 2 per multiply-add; Q·Kᵀ and P·V are 2·D each, so 4·D per (query, head, key)):
     V4:    FLOPs = 4 · B · H · D · Σ_p [ min(p + 1, W)                                  (window)
@@ -43,6 +81,20 @@ FLOPs (useful work; 2 per multiply-add; Q·Kᵀ and P·V are 2·D each, so 4·D 
     cuDNN: FLOPs = 4 · H · D · S² / 2 (causal).
     TB/s column: the fewest bytes the op must move (q read, out written, kv + compressed + top-k read once)
            over its time; for the copy, bytes read + written.
+    Indexer: useful FLOPs = 2 · Hi · Di · Σ_p visible(p), visible(p) = min((p + 1) // 4, C) (multiply-adds of the
+           visible (query, key) pairs × 2); the note also gives the rate on the dense count 2 · Hi · Di · S · C / 2.
+           Same count for Pallas and XLA (XLA computes all S · C pairs). The % column: of this run's fp8 matmul for
+           fp8 rows, of the bf16 matmul for bf16 rows. Bytes: q, keys, weights, positions, scales read once, the
+           top-k written once.
+    Decode: bytes = B · (q read + output written, 2 · H · D · 2) + per request: visible ring rows min(ctx, 128)
+           and the compressed rows read (hca / sweep: all C; csa: the 512 picks) × (D · itemsize + tile scales
+           D/64 · 4 B for fp8), the top-k list (4 B a slot) and the block-table entries dereferenced (4 B each). Not
+           counted: the kernel's split partials. The % column: of this run's copy bandwidth.
+           FLOPs = 4 · B · H · D · (ring rows + compressed rows read).
+    MoE:   useful FLOPs = 2 · 3 · D · I · N · 6 (gate, up, down per token-expert pair), the same for every
+           implementation (the einsum computes 1.25× that on padded slots and drops pairs; the note says how much).
+           The % column: of the fp8 matmul for W8A8, of the bf16 matmul otherwise. Bytes: every expert weight read
+           once (+ fp8 block scales), x read and the output written.
 
 CSA top-k scheme (cheap on device: one fused elementwise pass over [S, 512]): query p has
 n = min((p + 1) // 4, C) visible entries. If n <= 512, slot j lists entry j for j < n, -1 after. Otherwise the
@@ -56,6 +108,7 @@ Timing: AOT compile (``.trace().lower().compile()``, reported separately), one o
 median of individually synchronized calls (``jax.block_until_ready`` + ``time.perf_counter``): as many as fit
 in ``--target-s`` seconds, clamped to 5–10 (up to 50 for calls under 1 ms; 3 for calls over 2 s). Small inputs
 rotate between 2 input sets; attention q above 4 GiB (S > 64K) does not (it is far beyond the 60 MB L2 anyway).
+Decode calls (microseconds) are timed pipelined instead (above). In --smoke every item runs 2 timed calls.
 
 Budget (``--budget``, 450 s by default, counted from the script's start; the device tool kills a command at
 600 s): before each item the script predicts its cost, compile (the largest recent compile time of that kind;
@@ -70,26 +123,43 @@ Order of work (a slow Triton compile, ~40 of them in all, must not starve the ma
   5. attention at the larger S: XLA path + baseline variant;
   6. the other variants: all at the smallest S; at each larger S, first each layer's fastest variant at the
      smallest S, then the rest, in order of S (the budget drops the tail).
+  7. (only when indexer / decode / moe run without ``ceilings``) lite ceilings: bf16 matmul 16384³, fp8 matmul
+     16384³ through cuBLASLt only (``xla_gpu_enable_triton_gemm=False``: XLA's Triton autotuning of the fp8 dot
+     compiled for 26 s at 8192³ and 105 s at 16384³ in one H200 run), the copy;
+  8. decode: per context, hca then csa, bf16 then fp8, each batch size; then the sweep, largest context first;
+  9. moe: per N below ``--large-from`` (8K, 64K) each mode's baseline variant, the einsum, ragged_dot at 8K; then
+     the BlockSizes sweep at 64K; then ragged_dot at 64K if it ran at 8K;
+ 10. indexer below ``--large-from`` (32K, 128K): per S, Pallas fp8, Pallas bf16, XLA bf16 (+ the checks at 32K);
+ 11. moe-large (512K tokens);  12. indexer-large (512K).
 The larger lengths come after cudnn and fp8 also because a kernel fault there (an illegal address is a sticky
-CUDA error: nothing after it runs on the GPU) then costs only what follows.
-Expected total on one H200: about 6–7 minutes (docs/BENCHMARKS.md has the per-section estimate).
+CUDA error: nothing after it runs on the GPU) then costs only what follows; likewise the 512K MoE and indexer
+items (arrays past 2^31 elements, the largest temporaries) run last. Steps 8–12 each have a cap
+(``--section-budgets``, GPU default decode=80, moe=100, indexer=100, moe-large=40, indexer-large=70 s) inside the
+global budget, so one slow step does not starve the next; time a step leaves unused goes to the next. A watchdog
+(``--hard-stop``, default budget + 90 s) prints the table from what was measured and exits if an item runs far
+past its prediction (a compile cannot be interrupted otherwise).
+Expected totals on one H200: attention group about 6–7 minutes; indexer / decode / moe group about 7 minutes
+(docs/BENCHMARKS.md has the per-section estimates).
 
 Memory (S = 512K: q and out are 32 GiB each in bf16): one q set, one output alive at a time (each timed result
 is deleted before the next call), XLA outputs kept only as sample rows above 8 GiB, everything deleted between
 layers. ``XLA_PYTHON_CLIENT_MEM_FRACTION`` defaults to 0.92 here (JAX's own default, 0.75, is ~104 GiB).
 
 Output: a log line per measurement, SKIP/ERROR lines (one failing item never stops the run), and a compact
-final table. ``--out DIR`` also writes DIR/bench_kernels.json (all numbers, every run's times, errors with
-tracebacks; rewritten after every section) and DIR/bench_kernels.log (the whole printed log).
+final table (decode as a matrix: layer × context against dtype-batch; one summary line per indexer S and MoE
+N). ``--out DIR`` also writes DIR/bench_kernels.json (all numbers, every run's times, errors with tracebacks;
+rewritten after every section) and DIR/bench_kernels.log (the whole printed log).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
 import gc
+import importlib
 import json
 import math
 import os
@@ -97,6 +167,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import types
@@ -107,6 +178,9 @@ _SMOKE = "--smoke" in sys.argv
 # NOTE: both must be set before jax is imported.
 if _SMOKE:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # Every helper jit compiles for XLA:CPU too: the fast options (see FAST_CPU_COMPILE) for all of them.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                               " --xla_llvm_disable_expensive_passes=true").strip()
 else:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
@@ -119,7 +193,9 @@ sys.path.insert(0, str(ROOT))
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 GiB = 1 << 30
-SECTIONS = ("ceilings", "attention", "cudnn", "fp8")
+SECTIONS = ("ceilings", "attention", "cudnn", "fp8", "indexer", "decode", "moe")
+NEW_SECTIONS = ("indexer", "decode", "moe")  # these measure their own (lite) ceilings when "ceilings" is not run
+STEPS_EXTRA = ("ceilings-lite", "moe-large", "indexer-large")  # steps run as part of a section (caps by step name)
 LAYERS = ("sliding", "hca", "csa")
 # Interpret mode compiles a large HLO while loop; these options halve XLA:CPU's compile time (as in the tests).
 FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -139,17 +215,41 @@ class Shapes:
     cudnn_head_dim: int
     matmul_sizes: tuple[int, ...]
     copy_bytes: int
+    # lightning indexer (topk and csa_rate above are shared with it)
+    index_heads: int = 64
+    index_dim: int = 128
+    # decode: entries per page (ring and compressed pools), physical pool sizes, bytes to rotate through per item
+    page_size: int = 64
+    ring_pool_bytes: int = 256 << 20
+    compressed_pool_bytes: int = 1536 << 20
+    rotate_bytes: int = 512 << 20
+    # MoE (V4-Flash routed experts; the shared expert is not part of the benchmark)
+    moe_hidden: int = 4096
+    moe_inter: int = 2048
+    moe_experts: int = 256
+    moe_topk: int = 6
+    swiglu_limit: float = 10.0
 
 
 GPU_SHAPES = Shapes(heads=64, head_dim=512, window=128, hca_rate=128, csa_rate=4, topk=512, cudnn_head_dim=256,
                     matmul_sizes=(8192, 16384), copy_bytes=4 * GiB)  # fmt: skip
 SMOKE_SHAPES = Shapes(heads=4, head_dim=32, window=16, hca_rate=16, csa_rate=4, topk=16, cudnn_head_dim=32,
-                      matmul_sizes=(256, 512), copy_bytes=16 << 20)  # fmt: skip
+                      matmul_sizes=(256, 512), copy_bytes=16 << 20, index_heads=4, index_dim=32, page_size=8,
+                      ring_pool_bytes=32 << 10, compressed_pool_bytes=128 << 10, rotate_bytes=64 << 10,
+                      moe_hidden=128, moe_inter=128, moe_experts=8, moe_topk=2)  # fmt: skip
 
 # name:spec, spec = comma-separated kv=<block_kv = block_compressed = block_topk>, w=<num_warps>, s=<num_stages>,
 # q=<block_q>, h=<block_h>. "default" is BlockSizes() (1 token × 64 heads, 64-row KV blocks, 8 warps, 2 stages).
 GPU_VARIANTS = "default;kv32-s3:kv=32,s=3;kv64-s1:kv=64,s=1;kv128-s1:kv=128,s=1"
 SMOKE_VARIANTS = "default;kv16:kv=16;kv32-s1:kv=32,s=1"
+# MoE BlockSizes variants: m=<block_m>, n=<block_n>, k=<block_k>, w=<num_warps>, s=<num_stages>; "default" is
+# BlockSizes() (64 × 128 × 64, 8 warps, 3 stages). The bf16 gate_up tile at block_k = 128 needs 80 KiB of SMEM per
+# stage, so the bf16 list keeps block_k = 64; W8A8 tiles are half the bytes.
+GPU_MOE_VARIANTS = {"bf16": "default;m128:m=128;n64-s4:n=64,s=4",
+                    "w8a8": "default;k128-s4:k=128,s=4;m128k128:m=128,k=128,s=3"}  # fmt: skip
+SMOKE_MOE_VARIANTS = {"bf16": "default;m16:m=16", "w8a8": "default"}
+# Per-step caps in seconds (each also bounded by --budget): one slow step cannot starve the next.
+GPU_SECTION_BUDGETS = "decode=80,moe=100,indexer=100,moe-large=40,indexer-large=70"
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -161,13 +261,18 @@ def parse_lengths(text: str) -> list[int]:
     return sorted(set(out))
 
 
-def parse_variants(text: str, block_sizes_cls, on_error) -> list[tuple[str, object]]:
+ATTENTION_VARIANT_KEYS = {"kv": ("block_kv", "block_compressed", "block_topk"), "w": ("num_warps",),
+                          "s": ("num_stages",), "q": ("block_q",), "h": ("block_h",)}  # fmt: skip
+MOE_VARIANT_KEYS = {"m": ("block_m",), "n": ("block_n",), "k": ("block_k",), "w": ("num_warps",),
+                    "s": ("num_stages",)}  # fmt: skip
+
+
+def parse_variants(text: str, block_sizes_cls, on_error, keys=None) -> list[tuple[str, object]]:
     """'name:kv=32,s=3;...' → [(name, BlockSizes)]; a bad entry is reported through on_error and dropped.
 
     The first entry is the baseline: the poisoned check and the fp8 section use it.
     """
-    keys = {"kv": ("block_kv", "block_compressed", "block_topk"), "w": ("num_warps",), "s": ("num_stages",),
-            "q": ("block_q",), "h": ("block_h",)}  # fmt: skip
+    keys = keys or ATTENTION_VARIANT_KEYS
     out = []
     for item in text.split(";"):
         item = item.strip()
@@ -201,6 +306,31 @@ def parse_args():
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (GPU default 450)")
     p.add_argument("--target-s", type=float, default=None, help="seconds of timed calls per item (default 1.5)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hard-stop", type=float, default=None,
+                   help="seconds after the start at which a watchdog prints the table and exits, even mid-item "
+                        "(default --budget + 90; 0 = off)")  # fmt: skip
+    g = p.add_argument_group("indexer / decode / moe sections")
+    g.add_argument("--indexer-lengths", default=None, help="indexer S values (GPU default 32k,128k,512k)")
+    g.add_argument("--indexer-xla-fp8", action="store_true",
+                   help="also time index_topk_jnp on fp8 inputs (XLA's fp8 dot autotuning can compile for minutes)")
+    g.add_argument("--indexer-xla-max-call", type=float, default=None,
+                   help="skip the XLA indexer above the smallest S when one call is predicted longer (s, default 5)")
+    g.add_argument("--decode-contexts", default=None, help="decode context lengths (GPU default 32k,128k,512k)")
+    g.add_argument("--decode-batches", default=None, help="decode batch sizes (GPU default 1,32)")
+    g.add_argument("--decode-fp8-scales", choices=("tile", "channel"), default="tile",
+                   help="fp8 page scales: per token and 64-channel tile (default) or per channel")
+    g.add_argument("--decode-sweep-dtypes", default=None, help="dtypes of the full-cache sweep (GPU default bf16,fp8)")
+    g.add_argument("--moe-tokens", default=None, help="MoE token counts (GPU default 8k,64k,512k)")
+    g.add_argument("--moe-modes", default="bf16,w8a8", help="Pallas MoE modes: bf16, w8a8, w8a16")
+    g.add_argument("--moe-zipf", type=float, default=0.3,
+                   help="routing skew: expert popularity ∝ (rank + 1)^-zipf (0 = uniform; default 0.3)")
+    g.add_argument("--moe-variants-bf16", default=None, help=f"GPU default {GPU_MOE_VARIANTS['bf16']!r}")
+    g.add_argument("--moe-variants-w8a8", default=None, help=f"GPU default {GPU_MOE_VARIANTS['w8a8']!r}")
+    g.add_argument("--large-from", type=int, default=None,
+                   help="indexer S and MoE N at or above this run last, after everything else (steps indexer-large, "
+                        "moe-large; GPU default 262144, smoke 128)")  # fmt: skip
+    g.add_argument("--section-budgets", default=None,
+                   help=f"per-section caps in seconds, e.g. {GPU_SECTION_BUDGETS!r} (GPU default; none in --smoke)")
     args = p.parse_args()
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
     args.layers = [s.strip() for s in args.layers.split(",") if s.strip()]
@@ -216,6 +346,28 @@ def parse_args():
     args.fp8_length = args.fp8_length or args.lengths[len(args.lengths) // 2]
     args.budget = args.budget or (1e9 if args.smoke else 450.0)
     args.target_s = args.target_s or (0.05 if args.smoke else 1.5)
+    args.indexer_lengths = parse_lengths(args.indexer_lengths or ("96,128" if args.smoke else "32k,128k,512k"))
+    args.indexer_xla_max_call = args.indexer_xla_max_call or (1e9 if args.smoke else 5.0)
+    args.decode_contexts = parse_lengths(args.decode_contexts or ("256,512" if args.smoke else "32k,128k,512k"))
+    args.decode_batches = parse_lengths(args.decode_batches or ("2" if args.smoke else "1,32"))
+    args.decode_sweep_dtypes = [d.strip() for d in (args.decode_sweep_dtypes or ("bf16" if args.smoke else
+                                                                                  "bf16,fp8")).split(",") if d.strip()]
+    args.moe_tokens = parse_lengths(args.moe_tokens or ("32,128" if args.smoke else "8k,64k,512k"))
+    args.moe_modes = [m.strip() for m in args.moe_modes.split(",") if m.strip()]
+    for m in args.moe_modes:
+        if m not in ("bf16", "w8a8", "w8a16"):
+            p.error(f"--moe-modes: unknown mode {m!r}; known: bf16, w8a8, w8a16")
+    moe_variants = SMOKE_MOE_VARIANTS if args.smoke else GPU_MOE_VARIANTS
+    args.moe_variants_bf16 = args.moe_variants_bf16 or moe_variants["bf16"]
+    args.moe_variants_w8a8 = args.moe_variants_w8a8 or moe_variants["w8a8"]
+    args.large_from = args.large_from or (128 if args.smoke else 262144)
+    budgets = args.section_budgets if args.section_budgets is not None else ("" if args.smoke else GPU_SECTION_BUDGETS)
+    args.section_budgets = {}
+    for item in filter(None, (x.strip() for x in budgets.split(","))):
+        name, _, value = item.partition("=")
+        if name.strip() not in SECTIONS + STEPS_EXTRA:
+            p.error(f"--section-budgets: unknown section {name!r}; known: {SECTIONS + STEPS_EXTRA}")
+        args.section_budgets[name.strip()] = float(value)
     return args
 
 
@@ -280,15 +432,27 @@ class Budget:
     def __init__(self, total_s: float, rec: Recorder):
         self.deadline = T_START + total_s
         self.rec = rec
+        self.global_deadline = self.deadline
         self.compile_seen: dict[str, list[float]] = {}
-        self.compile_guess = {"pallas": 20.0, "xla": 10.0, "cudnn": 8.0, "matmul": 5.0}
+        self.compile_guess = {"pallas": 20.0, "xla": 10.0, "cudnn": 8.0, "matmul": 5.0, "indexer": 30.0,
+                              "decode": 6.0, "moe": 15.0}  # fmt: skip
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
+    @contextlib.contextmanager
+    def cap(self, seconds: float | None):
+        """Within the block, the deadline is at most `seconds` from now (a per-section cap)."""
+        if seconds:
+            self.deadline = min(self.global_deadline, time.monotonic() + seconds)
+        try:
+            yield
+        finally:
+            self.deadline = self.global_deadline
+
     def compile_est(self, kind: str) -> float:
         seen = self.compile_seen.get(kind)
-        return max(seen[-3:]) if seen else self.compile_guess[kind]
+        return max(seen[-3:]) if seen else self.compile_guess.get(kind, 20.0)
 
     def saw_compile(self, kind: str, seconds: float):
         if seconds < 0.05:  # a hit in jax's own compilation cache says nothing about the next compile
@@ -306,6 +470,8 @@ class Budget:
 # Timing.
 # ---------------------------------------------------------------------------------------------
 def planned_reps(t_call: float, target_s: float) -> int:
+    if _SMOKE:  # the CPU check proves the code paths; interpreted kernels are slow and their times mean nothing
+        return 2
     if t_call > 2.0:
         return 3
     hi = 50 if t_call < 1e-3 else 10
@@ -347,11 +513,13 @@ def time_compiled(fn, arg_sets: list[dict], *, target_s: float, budget: Budget, 
                 spread=(max(times) - min(times)) / med if med > 0 else 0.0)  # fmt: skip
 
 
-def aot_compile(fn, kwargs: dict, static: dict | None = None):
+def aot_compile(fn, kwargs: dict, static: dict | None = None, compiler_options: dict | None = None):
     """→ (compiled, seconds) for jax.jit-wrapped fn traced with kwargs (+ static kwargs)."""
     t0 = time.perf_counter()
     lowered = fn.trace(**kwargs, **(static or {})).lower()
-    compiled = lowered.compile(compiler_options=FAST_CPU_COMPILE if _SMOKE else None)
+    options = dict(FAST_CPU_COMPILE) if _SMOKE else {}
+    options.update(compiler_options or {})
+    compiled = lowered.compile(compiler_options=options or None)
     return compiled, time.perf_counter() - t0
 
 
@@ -504,6 +672,335 @@ def take_rows(x, rows):
 
 
 # ---------------------------------------------------------------------------------------------
+# Indexer / decode / MoE: timing, inputs, FLOP and byte counts.
+# ---------------------------------------------------------------------------------------------
+def time_pipelined(fn, arg_sets: list[dict], *, budget: Budget, first_out=None, sample_s: float = 0.05,
+                   samples: int = 7, max_calls: int = 400):  # fmt: skip
+    """Per-call device time of a short kernel: bursts of n calls dispatched back to back (no sync in between),
+    rotating through arg_sets, one sync at the end of each burst; the median burst time over n.
+
+    Also measures the individually synchronized latency (host round trip included) of 5 calls: "sync_ms".
+    → dict like time_compiled's, plus sync_ms and calls (per burst).
+    """
+    t0 = time.perf_counter()
+    out = fn(**arg_sets[0])
+    jax.block_until_ready(out)
+    warm_s = time.perf_counter() - t0
+    if first_out is not None:
+        first_out(out)
+    del out
+    sync = []
+    for i in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(**arg_sets[(i + 1) % len(arg_sets)]))
+        sync.append(time.perf_counter() - t0)
+    turn = [6]  # next arg set: the rotation continues across bursts
+
+    def burst(n):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(n):
+            out = fn(**arg_sets[turn[0] % len(arg_sets)])
+            turn[0] += 1
+        jax.block_until_ready(out)
+        return time.perf_counter() - t0
+
+    t_est = burst(10) / 10
+    n = int(min(max_calls, max(10, sample_s / max(t_est, 1e-7))))
+    samples = max(1, min(samples, int((budget.left() - 2.0) / max(n * t_est, 1e-6))))
+    times = [burst(n) / n for _ in range(samples)]
+    med = statistics.median(times)
+    return dict(ms=med * 1e3, times_ms=[t * 1e3 for t in times], warm_s=warm_s, reps=samples, calls=n,
+                spread=(max(times) - min(times)) / med if med > 0 else 0.0,
+                sync_ms=statistics.median(sync) * 1e3)  # fmt: skip
+
+
+def memory_need(compiled) -> tuple[float, float] | None:
+    """→ (bytes the executable allocates: temporaries + outputs, bytes free on the device), or None if unknown."""
+    try:
+        ma = compiled.memory_analysis()
+        need = float(ma.temp_size_in_bytes + ma.output_size_in_bytes)
+        stats = jax.devices()[0].memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return None
+        return need, float(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    except Exception:
+        return None
+
+
+@functools.partial(jax.jit, static_argnames=("chunks",))
+def quantize_last_axis(x, chunks: int = 1):
+    """x [N, ..., Di] → (float8_e4m3fn values, float32 scales [N, ...]): absmax / 448 per last-axis row (> 0).
+
+    DeepSeek's act_quant with block = Di (the indexer's q per (token, head) and keys per entry). chunks splits the
+    leading axis (lax.map) to bound the float32 temporaries.
+    """
+
+    def one(xc):
+        xf = xc.astype(F32)
+        scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), 1e-12) / 448.0
+        return (xf / scale[..., None]).astype(FP8), scale
+
+    if chunks == 1:
+        return one(x)
+    values, scales = jax.lax.map(one, x.reshape(chunks, x.shape[0] // chunks, *x.shape[1:]))
+    return values.reshape(x.shape), scales.reshape(x.shape[:-1])
+
+
+def index_visible_pairs(seq: int, rate: int, count: int) -> int:
+    """Σ_p visible(p) over query positions p = 0 … S-1, visible(p) = min((p + 1) // rate, C)."""
+    p1 = np.arange(1, seq + 1, dtype=np.int64)
+    return int(np.minimum(p1 // rate, count).sum())
+
+
+def indexer_flops(seq: int, sh: Shapes) -> tuple[float, float]:
+    """→ (useful FLOPs = 2·Hi·Di·Σ_p visible(p), dense-count FLOPs = 2·Hi·Di·S·C/2), C = S // rate."""
+    count = seq // sh.csa_rate
+    per_pair = 2.0 * sh.index_heads * sh.index_dim
+    return per_pair * index_visible_pairs(seq, sh.csa_rate, count), per_pair * seq * count / 2
+
+
+def indexer_min_bytes(seq: int, sh: Shapes, itemsize: int) -> float:
+    """q, keys, weights and positions read once, the top-k written once (scales: 4 B per q row and key row)."""
+    count = seq // sh.csa_rate
+    b = seq * sh.index_heads * sh.index_dim * itemsize + count * sh.index_dim * itemsize
+    b += seq * sh.index_heads * 4 + seq * 4 + seq * sh.topk * 4
+    if itemsize == 1:
+        b += seq * sh.index_heads * 4 + count * 4
+    return float(b)
+
+
+def build_indexer_inputs(seq: int, sh: Shapes, seed: int, *, fp8: bool, bf16: bool) -> dict[str, dict]:
+    """{"bf16": kwargs, "fp8": kwargs} for index_topk at B = 1: q [1, S, Hi, Di], keys [1, C, Di] (C = S // rate),
+    weights [1, S, Hi] f32 (N(0, 1/Hi)), positions 0 … S-1; fp8: q per (token, head) and keys per entry scaled."""
+    keys = jax.random.split(jax.random.key(seed * 1000 + 17 + seq % 991), 3)
+    count = seq // sh.csa_rate
+    q = randn(keys[0], (seq, sh.index_heads, sh.index_dim), BF16)  # [S, Hi, Di]
+    k = randn(keys[1], (count, sh.index_dim), BF16)  # [C, Di]
+    weights = jax.random.normal(keys[2], (1, seq, sh.index_heads), F32) * sh.index_heads**-0.5
+    positions = jnp.arange(seq, dtype=jnp.int32)[None]
+    out = {}
+    if fp8:
+        chunks = 1
+        while seq % (chunks * 2) == 0 and seq // chunks > 16384:
+            chunks *= 2
+        q8, q_scale = quantize_last_axis(q, chunks=chunks)
+        k8, k_scale = quantize_last_axis(k)
+        out["fp8"] = dict(q=q8[None], keys=k8[None], weights=weights, positions=positions, q_scale=q_scale[None],
+                          k_scale=k_scale[None])  # fmt: skip
+    if bf16:
+        out["bf16"] = dict(q=q[None], keys=k[None], weights=weights, positions=positions)
+    del q, k
+    jax.block_until_ready(out)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "chunk"))
+def index_pick_scores(q, keys, weights, idx, q_scale=None, k_scale=None, *, softmax_scale: float, chunk: int = 256):
+    """float32 scores (HIGHEST precision, dequantized inputs) of the picked entries. idx [1, S, k] → [1, S, k],
+    -inf where idx < 0. Row chunks bound the gathered keys ([chunk, k, Di])."""
+    hi = jax.lax.Precision.HIGHEST
+    qf = q[0].astype(F32)  # [S, Hi, Di]
+    if q_scale is not None:
+        qf = qf * q_scale[0][..., None]
+    kf = keys[0].astype(F32)  # [C, Di]
+    if k_scale is not None:
+        kf = kf * k_scale[0][:, None]
+    s = qf.shape[0]
+    chunk = min(chunk, s)
+    pad = -s % chunk
+
+    def split(x, fill=0):
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+        return x.reshape(x.shape[0] // chunk, chunk, *x.shape[1:])
+
+    def one(args):
+        qc, wc, ic = args  # [c, Hi, Di], [c, Hi], [c, k]
+        picked = kf[jnp.maximum(ic, 0)]  # [c, k, Di]
+        dots = jnp.einsum("chd,ckd->chk", qc, picked, precision=hi)
+        scores = jnp.einsum("chk,ch->ck", jnp.maximum(dots, 0.0) * softmax_scale, wc, precision=hi)
+        return jnp.where(ic >= 0, scores, -jnp.inf)
+
+    out = jax.lax.map(one, (split(qf), split(weights[0]), split(idx[0], -1)))
+    return out.reshape(-1, idx.shape[2])[:s][None]
+
+
+@jax.jit
+def topk_set_compare(got, want, got_scores, want_scores):
+    """Per-row set comparison of two top-k lists [1, S, k] (-1 = empty slot) with their picks' exact scores.
+
+    → dict: picks (valid entries in got), missing (valid got entries absent from want's row), rows_differ,
+    count_differ (rows whose numbers of valid entries differ), max_rel_deficit (over missing picks: (want's k-th
+    score - the pick's score) / the row's largest |score|; <= 0: the pick scores at least as high, a tie or better).
+    """
+    g, w = got[0], want[0]
+    ws = jnp.sort(w, axis=-1)
+    pos = jax.vmap(jnp.searchsorted)(ws, g)
+    found = jnp.take_along_axis(ws, jnp.clip(pos, 0, ws.shape[1] - 1), axis=-1) == g
+    valid = g >= 0
+    missing = valid & ~found
+    valid_w = w >= 0
+    kth = jnp.min(jnp.where(valid_w, want_scores[0], jnp.inf), axis=-1, keepdims=True)  # [S, 1]
+    row_scale = jnp.max(jnp.where(valid_w, jnp.abs(want_scores[0]), 0.0), axis=-1, keepdims=True)
+    deficit = (kth - got_scores[0]) / jnp.maximum(row_scale, 1e-30)
+    return dict(picks=valid.sum(dtype=F32), missing=missing.sum(dtype=F32),
+                rows_differ=missing.any(-1).sum(dtype=F32),
+                count_differ=(valid.sum(-1) != valid_w.sum(-1)).sum(dtype=F32),
+                max_rel_deficit=jnp.max(jnp.where(missing, deficit, -jnp.inf)))  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("rate", "count"))
+def topk_validity(idx, positions, *, rate: int, count: int):
+    """Structural checks of a top-k list [1, S, k]: entries outside [-1, visible), duplicates, and rows whose number
+    of valid entries is not min(visible, k). → dict of counts (all 0 when valid)."""
+    k = idx.shape[-1]
+    visible = jnp.clip((positions + 1) // rate, 0, count)[..., None]  # [1, S, 1]
+    out_of_range = ((idx < -1) | (idx >= visible)).sum(dtype=F32)
+    s = jnp.sort(idx, axis=-1)
+    duplicates = ((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).sum(dtype=F32)
+    wrong_count = ((idx >= 0).sum(-1) != jnp.minimum(visible[..., 0], k)).sum(dtype=F32)
+    return dict(out_of_range=out_of_range, duplicates=duplicates, wrong_count=wrong_count)
+
+
+def decode_entries(layer: str, ctx: int, sh: Shapes) -> tuple[int, int | None, int]:
+    """→ (compressed entries present C, top-k width or None, entries one query reads)."""
+    if layer == "hca":
+        count = ctx // sh.hca_rate
+        return count, None, count
+    count = ctx // sh.csa_rate  # csa and the full-cache sweep read the CSA pool
+    if layer == "csa":
+        return count, sh.topk, min(sh.topk, count)
+    return count, None, count
+
+
+def decode_row_bytes(sh: Shapes, dtype_name: str, scales: str) -> int:
+    """Bytes of one cached row: values plus, for fp8 with per-token tile scales, 4 B per 64 channels."""
+    if dtype_name == "bf16":
+        return sh.head_dim * 2
+    return sh.head_dim + (sh.head_dim // 64 * 4 if scales == "tile" else 0)
+
+
+def decode_bytes(layer: str, ctx: int, batch: int, sh: Shapes, dtype_name: str, scales: str) -> float:
+    """Bytes one decode call must move: q read + output written (bf16), per request the visible ring rows and the
+    compressed rows it reads (HCA / sweep: all C; CSA: the top-k picks) with their scales, the top-k list and the
+    block-table entries it dereferences. Not counted: the kernel's split partials (written and re-read)."""
+    count, topk, read = decode_entries(layer, ctx, sh)
+    row = decode_row_bytes(sh, dtype_name, scales)
+    ring = min(ctx, sh.window)
+    per_request = (ring + read) * row + 4 * (-(-ring // sh.page_size))
+    per_request += 4 * (topk + read) if topk else 4 * (-(-read // sh.page_size))
+    return float(batch * (2 * 2 * sh.heads * sh.head_dim + per_request))
+
+
+def decode_flops(layer: str, ctx: int, batch: int, sh: Shapes) -> float:
+    _, _, read = decode_entries(layer, ctx, sh)
+    return 4.0 * batch * sh.heads * sh.head_dim * (min(ctx, sh.window) + read)
+
+
+@functools.partial(jax.jit, static_argnames=("n_requests", "count", "k"))
+def make_request_topk(key, *, n_requests: int, count: int, k: int):
+    """[R, k] int32 distinct CSA picks in [0, count): one uniformly random entry per stratum (k strata); -1 padded
+    when count <= k (then entries 0 … count-1)."""
+    j = jnp.arange(k, dtype=jnp.int32)[None, :]
+    if count <= k:
+        return jnp.broadcast_to(jnp.where(j < count, j, -1), (n_requests, k)).astype(jnp.int32)
+    lo, hi = (j * count) // k, ((j + 1) * count) // k
+    u = jax.random.uniform(key, (n_requests, k), F32)
+    return jnp.minimum(lo + jnp.floor(u * (hi - lo).astype(F32)).astype(jnp.int32), hi - 1)
+
+
+@functools.partial(jax.jit, static_argnames=("layout",))
+def quantize_pages(pages, *, layout: str):
+    """bf16 pages [P, ps, D] → (float8_e4m3fn pages, f32 scales): per channel [D] or per token and 64-channel tile
+    [P, ps, D // 64] (the decode kernel's two layouts)."""
+    x = pages.astype(F32)
+    if layout == "channel":
+        scales = jnp.maximum(jnp.max(jnp.abs(x), axis=(0, 1)), 1e-12) / 448.0  # [D]
+        return (x / scales).astype(FP8), scales
+    p, ps, d = x.shape
+    tiles = x.reshape(p, ps, d // 64, 64)
+    scales = jnp.maximum(jnp.max(jnp.abs(tiles), axis=-1), 1e-12) / 448.0  # [P, ps, D // 64]
+    return (tiles / scales[..., None]).astype(FP8).reshape(p, ps, d), scales
+
+
+def moe_flops(tokens: int, sh: Shapes) -> float:
+    """Useful MoE FLOPs: 2 per multiply-add · (gate + up + down = 3·D·I) per token-expert pair, top-k pairs."""
+    return 2.0 * 3 * sh.moe_hidden * sh.moe_inter * tokens * sh.moe_topk
+
+
+def moe_min_bytes(tokens: int, sh: Shapes, mode: str) -> float:
+    """All expert weights read once (+ fp8 block scales), x read, the output written (bf16)."""
+    weights = 3 * sh.moe_hidden * sh.moe_inter * sh.moe_experts
+    per_weight = 2 if mode == "bf16" else 1 + 4 / (128 * 128)
+    return float(weights * per_weight + 2 * 2 * tokens * sh.moe_hidden)
+
+
+@functools.partial(jax.jit, static_argnames=("tokens", "experts", "k", "zipf"))
+def make_routing(key, *, tokens: int, experts: int, k: int, zipf: float):
+    """Random top-k routing with a Zipf-like load: expert popularity p_e ∝ (rank_e + 1)^-zipf (ranks a random
+    permutation), k distinct experts per token drawn without replacement ∝ p (Gumbel top-k). Routing weights
+    uniform in [0.1, 1], normalized to sum 1.5 per token. → (ids [N, k] int32, weights [N, k] f32)."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    rank = jax.random.permutation(k1, experts)
+    log_p = -zipf * jnp.log1p(rank.astype(F32))
+    gumbel = jax.random.gumbel(k2, (tokens, experts), F32)
+    _, ids = jax.lax.top_k(log_p[None, :] + gumbel, k)
+    w = jax.random.uniform(k3, (tokens, k), F32, 0.1, 1.0)
+    return ids.astype(jnp.int32), 1.5 * w / w.sum(-1, keepdims=True)
+
+
+@jax.jit
+def quantize_weight_blocks(w):
+    """Expert weights [E, O, I] → (float8_e4m3fn [E, O, I], float32 scales [E, O // 128, I // 128]):
+    DeepSeek's 128 × 128 block format (w ≈ fp8 · scale), one expert at a time (bounded temporaries)."""
+
+    def one(we):  # [O, I]
+        o, i = we.shape
+        blocks = we.astype(F32).reshape(o // 128, 128, i // 128, 128)
+        scale = jnp.maximum(jnp.abs(blocks).max(axis=(1, 3)), 1e-12) / 448.0  # [O // 128, I // 128]
+        return (blocks / scale[:, None, :, None]).astype(FP8).reshape(o, i), scale
+
+    return jax.lax.map(one, w)
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "limit", "f32_intermediates"))
+def capacity_einsum(x, expert_ids, weights, gate_up, down, *, capacity: int, limit: float,
+                    f32_intermediates: bool = False):  # fmt: skip
+    """Capacity-padded MoE as two batched einsums over [E, capacity] slots (the usual non-dropless baseline).
+
+    Pairs are sorted by expert (stable); the first `capacity` pairs of each expert get a slot, the rest are dropped
+    (they contribute nothing). x [N, D], expert_ids / weights [N, K], gate_up [E, 2I, D], down [E, D, I] (bf16).
+    → (out [N, D] in x.dtype, fraction of pairs dropped). f32_intermediates keeps the gate/up products and y in f32
+    (the reference use); otherwise they are rounded to x.dtype as a plain bf16 einsum does.
+    """
+    n, k = expert_ids.shape
+    e, two_i, d = gate_up.shape
+    flat = expert_ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    counts = jnp.bincount(flat, length=e)
+    rank = jnp.arange(n * k) - (jnp.cumsum(counts) - counts)[sorted_e]  # position within its expert
+    keep = rank < capacity
+    slot = jnp.where(keep, sorted_e * capacity + rank, e * capacity)  # e · capacity: the dump slot
+    token_of_slot = jnp.full((e * capacity + 1,), n, jnp.int32).at[slot].set((order // k).astype(jnp.int32))
+    x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])  # row n: zeros for empty slots
+    dispatched = x_pad[token_of_slot[:-1]].reshape(e, capacity, d)  # [E, cap, D]
+    acc = F32 if f32_intermediates else x.dtype
+    h = jnp.einsum("ecd,efd->ecf", dispatched, gate_up, preferred_element_type=acc)  # [E, cap, 2I]
+    gate, up = h[..., : two_i // 2].astype(F32), h[..., two_i // 2 :].astype(F32)
+    h = (jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)).astype(x.dtype)  # [E, cap, I]
+    y = jnp.einsum("eci,edi->ecd", h, down, preferred_element_type=acc)  # [E, cap, D]
+    y_pad = jnp.concatenate([y.reshape(e * capacity, d), jnp.zeros((1, d), y.dtype)])
+    slot_of_pair = jnp.zeros((n * k,), jnp.int32).at[order].set(slot.astype(jnp.int32))
+    out = (y_pad[slot_of_pair].reshape(n, k, d).astype(F32) * weights[..., None].astype(F32)).sum(1)
+    return out.astype(x.dtype), 1.0 - keep.mean(dtype=F32)
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ---------------------------------------------------------------------------------------------
 # The benchmark.
 # ---------------------------------------------------------------------------------------------
 class Bench:
@@ -514,7 +1011,14 @@ class Bench:
         self.budget = Budget(args.budget, self.rec)
         self.interpret = args.smoke
         self.mm_bf16 = None  # best bf16 matmul TFLOP/s of this run
+        self.ceil: dict[str, float] = {}  # this run's ceilings: "bf16" / "fp8" TFLOP/s, "copy" TB/s
         self.pa = None  # dsv4.pallas.attention
+        self.ops: dict[str, object] = {}  # indexer / decode / moe kernels and their XLA paths (import_ops)
+        self.moe_ragged_state = None  # XLA ragged_dot MoE: None (not tried), "ok", "memory" or "error"
+        self.moe_weights_cache = None  # kept from the moe step to the moe-large step
+        self.watchdog = None  # threading.Timer (start_watchdog)
+        self.decode_scales = args.decode_fp8_scales  # the fp8 page-scale layout decode uses
+        self.decode_floors: set[tuple[int, int]] = set()
         self.core_jnp = None
         self.CompressedKeys = None
         self.variants = []
@@ -543,6 +1047,23 @@ class Bench:
             self.core_jnp, self.CompressedKeys = core_attention_jnp, CompressedKeys
         except Exception as exc:
             self.rec.error("import dsv4.attention (the XLA path will be missing)", exc)
+
+    def import_ops(self):
+        """The indexer / decode / MoE kernels and their XLA paths, each on its own (one failing import skips only
+        what needs it). Runs after import_dsv4, which installs a bare `dsv4` package if the real one fails."""
+        imports = {
+            "indexer": ("dsv4.pallas.indexer", None),
+            "index_topk_jnp": ("dsv4.attention", "index_topk_jnp"),
+            "decode": ("dsv4.pallas.decode", None),
+            "moe": ("dsv4.pallas.moe", None),
+            "routed_experts_jnp": ("dsv4.moe", "routed_experts_jnp"),
+        }
+        for name, (module, attr) in imports.items():
+            try:
+                mod = importlib.import_module(module)
+                self.ops[name] = getattr(mod, attr) if attr else mod
+            except Exception as exc:
+                self.rec.error(f"import {module}{'.' + attr if attr else ''}", exc)
 
     def header(self):
         dev = jax.devices()[0]
@@ -575,7 +1096,13 @@ class Bench:
                                variants=[(n, dataclasses.asdict(b)) for n, b in self.variants],
                                xla_query_chunks=self.args.xla_query_chunks, fp8_length=self.args.fp8_length,
                                topk_scheme=self.args.topk_scheme, budget_s=self.args.budget,
-                               target_s=self.args.target_s, smoke=self.args.smoke)  # fmt: skip
+                               target_s=self.args.target_s, smoke=self.args.smoke, only=self.args.only,
+                               indexer_lengths=self.args.indexer_lengths, decode_contexts=self.args.decode_contexts,
+                               decode_batches=self.args.decode_batches, decode_fp8_scales=self.args.decode_fp8_scales,
+                               moe_tokens=self.args.moe_tokens, moe_modes=self.args.moe_modes,
+                               moe_zipf=self.args.moe_zipf, moe_variants_bf16=self.args.moe_variants_bf16,
+                               moe_variants_w8a8=self.args.moe_variants_w8a8,
+                               section_budgets=self.args.section_budgets)  # fmt: skip
         self.rec.log("=" * 100)
         self.rec.log(f"bench_kernels: {h['device_kind']} ({h['platform']}, {h['device_count']} device(s)); "
                      f"jax {h['jax']}, jaxlib {h['jaxlib']}, python {h['python']}")  # fmt: skip
@@ -590,7 +1117,13 @@ class Bench:
                      f"{sh.csa_rate} top-k {sh.topk} ({self.args.topk_scheme}); lengths {self.args.lengths}; "
                      f"layers {self.args.layers}; "
                      f"sections {self.args.only}; budget {self.args.budget:.0f} s")  # fmt: skip
-        self.rec.log(f"variants: " + "; ".join(f"{n}={_bs_str(b)}" for n, b in self.variants))
+        self.rec.log("variants: " + "; ".join(f"{n}={_bs_str(b)}" for n, b in self.variants))
+        a = self.args
+        if any(s in a.only for s in NEW_SECTIONS):
+            self.rec.log(f"indexer: Hi={sh.index_heads} Di={sh.index_dim} S {a.indexer_lengths}; decode: contexts "
+                         f"{a.decode_contexts} batches {a.decode_batches} page {sh.page_size}; moe: D={sh.moe_hidden} "
+                         f"I={sh.moe_inter} E={sh.moe_experts} top-{sh.moe_topk} tokens {a.moe_tokens} modes "
+                         f"{a.moe_modes} zipf {a.moe_zipf}; section caps {a.section_budgets or 'none'}")  # fmt: skip
         self.rec.log("=" * 100)
 
     # ----- helpers -----
@@ -599,21 +1132,31 @@ class Bench:
             return None
         return 100.0 * tflops / self.mm_bf16
 
-    def report(self, section, layer, seq, variant, timing, flops=None, nbytes=None, note="", **extra):
+    def pct_ref(self, row) -> float | None:
+        """% of this run's ceiling named by row["ref"]: TF/s against a matmul ("bf16", "fp8"), TB/s against "copy"."""
+        ref = row.get("ref") or "bf16"
+        value = row["tbps"] if ref == "copy" else row["tflops"]
+        ceiling = self.ceil.get(ref)
+        return None if value is None or not ceiling else 100.0 * value / ceiling
+
+    def report(self, section, layer, seq, variant, timing, flops=None, nbytes=None, note="", ref="bf16", **extra):
         ms = timing["ms"]
         tflops = flops / (ms * 1e-3) / 1e12 if flops else None
         tbps = nbytes / (ms * 1e-3) / 1e12 if nbytes else None
         row = self.rec.add(section=section, layer=layer, seq=seq, variant=variant, ms=ms, tflops=tflops,
                            pct_mm=self.pct(tflops), tbps=tbps, note=note, flops=flops, bytes=nbytes,
                            reps=timing["reps"], spread=timing["spread"], times_ms=timing["times_ms"],
-                           warm_s=timing["warm_s"], **extra)  # fmt: skip
+                           warm_s=timing["warm_s"], ref=ref, **extra)  # fmt: skip
+        row["pct_ref"] = self.pct_ref(row)
         self.measured[(section, layer, seq, variant)] = row
-        parts = [f"{section:<9} {layer:<9} S={seq:<7} {variant:<16} {ms:10.3f} ms"]
+        parts = [f"{section:<9} {layer:<9} S={seq:<7} {variant:<16} {_fmt_ms(ms, 10)} ms"]
         if tflops is not None:
             pct = self.pct(tflops)
             parts.append(f"{tflops:7.1f} TF/s" + (f" ({pct:4.0f}% mm)" if pct is not None else ""))
         if tbps is not None:
             parts.append(f"{tbps:5.2f} TB/s")
+        if ref != "bf16" and row["pct_ref"] is not None:
+            parts.append(f"({row['pct_ref']:.0f}% of {ref})")
         parts.append(f"[{timing['reps']} runs, spread {100 * timing['spread']:.1f}%"
                      + (f", compile {extra['compile_s']:.1f} s" if "compile_s" in extra else "") + "]")  # fmt: skip
         if note:
@@ -642,51 +1185,75 @@ class Bench:
         return self.budget.compile_est(kind) + t_call * (2 + planned_reps(t_call, self.args.target_s))
 
     # ----- section 1: ceilings -----
-    def ceilings(self):
-        self.rec.log("--- ceilings (same run) ---")
+    def matmul_ceiling(self, dtype_name: str, n: int, *, label: str = "", compiler_options: dict | None = None):
+        where = f"ceilings {dtype_name} matmul {n}^3{' ' + label if label else ''}"
+        if not self.budget.fits(where, self.item_cost("matmul", 2 * n**3 / 300e12)):
+            return
         key = jax.random.key(self.args.seed + 7)
-        best = None
-        for dtype_name in ("bf16", "fp8"):
-            for n in self.sh.matmul_sizes:
-                where = f"ceilings {dtype_name} matmul {n}^3"
-                if not self.budget.fits(where, self.item_cost("matmul", 2 * n**3 / 300e12)):
-                    continue
-                try:
-                    k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, n), 4)
-                    sets = [dict(a=randn(k1, (n, n), BF16), b=randn(k2, (n, n), BF16))]
-                    if 2 * n * n * 2 * 2 <= 2 * GiB:
-                        sets.append(dict(a=randn(k3, (n, n), BF16), b=randn(k4, (n, n), BF16)))
-                    if dtype_name == "fp8":
-                        sets = [{k: v.astype(FP8) for k, v in s.items()} for s in sets]
-                        fn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=F32))
-                    else:
-                        fn = jax.jit(lambda a, b: a @ b)
-                    compiled, cs = aot_compile(fn, sets[0])
-                    self.budget.saw_compile("matmul", cs)
-                    t = time_compiled(compiled, sets, target_s=self.args.target_s, budget=self.budget)
-                    flops = 2.0 * n**3
-                    tf = flops / (t["ms"] * 1e-3) / 1e12
-                    if dtype_name == "bf16" and (best is None or tf > best):
-                        best = tf
-                        self.mm_bf16 = best
-                    self.report("ceiling", f"mm-{dtype_name}", n, f"{n}^3", t, flops=flops, compile_s=cs)
-                    del sets, compiled
-                except Exception as exc:
-                    self.rec.error(where, exc)
-                free()
-        where = "ceilings copy"
+        try:
+            k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, n), 4)
+            sets = [dict(a=randn(k1, (n, n), BF16), b=randn(k2, (n, n), BF16))]
+            if 2 * n * n * 2 * 2 <= 2 * GiB:
+                sets.append(dict(a=randn(k3, (n, n), BF16), b=randn(k4, (n, n), BF16)))
+            if dtype_name == "fp8":
+                sets = [{k: v.astype(FP8) for k, v in s.items()} for s in sets]
+                fn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=F32))
+            else:
+                fn = jax.jit(lambda a, b: a @ b)
+            compiled, cs = aot_compile(fn, sets[0], compiler_options=compiler_options)
+            self.budget.saw_compile("matmul", cs)
+            t = time_compiled(compiled, sets, target_s=self.args.target_s, budget=self.budget)
+            flops = 2.0 * n**3
+            tf = flops / (t["ms"] * 1e-3) / 1e12
+            if tf > self.ceil.get(dtype_name, 0.0):
+                self.ceil[dtype_name] = tf
+            if dtype_name == "bf16":
+                self.mm_bf16 = self.ceil["bf16"]
+            self.report("ceiling", f"mm-{dtype_name}", n, f"{n}^3{' ' + label if label else ''}", t, flops=flops,
+                        compile_s=cs, ref=dtype_name)  # fmt: skip
+            del sets, compiled
+        except Exception as exc:
+            self.rec.error(where, exc)
+        free()
+
+    def copy_ceiling(self):
+        key = jax.random.key(self.args.seed + 7)
         try:
             n = self.sh.copy_bytes // 4
             side = 1 << 15 if n == (1 << 30) else n
             x = jax.random.bits(jax.random.fold_in(key, 99), (side, n // side) if side != n else (n,), jnp.uint32)
             compiled, cs = aot_compile(jax.jit(lambda x: x ^ jnp.uint32(1)), dict(x=x))
             t = time_compiled(compiled, [dict(x=x)], target_s=self.args.target_s, budget=self.budget)
-            self.report("ceiling", "copy", self.sh.copy_bytes // (1 << 20), "x^1 u32 MiB", t,
-                        nbytes=2.0 * self.sh.copy_bytes, compile_s=cs)  # fmt: skip
+            row = self.report("ceiling", "copy", self.sh.copy_bytes // (1 << 20), "x^1 u32 MiB", t,
+                              nbytes=2.0 * self.sh.copy_bytes, compile_s=cs, ref="copy")  # fmt: skip
+            self.ceil["copy"] = max(self.ceil.get("copy", 0.0), row["tbps"])
             del x, compiled
         except Exception as exc:
-            self.rec.error(where, exc)
+            self.rec.error("ceilings copy", exc)
         free()
+
+    def ceilings(self):
+        self.rec.log("--- ceilings (same run) ---")
+        for dtype_name in ("bf16", "fp8"):
+            for n in self.sh.matmul_sizes:
+                self.matmul_ceiling(dtype_name, n)
+        self.copy_ceiling()
+        self.rec.write_json()
+
+    def ceilings_lite(self):
+        """The ceilings the indexer / decode / moe sections compare with, when the full `ceilings` section is not
+        run: bf16 matmul at the largest size, fp8 at the largest size through cuBLASLt only (XLA's Triton-GEMM
+        autotuning of the fp8 dot compiled for 26 s at 8192³ and 105 s at 16384³ in one H200 run), and the copy."""
+        self.rec.log("--- ceilings, lite (for the indexer / decode / moe sections) ---")
+        n = max(self.sh.matmul_sizes)
+        self.matmul_ceiling("bf16", n)
+        self.matmul_ceiling("fp8", n, label="cublas", compiler_options={"xla_gpu_enable_triton_gemm": False})
+        if self.ceil.get("fp8", 0.0) < 1.2 * self.ceil.get("bf16", 0.0):
+            # the cuBLAS-only build failed or fell back to a slow path: XLA's default (autotuned) fp8 dot, smaller
+            self.rec.log(f"WARNING: fp8 matmul through cuBLASLt {self.ceil.get('fp8', 0.0):.0f} TF/s, not above the "
+                         f"bf16 one; trying XLA's default fp8 dot at {min(self.sh.matmul_sizes)}^3")  # fmt: skip
+            self.matmul_ceiling("fp8", min(self.sh.matmul_sizes))
+        self.copy_ceiling()
         self.rec.write_json()
 
     # ----- section 2: V4 attention -----
@@ -1013,54 +1580,786 @@ class Bench:
                 free()
         self.rec.write_json()
 
+    # ----- sections 6–8 (indexer, decode, moe): shared helpers -----
+    def op_compiled(self, key: tuple, fn, kwargs: dict, static: dict | None = None, *, kind: str = "xla",
+                    compiler_options: dict | None = None):  # fmt: skip
+        """AOT-compiles fn once per key (a tuple whose first element names the section). → (compiled, seconds)."""
+        if key in self.compiled:
+            return self.compiled[key], 0.0
+        compiled, cs = aot_compile(fn, kwargs, static, compiler_options)
+        self.budget.saw_compile(kind, cs)
+        self.compiled[key] = compiled
+        return compiled, cs
+
+    def drop_compiled(self, prefix: str, *rest):
+        """Forgets the executables whose key starts with (prefix, *rest)."""
+        head = (prefix, *rest)
+        for k in [k for k in self.compiled if k[: len(head)] == head]:
+            del self.compiled[k]
+
+    def predict_from(self, section: str, layer: str, variant: str, size: int, work, default_rate: float) -> float:
+        """Seconds per call: the same (section, layer, variant) measured at the largest size so far, scaled by
+        work(size) / work(that size); else any variant of (section, layer), fastest at the largest size, × 1.5;
+        else work(size) / default_rate."""
+        same = [(n, r) for (s, lay, n, v), r in self.measured.items() if s == section and lay == layer and v == variant]
+        if same:
+            n, r = max(same, key=lambda x: x[0])
+            return r["ms"] * 1e-3 * work(size) / work(n)
+        other = [(n, r) for (s, lay, n, v), r in self.measured.items() if s == section and lay == layer]
+        if other:
+            n, r = max(other, key=lambda x: (x[0], -x[1]["ms"]))
+            return 1.5 * r["ms"] * 1e-3 * work(size) / work(n)
+        return work(size) / default_rate
+
+    def memory_fits(self, compiled, where: str) -> bool:
+        """False (with a SKIP line) when the executable's temporaries + outputs exceed 95% of the free memory."""
+        mem = memory_need(compiled)
+        if mem is not None and mem[0] > 0.95 * mem[1]:
+            self.rec.skip(where, f"needs {mem[0] / GiB:.1f} GiB of temporaries + outputs, {mem[1] / GiB:.1f} GiB free")
+            return False
+        return True
+
+    def add_check(self, section: str, text: str, ok: bool, **fields):
+        self.rec.checks.append(dict(section=section, text=text, ok=ok, **fields))
+        self.rec.log(f"CHECK {text} -> {'OK' if ok else 'FAIL'}")
+
+    # ----- section 6: lightning indexer -----
+    def indexer(self, large: bool = False):
+        """large=False: the lengths below --large-from; large=True: the rest (run last, see the order of work)."""
+        ix, sh = self.ops.get("indexer"), self.sh
+        lengths = [s for s in self.args.indexer_lengths if (s >= self.args.large_from) == large]
+        if not lengths:
+            return
+        if ix is None:
+            self.rec.skip("indexer", "dsv4.pallas.indexer did not import")
+            return
+        self.rec.log(f"--- lightning indexer: B=1, Hi={sh.index_heads} Di={sh.index_dim} top-{sh.topk}, keys C = S/"
+                     f"{sh.csa_rate}, S {lengths}; Pallas fp8 + bf16, XLA bf16 ---")  # fmt: skip
+        for seq in lengths:
+            where = f"indexer S={seq}"
+            if self.budget.left() < 5:
+                self.rec.skip(where, "budget spent")
+                continue
+            if seq // sh.csa_rate < 1:
+                self.rec.skip(where, f"no compressed key (rate {sh.csa_rate})")
+                continue
+            first = seq == self.args.indexer_lengths[0]
+            try:
+                inputs = build_indexer_inputs(seq, sh, self.args.seed, fp8=True, bf16=True)
+            except Exception as exc:
+                self.rec.error(f"{where} inputs", exc)
+                free()
+                continue
+            keep = {} if first else None  # outputs kept for the checks at the smallest S
+            try:
+                self.indexer_pallas(seq, "fp8", inputs["fp8"], keep)
+                self.indexer_pallas(seq, "bf16", inputs["bf16"], keep)
+                self.indexer_xla(seq, "bf16", inputs["bf16"], keep)
+                if first:
+                    self.indexer_checks(seq, inputs, keep)
+                if self.args.indexer_xla_fp8:
+                    self.indexer_xla(seq, "fp8", inputs["fp8"], None)
+            except Exception as exc:
+                self.rec.error(where, exc)
+            finally:
+                del inputs, keep
+                self.drop_compiled("ix", seq)
+                free()
+            self.rec.write_json()
+
+    def indexer_static(self) -> dict:
+        sh = self.sh
+        return dict(rate=sh.csa_rate, k=sh.topk, softmax_scale=sh.index_dim**-0.5)
+
+    def indexer_pallas(self, seq: int, dtype_name: str, args: dict, keep: dict | None):
+        ix, sh = self.ops["indexer"], self.sh
+        where = f"indexer pallas {dtype_name} S={seq}"
+        flops, dense = indexer_flops(seq, sh)
+        t_pred = self.predict_from("indexer", "pallas", dtype_name, seq, lambda n: indexer_flops(n, sh)[0],
+                                   1e9 if self.args.smoke else 100e12)  # fmt: skip
+        if t_pred > 60:
+            self.rec.skip(where, f"one call predicted {t_pred:.0f} s (> 60 s)")
+            return
+        if not self.budget.fits(where, self.item_cost("indexer", t_pred)):
+            return
+        check = {}
+
+        def on_first(out):
+            check.update({k: int(v) for k, v in topk_validity(out, args["positions"], rate=sh.csa_rate,
+                                                               count=seq // sh.csa_rate).items()})  # fmt: skip
+            if keep is not None:
+                keep[f"pallas-{dtype_name}"] = out
+
+        try:
+            bs = ix.BlockSizes(block_q=4, block_c=16) if self.args.smoke else ix.BlockSizes()
+            static = dict(self.indexer_static(), block_sizes=bs, interpret=self.interpret)
+            compiled, cs = self.op_compiled(("ix", seq, "pallas", dtype_name), ix.index_topk, args, static,
+                                            kind="indexer")  # fmt: skip
+            pre = jnp.full((1, seq, sh.topk), -7, jnp.int32)  # an impossible index in the block handed out next
+            pre.block_until_ready()
+            del pre
+            t = time_compiled(compiled, [args], target_s=self.args.target_s, budget=self.budget, first_out=on_first)
+            bad = sum(check.values())
+            note = f"dense {dense / (t['ms'] * 1e-3) / 1e12:.0f}TF/s " + (f"INVALID {check}" if bad else "valid")
+            self.report("indexer", "pallas", seq, dtype_name, t, flops=flops,
+                        nbytes=indexer_min_bytes(seq, sh, 1 if dtype_name == "fp8" else 2), note=note,
+                        ref="fp8" if dtype_name == "fp8" else "bf16", compile_s=cs, check=check,
+                        dense_flops=dense)  # fmt: skip
+            if bad:
+                self.rec.log(f"WARNING {where}: invalid top-k lists {check}")
+        except Exception as exc:
+            self.rec.error(where, exc)
+        free()
+
+    def indexer_xla_fn(self, query_chunk: int | None = None):
+        chunk = query_chunk or (32 if self.args.smoke else 1024)
+        return jax.jit(functools.partial(self.ops["index_topk_jnp"], **self.indexer_static(), query_chunk=chunk))
+
+    def indexer_xla(self, seq: int, dtype_name: str, args: dict, keep: dict | None):
+        """index_topk_jnp (einsum → ReLU → weighted sum → mask → lax.top_k, 1024 queries per scan step). fp8: the
+        per-(token, head) q scales fold into the weights; the per-entry key scales cannot and are left out (a
+        timing of the same work, not the same function)."""
+        sh = self.sh
+        where = f"indexer xla {dtype_name} S={seq}"
+        if "index_topk_jnp" not in self.ops:
+            self.rec.skip(where, "dsv4.attention.index_topk_jnp did not import")
+            return
+        flops, dense = indexer_flops(seq, sh)
+        pair_rate = 1e7 if self.args.smoke else 25e12 * 2 / (2 * sh.index_heads * sh.index_dim)  # ANCHORS: 25 TF/s
+        t_pred = self.predict_from("indexer", "xla", dtype_name, seq, lambda n: float(n) * (n // sh.csa_rate),
+                                   pair_rate)  # fmt: skip  # XLA scores all S·C pairs
+        if seq != self.args.indexer_lengths[0] and t_pred > self.args.indexer_xla_max_call:
+            self.rec.skip(where, f"one call predicted {t_pred:.1f} s (> {self.args.indexer_xla_max_call:g} s)")
+            return
+        if not self.budget.fits(where, self.item_cost("xla", t_pred)):
+            return
+        kw = {k: args[k] for k in ("q", "keys", "weights", "positions")}
+        if dtype_name == "fp8":
+            kw["weights"] = args["weights"] * args["q_scale"]
+
+        def on_first(out):
+            if keep is not None:
+                keep[f"xla-{dtype_name}"] = out
+
+        try:
+            compiled, cs = self.op_compiled(("ix", seq, "xla", dtype_name), self.indexer_xla_fn(), kw, kind="xla")
+            if not self.memory_fits(compiled, where):
+                return
+            t = time_compiled(compiled, [kw], target_s=self.args.target_s, budget=self.budget, first_out=on_first)
+            self.report("indexer", "xla", seq, dtype_name if dtype_name == "bf16" else "fp8-noks", t, flops=flops,
+                        nbytes=indexer_min_bytes(seq, sh, 1 if dtype_name == "fp8" else 2),
+                        note=f"dense {dense / (t['ms'] * 1e-3) / 1e12:.0f}TF/s",
+                        ref="fp8" if dtype_name == "fp8" else "bf16", compile_s=cs)  # fmt: skip
+        except Exception as exc:
+            self.rec.error(where, exc)
+        free()
+
+    def indexer_checks(self, seq: int, inputs: dict, keep: dict):
+        """Index sets per row: Pallas bf16 vs the XLA path (same bf16 inputs); Pallas fp8 vs index_topk_jnp on the
+        dequantized float32 inputs at HIGHEST precision. Near-tie swaps are allowed: a pick missing from the other
+        list must score within the tolerance of that list's k-th score (exact float32 scores of the picks)."""
+        where = f"indexer check S={seq}"
+        if "pallas-bf16" in keep and "xla-bf16" in keep:
+            self.indexer_compare(seq, "bf16", keep["pallas-bf16"], keep["xla-bf16"], inputs["bf16"],
+                                 against="index_topk_jnp", tol=1e-4, max_frac=1e-3)  # fmt: skip
+        else:
+            self.rec.skip(f"{where} bf16", "a Pallas or XLA bf16 output is missing")
+        if "pallas-fp8" not in keep or "index_topk_jnp" not in self.ops:
+            self.rec.skip(f"{where} fp8", "the Pallas fp8 output or index_topk_jnp is missing")
+            return
+        try:
+            f8 = inputs["fp8"]
+            deq = dict(q=f8["q"].astype(F32) * f8["q_scale"][..., None], keys=f8["keys"].astype(F32) *
+                       f8["k_scale"][..., None], weights=f8["weights"], positions=f8["positions"])  # fmt: skip
+            with jax.default_matmul_precision("highest"):
+                want = self.indexer_xla_fn()(**deq)
+            del deq
+            self.indexer_compare(seq, "fp8", keep["pallas-fp8"], want, f8,
+                                 against="index_topk_jnp f32 dequantized", tol=2e-2,
+                                 max_frac=1e-2)  # fmt: skip
+        except Exception as exc:
+            self.rec.error(f"{where} fp8", exc)
+        free()
+
+    def indexer_compare(self, seq, name, got, want, args, *, against: str, tol: float, max_frac: float):
+        try:
+            scale = self.sh.index_dim**-0.5
+            extra = {k: args[k] for k in ("q_scale", "k_scale") if k in args}
+            scores = [index_pick_scores(args["q"], args["keys"], args["weights"], idx, **extra, softmax_scale=scale)
+                      for idx in (got, want)]  # fmt: skip
+            c = {k: float(v) for k, v in topk_set_compare(got, want, *scores).items()}
+            frac = c["missing"] / max(c["picks"], 1.0)
+            deficit = c["max_rel_deficit"]
+            ok = frac <= max_frac and c["count_differ"] == 0 and (c["missing"] == 0 or deficit <= tol)
+            text = (f"indexer S={seq} {name} vs {against}: {frac:.1e} of {c['picks']:.0f} picks differ "
+                    f"({c['rows_differ']:.0f} rows), worst rel score deficit "
+                    f"{'-' if c['missing'] == 0 else f'{deficit:.1e}'} (tie tol {tol:g}), count mismatches "
+                    f"{c['count_differ']:.0f}")  # fmt: skip
+            self.add_check("indexer", text, ok, seq=seq, variant=name, frac=frac, **c)
+        except Exception as exc:
+            self.rec.error(f"indexer compare S={seq} {name}", exc)
+
+    # ----- section 7: paged decode attention -----
+    def decode(self):
+        dc, sh, args = self.ops.get("decode"), self.sh, self.args
+        if dc is None:
+            self.rec.skip("decode", "dsv4.pallas.decode did not import")
+            return
+        # per-token tile scales need D % 64 == 0 (the smoke shapes have D = 32)
+        self.decode_scales = args.decode_fp8_scales if sh.head_dim % 64 == 0 else "channel"
+        self.rec.log(f"--- paged decode attention: H={sh.heads} D={sh.head_dim}, window/ring {sh.window}, "
+                     f"{sh.page_size} entries per page; contexts {args.decode_contexts}, batches "
+                     f"{args.decode_batches}; fp8 scales per {self.decode_scales} ---")  # fmt: skip
+        pools = {}
+        plan = [(ctx, layer, dt) for ctx in args.decode_contexts for layer in ("hca", "csa") for dt in ("bf16", "fp8")]
+        # the sweep, largest context first: its bytes (128 MiB a request at 512K) are the bandwidth measurement
+        plan += [(ctx, "sweep", dt) for ctx in reversed(args.decode_contexts) for dt in args.decode_sweep_dtypes]
+        try:
+            for ctx, layer, dtype_name in plan:
+                if self.budget.left() < 3:
+                    self.rec.skip(f"decode {layer} ctx={ctx} {dtype_name}", "budget spent")
+                    continue
+                try:
+                    if dtype_name not in pools:
+                        pools[dtype_name] = self.decode_pool(dtype_name)
+                    self.decode_item(pools[dtype_name], layer, ctx, dtype_name)
+                except Exception as exc:
+                    self.rec.error(f"decode {layer} ctx={ctx} {dtype_name}", exc)
+                free()
+                self.rec.write_json()
+        finally:
+            del pools
+            self.drop_compiled("dec")
+            free()
+
+    def decode_floor(self, sets: list[dict], batch: int):
+        """Launch floor of the pipelined timing, once per (argument count, batch): a trivial executable (q · 2) that
+        takes the same arguments as the kernel call and is dispatched the same way. A decode time near it is the
+        host's dispatch rate, not the kernel (the model would capture decode steps in one graph)."""
+        key = (len(sets[0]), batch)
+        if key in self.decode_floors:
+            return
+        self.decode_floors.add(key)
+        try:
+            compiled, _ = aot_compile(jax.jit(lambda **kw: kw["q"] * 2), sets[0])
+            t = time_pipelined(compiled, sets, budget=self.budget)
+            self.report("decode", "floor", 0, f"{key[0]}args-B{batch}", t, ref="copy",
+                        note=f"launch floor; sync {t['sync_ms'] * 1e3:.0f}us")  # fmt: skip
+        except Exception as exc:
+            self.rec.error("decode launch floor", exc)
+
+    def decode_pool(self, dtype_name: str) -> dict:
+        """Physical page pools shared by every layer, context and batch: a window-ring pool and a compressed pool
+        (bf16, or fp8 with per-tile / per-channel scales), random normal. Block tables map each request's pages
+        to random pool pages (with replacement), so the pool only has to be much larger than L2, not as large as
+        what a batch reads (pools stay < 2^31 elements)."""
+        sh = self.sh
+        ps, d = sh.page_size, sh.head_dim
+        ring_pages = max(4, sh.ring_pool_bytes // (ps * d * 2))
+        comp_pages = max(4, min(sh.compressed_pool_bytes // (ps * d * 2), (2**31 - 1) // (ps * d)))
+        k1, k2, k3 = jax.random.split(jax.random.key(self.args.seed + 4242), 3)
+        pool = dict(kv_pages=randn(k1, (ring_pages, ps, d), BF16),
+                    compressed_pages=randn(k2, (comp_pages, ps, d), BF16),
+                    sinks=jax.random.normal(k3, (sh.heads,), F32))  # fmt: skip
+        if dtype_name == "fp8":
+            layout = self.decode_scales
+            pool["kv_pages"], pool["kv_scales"] = quantize_pages(pool["kv_pages"], layout=layout)
+            pool["compressed_pages"], pool["compressed_scales"] = quantize_pages(pool["compressed_pages"],
+                                                                                 layout=layout)  # fmt: skip
+        jax.block_until_ready(pool)
+        self.rec.log(f"decode pool {dtype_name}: ring {ring_pages} pages, compressed {comp_pages} pages of {ps} × {d} "
+                     f"({sum(a.nbytes for a in pool.values()) / GiB:.2f} GiB)")  # fmt: skip
+        return pool
+
+    def decode_item(self, pool: dict, layer: str, ctx: int, dtype_name: str):
+        """One (layer, context, dtype): block tables, lengths and picks for enough requests to rotate through
+        --rotate bytes per batch size, then each batch size timed (pipelined), checked at the smallest context."""
+        dc, sh, args = self.ops["decode"], self.sh, self.args
+        count, topk, _ = decode_entries(layer, ctx, sh)
+        if count < 1:
+            self.rec.skip(f"decode {layer} ctx={ctx}", "no compressed entry")
+            return
+        ps = sh.page_size
+        ring_cols = -(-sh.window // ps)
+        if layer == "csa":  # one table width for every context: the CSA kernel then compiles once per batch size
+            ccols = -(-max(c // sh.csa_rate for c in args.decode_contexts) // ps)
+        else:  # HCA's split count follows the table capacity (as in the model): one compile per context
+            ccols = -(-count // ps)
+        per_request = decode_bytes(layer, ctx, 1, sh, dtype_name, self.decode_scales)
+        n_sets = {b: int(min(512 if b == 1 else 64, max(2, -(-sh.rotate_bytes // (b * per_request)))))
+                  for b in args.decode_batches}  # fmt: skip
+        n_req = max(b * n for b, n in n_sets.items())
+        keys = jax.random.split(jax.random.key(args.seed * 1000 + ctx % 9973 + len(layer)), 5)
+        ring_tables = jax.random.randint(keys[0], (n_req, ring_cols), 1, pool["kv_pages"].shape[0], jnp.int32)
+        comp_tables = jax.random.randint(keys[1], (n_req, ccols), 1, pool["compressed_pages"].shape[0], jnp.int32)
+        picks = None if topk is None else make_request_topk(keys[2], n_requests=n_req, count=count, k=topk)
+        bmax = max(args.decode_batches)
+        q_sets = [randn(keys[3 + i], (bmax, sh.heads, sh.head_dim), BF16) for i in range(2)]
+        shared = {k: v for k, v in pool.items()}
+        static = dict(sliding_window=sh.window, scale=sh.head_dim**-0.5)
+        for b in args.decode_batches:
+            where = f"decode {layer} ctx={ctx} {dtype_name} B={b}"
+            nbytes = decode_bytes(layer, ctx, b, sh, dtype_name, self.decode_scales)
+            t_pred = nbytes / (1e9 if args.smoke else 2e12)
+            cost = self.budget.compile_est("decode") + 2.0 + 60 * t_pred
+            if not self.budget.fits(where, cost):
+                continue
+            sets = []
+            lens = dict(seq_lens=jnp.full((b,), ctx, jnp.int32), compressed_lens=jnp.full((b,), count, jnp.int32))
+            q_b = [q[:b] for q in q_sets]
+            for i in range(n_sets[b]):
+                rows = slice(i * b, (i + 1) * b)
+                s = dict(shared, **lens, q=q_b[i % 2], block_tables=ring_tables[rows],
+                         compressed_block_tables=comp_tables[rows])  # fmt: skip
+                if picks is not None:
+                    s["topk_indices"] = picks[rows]
+                sets.append(s)
+            check_here = ctx == args.decode_contexts[0] and b == bmax
+            check = {}
+
+            def on_first(out, sets=sets, check=check, check_here=check_here):
+                check["nans"] = int(nan_count(out))
+                if check_here:
+                    want = dc.paged_decode_attention_reference(**sets[0], **static)
+                    check["rel_l2"] = float(rel_l2_and_nans(out, want)[0])
+
+            try:
+                key = ("dec", layer, dtype_name, b, ccols)
+                compiled, cs = self.op_compiled(key, dc.paged_decode_attention, sets[0],
+                                                dict(static, interpret=self.interpret), kind="decode")  # fmt: skip
+                t = time_pipelined(compiled, sets, budget=self.budget, first_out=on_first)
+                self.decode_floor(sets, b)
+                note = f"sync {t['sync_ms'] * 1e3:.0f}us {nbytes / 1e6:.1f}MB"
+                if "rel_l2" in check:
+                    note += f" err {check['rel_l2']:.1e}"
+                if check["nans"]:
+                    note += f" NaN {check['nans']}"
+                self.report("decode", layer, ctx, f"{dtype_name}-B{b}", t, flops=decode_flops(layer, ctx, b, sh),
+                            nbytes=nbytes, note=note, ref="copy", compile_s=cs, calls=t["calls"], sets=len(sets),
+                            sync_ms=t["sync_ms"], check=check)  # fmt: skip
+                if "rel_l2" in check:
+                    ok = check["nans"] == 0 and check["rel_l2"] < 2e-2
+                    self.add_check("decode", f"decode {layer} ctx={ctx} {dtype_name} B={b}: rel L2 "
+                                   f"{check['rel_l2']:.2e} vs paged_decode_attention_reference, NaN {check['nans']}",
+                                   ok, seq=ctx, variant=f"{dtype_name}-B{b}", **check)  # fmt: skip
+                if check_here and layer == "csa" and dtype_name == "bf16":
+                    self.decode_poisoned_check(sets[0], static, where)
+            except Exception as exc:
+                self.rec.error(where, exc)
+            del sets
+            free()
+
+    def decode_poisoned_check(self, kw: dict, static: dict, where: str):
+        """The kernel's split partials start as NaN (out_init): anything it fails to write reaches the output."""
+        dc = self.ops["decode"]
+        try:
+            kw = dict(kw, out_init=jnp.asarray(np.nan, F32))
+            compiled, _ = aot_compile(dc.paged_decode_attention, kw, dict(static, interpret=self.interpret))
+            got = compiled(**kw)
+            kw.pop("out_init")
+            want = dc.paged_decode_attention_reference(**kw, **static)
+            err, nans = (float(x) for x in rel_l2_and_nans(got, want))
+            self.add_check("decode", f"{where} poisoned partials: NaN {nans:.0f}, rel L2 {err:.2e} vs "
+                           "paged_decode_attention_reference", nans == 0 and err < 2e-2, rel_l2=err,
+                           nans=nans)  # fmt: skip
+        except Exception as exc:
+            self.rec.error(f"{where} poisoned check", exc)
+
+    # ----- section 8: MoE -----
+    def moe(self, large: bool = False):
+        """large=False: the token counts below --large-from, then the BlockSizes sweep and ragged_dot at the middle
+        count if it is one of them; large=True: the rest (run last, see the order of work). The weights are kept
+        between the two calls."""
+        pm, sh, args = self.ops.get("moe"), self.sh, self.args
+        tokens = args.moe_tokens
+        mine = [n for n in tokens if (n >= args.large_from) == large]
+        mid = tokens[min(1, len(tokens) - 1)]
+        sweep_here = (mid >= args.large_from) == large
+        if pm is None:
+            if mine:
+                self.rec.skip("moe", "dsv4.pallas.moe did not import")
+            return
+        if not mine and not sweep_here:
+            return
+        self.rec.log(f"--- MoE routed experts: D={sh.moe_hidden} I={sh.moe_inter} E={sh.moe_experts} "
+                     f"top-{sh.moe_topk} (shared expert excluded), routing Zipf {args.moe_zipf}, tokens {mine}, "
+                     f"modes {args.moe_modes}{f', BlockSizes sweep at N={mid}' if sweep_here else ''} ---")  # fmt: skip
+        try:
+            if self.moe_weights_cache is None:
+                self.moe_weights_cache = self.moe_weights()
+        except Exception as exc:
+            self.rec.error("moe weights", exc)
+            free()
+            return
+        weights = self.moe_weights_cache
+        variants = {"bf16": parse_variants(args.moe_variants_bf16, pm.BlockSizes, self.rec.error, MOE_VARIANT_KEYS),
+                    "w8a8": parse_variants(args.moe_variants_w8a8, pm.BlockSizes, self.rec.error, MOE_VARIANT_KEYS)}
+        variants["w8a16"] = variants["w8a8"]
+        base = {m: (variants[m][0] if variants[m] else ("default", pm.BlockSizes())) for m in variants}
+        try:
+            for n in mine:  # main numbers: each mode's baseline variant, the einsum, ragged_dot at the smallest N
+                self.moe_at(weights, n, {m: [base[m]] for m in args.moe_modes}, einsum=True,
+                            ragged=n == tokens[0], check=n == tokens[0])  # fmt: skip
+            rest = {m: variants[m][1:] for m in args.moe_modes if variants[m][1:]}
+            if rest and sweep_here:  # BlockSizes sweep
+                self.moe_at(weights, mid, rest, einsum=False, ragged=False, check=False)
+            if sweep_here and self.moe_ragged_state == "ok" and mid != tokens[0]:
+                self.moe_at(weights, mid, {}, einsum=False, ragged=True, check=False)
+            if not large and self.moe_ragged_state == "memory" and not args.smoke:  # the small case: runs at all?
+                self.moe_at(weights, 512, {"bf16": [base["bf16"]]}, einsum=False, ragged=True, check=True)
+        finally:
+            del weights
+            if large or all(n < args.large_from for n in tokens):
+                self.moe_weights_cache = None  # the last MoE step: free the weights
+            self.drop_compiled("moe")
+            free()
+
+    def moe_weights(self) -> dict:
+        """Random V4-Flash expert weights: gate_up [E, 2I, D] ~ N(0, 1/D), down [E, D, I] ~ N(0, 1/I) in bf16, and
+        DeepSeek's fp8 format of the same (128 × 128 block scales) when an fp8 mode is asked for."""
+        sh = self.sh
+        e, d, i = sh.moe_experts, sh.moe_hidden, sh.moe_inter
+        k1, k2 = jax.random.split(jax.random.key(self.args.seed + 777))
+        scale = jax.jit(lambda a, s: (a.astype(F32) * s).astype(BF16), static_argnums=1)
+        gate_up = scale(randn(k1, (e, 2 * i, d), BF16), d**-0.5)
+        down = scale(randn(k2, (e, d, i), BF16), i**-0.5)
+        out = dict(bf16=dict(gate_up=gate_up, down=down))
+        if any(m != "bf16" for m in self.args.moe_modes):
+            gu8, gu_s = quantize_weight_blocks(gate_up)
+            dn8, dn_s = quantize_weight_blocks(down)
+            out["fp8"] = dict(gate_up=gu8, down=dn8, gate_up_scales=gu_s, down_scales=dn_s)
+        jax.block_until_ready(out)
+        self.rec.log(f"moe weights: {sum(a.nbytes for w in out.values() for a in w.values()) / GiB:.1f} GiB "
+                     f"({', '.join(out)})")  # fmt: skip
+        return out
+
+    def moe_inputs(self, n: int) -> dict:
+        sh = self.sh
+        k1, k2 = jax.random.split(jax.random.key(self.args.seed * 1000 + 31 + n % 997))
+        x = randn(k1, (n, sh.moe_hidden), BF16)
+        ids, w = make_routing(k2, tokens=n, experts=sh.moe_experts, k=sh.moe_topk, zipf=self.args.moe_zipf)
+        counts = np.asarray(jnp.bincount(ids.reshape(-1), length=sh.moe_experts))
+        mean = n * sh.moe_topk / sh.moe_experts
+        self.rec.log(f"moe N={n}: pairs per expert mean {mean:.0f}, max {counts.max()} ({counts.max() / mean:.2f}x), "
+                     f"min {counts.min()}, empty experts {(counts == 0).sum()}")  # fmt: skip
+        return dict(x=x, expert_ids=ids, weights=w, counts=counts)
+
+    def moe_at(self, weights: dict, n: int, pallas: dict, *, einsum: bool, ragged: bool, check: bool):
+        """One token count: inputs, the no-drop reference (check), Pallas per mode and variant, the 1.25× capacity
+        einsum, XLA ragged_dot."""
+        where = f"moe N={n}"
+        if self.budget.left() < 5:
+            self.rec.skip(where, "budget spent")
+            return
+        try:
+            inputs = self.moe_inputs(n)
+        except Exception as exc:
+            self.rec.error(f"{where} inputs", exc)
+            free()
+            return
+        ref = {}
+        try:
+            if check:
+                self.moe_reference(weights, inputs, n, ref)
+            for mode, vs in pallas.items():
+                for name, bs in vs:
+                    self.moe_pallas(weights, inputs, n, mode, name, bs, ref)
+            if einsum:
+                self.moe_einsum(weights, inputs, n, 1.25)
+            if ragged:
+                self.moe_ragged(weights, inputs, n, ref)
+        finally:
+            del inputs, ref
+            self.drop_compiled("moe", n)
+            free()
+        self.rec.write_json()
+
+    def moe_reference(self, weights: dict, inputs: dict, n: int, ref: dict):
+        """No-drop reference: the capacity einsum with capacity = the largest expert load (nothing dropped), f32
+        intermediates. An implementation independent of both kernels' sort / tile logic."""
+        sh = self.sh
+        where = f"moe reference N={n}"
+        try:
+            cap = round_up(int(inputs["counts"].max()), 16)
+            kw = {k: inputs[k] for k in ("x", "expert_ids", "weights")}
+            kw.update(self.moe_weights_for("bf16", weights))
+            compiled, _ = aot_compile(capacity_einsum, kw, dict(capacity=cap, limit=sh.swiglu_limit,
+                                                               f32_intermediates=True))  # fmt: skip
+            if not self.memory_fits(compiled, where):
+                return
+            out, dropped = compiled(**kw)
+            ref["out"] = out
+            self.rec.log(f"moe reference N={n}: capacity {cap}, dropped {float(dropped):.1e}")
+        except Exception as exc:
+            self.rec.error(where, exc)
+
+    @staticmethod
+    def moe_weights_for(mode: str, weights: dict) -> dict:
+        return dict(weights["bf16"]) if mode == "bf16" else dict(weights["fp8"])
+
+    def moe_check(self, name: str, n: int, out, ref: dict, tol: float) -> str:
+        """rel L2 and NaN count of a warm-up output against the no-drop reference → note; also a check entry."""
+        nans = int(nan_count(out))
+        if "out" not in ref:
+            return f"NaN {nans}" if nans else ""
+        err = float(rel_l2_and_nans(out, ref["out"])[0])
+        self.add_check("moe", f"moe N={n} {name}: rel L2 {err:.2e} vs the no-drop einsum (tol {tol:g}), NaN {nans}",
+                       nans == 0 and err <= tol, seq=n, variant=name, rel_l2=err, nans=nans)  # fmt: skip
+        return f"err {err:.1e}" + (f" NaN {nans}" if nans else "")
+
+    def moe_pallas(self, weights, inputs, n, mode, name, bs, ref):
+        pm, sh = self.ops["moe"], self.sh
+        label = f"{mode}-{name}"
+        where = f"moe pallas {label} N={n}"
+        flops = moe_flops(n, sh)
+        rate = 1e9 if self.args.smoke else (600e12 if mode == "w8a8" else 300e12)
+        t_pred = self.predict_from("moe", "pallas", label, n, lambda m: moe_flops(m, sh), rate)
+        if t_pred > 30:
+            self.rec.skip(where, f"one call predicted {t_pred:.0f} s (> 30 s)")
+            return
+        if not self.budget.fits(where, self.item_cost("moe", t_pred)):
+            return
+        kw = {k: inputs[k] for k in ("x", "expert_ids", "weights")}
+        kw.update(self.moe_weights_for(mode, weights))
+        static = dict(limit=self.sh.swiglu_limit, block_sizes=bs, interpret=self.interpret)
+        if mode != "bf16":
+            static["fp8_activations"] = mode == "w8a8"
+        note = {}
+        # fp8 modes against the bf16-weight reference: the weights' e4m3 rounding alone is a few % (W8A8 adds x, h)
+        tol = {"bf16": 1e-2, "w8a16": 0.1, "w8a8": 0.1}[mode]
+
+        def on_first(out):
+            note["text"] = self.moe_check(f"pallas {label}", n, out, ref, tol)
+
+        try:
+            compiled, cs = self.op_compiled(("moe", n, "pallas", label), pm.routed_experts, kw, static, kind="moe")
+            if not self.memory_fits(compiled, where):
+                return
+            t = time_compiled(compiled, [kw], target_s=self.args.target_s, budget=self.budget, first_out=on_first)
+            self.report("moe", "pallas", n, label, t, flops=flops, nbytes=moe_min_bytes(n, sh, mode),
+                        note=note.get("text", ""), ref="fp8" if mode == "w8a8" else "bf16", compile_s=cs,
+                        block_sizes=dataclasses.asdict(bs))  # fmt: skip
+        except Exception as exc:
+            self.rec.error(where, exc)
+        free()
+
+    def moe_einsum(self, weights, inputs, n, factor: float):
+        sh = self.sh
+        where = f"moe einsum cap{factor:g} N={n}"
+        cap = round_up(math.ceil(factor * n * sh.moe_topk / sh.moe_experts), 16)
+        computed = sh.moe_experts * cap / (n * sh.moe_topk)
+        t_pred = self.predict_from("moe", "einsum", f"cap{factor:g}", n, lambda m: moe_flops(m, sh),
+                                   (1e9 if self.args.smoke else 300e12) / computed)  # fmt: skip
+        if not self.budget.fits(where, self.item_cost("xla", t_pred)):
+            return
+        kw = {k: inputs[k] for k in ("x", "expert_ids", "weights")}
+        kw.update(self.moe_weights_for("bf16", weights))
+        dropped = {}
+        try:
+            compiled, cs = self.op_compiled(("moe", n, "einsum", factor), capacity_einsum, kw,
+                                            dict(capacity=cap, limit=sh.swiglu_limit), kind="xla")  # fmt: skip
+            if not self.memory_fits(compiled, where):
+                return
+            t = time_compiled(compiled, [kw], target_s=self.args.target_s, budget=self.budget,
+                              first_out=lambda out: dropped.update(frac=float(out[1])))  # fmt: skip
+            self.report("moe", "einsum", n, f"cap{factor:g}", t, flops=moe_flops(n, sh),
+                        nbytes=moe_min_bytes(n, sh, "bf16"),
+                        note=f"drops {100 * dropped.get('frac', float('nan')):.1f}% of pairs, computes {computed:.2f}x",
+                        ref="bf16", compile_s=cs, capacity=cap, dropped=dropped.get("frac"))  # fmt: skip
+        except Exception as exc:
+            self.rec.error(where, exc)
+        free()
+
+    def moe_ragged(self, weights, inputs, n, ref):
+        """dsv4.moe.routed_experts_jnp: sort, gather, two lax.ragged_dot calls, scatter-add. Guarded: its memory
+        need is read from the compiled executable before it runs (ANCHORS: it asked for 96 GiB at 8K tokens)."""
+        sh = self.sh
+        where = f"moe xla-ragged N={n}"
+        fn = self.ops.get("routed_experts_jnp")
+        if fn is None:
+            self.rec.skip(where, "dsv4.moe.routed_experts_jnp did not import")
+            return
+        dense = moe_flops(n, sh) * sh.moe_experts / sh.moe_topk  # if it computes every expert for every row
+        t_pred = self.predict_from("moe", "xla-ragged", "bf16", n, lambda m: moe_flops(m, sh),
+                                   (1e9 if self.args.smoke else 400e12) * moe_flops(n, sh) / dense)  # fmt: skip
+        if not self.budget.fits(where, self.item_cost("xla", t_pred)):
+            return
+        kw = {k: inputs[k] for k in ("x", "expert_ids", "weights")}
+        kw.update(self.moe_weights_for("bf16", weights))
+        note = {}
+        try:
+            jf = jax.jit(functools.partial(fn, limit=sh.swiglu_limit))
+            compiled, cs = self.op_compiled(("moe", n, "ragged"), jf, kw, kind="xla")
+            if not self.memory_fits(compiled, where):
+                self.moe_ragged_state = self.moe_ragged_state or "memory"
+                return
+            t = time_compiled(compiled, [kw], target_s=self.args.target_s, budget=self.budget,
+                              first_out=lambda out: note.update(text=self.moe_check("xla-ragged", n, out, ref, 1e-2)))
+            self.report("moe", "xla-ragged", n, "bf16", t, flops=moe_flops(n, sh), nbytes=moe_min_bytes(n, sh, "bf16"),
+                        note=note.get("text", ""), ref="bf16", compile_s=cs)  # fmt: skip
+            self.moe_ragged_state = self.moe_ragged_state or "ok"
+        except Exception as exc:
+            self.rec.error(where, exc)
+            self.moe_ragged_state = self.moe_ragged_state or "error"
+        free()
+
     # ----- final table -----
     def table(self):
         rec = self.rec
         log = functools.partial(rec.log, stamp=False)  # the table is what the device tool's 12,000-char tail keeps
-        order = {"ceiling": 0, "v4-pallas": 1, "v4-xla": 2, "v4-fp8": 3, "cudnn": 4}
-        layer_order = {k: i for i, k in enumerate(LAYERS)}
+        order = {"ceiling": 0, "v4-pallas": 1, "v4-xla": 2, "v4-fp8": 3, "cudnn": 4, "indexer": 5, "decode": 6,
+                 "moe": 7}  # fmt: skip
+        layer_order = {k: i for i, k in enumerate(LAYERS + ("sweep", "floor", "pallas", "xla", "einsum", "xla-ragged"))}
         best = {}
         for r in rec.rows:
             if r["section"] == "v4-pallas":
                 k = (r["layer"], r["seq"])
                 if k not in best or r["ms"] < best[k]["ms"]:
                     best[k] = r
-        rows = sorted(rec.rows, key=lambda r: (order.get(r["section"], 9), r["seq"] if r["section"] != "ceiling" else 0,
-                                               layer_order.get(r["layer"], 9), r["layer"], r["ms"]))  # fmt: skip
+
+        def sort_key(r):
+            sec, lay = order.get(r["section"], 9), layer_order.get(r["layer"], 99)
+            if r["section"] == "ceiling":
+                return (sec, 0, lay, r["layer"], r["ms"], "")
+            if r["section"] == "decode":  # by layer type, context, then dtype and batch
+                return (sec, lay, r["seq"], "", 0.0, r["variant"])
+            if r["section"] in NEW_SECTIONS:
+                return (sec, r["seq"], lay, r["layer"], 0.0, r["variant"])
+            return (sec, r["seq"], lay, r["layer"], r["ms"], "")
+
+        rows = sorted(rec.rows, key=sort_key)
+        tags = {"bf16": "b", "fp8": "f", "copy": "c"}
         log("")
         log("=" * 100)
+        ceil = ", ".join(f"{k} {v:.0f} TF/s" if k != "copy" else f"copy {v:.2f} TB/s" for k, v in self.ceil.items())
         log(f"RESULTS  {rec.header.get('device_kind')}  jax {rec.header.get('jax')}  {rec.header.get('date')}  "
-            f"bf16 mm = {self.mm_bf16 and round(self.mm_bf16)} TF/s = 100%")  # fmt: skip
-        log(f"{'section':<9} {'layer':<9} {'S':>7} {'variant':<14} {'ms':>9} {'TF/s':>6} {'%mm':>4} "
+            f"ceilings: {ceil or 'none'}")  # fmt: skip
+        log(f"{'section':<9} {'layer':<9} {'S':>7} {'variant':<14} {'ms':>9} {'TF/s':>6} {'%ceil':>5} "
             f"{'TB/s':>5}  note")  # fmt: skip
+        decode_rows = [r for r in rows if r["section"] == "decode" and r["layer"] != "floor"]
         for r in rows:
+            if r["section"] == "decode":  # a matrix below (36 rows would not fit the output tail); floors: summary
+                continue
             tf = f"{r['tflops']:6.1f}" if r["tflops"] is not None else f"{'-':>6}"
-            pct = f"{r['pct_mm']:4.0f}" if r["pct_mm"] is not None else f"{'-':>4}"
+            pct_ref = self.pct_ref(r)
+            pct = f"{pct_ref:4.0f}{tags.get(r.get('ref'), '?')}" if pct_ref is not None else f"{'-':>5}"
             tb = f"{r['tbps']:5.2f}" if r["tbps"] is not None else f"{'-':>5}"
             mark = "*" if best.get((r["layer"], r["seq"])) is r else " "
-            log(f"{r['section']:<9} {r['layer']:<9} {r['seq']:>7} {r['variant'][:13]:<13}{mark} {r['ms']:9.3f} "
-                f"{tf} {pct} {tb}  {r['note']}")  # fmt: skip
-        log("* = fastest Pallas variant for (layer, S); %mm = TF/s over this run's best bf16 matmul; TB/s = "
-            "fewest bytes / time; err = rel L2 of the warm-up output vs the named reference")  # fmt: skip
+            note = r["note"] if r["section"] not in NEW_SECTIONS else r["note"][:48]
+            log(f"{r['section']:<9} {r['layer']:<9} {r['seq']:>7} {r['variant'][:13]:<13}{mark} {_fmt_ms(r['ms'], 9)} "
+                f"{tf} {pct} {tb}  {note}")  # fmt: skip
+        log("* = fastest Pallas attention variant for (layer, S); %ceil = % of this run's ceiling: b = best bf16 "
+            "matmul, f = best fp8 matmul (TF/s), c = copy (TB/s); TB/s = fewest bytes / time; err = rel L2 of the "
+            "warm-up output vs the named reference")  # fmt: skip
+        if decode_rows:
+            variants = sorted({r["variant"] for r in decode_rows},
+                              key=lambda v: (v.split("-")[0], int(v[v.index("B") + 1 :])))  # bf16-B1, bf16-B32, …
+            cells = {(r["layer"], r["seq"], r["variant"]): r for r in decode_rows}
+            log("decode: per call (pipelined) us | TB/s of the bytes needed | % of copy; S = context")
+            log(f"{'layer':<6} {'S':>7}  " + "".join(f"{v:>20}" for v in variants))
+            for layer, seq in sorted({(r["layer"], r["seq"]) for r in decode_rows},
+                                     key=lambda x: (layer_order.get(x[0], 99), x[1])):  # fmt: skip
+                line = f"{layer:<6} {seq:>7}  "
+                for v in variants:
+                    r = cells.get((layer, seq, v))
+                    pct_ref = self.pct_ref(r) if r else None
+                    line += (f"{r['ms'] * 1e3:9.1f} {r['tbps']:5.2f} {pct_ref or 0:3.0f}%" if r else f"{'-':>20}")
+                log(line)
+        decode_checks = [c for c in rec.checks if c.get("section") == "decode"]
+        if decode_checks:
+            worst = max(decode_checks, key=lambda c: c.get("rel_l2", 0.0))
+            bad = [c["text"] for c in decode_checks if not c["ok"]]
+            log(f"check decode: {len(decode_checks) - len(bad)} OK, {len(bad)} FAIL (rel L2 vs "
+                f"paged_decode_attention_reference, NaN, poisoned partials); worst: {worst['text']}")  # fmt: skip
+            for text in bad:
+                log(f"check {text} -> FAIL")
         for c in rec.checks:
-            log(f"check {c['layer']} S={c['seq']} {c['variant']} poisoned: NaN {c['nans']}, rel L2 "
-                f"{c['rel_l2']:.2e} vs {c['against']} -> {'OK' if c['ok'] else 'FAIL'}")  # fmt: skip
+            if c.get("section") == "decode":
+                continue
+            if "text" in c:
+                log(f"check {c['text']} -> {'OK' if c['ok'] else 'FAIL'}")
+            else:
+                log(f"check {c['layer']} S={c['seq']} {c['variant']} poisoned: NaN {c['nans']}, rel L2 "
+                    f"{c['rel_l2']:.2e} vs {c['against']} -> {'OK' if c['ok'] else 'FAIL'}")  # fmt: skip
         xla = {(r["layer"], r["seq"]): r for r in rec.rows if r["section"] == "v4-xla"}
         for (layer, seq), r in sorted(best.items(), key=lambda x: (x[0][1], layer_order.get(x[0][0], 9))):
             x = xla.get((layer, seq))
             vs = f" | xla {x['ms']:.2f} ms, speedup {x['ms'] / r['ms']:.2f}x" if x else ""
             log(f"summary {layer:<8} S={seq:<7} pallas best {r['variant']} {r['ms']:.2f} ms "
                 f"({r['tflops'] or 0:.0f} TF/s, {r['tbps'] or 0:.2f} TB/s){vs}")  # fmt: skip
+        for line in self.summaries_ops():
+            log(line)
         log(f"{len(rec.errors)} error(s), {len(rec.skips)} skip(s); elapsed {time.monotonic() - T_START:.0f} s"
             + (f"; full numbers in {rec.out_dir / 'bench_kernels.json'}" if rec.out_dir else ""))  # fmt: skip
-        for e in rec.errors[:12]:
-            log(f"  error: {e['where']}: {e['type']}: {(e['message'].splitlines() or [''])[0][:120]}")
-        for s in rec.skips[:12]:
-            log(f"  skip: {s['where']}: {s['why']}"[:130])
-        if len(rec.errors) > 12 or len(rec.skips) > 12:
+        for e in rec.errors[:8]:
+            log(f"  error: {e['where']}: {e['type']}: {(e['message'].splitlines() or [''])[0][:100]}")
+        for s in rec.skips[:8]:
+            log(f"  skip: {s['where']}: {s['why']}"[:120])
+        if len(rec.errors) > 8 or len(rec.skips) > 8:
             log("  (more errors/skips in the log and the JSON)")
         log("=" * 100)
         rec.write_json()
+
+    def summaries_ops(self) -> list[str]:
+        """One line per indexer S and MoE token count: the headline numbers and speedups."""
+        rows = self.rec.rows
+        get = {(r["section"], r["layer"], r["seq"], r["variant"]): r for r in rows}
+
+        def fmt(r, what=""):
+            pct = self.pct_ref(r)
+            pct_s = f", {pct:.0f}% {r['ref']} mm" if pct is not None else ""
+            return f"{what}{_fmt_ms(r['ms'], 0)} ms ({r['tflops'] or 0:.0f} TF/s{pct_s})"
+
+        out = []
+        for seq in sorted({r["seq"] for r in rows if r["section"] == "indexer"}):
+            p8, p16 = get.get(("indexer", "pallas", seq, "fp8")), get.get(("indexer", "pallas", seq, "bf16"))
+            x16 = get.get(("indexer", "xla", seq, "bf16"))
+            parts = [fmt(p8, "pallas fp8 ") if p8 else "pallas fp8 -", fmt(p16, "bf16 ") if p16 else "bf16 -",
+                     fmt(x16, "xla bf16 ") if x16 else "xla bf16 -"]  # fmt: skip
+            if x16 and (p8 or p16):
+                parts.append(f"speedup vs xla: {'fp8 %.1fx' % (x16['ms'] / p8['ms']) if p8 else ''}"
+                             f"{' bf16 %.1fx' % (x16['ms'] / p16['ms']) if p16 else ''}")  # fmt: skip
+            out.append(f"summary indexer S={seq:<7} " + " | ".join(parts))
+        floor = [r for r in rows if r["section"] == "decode" and r["layer"] == "floor"]
+        if floor:
+            out.append("summary decode launch floor (pipelined dispatch, same arguments): "
+                       + ", ".join(f"{r['variant']} {r['ms'] * 1e3:.1f}us" for r in floor)
+                       + "; decode rows near it measure the host, not the kernel")  # fmt: skip
+        for n in sorted({r["seq"] for r in rows if r["section"] == "moe"}):
+            parts = []
+            for mode in ("bf16", "w8a16", "w8a8"):
+                cands = [r for r in rows if r["section"] == "moe" and r["layer"] == "pallas" and r["seq"] == n
+                         and r["variant"].startswith(mode + "-")]  # fmt: skip
+                if cands:
+                    r = min(cands, key=lambda r: r["ms"])
+                    parts.append(fmt(r, f"pallas {r['variant']} "))
+            for layer in ("einsum", "xla-ragged"):
+                for r in [r for r in rows if r["section"] == "moe" and r["layer"] == layer and r["seq"] == n]:
+                    parts.append(fmt(r, f"{layer} {r['variant']} "))
+            out.append(f"summary moe N={n:<7} " + " | ".join(parts))
+        return out
+
+    def start_watchdog(self):
+        """If the run is still busy --hard-stop seconds after its start (a compile or call far over its prediction:
+        the budget cannot interrupt one), print the table from what was measured and exit, so the result survives
+        the device tool's kill at 600 s."""
+        limit = self.args.hard_stop if self.args.hard_stop is not None else self.args.budget + 90.0
+        if limit <= 0 or limit > 1e6:
+            return
+
+        def fire():
+            self.rec.log(f"WATCHDOG: still busy {time.monotonic() - T_START:.0f} s after the start (--hard-stop "
+                         f"{limit:.0f} s): the table from what was measured, then exit")  # fmt: skip
+            try:
+                self.table()
+            finally:
+                sys.stdout.flush()
+                os._exit(3)
+
+        timer = threading.Timer(max(1.0, limit - (time.monotonic() - T_START)), fire)
+        timer.daemon = True
+        timer.start()
+        self.watchdog = timer
 
     def run(self):
         if not self.args.smoke and jax.default_backend() != "gpu":
@@ -1072,25 +2371,40 @@ class Bench:
             self.import_dsv4()
         except Exception as exc:
             self.rec.error("import dsv4.pallas.attention", exc)
+        only = self.args.only
+        if any(s in only for s in NEW_SECTIONS):
+            self.import_ops()
         self.header()
+        self.start_watchdog()
         # The larger lengths come after cudnn and fp8: a kernel fault there (a sticky CUDA error ends the process's
-        # GPU work) then costs only what follows it.
+        # GPU work) then costs only what follows it. The new sections come last, decode (cheap) first and the
+        # indexer (least known: its Triton compile and sort network speed are unmeasured) last, each under its cap.
         lengths = self.args.lengths
         steps = [("ceilings", self.ceilings), ("attention", functools.partial(self.attention_baseline, lengths[:1])),
                  ("cudnn", self.cudnn), ("fp8", self.fp8),
                  ("attention", functools.partial(self.attention_baseline, lengths[1:])),
-                 ("attention", self.attention_variants)]  # fmt: skip
-        for section, step in steps:
-            if section not in self.args.only:
+                 ("attention", self.attention_variants), ("ceilings-lite", self.ceilings_lite),
+                 ("decode", self.decode), ("moe", self.moe), ("indexer", self.indexer),
+                 ("moe-large", functools.partial(self.moe, large=True)),
+                 ("indexer-large", functools.partial(self.indexer, large=True))]  # fmt: skip
+        for step_name, step in steps:
+            section = step_name.removesuffix("-large")
+            if step_name == "ceilings-lite":
+                if "ceilings" in only or not any(s in only for s in NEW_SECTIONS):
+                    continue
+            elif section not in only:
                 continue
             if section in ("attention", "fp8") and (self.pa is None or not self.variants):
                 self.rec.skip(section, "dsv4.pallas.attention did not import, or no valid --variants")
                 continue
             try:
-                step()
+                with self.budget.cap(self.args.section_budgets.get(step_name)):
+                    step()
             except Exception as exc:  # a section's own bookkeeping failed; the next section still runs
-                self.rec.error(f"section {section}", exc)
+                self.rec.error(f"section {step_name}", exc)
             free()
+        if self.watchdog is not None:
+            self.watchdog.cancel()
         self.table()
 
 
@@ -1101,6 +2415,11 @@ def _check_note(check: dict) -> str:
     if check.get("nans"):
         parts.append(f"NaN {check['nans']}")
     return " ".join(parts)
+
+
+def _fmt_ms(ms: float, width: int) -> str:
+    """Milliseconds with 3 decimals, 4 below 1 ms (decode calls take microseconds)."""
+    return f"{ms:{width}.{4 if ms < 1 else 3}f}"
 
 
 def _bs_str(bs) -> str:

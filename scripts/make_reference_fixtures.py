@@ -13,6 +13,10 @@ Run from the repository root:
 
     .venv-ref/bin/python scripts/make_reference_fixtures.py              # all fixtures
     .venv-ref/bin/python scripts/make_reference_fixtures.py --only tiny_long
+    .venv-ref/bin/python scripts/make_reference_fixtures.py --quantized    # only tiny_mixed_fp8 / _fp4
+
+The quantized fixtures (FP8 block scales, FP4 experts, DeepSeek's released tensor names) are made from the float
+fixtures on disk; transformers needs `accelerate` to load FP8 checkpoints (`pip install accelerate`).
 
 Each fixture directory tests/fixtures/<name>/ holds
   config.json        exactly as `model.save_pretrained` writes it;
@@ -759,12 +763,145 @@ def write_readme(out_dir: Path, results: list[FixtureResult], tensors: dict[str,
     (out_dir / "README.md").write_text("\n".join(lines))
 
 
+# ---------------------------------------------------------------------------------------------
+# Quantized fixtures: a float fixture's weights stored as DeepSeek releases store them (DeepSeek tensor names,
+# FP8 e4m3 with block scales, optionally FP4 e2m1 routed experts), with the logits transformers computes
+# from those files. The quantization here is torch's and this script's own, independent of dsv4's.
+# ---------------------------------------------------------------------------------------------
+QUANT_BLOCK = [16, 16]  # small enough that the tiny shapes (32..256) hold several blocks per matrix
+QUANTIZED_FIXTURES = (  # (name, float fixture it quantizes, expert_dtype)
+    ("tiny_mixed_fp8", "tiny_mixed", None),
+    ("tiny_mixed_fp4", "tiny_mixed", "fp4"),
+)
+# The weights DeepSeek-V4 stores in FP8 (its inference/model.py: every `Linear` of the default dtype) and the
+# routed experts (FP8, or FP4 when expert_dtype is "fp4"); embeddings, head, router, compressor projections,
+# the indexer's weights_proj and wo_a stay in float.
+_RELEASED_FP8 = re.compile(
+    r"\.attn\.(wq_a|wq_b|wkv|wo_b)\.weight$|\.indexer\.wq_b\.weight$|\.shared_experts\.w[123]\.weight$"
+    r"|\.experts\.\d+\.w[123]\.weight$"
+)
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+# transformers' save_pretrained maps most names back to DeepSeek's but keeps a `model.` prefix and a few
+# transformers names; a release has neither (`embed.weight`, `hc_head_fn`, `layers.0.attn.wq_a.weight`).
+_RELEASED_NAMES = [
+    (r"^model\.", ""),
+    (r"^embed_tokens\.weight$", "embed.weight"),
+    (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+]
+QUANTIZED_README_MARK = "<!-- quantized fixtures (make_reference_fixtures.py --quantized) -->"
+
+
+def _pow2_at_least(x: torch.Tensor) -> torch.Tensor:
+    """ue8m0 scales: the power of two at least x (1 for all-zero blocks)."""
+    x = torch.where(x > 0, x, torch.ones_like(x))
+    return torch.exp2(torch.ceil(torch.log2(x)))
+
+
+def quantize_fp8_torch(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float → (float8_e4m3fn [out, in], float8_e8m0fnu [ceil(out/b0), ceil(in/b1)]), w ≈ q · scale."""
+    rows, cols = w.shape
+    b0, b1 = block
+    padded = torch.nn.functional.pad(w, (0, -cols % b1, 0, -rows % b0))
+    tiles = padded.reshape(padded.shape[0] // b0, b0, padded.shape[1] // b1, b1)
+    scale = _pow2_at_least(tiles.abs().amax(dim=(1, 3)) / 448.0)
+    q = (tiles / scale[:, None, :, None]).clamp(-448.0, 448.0).reshape(padded.shape)[:rows, :cols]
+    return q.to(torch.float8_e4m3fn), scale.to(torch.float8_e8m0fnu)
+
+
+def quantize_fp4_torch(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float → (int8 [out, in/2]: two e2m1 codes per byte, even column in the low nibble;
+    float8_e8m0fnu [out, in/group]), w ≈ e2m1 · scale."""
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // group, group)
+    scale = _pow2_at_least(groups.abs().amax(dim=2) / 6.0)
+    scaled = (groups / scale[:, :, None]).reshape(rows, cols)
+    codes = (scaled[..., None] - _E2M1).abs().argmin(dim=-1).to(torch.uint8)  # nearest e2m1 value
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.view(torch.int8), scale.to(torch.float8_e8m0fnu)
+
+
+def write_quantized_fixtures(out_dir: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import FineGrainedFP8Config
+
+    sections = [QUANTIZED_README_MARK, "## Quantized fixtures\n"]
+    for name, base, expert_dtype in QUANTIZED_FIXTURES:
+        print(f"[{name}] quantizing {base}")
+        config = DeepseekV4Config.from_pretrained(out_dir / base)
+        model = DeepseekV4ForCausalLM(config).eval()
+        model.load_state_dict(load_file(out_dir / base / "model.safetensors"), strict=True)
+        quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": QUANT_BLOCK,
+                 "scale_fmt": "ue8m0"}  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp)  # transformers' own reverse mapping to DeepSeek's tensor names
+            float_tensors = load_file(Path(tmp) / "model.safetensors")
+        tensors, counts = {}, defaultdict(int)
+        for key, value in sorted(float_tensors.items()):
+            for pattern, repl in _RELEASED_NAMES:
+                key = re.sub(pattern, repl, key)
+            if not _RELEASED_FP8.search(key):
+                tensors[key] = value.contiguous()
+                continue
+            if expert_dtype == "fp4" and ".experts." in key:
+                q, scale = quantize_fp4_torch(value.float())
+                counts["fp4"] += 1
+            else:
+                q, scale = quantize_fp8_torch(value.float(), QUANT_BLOCK)
+                counts["fp8"] += 1
+            tensors[key], tensors[key.removesuffix(".weight") + ".scale"] = q.contiguous(), scale.contiguous()
+        fixture_dir = out_dir / name
+        if fixture_dir.exists():
+            shutil.rmtree(fixture_dir)
+        fixture_dir.mkdir(parents=True)
+        save_file(tensors, fixture_dir / "model.safetensors")
+        raw = json.loads((out_dir / base / "config.json").read_text())
+        raw["quantization_config"] = quant
+        if expert_dtype:
+            raw["expert_dtype"] = expert_dtype  # top level, as DeepSeek's config.json has it
+        (fixture_dir / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+
+        reference = DeepseekV4ForCausalLM.from_pretrained(
+            fixture_dir, quantization_config=FineGrainedFP8Config(dequantize=True, weight_block_size=QUANT_BLOCK,
+                                                                  scale_fmt="ue8m0"),
+            dtype=torch.float32,
+        ).eval()  # fmt: skip
+        input_ids = np.load(out_dir / base / "reference.npz")["input_ids"]
+        with torch.no_grad():
+            logits = reference(torch.tensor(input_ids, dtype=torch.long), use_cache=False).logits.float().numpy()
+        base_logits = np.load(out_dir / base / "reference.npz")["logits"]
+        np.savez(fixture_dir / "reference.npz", input_ids=input_ids, logits=logits)
+        drift = float(np.abs(logits - base_logits).max())
+        print(f"[{name}] {dict(counts)}; max |logits - {base} logits| = {drift:.3g}")
+        sections += [
+            f"### `{name}`\n",
+            f"The weights of `{base}` in DeepSeek's released layout (transformers' `save_pretrained` names without "
+            "its `model.` prefix, `embed.weight`, `hc_head_fn`/`_base`/`_scale`), "
+            f"with {counts['fp8']} weights in FP8 e4m3 + `.scale` (float8_e8m0fnu, ue8m0 powers of two, blocks "
+            f"{QUANT_BLOCK})" + (f" and the {counts['fp4']} routed-expert weights in FP4 e2m1 (int8, two per byte, "
+            "even column in the low nibble) + `.scale` (float8_e8m0fnu, one per row and 32 columns)"
+            if counts["fp4"] else "") + "; config.json is the base's plus `quantization_config` "
+            f"{json.dumps(quant)}" + (f" and top-level `expert_dtype: {expert_dtype!r}`" if expert_dtype else "") + ".",
+            f"`reference.npz`: `input_ids` (the base's) and `logits` from transformers loading these files with "
+            f"`FineGrainedFP8Config(dequantize=True)`; max |logits − {base}'s logits| = {drift:.3g} (the "
+            "quantization error).\n",
+        ]
+    readme = out_dir / "README.md"
+    text = readme.read_text() if readme.exists() else ""
+    text = text.split(QUANTIZED_README_MARK)[0].rstrip("\n") + "\n\n" + "\n".join(sections) + "\n"
+    readme.write_text(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default tests/fixtures)")
     parser.add_argument("--only", nargs="*", help="fixture names to generate (README is written only for a full run)")
+    parser.add_argument("--quantized", action="store_true",
+                        help="only (re)write the quantized fixtures (FP8 / FP4 experts) from the float ones on disk")
     args = parser.parse_args()
     torch.set_default_dtype(torch.float32)
+    if args.quantized:
+        write_quantized_fixtures(args.out)
+        return
 
     wanted = set(args.only or [s.name for s in FIXTURES])
     # A fixture that shares weights needs its source's accepted seed, so the source runs first either way.
@@ -795,6 +932,7 @@ def main() -> None:
         )
     if not args.only:
         write_readme(args.out, results, tensors)
+        write_quantized_fixtures(args.out)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def test_pallas_kernels_selected_still_match_reference():
     """The model with the Pallas kernels selected (attention, indexer, MoE; interpreted on CPU) passes the same bar."""
     ref = dict(np.load(os.path.join(FIXTURES, "tiny_mixed", "reference.npz")))
     model = dsv4.load(os.path.join(FIXTURES, "tiny_mixed"), dtype=jnp.float32, attention_impl="pallas",
-                      moe_impl="pallas")  # fmt: skip
+                      moe_impl="pallas", indexer_impl="pallas")  # fmt: skip
     assert rel_err(model.logits(ref["input_ids"]), ref["logits"]) < TOL
 
 

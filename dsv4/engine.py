@@ -1,0 +1,396 @@
+"""The serving engine: `LLM` turns prompts into tokens with the host scheduler and the device runner.
+
+    llm = dsv4.LLM("tiny", max_slots=8, max_model_len=8192)
+    outputs = llm.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)          # blocking, in prompt order
+    for request_id, token_id, finish_reason, output in llm.stream(prompts):  # tokens as they come
+        ...
+    rid = llm.add_request(prompt_ids, max_new_tokens=16); llm.step(); llm.cancel(rid)   # online
+
+One engine step is: `Scheduler.schedule()` (host, pure Python: who runs, how many tokens, which pages),
+`ModelRunner.execute(plan)` (device: the chunks, padded into a few fixed shapes), sampling on the host
+from the last position's logits of each chunk that needs them, `Scheduler.update(plan, sampled)`. The
+engine adds what neither side knows about: prompts as text, sampling state, per-request metrics, and the
+mapping of errors to the request that caused them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from dsv4.cache import BlockPool, KVCacheManager, PageSpec
+from dsv4.config import SLIDING
+from dsv4.generate import SamplingParams, sample
+from dsv4.model import DeepseekV4, check_token_ids
+from dsv4.runner import ModelRunner, power_of_two_buckets
+from dsv4.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from dsv4.tokenizer import TextTokenizer, load_tokenizer
+
+Prompt = str | Sequence[int]
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_CANCELLED: "cancelled",
+}
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (`time.perf_counter()` seconds) of one request's life."""
+
+    arrival_time: float
+    num_prompt_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    """When each generated token reached the host, in order."""
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Arrival → first token: queueing, the whole (chunked) prefill, and the first sample."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Inter-token latencies: the gap before each token after the first."""
+        return [b - a for a, b in itertools.pairwise(self.token_times)]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (last - first) / (n - 1); None below two tokens."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """Generated tokens (a stop token that ended the request is included)."""
+    metrics: RequestMetrics
+    finish_reason: str | None = None
+    """None while running; then "stop" (a stop token), "length" (max_new_tokens), "cancelled" or "error"."""
+    error: str | None = None
+    """Why the request was refused (finish_reason "error"): too long for the model or the KV memory, bad ids."""
+    text: str | None = None
+    """The generated tokens decoded, when the engine has a tokenizer."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class TokenEvent(NamedTuple):
+    """One generated token of one request, as `stream` and `step` hand them out."""
+
+    request_id: str
+    token_id: int | None
+    """None only for a refused request's single event (finish_reason "error")."""
+    finish_reason: str | None = None
+    """Set on the request's last event."""
+    output: RequestOutput | None = None
+    """The finished request's output (tokens, metrics), on its last event only."""
+
+
+@dataclass
+class _Live:
+    request: Request
+    sampling: SamplingParams
+    rng: np.random.Generator
+    output: RequestOutput
+
+
+def _resolve_model(model, *, dtype, seed: int, attention_impl: str, moe_impl: str) -> tuple[DeepseekV4, str | None]:
+    """A model instance, a checkpoint directory or a preset name → (model, directory or None)."""
+    import dsv4
+
+    if isinstance(model, DeepseekV4):
+        return model, None
+    name = os.fspath(model)
+    if os.path.isdir(name):
+        return dsv4.load(name, dtype=jnp.dtype(dtype or "bfloat16"), attention_impl=attention_impl,
+                         moe_impl=moe_impl), name  # fmt: skip
+    dtype = dtype or ("float32" if name == "tiny" else "bfloat16")
+    return dsv4.init_random(name, seed, dtype=jnp.dtype(dtype), attention_impl=attention_impl, moe_impl=moe_impl), None
+
+
+class LLM:
+    """An inference engine over one model: continuous batching of up to `max_slots` requests.
+
+    model: a `DeepseekV4`, a checkpoint directory, or a preset name ("tiny", "v4-flash", "v4-pro": random
+        weights from `seed`, in `dtype`: default float32 for tiny, bfloat16 otherwise).
+    max_slots: requests running at once; each owns one slot of the dense device cache.
+    max_model_len: prompt + max_new_tokens limit of one request, and each slot's cache length
+        (default: min(max_position_embeddings, 32768)).
+    chunk_size: at most this many tokens of one request per step (chunked prefill).
+    max_num_batched_tokens: token budget of one step (default chunk_size + max_slots, so a running long
+        prefill keeps its whole chunk while every running decode also gets its token).
+    policy: "prefill_priority" (default), "decode_priority" or "fcfs"; see `dsv4.scheduler.SchedulingPolicy`.
+    kv_cache_dtype: "bfloat16" or "float32" (default: the model's dtype).
+    width_buckets: the chunk widths calls are padded to (default powers of two up to chunk_size); each
+        width used costs one compilation. max_packed_width: chunks up to this bucket share one
+        [max_slots, w] call; wider ones run as [1, w] on their own slot (see `dsv4.runner`).
+    page_size / num_kv_pages: the host KV page accounting (`PageSpec.deepseek_v4` with page_size entries
+        per page); default num_kv_pages is what max_slots requests of max_model_len need, so requests are
+        never preempted. A smaller pool admits fewer requests and preempts (recompute) when it runs out.
+    tokenizer: a `TextTokenizer`; default: the checkpoint directory's tokenizer.json, if any (else token
+        ids only). chat_template: wrap str prompts in the tokenizer's chat template when it has one.
+    """
+
+    def __init__(
+        self,
+        model: DeepseekV4 | str | os.PathLike,
+        *,
+        max_slots: int = 8,
+        max_model_len: int | None = None,
+        chunk_size: int = 8192,
+        max_num_batched_tokens: int | None = None,
+        policy: str = "prefill_priority",
+        kv_cache_dtype: str | None = None,
+        seed: int = 0,
+        dtype: str | None = None,
+        width_buckets: Sequence[int] | None = None,
+        max_packed_width: int = 16,
+        page_size: int = 64,
+        num_kv_pages: int | None = None,
+        tokenizer: TextTokenizer | None = None,
+        chat_template: bool = True,
+        attention_impl: str = "jnp",
+        moe_impl: str = "jnp",
+    ) -> None:
+        self.model, model_dir = _resolve_model(model, dtype=dtype, seed=seed, attention_impl=attention_impl,
+                                               moe_impl=moe_impl)  # fmt: skip
+        config = self.config = self.model.config
+        if max_model_len is None:
+            max_model_len = min(config.max_position_embeddings, 32768)
+        if not 2 <= max_model_len <= config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} must be in [2, max_position_embeddings="
+                             f"{config.max_position_embeddings}]")  # fmt: skip
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+        self.max_model_len, self.chunk_size = max_model_len, chunk_size
+        buckets = sorted(set(width_buckets)) if width_buckets is not None else list(power_of_two_buckets(chunk_size))
+        if buckets[-1] < chunk_size:
+            buckets.append(chunk_size)  # a full chunk must fit some bucket
+        self.runner = ModelRunner(self.model, max_slots=max_slots, max_model_len=max_model_len,
+                                  kv_cache_dtype=kv_cache_dtype or self.model.dtype, width_buckets=buckets,
+                                  max_packed_width=max_packed_width)  # fmt: skip
+
+        rates = sorted({config.compress_rate(t) for t in config.layer_types if t != SLIDING})
+        self.page_spec = PageSpec.deepseek_v4(sliding_window=config.sliding_window, compress_rates=rates,
+                                              entries_per_page=page_size)  # fmt: skip
+        if num_kv_pages is None:
+            num_kv_pages = max_slots * self.page_spec.num_pages(max_model_len)
+        self.pool = BlockPool(num_kv_pages + 1, page_size)  # + the reserved null page
+        self.kv_cache = KVCacheManager(self.pool, self.page_spec)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens or chunk_size + max_slots, max_num_seqs=max_slots,
+                long_prefill_chunk=chunk_size, policy=policy, max_model_len=max_model_len,
+            ),
+            self.kv_cache,
+        )  # fmt: skip
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+        self.chat_template = chat_template
+        self._live: dict[str, _Live] = {}
+        self._finished: dict[str, RequestOutput] = {}
+        self._ids = itertools.count()
+
+    # ----- online API ------------------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt as token ids: str prompts need the checkpoint's tokenizer."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer, and this model has none (no tokenizer.json in "
+                                 "its directory): pass token ids instead")  # fmt: skip
+            return self.tokenizer.encode(prompt, chat_template=self.chat_template)
+        ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
+        return ids
+
+    def add_request(self, prompt: Prompt, *, max_new_tokens: int = 16, sampling: SamplingParams | None = None,
+                    stop_token_ids: Iterable[int] = (), request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:  # fmt: skip
+        """Queues a request and returns its id. Raises ValueError naming the problem when it can never run:
+        empty prompt, token id out of range, prompt + max_new_tokens over max_model_len, or more KV than the
+        whole page pool. `arrival_time` (perf_counter seconds, default now) is where TTFT starts."""
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._live:
+            raise ValueError(f"request {request_id!r} is already running")
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        check_token_ids(np.asarray(ids), self.config.vocab_size)
+        request = Request(request_id, ids, max_new_tokens, frozenset(stop_token_ids))
+        self.scheduler.add_request(request)  # may raise: too long for max_model_len or the pool
+        sampling = sampling or SamplingParams()
+        metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids))
+        output = RequestOutput(request_id, request.prompt_token_ids, request.output_token_ids, metrics)
+        self._live[request_id] = _Live(request, sampling, np.random.default_rng(sampling.seed), output)
+        self._finished.pop(request_id, None)
+        return request_id
+
+    def step(self) -> list[TokenEvent]:
+        """Runs one engine step; returns the tokens it produced (last event of a request: finish_reason set)."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        plan = self.scheduler.schedule()
+        now = time.perf_counter()
+        for chunk in plan.chunks:
+            metrics = self._live[chunk.request_id].output.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        logits = self.runner.execute(plan)
+        sampled = {}
+        for request_id, row in logits.items():
+            live = self._live[request_id]
+            sampled[request_id] = sample(row, live.sampling, live.rng)
+        finished = {request.request_id: request for request in self.scheduler.update(plan, sampled)}
+        now = time.perf_counter()
+        events = []
+        for request_id, token in sampled.items():
+            live = self._live[request_id]
+            metrics = live.output.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.token_times.append(now)
+            if request_id in finished:
+                output = self._finish(request_id, _FINISH_REASONS[finished[request_id].status], now)
+                events.append(TokenEvent(request_id, token, output.finish_reason, output))
+            else:
+                events.append(TokenEvent(request_id, token))
+        return events
+
+    def cancel(self, request_id: str) -> bool:
+        """Stops a live request now and frees its pages and slot; False if it is not live (already finished)."""
+        if self.scheduler.cancel(request_id) is None:
+            return False
+        self._finish(request_id, "cancelled", time.perf_counter())
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_output(self, request_id: str) -> RequestOutput | None:
+        """A live request's output so far, or a finished one's until `pop_output` takes it."""
+        live = self._live.get(request_id)
+        return live.output if live is not None else self._finished.get(request_id)
+
+    def pop_output(self, request_id: str) -> RequestOutput | None:
+        """Takes a finished request's output (the engine keeps finished outputs until they are popped)."""
+        return self._finished.pop(request_id, None)
+
+    def progress(self, request_id: str) -> tuple[int, int] | None:
+        """(prompt tokens in the cache, prompt tokens) for a live request: the prefill's progress."""
+        live = self._live.get(request_id)
+        if live is None:
+            return None
+        request = live.request
+        return min(request.num_computed_tokens, request.num_prompt_tokens), request.num_prompt_tokens
+
+    def warmup(self, prompt_lens: Iterable[int] = (), widths: Iterable[int] = ()) -> float:
+        """Compiles, ahead of time, the calls a lone request with each prompt length would make (chunks of
+        chunk_size, the remainder, decode), plus any explicit `widths`. Returns the seconds spent."""
+        wanted = {1, *widths}
+        for length in prompt_lens:
+            wanted.update(min(self.chunk_size, length - start) for start in range(0, length, self.chunk_size))
+        return self.runner.warmup(wanted)
+
+    # ----- batch API -------------------------------------------------------------------------------------
+
+    def stream(self, prompts: Sequence[Prompt], max_new_tokens: int = 16, sampling: SamplingParams | None = None,
+               stop_token_ids: Iterable[int] = ()) -> Iterator[TokenEvent]:  # fmt: skip
+        """Runs the prompts concurrently, yielding each token as it is sampled.
+
+        A refused prompt (too long, bad ids) yields one event with token_id None and finish_reason "error"
+        (its output's `error` says why); the others run. Closing the iterator early cancels the rest.
+        """
+        for _, event in self._run(prompts, max_new_tokens, sampling, stop_token_ids):
+            yield event
+
+    def generate(self, prompts: Sequence[Prompt], max_new_tokens: int = 16, sampling: SamplingParams | None = None,
+                 stop_token_ids: Iterable[int] = ()) -> list[RequestOutput]:  # fmt: skip
+        """Runs the prompts concurrently to completion; one output per prompt, in order. A refused prompt's
+        output has finish_reason "error" and `error` set; the other prompts still run."""
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        for index, event in self._run(prompts, max_new_tokens, sampling, stop_token_ids):
+            if event.output is not None:
+                outputs[index] = event.output
+        return outputs
+
+    def _run(self, prompts, max_new_tokens, sampling, stop_token_ids) -> Iterator[tuple[int, TokenEvent]]:
+        """(prompt index, event) for the prompts' requests until all have finished; see `stream`."""
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+            raise ValueError("prompts must be a list of prompts (each a str or a list of token ids)")
+        stop_token_ids = frozenset(stop_token_ids)
+        pending: dict[str, int] = {}  # request id → prompt index
+        try:
+            for index, prompt in enumerate(prompts):
+                request_id = f"req-{next(self._ids)}"
+                try:
+                    self.add_request(prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+                                     stop_token_ids=stop_token_ids, request_id=request_id)  # fmt: skip
+                except ValueError as e:
+                    yield index, TokenEvent(request_id, None, "error", self._error_output(request_id, prompt, e))
+                    continue
+                pending[request_id] = index
+            while pending:
+                if not self.has_unfinished_requests():
+                    raise RuntimeError(f"requests {sorted(pending)} are pending but the scheduler has none")
+                for event in self.step():
+                    index = pending.get(event.request_id)
+                    if index is None:
+                        continue  # another caller's request (add_request); its output waits in pop_output
+                    if event.finish_reason is not None:
+                        del pending[event.request_id]
+                        self._finished.pop(event.request_id, None)
+                    yield index, event
+        finally:
+            for request_id in pending:  # closed early: do not leave orphans running
+                self.cancel(request_id)
+                self._finished.pop(request_id, None)
+
+    # ----- internals -------------------------------------------------------------------------------------
+
+    def _finish(self, request_id: str, reason: str, now: float) -> RequestOutput:
+        live = self._live.pop(request_id)
+        self.runner.release(request_id)
+        output = live.output
+        output.finish_reason = reason
+        output.metrics.finished_time = now
+        output.metrics.num_preemptions = live.request.num_preemptions
+        output.token_ids = list(live.request.output_token_ids)
+        if self.tokenizer is not None:
+            output.text = self.tokenizer.decode(output.token_ids)
+        self._finished[request_id] = output
+        return output
+
+    def _error_output(self, request_id: str, prompt: Prompt, error: Exception) -> RequestOutput:
+        try:
+            ids = self.encode(prompt)
+        except ValueError:
+            ids = []
+        now = time.perf_counter()
+        metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(ids), finished_time=now)
+        return RequestOutput(request_id, ids, [], metrics, finish_reason="error", error=str(error))

@@ -1,0 +1,236 @@
+"""Device side of the engine: runs one scheduler plan (`SchedulerOutput`) on the model's per-slot cache.
+
+NOTE: the device cache is dense: `model.init_cache(max_slots, max_model_len)`, one slot per running
+request, each sized for `max_model_len` tokens. A slot index is *not* a page id: the host `KVCacheManager`'s
+pages are the memory accounting (admission, preemption), while the kernels here read their slot's dense
+arrays. The model's paged mode (`init_cache(page_size=, num_pages=)`, `cache["block_tables"]`) is not used
+yet; feeding it each `ScheduledChunk`'s compressed-group block tables makes the pages the addressing, and
+`max_slots × max_model_len` stops being the footprint; the plan dataclasses do not change.
+
+Each step is at most two kinds of jitted call, in a few fixed shapes so compilations stay bounded:
+
+- one *packed* call `[max_slots, w]` over the whole cache for the short chunks (decodes, small prefill
+  pieces): idle slots ride along with `valid = 0`, which `forward_chunk` leaves untouched;
+- one *slot* call `[1, w]` per long chunk (a prefill piece wider than `max_packed_width`), on that slot's
+  cache alone, sliced out and written back inside the jitted function.
+
+NOTE: padding a long prefill chunk into `[max_slots, w]` would run `max_slots` times its work: on CPU an
+8192-token chunk of the tiny model takes ~7 s as `[1, 8192]` and ~80-120 s as `[8, 8192]`. Hence the
+second kind.
+
+`w` comes from `width_buckets` (the smallest bucket ≥ the chunk). Only a chunk with `needs_logits` brings
+logits back to the host, one row per request.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import time
+from collections.abc import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv4.model import DeepseekV4
+from dsv4.scheduler import ScheduledChunk, SchedulerOutput
+
+
+def power_of_two_buckets(chunk_size: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to and including `chunk_size` (added if it is not a power of two)."""
+    buckets = [1 << i for i in range(chunk_size.bit_length()) if 1 << i <= chunk_size]
+    if buckets[-1] != chunk_size:
+        buckets.append(chunk_size)
+    return tuple(buckets)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _packed_step(graphdef, state, cache, token_ids, valid):
+    """token_ids: [max_slots, w]; valid: [max_slots] → (logits [max_slots, vocab], cache)."""
+    return nnx.merge(graphdef, state).forward_chunk(cache, token_ids, valid)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _slot_step(graphdef, state, cache, slot, token_ids, valid):
+    """One slot's chunk: token_ids [1, w], valid [1], slot a scalar → (logits [1, vocab], cache)."""
+    sub = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), cache)
+    logits, sub = nnx.merge(graphdef, state).forward_chunk(sub, token_ids, valid)
+    cache = jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, slot, axis=0), cache, sub)
+    return logits, cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=2)
+def _reset_slot(graphdef, state, cache, slot, max_len, dtype):
+    """Puts one slot back to exactly `init_cache`'s state (num_tokens 0, empty window ring with positions -1,
+    CSA overlap gates -inf, zero entries), so a new or preempted-and-resumed request starts clean."""
+    fresh = nnx.merge(graphdef, state).init_cache(1, max_len, dtype)
+    return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, slot, axis=0), cache, fresh)
+
+
+class ModelRunner:
+    """Owns the model's weights and its dense per-slot cache; executes plans; maps requests to slots.
+
+    A request gets a slot when its chunk starting at position 0 is executed (a new request, or one resumed
+    after preemption, which recomputes from scratch) and gives it back on `release` (finished, cancelled,
+    preempted). Slots are handed out lowest first.
+    """
+
+    def __init__(self, model: DeepseekV4, *, max_slots: int, max_model_len: int, kv_cache_dtype,
+                 width_buckets: Sequence[int], max_packed_width: int) -> None:  # fmt: skip
+        if max_slots < 1:
+            raise ValueError(f"max_slots={max_slots} must be >= 1")
+        buckets = sorted(set(int(w) for w in width_buckets))
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"width_buckets={list(width_buckets)} must be positive widths")
+        self.model = model
+        self.max_slots, self.max_model_len = max_slots, max_model_len
+        self.kv_cache_dtype = jnp.dtype(kv_cache_dtype)
+        self.width_buckets = tuple(buckets)
+        self.max_packed_width = max_packed_width
+        self.graphdef, self.state = nnx.split(model)
+        # NOTE: committed to a device from the start. Every jitted call returns committed arrays, and jit keys
+        # its cache on commitment too: an uncommitted first cache would compile each shape twice.
+        self.cache = jax.device_put(model.init_cache(max_slots, max_model_len, self.kv_cache_dtype), jax.devices()[0])
+        self._slot_of: dict[str, int] = {}
+        self._free_slots = list(range(max_slots))  # kept sorted: lowest slot first
+        self._num_tokens = [0] * max_slots  # host mirror of cache["num_tokens"]: checked against each chunk
+        self._seen_shapes: set[tuple[str, int]] = set()
+        self.compile_s = 0.0
+        """Wall time of the first call of each shape (compilation plus one run), summed."""
+
+    # ----- slots -----------------------------------------------------------------------------------------
+
+    def slot_of(self, request_id: str) -> int | None:
+        return self._slot_of.get(request_id)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def release(self, request_id: str) -> None:
+        """Gives the request's slot back; a request without one (never ran, already released) is a no-op."""
+        slot = self._slot_of.pop(request_id, None)
+        if slot is not None:
+            bisect.insort(self._free_slots, slot)
+
+    def _assign(self, request_id: str) -> int:
+        self.release(request_id)  # a resumed request's old slot, if it was never released
+        if not self._free_slots:
+            raise RuntimeError(
+                f"no free cache slot for request {request_id!r}: more running requests than "
+                f"max_slots={self.max_slots} (the scheduler's max_num_seqs must equal max_slots)"
+            )
+        slot = self._free_slots.pop(0)
+        self._slot_of[request_id] = slot
+        self.cache = self._timed(("reset", 0), _reset_slot, self.graphdef, self.state, self.cache, jnp.int32(slot),
+                                 self.max_model_len, self.kv_cache_dtype)  # fmt: skip
+        self._num_tokens[slot] = 0
+        return slot
+
+    # ----- shapes ----------------------------------------------------------------------------------------
+
+    def bucket(self, num_tokens: int) -> int:
+        i = bisect.bisect_left(self.width_buckets, num_tokens)
+        if i == len(self.width_buckets):
+            raise ValueError(
+                f"a chunk of {num_tokens} tokens exceeds the largest width bucket {self.width_buckets[-1]}"
+            )
+        return self.width_buckets[i]
+
+    def is_packed(self, num_tokens: int) -> bool:
+        return self.bucket(num_tokens) <= self.max_packed_width
+
+    def _timed(self, shape: tuple[str, int], fn, *args):
+        if shape in self._seen_shapes:
+            return fn(*args)
+        t0 = time.perf_counter()
+        out = fn(*args)
+        jax.block_until_ready(out)
+        self.compile_s += time.perf_counter() - t0
+        self._seen_shapes.add(shape)
+        return out
+
+    def warmup(self, widths: Iterable[int]) -> float:
+        """Compiles the calls that chunks of these widths would use (and the slot reset), without changing any
+        slot's contents (every row runs with valid = 0). Returns the seconds spent."""
+        t0 = time.perf_counter()
+        if ("reset", 0) not in self._seen_shapes and self._free_slots:
+            # Resetting a free slot changes nothing a request can see.
+            self.cache = self._timed(
+                ("reset", 0),
+                _reset_slot,
+                self.graphdef,
+                self.state,
+                self.cache,
+                jnp.int32(self._free_slots[0]),
+                self.max_model_len,
+                self.kv_cache_dtype,
+            )
+        for width in sorted({self.bucket(w) for w in widths}):
+            if self.is_packed(width):
+                tokens, valid = np.zeros((self.max_slots, width), np.int32), np.zeros((self.max_slots,), np.int32)
+                _, self.cache = self._timed(("packed", width), _packed_step, self.graphdef, self.state, self.cache,
+                                            tokens, valid)  # fmt: skip
+            else:
+                tokens, valid = np.zeros((1, width), np.int32), np.zeros((1,), np.int32)
+                _, self.cache = self._timed(("slot", width), _slot_step, self.graphdef, self.state, self.cache,
+                                            jnp.int32(0), tokens, valid)  # fmt: skip
+        return time.perf_counter() - t0
+
+    # ----- one step --------------------------------------------------------------------------------------
+
+    def execute(self, plan: SchedulerOutput) -> dict[str, np.ndarray]:
+        """Runs every chunk of the plan. → float32 logits [vocab] for each request whose chunk needs_logits."""
+        for request_id in plan.preempted_request_ids:
+            self.release(request_id)
+        packed: list[tuple[ScheduledChunk, int]] = []
+        single: list[tuple[ScheduledChunk, int]] = []
+        for chunk in plan.chunks:
+            if chunk.start == 0:
+                slot = self._assign(chunk.request_id)
+            else:
+                slot = self._slot_of.get(chunk.request_id)
+                if slot is None:
+                    raise RuntimeError(f"request {chunk.request_id!r} continues at position {chunk.start} but holds "
+                                       "no cache slot")  # fmt: skip
+            if self._num_tokens[slot] != chunk.start:
+                raise RuntimeError(f"request {chunk.request_id!r}: chunk starts at {chunk.start} but its slot {slot} "
+                                   f"holds {self._num_tokens[slot]} tokens")  # fmt: skip
+            (packed if self.is_packed(chunk.num_tokens) else single).append((chunk, slot))
+
+        pending: list[tuple[jax.Array, int, str]] = []  # (logits on device, row, request id)
+        if packed:
+            width = self.bucket(max(chunk.num_tokens for chunk, _ in packed))
+            tokens = np.zeros((self.max_slots, width), np.int32)
+            valid = np.zeros((self.max_slots,), np.int32)
+            for chunk, slot in packed:
+                tokens[slot, : chunk.num_tokens] = chunk.token_ids
+                valid[slot] = chunk.num_tokens
+            logits, self.cache = self._timed(("packed", width), _packed_step, self.graphdef, self.state, self.cache,
+                                             tokens, valid)  # fmt: skip
+            pending += [(logits, slot, chunk.request_id) for chunk, slot in packed if chunk.needs_logits]
+        for chunk, slot in single:
+            width = self.bucket(chunk.num_tokens)
+            tokens = np.zeros((1, width), np.int32)
+            tokens[0, : chunk.num_tokens] = chunk.token_ids
+            valid = np.array([chunk.num_tokens], np.int32)
+            logits, self.cache = self._timed(("slot", width), _slot_step, self.graphdef, self.state, self.cache,
+                                             jnp.int32(slot), tokens, valid)  # fmt: skip
+            if chunk.needs_logits:
+                pending.append((logits, 0, chunk.request_id))
+        for chunk, slot in packed + single:
+            self._num_tokens[slot] += chunk.num_tokens
+        # NOTE: wait for the device even when no logits come back (a prefill chunk that is not the last): a step
+        # is then a device step in wall time, so requests arriving meanwhile join at the next step, prefill
+        # progress is real progress, and TTFT / ITL measure the device. Letting the host run ahead would queue
+        # a whole long prefill's chunks on the device before any later arrival could be scheduled among them.
+        jax.block_until_ready(self.cache)
+        host: dict[int, np.ndarray] = {}  # id(device array) → host copy, so a packed call is fetched once
+        out = {}
+        for logits, row, request_id in pending:
+            if id(logits) not in host:
+                host[id(logits)] = np.asarray(logits)
+            out[request_id] = host[id(logits)][row]
+        return out

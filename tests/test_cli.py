@@ -1,0 +1,128 @@
+"""The `dsv4` command in-process (`main([...])`), and the `dsv4 plan` ledger checked by hand.
+
+The engine commands run the tiny fixture model with the same engine shapes as tests/test_engine.py, so in
+one pytest process they reuse its compiled functions.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import dsv4
+from dsv4.cli import main, parse_count
+from dsv4.config import Config
+from dsv4.memory_plan import GIB, count_params, kv_bytes_per_token, plan_memory
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+MODEL_DIR = os.path.join(FIXTURES, "tiny_mixed")
+ENGINE = ["--model", MODEL_DIR, "--dtype", "float32", "--kv-dtype", "float32", "--max-slots", "4", "--max-model-len",
+          "128", "--chunk-size", "32", "--buckets", "1,8,32", "--max-packed-width", "8"]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", [[], ["generate"], ["bench", "ttft"], ["plan"], ["info"]])
+def test_help(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    assert e.value.code == 0
+    assert "usage: dsv4" in capsys.readouterr().out
+
+
+def test_parse_count():
+    assert [parse_count(t) for t in ("4096", "32k", "512K", "1m")] == [4096, 32768, 524288, 1 << 20]
+
+
+def test_generate_streams_the_reference_tokens(capsys):
+    ref = np.load(os.path.join(FIXTURES, "tiny_mixed", "reference.npz"))
+    prompt, want = ref["input_ids"][0].tolist(), ref["generated"][0, 37:].tolist()
+    ids = ",".join(map(str, prompt))
+    assert main(["generate", *ENGINE, "--token-ids", ids, "--max-new-tokens", "6", "--json"]) == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert summary["token_ids"] == want and summary["prompt_tokens"] == 37 and summary["finish_reason"] == "length"
+    assert summary["ttft_s"] > 0 and summary["tpot_s"] > 0
+    assert "prefill 32/37 tokens" in err  # the prompt spans two chunks of 32
+
+    assert main(["generate", *ENGINE, "--token-ids", ids, "--max-new-tokens", "6"]) == 0
+    out, _ = capsys.readouterr()
+    assert out.splitlines()[0] == " ".join(map(str, want)) and "TTFT" in out and "TPOT" in out
+
+
+def test_generate_refuses_a_prompt_over_the_limit(capsys):
+    ids = ",".join(["5"] * 130)
+    assert main(["generate", *ENGINE, "--token-ids", ids, "--max-new-tokens", "2"]) == 2
+    assert "exceeds max_model_len=128" in capsys.readouterr().err
+
+
+def test_bench_ttft_reports_percentiles(capsys):
+    argv = ["bench", "ttft", *ENGINE, "--lengths", "20,40", "--concurrency", "1,3", "--max-new-tokens", "3"]
+    assert main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["length"], r["concurrency"]) for r in rows] == [(20, 1), (20, 3), (40, 1), (40, 3)]
+    for r in rows:
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and 0 < r["itl_p50_s"] <= r["itl_p99_s"]
+        assert r["tpot_p50_s"] > 0 and r["output_tokens_per_s"] > 0
+    assert main([*argv[:-4], "--lengths", "20", "--concurrency", "2", "--no-warmup"]) == 0
+    assert "TTFT p50" in capsys.readouterr().out
+
+
+def test_info(capsys):
+    assert main(["info", "--model", "tiny"]) == 0
+    assert json.loads(capsys.readouterr().out)["hidden_size"] == 64
+
+
+# ----- dsv4 plan -------------------------------------------------------------------------------------------
+
+
+def test_param_counts_match_the_model():
+    """The ledger counts parameters from the config alone; the model's own count must agree exactly."""
+    for model in (dsv4.init_random("tiny"), dsv4.load(os.path.join(FIXTURES, "tiny_sigmoid"))):
+        counts = count_params(model.config)
+        assert counts.num_params == dsv4.num_params(model)
+    tiny = count_params(Config.preset("tiny"))
+    assert tiny.routed_experts == 4 * 8 * (2 * 32 * 64 + 64 * 32)  # layers × experts × (gate_up + down)
+    assert tiny.embeddings == 2 * 256 * 64
+    assert tiny.buffers == 256 * 2 + 3 * 8  # one hash layer's tid2eid table, three routed layers' biases
+    assert 284e9 < count_params(Config.preset("v4-flash")).num_params < 285e9  # "284B total"
+
+
+def test_plan_ledger_by_hand():
+    """Tiny config (layers: sliding, CSA, HCA, CSA; head_dim 32, index_head_dim 16, window 16, rates 4 and
+    16), 1024 tokens on 2 devices, bf16 KV and weights."""
+    cfg = Config.preset("tiny")
+    plan = plan_memory(cfg, context=1024, devices=2, kv_dtype="bf16", weights_dtype="bf16", chunk_size=8192)
+    b = {line.name: line.bytes_per_device for line in plan.lines}
+    csa_layer = 1024 // 4 * (32 + 16)  # entries × (head_dim + index_head_dim) = 12288 elements
+    hca_layer = 1024 // 16 * 32  # 2048 elements
+    assert b["KV cache: compressed entries"] == (2 * csa_layer + hca_layer) * 2 // 2 == 26624
+    assert b["KV cache: sliding-window rings"] == 4 * 16 * 32 * 2 == 4096
+    assert b["communication: KV all-gather"] == 2 * csa_layer * 2 == 49152
+    t = 1024 // 2  # this device's share of the (whole-prompt) chunk
+    assert b["communication: MoE all-to-all"] == 4 * t * 2 * 64 * 2 == 524288
+    per_token = (2 * 4 * 64 + 32 + 2 * 4 * 32 + 32 + 4 * 16 + 2 * (2 * 64 + 2 * 32)) * 2  # 2560 B
+    assert b["activations: one chunk"] == t * per_token + t * 256 * 4 + 256 * 4 == 1836032
+    assert b["weights: routed experts"] == 4 * 8 * 6144 * 2 // 2 == 196608
+    counts = count_params(cfg)
+    assert b["weights: dense (replicated)"] == counts.dense_linear * 2
+    assert b["weights: embeddings, norms (replicated)"] == 2 * 256 * 64 * 2 + (counts.small_fp32 + counts.buffers) * 4
+    assert plan.total_bytes == sum(b.values()) and plan.required_bytes == -(-plan.total_bytes * 12 // 10)
+
+    fp8 = plan_memory(cfg, context=1024, devices=2, kv_dtype="fp8", weights_dtype="fp8")
+    assert fp8.line("KV cache: compressed entries").bytes_per_device == 26624 // 2
+    # fp8 experts: 1 byte per weight + one float32 scale per 128×128 block (every tiny matrix is one block)
+    assert fp8.line("weights: routed experts").bytes_per_device == (4 * 8 * 6144 + 4 * 8 * 2 * 4) // 2
+    # V4-Flash: 21 CSA layers × (512 + 128) / 4 + 20 HCA layers × 512 / 128 = 3440 bytes per token in fp8
+    assert sum(kv_bytes_per_token(Config.preset("v4-flash"), "fp8").values()) == 3440
+
+
+def test_plan_refuses_what_does_not_fit(capsys):
+    argv = ["plan", "--model", "v4-flash", "--context", "512k", "--devices", "8", "--kv-dtype", "fp8"]
+    assert main([*argv, "--device-memory-gib", "80"]) == 1  # bf16 weights: ~95.5 GiB with headroom
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "--weights-dtype fp8" in out and "--devices" in out
+    assert main([*argv, "--weights-dtype", "fp8", "--device-memory-gib", "80", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["required_bytes"] < 80 * GIB and plan["suggestions"] == []
+    assert main(["plan", "--model", "tiny", "--context", "2m"]) == 2  # beyond max_position_embeddings (1M)
+    assert "max_position_embeddings" in capsys.readouterr().err
