@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv4.layers import F32
 from dsv4.model import DeepseekV4, check_token_ids
 
 
@@ -56,7 +55,7 @@ def _logits_at(graphdef, state, ids, position):
     model = nnx.merge(graphdef, state)
     hidden = model.hidden_states(ids)  # [1, L, D]
     h = jax.lax.dynamic_index_in_dim(hidden[0], position, axis=0, keepdims=False)
-    return jnp.einsum("d,vd->v", h, model.lm_head["weight"][...], preferred_element_type=F32)
+    return model.lm_logits(h)
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

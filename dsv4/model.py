@@ -86,10 +86,13 @@ class DeepseekV4(nnx.Module):
             streams = constrain(layer(streams, positions, token_ids), STREAM_AXES)
         return self.norm(self.hc_head(streams))
 
+    def lm_logits(self, h: jax.Array) -> jax.Array:
+        """Final hidden states [..., D] → logits [..., vocab] float32."""
+        return jnp.einsum("...d,vd->...v", h, self.lm_head["weight"][...], preferred_element_type=F32)
+
     def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """token_ids: [B, S] → logits [B, S, vocab] float32."""
-        h = self.hidden_states(token_ids, positions)
-        return jnp.einsum("bsd,vd->bsv", h, self.lm_head["weight"][...], preferred_element_type=F32)
+        return self.lm_logits(self.hidden_states(token_ids, positions))
 
     # ---- incremental: chunked prefill and decode over a per-slot cache -------------------------------
     def init_cache(self, batch: int, max_len: int, dtype=None, *, page_size: int | None = None,
@@ -130,7 +133,7 @@ class DeepseekV4(nnx.Module):
             states.append(state)
         last = jnp.take_along_axis(streams, jnp.maximum(valid - 1, 0)[:, None, None, None], axis=1)  # [B, 1, hc, D]
         h = self.norm(self.hc_head(last))[:, 0]
-        logits = jnp.einsum("bd,vd->bv", h, self.lm_head["weight"][...], preferred_element_type=F32)
+        logits = self.lm_logits(h)
         new_cache = {**cache, "num_tokens": start + valid, "layers": states}
         return logits, new_cache
 
