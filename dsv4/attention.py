@@ -11,6 +11,7 @@ interchangeable implementations (`ATTENTION_IMPLS`): "jnp" (`core_attention_jnp`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -18,6 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsv4.cache.layout import KVFormat
+from dsv4.cache.quant import rms_norm_bound
+from dsv4.cache.store import KVStore, resolve_format
 from dsv4.config import CSA, HCA, SLIDING, Config
 from dsv4.layers import F32, RMSNorm, Rope, apply_rope, linear, param, rms_normalize
 
@@ -205,34 +209,38 @@ class Compressor(nnx.Module):
         cos, sin = rope.cos_sin(positions)
         return apply_rope(entries, cos.astype(x.dtype), sin.astype(x.dtype))
 
-    def init_state(self, batch: int, capacity: int, dtype, pages: tuple[int, int] | None = None) -> dict[str, jax.Array]:
-        """Per-slot compressor state: the entries so far, the open window's raw projections, and (CSA)
-        the last closed window's Ca half with its gate (bias added), which the next entry overlaps.
+    def init_state(self, batch: int, capacity: int, dtype, fmt: KVFormat | None = None,
+                   pages: tuple[int, int] | None = None) -> dict:  # fmt: skip
+        """Per-slot compressor state: the entries so far (a `KVStore` in `fmt`, default unquantized `dtype`),
+        the open window's raw projections, and (CSA) the last closed window's Ca half with its gate (bias
+        added), which the next entry overlaps.
 
-        Entries live per slot ([batch, capacity, hd]) or, with `pages=(num_pages, page_size)`, in a pool
-        shared by all slots ([num_pages, page_size, hd]) that a block table maps entry indices into."""
+        Entries live per slot (`capacity` per request) or, with `pages=(num_pages, page_tokens)`, in a pool
+        of `num_pages` pages of `page_tokens // rate` entries shared by all slots, which the request's
+        token block table maps into. FP8 scales are set from the RMSNorm bound of `kv_norm` (quant.py)."""
+        fmt = resolve_format(fmt, dtype, 0)
         width = 2 * self.head_dim if self.overlap else self.head_dim
+        bound = rms_norm_bound(self.kv_norm.weight[...]) if fmt.quantized else None
+        if pages is None:
+            entries = KVStore.dense(batch, capacity, self.head_dim, fmt, bound=bound)
+        else:
+            num_pages, page_tokens = pages
+            entries = KVStore.paged_pool(num_pages, page_tokens // self.rate, self.head_dim, fmt, bound=bound)
         state = {
+            "entries": entries,
             "open_kv": jnp.zeros((batch, self.rate, width), dtype),
             "open_gate": jnp.zeros((batch, self.rate, width), dtype),
         }
-        if pages is None:
-            state["entries"] = jnp.zeros((batch, capacity, self.head_dim), dtype)
-        else:
-            state["entry_pages"] = jnp.zeros((*pages, self.head_dim), dtype)
         if self.overlap:
             state["prev_kv"] = jnp.zeros((batch, self.rate, self.head_dim), dtype)
             state["prev_gate"] = jnp.full((batch, self.rate, self.head_dim), NEG_INF, F32)
         return state
 
     @staticmethod
-    def read(state: dict[str, jax.Array], block_table: jax.Array | None = None) -> jax.Array:
-        """All entry slots of each request, [B, capacity, hd] (entry c at index c; unwritten ones are
-        never visible: attention and the indexer only look below the causal count)."""
-        if "entries" in state:
-            return state["entries"]
-        pages = state["entry_pages"][block_table]  # [B, pages per request, page_size, hd]
-        return pages.reshape(pages.shape[0], -1, pages.shape[-1])
+    def read(state: dict, dtype, block_table: jax.Array | None = None) -> jax.Array:
+        """All entry slots of each request, dequantized to `dtype`: [B, capacity, hd] (entry c at index c;
+        unwritten ones are never visible: attention and the indexer only look below the causal count)."""
+        return state["entries"].read(dtype, block_table)
 
     def extend(self, state: dict[str, jax.Array], x: jax.Array, start: jax.Array, valid: jax.Array,
                rope: Rope, block_table: jax.Array | None = None) -> dict[str, jax.Array]:  # fmt: skip
@@ -269,19 +277,8 @@ class Compressor(nnx.Module):
         closed = (held + valid) // r  # windows completed by this chunk
         w = jnp.arange(n_windows)
         new = dict(state)
-        if "entries" in state:
-            capacity = state["entries"].shape[1]
-            target = jnp.where(w[None] < closed[:, None], first[:, None] + w[None], capacity)  # capacity = dropped
-            new["entries"] = jax.vmap(lambda store, t, e: store.at[t].set(e.astype(store.dtype), mode="drop"))(
-                state["entries"], target, entries)
-        else:
-            pool = state["entry_pages"]
-            num_pages, page_size = pool.shape[:2]
-            index = first[:, None] + w[None]  # [B, n_windows] entry indices
-            page = jnp.take_along_axis(block_table, jnp.clip(index // page_size, 0, block_table.shape[1] - 1), 1)
-            page = jnp.where(w[None] < closed[:, None], page, num_pages)  # num_pages = dropped
-            new["entry_pages"] = pool.at[page.reshape(-1), (index % page_size).reshape(-1)].set(
-                entries.reshape(-1, entries.shape[-1]).astype(pool.dtype), mode="drop")
+        target = jnp.where(w[None] < closed[:, None], first[:, None] + w[None], -1)  # -1: not closed, dropped
+        new["entries"] = state["entries"].write(entries, target, block_table)
         windows_kv = ext_kv.reshape(b, n_windows, r, -1)
         windows_gate = ext_gate.reshape(b, n_windows, r, -1)
         pick = lambda a, i: jnp.take_along_axis(a, i[:, None, None, None], 1)[:, 0]  # noqa: E731
@@ -429,34 +426,40 @@ class Attention(nnx.Module):
         return self.project_out(out, cos, sin)
 
     # ---- incremental (cached) path ----------------------------------------------------------
-    @property
-    def table_name(self) -> str | None:
-        """The block table this layer's entries are paged through: one per compression rate."""
-        return None if self.layer_type == SLIDING else f"rate{self.compressor.rate}"
+    def init_state(self, batch: int, max_len: int, dtype, kv_format: KVFormat | None = None,
+                   index_format: KVFormat | None = None, pages: tuple[int, int] | None = None) -> dict:  # fmt: skip
+        """This layer's cache for `batch` request slots of up to `max_len` tokens.
 
-    def init_state(self, batch: int, max_len: int, dtype, pages: tuple[int, int] | None = None) -> dict:
-        """Per-slot cache of this layer for `batch` request slots of up to `max_len` tokens.
-
-        window / window_pos: a ring of the last `sliding_window` tokens' K=V rows (slot = position % W).
-        CSA / HCA add their compressor's state, CSA also the indexer's (its keys are its entries, paged
-        through the same table). `pages=(num_pages, page_size)` pages the entries (see Compressor).
+        window / window_pos: a per-slot ring of the last `sliding_window` tokens' K=V rows (row = position
+        % W; position -1 = empty), stored in `kv_format` (default: unquantized `dtype`). CSA / HCA add their
+        compressor's state, CSA also the indexer's (its keys are its entries, in `index_format`, default
+        `kv_format`). `pages=(num_pages, page_tokens)` pages the entries (see `Compressor.init_state`). FP8
+        scales come from the RMSNorm bounds of the rows' `kv_norm`, so they are fixed and never saturate.
         """
+        kv_format = resolve_format(kv_format, dtype, 0)
+        index_format = kv_format if index_format is None else index_format
         w = self.sliding_window
-        state = {"window": jnp.zeros((batch, w, self.head_dim), dtype),
+        bound = rms_norm_bound(self.kv_norm.weight[...]) if kv_format.quantized else None
+        state = {"window": KVStore.dense(batch, w, self.head_dim, kv_format, bound=bound),
                  "window_pos": jnp.full((batch, w), -1, jnp.int32)}  # fmt: skip
         if self.layer_type != SLIDING:
-            state["compressor"] = self.compressor.init_state(batch, max_len // self.compressor.rate, dtype, pages)
+            state["compressor"] = self.compressor.init_state(batch, max_len // self.compressor.rate, dtype,
+                                                             kv_format, pages)  # fmt: skip
         if self.layer_type == CSA:
             indexer = self.compressor.indexer
-            state["indexer"] = indexer.init_state(batch, max_len // indexer.rate, dtype, pages)
+            state["indexer"] = indexer.init_state(batch, max_len // indexer.rate, dtype, index_format, pages)
         return state
 
     def forward_chunk(self, x: jax.Array, start: jax.Array, valid: jax.Array, state: dict,
-                      block_tables: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict]:  # fmt: skip
+                      block_table: jax.Array | None = None) -> tuple[jax.Array, dict]:  # fmt: skip
         """Attention for a chunk x [B, n, hidden] of tokens at positions start[b] + [0, n), of which the
-        first valid[b] are real; reads and extends `state`. → ([B, n, hidden], new state)."""
+        first valid[b] are real; reads and extends `state` (paged entries through the request's token
+        `block_table` [B, pages]). → ([B, n, hidden], new state).
+
+        The chunk's own K=V rows are used as the cache would give them back (`KVStore.round_trip`), so an
+        FP8 cache gives the same result whatever the chunking, as a bf16 one does."""
         b, n, _ = x.shape
-        positions = start[:, None] + jnp.arange(n)[None]  # [B, n] global positions
+        positions = start[:, None] + jnp.arange(n)[None]  # [B, n] global positions (RoPE angles in float32)
         real = jnp.arange(n)[None] < valid[:, None]
         cos, sin = self.rope.cos_sin(positions)
         cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
@@ -468,35 +471,35 @@ class Attention(nnx.Module):
         new = dict(state)
         compressed = None
         if self.layer_type != SLIDING:
-            table = None if block_tables is None else block_tables[self.table_name]
-            new["compressor"] = self.compressor.extend(state["compressor"], x, start, valid, self.rope, table)
-            entries = Compressor.read(new["compressor"], table)
+            new["compressor"] = self.compressor.extend(state["compressor"], x, start, valid, self.rope, block_table)
+            entries = Compressor.read(new["compressor"], x.dtype, block_table)
             topk = None
             if self.layer_type == CSA:
                 indexer = self.compressor.indexer
-                new["indexer"] = indexer.extend(state["indexer"], x, start, valid, self.rope, table)
-                keys = Compressor.read(new["indexer"], table)
+                new["indexer"] = indexer.extend(state["indexer"], x, start, valid, self.rope, block_table)
+                keys = Compressor.read(new["indexer"], x.dtype, block_table)
                 topk = indexer.select(x, q_residual, positions, keys, self.rope)
             if entries.shape[1] > 0:
                 compressed = CompressedKeys(entries, self.compressor.rate, topk)
 
-        keys = jnp.concatenate([state["window"], kv.astype(state["window"].dtype)], axis=1)  # [B, W + n, D]
+        window = state["window"]
+        kv_stored, scale = window.round_trip(kv, real)
+        window = dataclasses.replace(window, scale=scale)  # NOTE: calibrated scales: the write must use these
+        keys = jnp.concatenate([window.read(x.dtype), kv_stored], axis=1)  # [B, W + n, D]
         key_pos = jnp.concatenate([state["window_pos"], jnp.where(real, positions, -1)], axis=1)
         out = get_attention_impl(self.attention_impl)(
             q, keys, positions, key_pos, self.sinks[...], sliding_window=self.sliding_window,
             scale=self.head_dim**-0.5, compressed=compressed,
         )  # fmt: skip
 
-        # The ring keeps positions [end - W, end): slot s holds the one position ≡ s (mod W) in that range.
+        # The ring keeps positions [end - W, end) at row position % W: of this chunk, its last W real tokens.
         w = self.sliding_window
         end = start + valid
+        kept = real & (positions >= end[:, None] - w)
+        new["window"] = window.write(kv, jnp.where(kept, positions % w, -1))
         slot = jnp.arange(w)[None]
-        wanted = end[:, None] - w + (slot - (end[:, None] - w)) % w  # [B, W]
-        from_chunk = wanted >= start[:, None]
-        idx = jnp.clip(wanted - start[:, None], 0, n - 1)
-        new["window"] = jnp.where(from_chunk[..., None], jnp.take_along_axis(keys[:, w:], idx[..., None], 1),
-                                  state["window"])  # fmt: skip
-        new["window_pos"] = jnp.where(from_chunk, wanted, state["window_pos"])
+        wanted = end[:, None] - w + (slot - (end[:, None] - w)) % w  # [B, W]: the position ring row s holds
+        new["window_pos"] = jnp.where(wanted >= start[:, None], wanted, state["window_pos"])
         return self.project_out(out, cos, sin), new
 
     def project_out(self, out: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

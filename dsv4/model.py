@@ -17,7 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv4.attention import Attention
-from dsv4.config import Config
+from dsv4.cache.layout import KVFormat
+from dsv4.cache.store import resolve_format
+from dsv4.config import SLIDING, Config
 from dsv4.layers import F32, HyperConnection, HyperHead, RMSNorm, hc_merge, param
 from dsv4.moe import MoE
 from dsv4.sharding import constrain
@@ -46,9 +48,9 @@ class DecoderLayer(nnx.Module):
         return hc_merge(self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams, post, comb)
 
 
-    def forward_chunk(self, streams, start, valid, token_ids, state, block_tables=None):
+    def forward_chunk(self, streams, start, valid, token_ids, state, block_table=None):
         post, comb, collapsed = self.attn_hc(streams)
-        attn, state = self.self_attn.forward_chunk(self.input_layernorm(collapsed), start, valid, state, block_tables)
+        attn, state = self.self_attn.forward_chunk(self.input_layernorm(collapsed), start, valid, state, block_table)
         streams = hc_merge(attn, streams, post, comb)
         post, comb, collapsed = self.ffn_hc(streams)
         return hc_merge(self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams, post, comb), state
@@ -94,31 +96,47 @@ class DeepseekV4(nnx.Module):
         """token_ids: [B, S] → logits [B, S, vocab] float32."""
         return self.lm_logits(self.hidden_states(token_ids, positions))
 
-    # ---- incremental: chunked prefill and decode over a per-slot cache -------------------------------
-    def init_cache(self, batch: int, max_len: int, dtype=None, *, page_size: int | None = None,
+    # ---- incremental: chunked prefill and decode over the cache -------------------------------------
+    def init_cache(self, batch: int, max_len: int, dtype=None, *, kv_format: KVFormat | str | None = None,
+                   index_format: KVFormat | str | None = None, page_tokens: int | None = None,
                    num_pages: int | None = None) -> dict:  # fmt: skip
         """An empty cache for `batch` request slots of up to `max_len` tokens each.
 
-        With `page_size` and `num_pages`, compressed entries live in per-layer page pools shared by all
-        slots, and `cache["block_tables"]["rate4" | "rate128"]` ([batch, pages per request] int32, one
-        table per compression rate) say which pages hold each slot's entries; the host (dsv4/cache)
-        fills them before a chunk runs. Page 0 is the null page. Without them, entries are per slot.
+        kv_format: how K=V rows and compressed entries are stored: a `KVFormat`, a name from
+            `dsv4.cache.layout.FORMAT_NAMES` ("bf16", "fp8-channel", ...), or None: unquantized in `dtype`
+            (default: the model's dtype). index_format: the indexer keys' (default: `kv_format`).
+        page_tokens, num_pages: page the compressed entries. Every layer's entries then live in a pool of
+            `num_pages` pages, each holding `page_tokens` tokens' worth (`page_tokens // rate` entries), and
+            `cache["block_table"]` [batch, ceil(max_len / page_tokens)] int32 maps each slot's token pages to
+            page ids; the host (`dsv4.cache.KVCacheManager` with `PageSpec.tokens(page_tokens)`) fills it
+            before a chunk runs. Page 0 is the null page. Without them, entries are dense per slot.
+        The sliding-window ring and the compressors' open windows are per slot either way (fixed size).
         """
-        dtype = dtype or self.dtype
-        pages = None if page_size is None else (num_pages, page_size)
-        if pages is not None and (not num_pages or num_pages < 2 or page_size < 1):
-            raise ValueError(f"paged cache needs page_size >= 1 and num_pages >= 2; got {page_size}, {num_pages}")
+        dtype = jnp.dtype(dtype or self.dtype)
+        rope_dim = self.config.qk_rope_head_dim
+        kv_format = resolve_format(kv_format, dtype, rope_dim)
+        index_format = kv_format if index_format is None else resolve_format(index_format, dtype, rope_dim)
+        pages = None
+        if page_tokens is not None or num_pages is not None:
+            rates = sorted({self.config.compress_rate(t) for t in self.config.layer_types if t != SLIDING})
+            if page_tokens is None or num_pages is None or num_pages < 2 or page_tokens < 1:
+                raise ValueError(f"a paged cache needs page_tokens >= 1 and num_pages >= 2; got page_tokens="
+                                 f"{page_tokens}, num_pages={num_pages}")  # fmt: skip
+            bad = [r for r in rates if page_tokens % r]
+            if bad:
+                raise ValueError(f"page_tokens={page_tokens} must be a multiple of every compress rate {rates} "
+                                 f"(a page holds whole entries); not of {bad}")  # fmt: skip
+            pages = (num_pages, page_tokens)
         cache = {"num_tokens": jnp.zeros((batch,), jnp.int32),
-                 "layers": [layer.self_attn.init_state(batch, max_len, dtype, pages) for layer in self.layers]}  # fmt: skip
+                 "layers": [layer.self_attn.init_state(batch, max_len, dtype, kv_format, index_format, pages)
+                            for layer in self.layers]}  # fmt: skip
         if pages is not None:
-            rates = {layer.self_attn.compressor.rate for layer in self.layers if layer.self_attn.table_name}
-            cache["block_tables"] = {f"rate{r}": jnp.zeros((batch, -(-(max_len // r) // page_size)), jnp.int32)
-                                     for r in sorted(rates)}  # fmt: skip
+            cache["block_table"] = jnp.zeros((batch, -(-max_len // page_tokens)), jnp.int32)
         return cache
 
     def forward_chunk(self, cache: dict, token_ids: jax.Array, valid: jax.Array | None = None):
         """Runs the next chunk of each slot: token_ids [B, n], of which the first valid[b] are real
-        (default all). Positions continue from cache["num_tokens"].
+        (default all; 0 leaves a slot untouched). Positions continue from cache["num_tokens"].
         → (logits [B, vocab] float32 at each slot's last real token, new cache)."""
         b, n = token_ids.shape
         if valid is None:
@@ -127,15 +145,25 @@ class DeepseekV4(nnx.Module):
         x = self.embed_tokens["weight"][...][token_ids]
         streams = jnp.broadcast_to(x[:, :, None, :], (b, n, self.config.hc_mult, x.shape[-1]))
         states = []
-        tables = cache.get("block_tables")
+        table = cache.get("block_table")
         for layer, state in zip(self.layers, cache["layers"]):
-            streams, state = layer.forward_chunk(streams, start, valid, token_ids, state, tables)
+            streams, state = layer.forward_chunk(streams, start, valid, token_ids, state, table)
             states.append(state)
         last = jnp.take_along_axis(streams, jnp.maximum(valid - 1, 0)[:, None, None, None], axis=1)  # [B, 1, hc, D]
         h = self.norm(self.hc_head(last))[:, 0]
         logits = self.lm_logits(h)
         new_cache = {**cache, "num_tokens": start + valid, "layers": states}
         return logits, new_cache
+
+    def prefill_chunk(self, cache: dict, token_ids: jax.Array, valid: jax.Array | None = None):
+        """The next prompt chunk of each slot (any length, any split of the prompt): `forward_chunk`."""
+        return self.forward_chunk(cache, token_ids, valid)
+
+    def decode(self, cache: dict, token_ids: jax.Array, active: jax.Array | None = None):
+        """One generated token per slot: token_ids [B] → (logits [B, vocab], new cache). `active` [B] bool
+        (default all): inactive slots are left untouched."""
+        valid = None if active is None else active.astype(jnp.int32)
+        return self.forward_chunk(cache, token_ids[:, None], valid)
 
     # ---- user-facing, jitted ------------------------------------------------------------------
     def logits(self, token_ids) -> jax.Array:

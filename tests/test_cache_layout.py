@@ -1,8 +1,7 @@
 """CacheLayout (dsv4/cache/layout.py): bytes per request and per token, checked three ways.
 
 1. Against what the model allocates: `DeepseekV4.init_cache` under `jax.eval_shape` (nothing allocated), array
-   by array, for bf16 / float32 caches, and for FP8 caches built from `quant.empty_storage` the way the model
-   will hold them (row arrays replaced by stored pytrees, one scale state per array).
+   by array, for bf16 / float32 caches, and for FP8 caches (per request and shared scale states), dense and paged.
 2. Against arithmetic done by hand for V4-Flash, independent of the implementation.
 3. Against the tables in docs/BENCHMARKS.md ("KV cache bytes per token (issue 4)"), so the docs cannot drift.
 """
@@ -20,7 +19,7 @@ from flax import nnx
 
 from dsv4.cache.layout import CSA, HCA, SLIDING, CacheLayout, KVFormat
 from dsv4.cache.manager import PageSpec
-from dsv4.cache.quant import FORMAT_NAMES, empty_storage, init_scale_state
+from dsv4.cache.quant import FORMAT_NAMES
 from dsv4.config import Config
 from dsv4.model import DeepseekV4
 
@@ -31,19 +30,34 @@ CONFIGS = {"tiny": lambda: Config.preset("tiny"),
 
 def abstract_cache(config, batch, max_len, build):
     """`build(model)` under eval_shape, on an abstract model: shapes and dtypes only, nothing allocated."""
-    model = nnx.eval_shape(lambda: DeepseekV4(config, rngs=nnx.Rngs(0)))
-    return jax.eval_shape(lambda: build(model))
+    return jax.eval_shape(lambda: build(DeepseekV4(config, rngs=nnx.Rngs(0))))
+
+
+def _key(k) -> str:
+    return k.key if hasattr(k, "key") else k.name  # DictKey / SequenceKey, or a KVStore field (GetAttrKey)
+
+
+def is_scale_state(path) -> bool:
+    """A `KVStore`'s per-array scale state: shared by all requests, not per request."""
+    return any(getattr(k, "name", None) == "scale" for k in path)
 
 
 def bytes_by_path(tree) -> dict[str, int]:
     """Leaf bytes summed per top-level array path ("window", "compressor.entries", ...) of one layer's state:
-    a stored pytree ("window" → nope / rope / scale leaves) counts as its array."""
+    a `KVStore` ("window" → its nope / rope / scale leaves) counts as its array; scale states are left out."""
     out: dict[str, int] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        keys = [k.key for k in path]
+        if is_scale_state(path):
+            continue
+        keys = [str(_key(k)) for k in path]
         name = ".".join(keys[:2] if keys[0] in ("compressor", "indexer") else keys[:1])
         out[name] = out.get(name, 0) + leaf.size * leaf.dtype.itemsize
     return out
+
+
+def shared_bytes(tree) -> int:
+    return sum(leaf.size * leaf.dtype.itemsize for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+               if is_scale_state(path))  # fmt: skip
 
 
 def test_layout_imports_without_jax():
@@ -80,31 +94,34 @@ def test_layout_matches_what_init_cache_allocates(config_name, dtype, max_len):
 
 
 @pytest.mark.parametrize("name", [n for n in FORMAT_NAMES if n != "bf16"])
-def test_fp8_cache_built_from_empty_storage_matches_the_layout(name):
-    """The model's cache with its row arrays stored in `name` (what the lead wires in), plus a scale state per
-    array: its bytes are the layout's, per request and shared."""
+def test_fp8_cache_matches_the_layout(name):
+    """The model's cache stored in `name`: its bytes are the layout's, per request and shared (scale states)."""
     config, batch, max_len = Config.preset("tiny"), 2, 64
     fmt = KVFormat.named(name, rope_dim=config.qk_rope_head_dim)
-
-    def build(model):
-        layers, scales = [], []
-        for state in model.init_cache(batch, max_len, jnp.bfloat16)["layers"]:
-            state = dict(state)
-            state["window"] = empty_storage(state["window"].shape, fmt)
-            scales.append(init_scale_state(config.head_dim, fmt))
-            for kind in ("compressor", "indexer"):
-                if kind in state:
-                    state[kind] = {**state[kind], "entries": empty_storage(state[kind]["entries"].shape, fmt)}
-                    scales.append(init_scale_state(state[kind]["entries"]["nope"].shape[-1] + fmt.rope_dim, fmt))
-            layers.append(state)
-        return layers, scales
-
-    layers, scales = abstract_cache(config, batch, max_len, build)
+    cache = abstract_cache(config, batch, max_len, lambda m: m.init_cache(batch, max_len, jnp.bfloat16, kv_format=name))
     layout = CacheLayout.from_config(config, fmt)
-    for layer, state in zip(layout.layers, layers, strict=True):
+    for layer, state in zip(layout.layers, cache["layers"], strict=True):
         assert bytes_by_path(state) == {p: batch * n for p, n in layer.breakdown(max_len, rounding="floor").items()}
-    assert sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(scales)) == layout.shared_bytes
+    assert shared_bytes(cache) == layout.shared_bytes
     assert (layout.shared_bytes > 0) == (fmt.scaling in ("tensor", "channel"))
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8-channel", "fp8-tile"])
+def test_paged_pools_match_the_layout(name):
+    """Paged: each compressed array is one pool of num_pages pages of page_tokens // rate rows, shared by all
+    slots (so a page of every pool holds the same token span); rings and open windows stay per slot."""
+    config, batch, max_len, page_tokens, num_pages = Config.preset("tiny"), 2, 64, 32, 9
+    fmt = KVFormat.named(name, rope_dim=config.qk_rope_head_dim)
+    cache = abstract_cache(config, batch, max_len, lambda m: m.init_cache(
+        batch, max_len, jnp.bfloat16, kv_format=name, page_tokens=page_tokens, num_pages=num_pages))
+    assert cache["block_table"].shape == (batch, max_len // page_tokens)
+    layout = CacheLayout.from_config(config, fmt)
+    for layer, state in zip(layout.layers, cache["layers"], strict=True):
+        want = {}
+        for a in layer.arrays:
+            rows = num_pages * page_tokens // a.tokens_per_row if a.tokens_per_row else batch * a.rows
+            want[a.path] = rows * a.row_bytes
+        assert bytes_by_path(state) == want, layer.layer_type
 
 
 def test_v4_flash_bytes_by_hand():
