@@ -3,7 +3,7 @@
 dsv4 generate --model tiny --prompt-len 4096 --max-new-tokens 8
 dsv4 generate --model /path/to/checkpoint --token-ids 1,2,3 --max-new-tokens 16
 dsv4 bench ttft --model tiny --lengths 1024,4096 --concurrency 1,4 --max-new-tokens 8
-dsv4 plan --model v4-flash --context 512k --devices 8 --kv-dtype fp8
+dsv4 plan --model v4-flash --context 512k --devices 8 --weights fp8
 dsv4 info --model v4-flash
 """
 
@@ -20,7 +20,7 @@ examples:
   dsv4 generate --model tiny --prompt-len 4096 --max-new-tokens 8        # random weights, synthetic prompt
   dsv4 generate --model /path/to/checkpoint --prompt "Hello" --max-new-tokens 32
   dsv4 bench ttft --model tiny --lengths 1024,4096 --concurrency 1,4     # TTFT / TPOT / ITL percentiles
-  dsv4 plan --model v4-flash --context 512k --devices 8 --kv-dtype fp8   # will it fit? per-device memory
+  dsv4 plan --model v4-flash --context 512k --devices 8 --weights fp8    # will it fit? per-device memory
   dsv4 info --model v4-flash                                             # the resolved config
 """
 
@@ -93,8 +93,9 @@ def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
     e.add_argument(
         "--kv-dtype",
         default=None,
-        choices=["float32", "bfloat16"],
-        help="KV cache storage (default: the model's dtype)",
+        choices=["float32", "bfloat16", "bf16", "fp8-tensor", "fp8-channel", "fp8-tile", "fp8-tile-e8m0"],
+        help="KV cache storage: a dtype, or a storage format (fp8-channel: FP8 e4m3 with per-channel scales, RoPE "
+        "channels bf16; see docs/BENCHMARKS.md for their accuracy). Default: the model's dtype",
     )
     e.add_argument(
         "--buckets",
@@ -296,8 +297,8 @@ def cmd_plan(args) -> int:
     from dsv4.memory_plan import format_plan, plan_memory, plan_to_dict
 
     cfg = Config.from_hf(args.model) if os.path.isdir(args.model) else Config.preset(args.model)
-    plan = plan_memory(cfg, context=args.context, devices=args.devices, kv_dtype=args.kv_dtype,
-                       weights_dtype=args.weights_dtype, chunk_size=args.chunk_size,
+    plan = plan_memory(cfg, context=args.context, devices=args.devices, kv_format=args.kv_format,
+                       weights=args.weights, chunk_size=args.chunk_size, device=args.device,
                        device_memory_gib=args.device_memory_gib, headroom=args.headroom)  # fmt: skip
     print(json.dumps(plan_to_dict(plan)) if args.json else format_plan(plan))
     return 0 if plan.fits else 1
@@ -374,15 +375,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(t, slots_default="the largest concurrency")
     t.set_defaults(func=cmd_bench_ttft)
 
+    from dsv4.memory_plan import DEFAULT_DEVICE, DEVICE_MIB, KV_FORMATS, WEIGHT_FORMATS
+
     p = sub.add_parser(
         "plan", help="per-device memory ledger for one long prompt; refuses a plan that does not fit",
-        description="Adds up, per device, what one prompt of --context tokens needs: weights (routed experts "
-                    "split over the devices, the rest replicated), the KV cache (compressed entries split over the "
-                    "devices along the sequence, plus each layer's sliding-window ring), one chunk's activations "
-                    "and the communication buffers; then applies 1.2x headroom. Exits 1 if it does not fit "
-                    "--device-memory-gib, naming the changes that would make it fit.",
-        epilog="examples:\n  dsv4 plan --model v4-flash --context 512k --devices 8 --kv-dtype fp8\n"
-               "  dsv4 plan --model v4-pro --context 512k --devices 8 --kv-dtype fp8 --weights-dtype fp8",
+        description="Adds up, per device, what one prompt of --context tokens needs with the sequence split evenly "
+                    "over --devices: weights (routed experts split over the devices, the rest replicated), the KV "
+                    "cache as dsv4.cache.layout lays it out (each device's share of the compressed entries, plus "
+                    "every layer's ring and open windows, plus FP8 scale state), one layer's all-gathered "
+                    "compressed KV, one chunk's activations and the MoE all-to-all buffers; then applies 1.2x "
+                    "headroom. Exits 1 if it does not fit the device, naming the changes that would make it fit.",
+        epilog="examples:\n  dsv4 plan --model v4-flash --context 512k --devices 8 --weights fp8\n"
+               "  dsv4 plan --model v4-pro --context 512k --devices 8 --device h200 --weights fp4-experts",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     p.add_argument("--model", default="v4-flash", help="a preset or a checkpoint directory (default v4-flash)")
@@ -391,19 +395,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--devices", type=int, default=8, help="devices (GPUs) the model is spread over (default 8)")
     p.add_argument(
-        "--kv-dtype", default="bf16", choices=["bf16", "fp8", "fp32"], help="KV cache storage (default bf16)"
-    )
+        "--kv-format", "--kv-dtype", dest="kv_format", default="fp8-channel", choices=KV_FORMATS,
+        help="KV cache storage (dsv4.cache.layout formats; fp8 = fp8-channel; default fp8-channel)",
+    )  # fmt: skip
     p.add_argument(
-        "--weights-dtype",
-        default="bf16",
-        choices=["bf16", "fp8", "fp32"],
-        help="weight storage (default bf16; fp8 = e4m3 with 128x128 block scales)",
-    )
+        "--weights", "--weights-dtype", dest="weights", default="bf16", choices=WEIGHT_FORMATS,
+        help="weight storage (default bf16; fp8 = e4m3 with 128x128 block scales as released; fp4-experts = "
+             "that with e2m1 routed experts, one scale per 32 columns)",
+    )  # fmt: skip
     p.add_argument(
-        "--device-memory-gib",
-        type=float,
-        default=96.0,
-        help="memory of one device (default 96: the seed article's H20; an H200 has about 140)",
+        "--device", default=DEFAULT_DEVICE, choices=sorted(DEVICE_MIB),
+        help="device preset: its memory as the driver reports it (h20 95.6 GiB, h100/h800 79.6, h200 140.4; "
+             f"default {DEFAULT_DEVICE}, the seed article's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--device-memory-gib", type=float, default=None, help="memory of one device in GiB (overrides --device)"
     )
     p.add_argument("--chunk-size", type=parse_count, default=8192, help="prefill chunk (default 8192)")
     p.add_argument("--headroom", type=float, default=1.2, help="plan for this multiple of the peak (default 1.2)")

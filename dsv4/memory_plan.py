@@ -1,35 +1,63 @@
 """A per-device memory ledger for one long prompt, from the config alone (`dsv4 plan`).
 
 Everything here is arithmetic on `Config` fields (no JAX, no weights), so a 1.6T-parameter plan takes
-milliseconds. The layout it assumes is the one the seed article describes for 512K prompts on 8 GPUs:
+milliseconds. The layout it assumes is the one the seed article describes for 512K prompts on N GPUs:
 
-- Weights: routed experts split evenly over the devices (expert parallelism); everything else (attention,
-  compressors, indexer, shared expert, router, embeddings, norms, hyper-connections) replicated on every
-  device, since sequence parallelism splits tokens, not these weights. FP8 weights are e4m3 with one
-  float32 scale per 128×128 block, for the linear layers and experts (embeddings and the LM head stay
-  bf16, norms and the like float32), as DeepSeek releases them.
-- KV cache: the context's compressed entries (CSA: 1 per 4 tokens, head_dim wide, plus the indexer's key
-  of index_head_dim; HCA: 1 per 128 tokens, head_dim wide) split over the devices along the sequence; each
-  device also keeps every layer's sliding-window ring (sliding_window × head_dim).
-- Activations: one layer's temporaries for one chunk (layers run one after another), for the chunk's
-  share of tokens on each device; the big one is the indexer's float32 scores of every query in the
-  chunk against every compressed key of the context, before its top-k.
-- Communication buffers: one layer's gathered compressed KV, double-buffered so the all-gather of the
-  next layer overlaps this one; the MoE all-to-all's dispatch and combine buffers (send + receive).
+- Weights: routed experts split evenly over the devices (expert parallelism: ceil(E / N) experts each);
+  everything else (attention, compressors, indexer, shared expert, router, embeddings, norms,
+  hyper-connections) replicated on every device, since sequence parallelism splits tokens, not these weights.
+  Weight formats (`WEIGHT_FORMATS`), as DeepSeek releases them and `dsv4.load(..., keep_quantized=True)` holds
+  them (`dsv4/quantization.py`, docs/CHECKPOINTS.md):
+    bf16         every matrix 2 B; fp32: 4 B.
+    fp8          the matrices a release stores in FP8 (`weights.RELEASED_FP8`: wq_a, wq_b, wkv, wo_b, the
+                 indexer's wq_b, shared and routed experts) as e4m3, 1 B, plus one float32 scale per 128 × 128
+                 block; the rest (wo_a, compressors, the indexer's compressor and weights_proj, the router)
+                 in bf16.
+    fp4-experts  as fp8, but the routed experts in e2m1, two per byte, plus one scale per row and 32 columns,
+                 held in float32 on the device (a release ships them as 1-byte e8m0; the loader widens them).
+  Embeddings and the LM head stay bf16 (fp32 with fp32 weights); norms, sinks, mHC weights and the
+  hash-routing tables are float32 / int32. The model has no FP8 matmul yet (`param[...]` dequantizes), so a
+  quantized plan also holds one layer's local experts dequantized to bf16 (transient).
+- KV cache: bytes from `dsv4.cache.layout.CacheLayout` (the one definition, checked against
+  `DeepseekV4.init_cache` in tests/test_cache_layout.py), for the chosen `KVFormat` (`FORMAT_NAMES`).
+  Sequence parallelism: the prompt is split evenly, ceil(context / N) tokens per device, and each device
+  holds, per layer, the compressed entries (and CSA's indexer keys) of its own tokens plus the per-request
+  fixed parts (sliding-window ring and positions, the compressors' open windows), whose size does not depend
+  on the length; plus the per-array FP8 scale state (shared by all requests, replicated: every device needs
+  the same scales to read gathered entries).
+- Communication: each layer's compressed KV (entries + indexer keys of the whole context) is all-gathered
+  before that layer's attention and dropped after: one layer's gathered buffer, double-buffered so the gather
+  of the next layer overlaps this one; the MoE all-to-all's dispatch and combine buffers (send + receive).
+- Activations: one layer's temporaries for one chunk (layers run one after another), for the chunk's share of
+  tokens on each device (ceil(chunk / N): the chunk's sequence axis is split too). The big ones: the lightning
+  indexer's float32 scores of every query of the share against every compressed key of the context (before
+  its top-k; the Pallas kernel path: the jnp fallback's [512 × heads × keys] float32 dots are far larger), and
+  the MoE's per-(token, expert) buffers in the dtypes `moe.routed_experts_jnp` uses (balanced routing).
 - Headroom: the seed's rule, plan for 1.2× the peak.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from dsv4.config import CSA, HCA, Config
+from dsv4.cache.layout import DEFAULT_FP8_FORMAT, FORMAT_NAMES, CacheLayout, KVFormat
+from dsv4.config import CSA, HCA, SLIDING, Config
 
 GIB = 1 << 30
-BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
+MIB = 1 << 20
 FP8_BLOCK = 128  # fp8 weights: one float32 scale per 128 × 128 block
-ACT_BYTES = 2  # activations in bf16
+FP4_GROUP = 32  # fp4 experts: one scale per row and 32 columns (dsv4.quantization.FP4_GROUP)
+SCALE_BYTES = 4  # weight scales are float32 on the device (BlockQuantized.scale)
+ACT_BYTES = 2  # activations, open-window state and dequantized weights in bf16 (the compute dtype)
+
+WEIGHT_FORMATS = ("bf16", "fp8", "fp4-experts", "fp32")
+KV_FORMATS = (*FORMAT_NAMES, "fp8", "fp32")  # "fp8" = DEFAULT_FP8_FORMAT; "fp32": unquantized float32 rows
+# Device memory as the driver reports it (nvidia-smi's total, MiB): what a process can see, a little under
+# the nominal size (an H20's "96 GB" is 97871 MiB = 95.6 GiB).
+DEVICE_MIB = {"h20": 97871, "h100": 81559, "h800": 81559, "h200": 143771}
+DEFAULT_DEVICE = "h20"  # the seed article's 8 × H20
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -43,16 +71,20 @@ class ParamCounts:
     routed_experts: int
     """Routed experts' gate/up and down matrices: split over the devices."""
     dense_linear: int
-    """Attention, compressor, indexer, shared-expert and router matrices: replicated, fp8-able."""
+    """Attention, compressor, indexer, shared-expert and router matrices: replicated."""
     embeddings: int
     """Token embedding and LM head: replicated, bf16 even with fp8 weights."""
     small_fp32: int
     """Norm weights, sinks, position biases, hyper-connection weights: replicated, float32."""
     buffers: int
     """Hash-routing tables (int32) and expert-selection biases (float32): 4 bytes each, replicated."""
+    dense_linear_fp8: int
+    """The part of `dense_linear` a release stores in FP8 (wq_a, wq_b, wkv, wo_b, indexer wq_b, shared expert)."""
     dense_linear_fp8_blocks: int
     routed_experts_fp8_blocks: int
-    """128 × 128 blocks of those matrices: one float32 scale each when stored in fp8."""
+    """128 × 128 blocks of those FP8 matrices: one float32 scale each."""
+    routed_experts_fp4_scales: int
+    """Scales of the routed experts stored in FP4: one per row and 32 columns."""
 
     @property
     def num_params(self) -> int:
@@ -67,35 +99,41 @@ def count_params(config: Config) -> ParamCounts:
     g, r = config.o_groups, config.o_lora_rank
     e, i, k = config.n_routed_experts, config.moe_intermediate_size, config.num_experts_per_tok
     ih, ihd = config.index_n_heads, config.index_head_dim
-    counts = dict(routed=0, dense=0, small=0, buffers=0, dense_blocks=0, routed_blocks=0)
+    counts = dict(routed=0, dense=0, dense_fp8=0, small=0, buffers=0, dense_blocks=0, routed_blocks=0, fp4=0)
 
-    def matrix(rows: int, cols: int, copies: int = 1, kind: str = "dense") -> None:
+    def matrix(rows: int, cols: int, copies: int = 1, kind: str = "dense", fp8: bool = True) -> None:
+        """`kind` "routed" or "dense"; `fp8`: a release stores it in FP8 (routed experts always)."""
         counts["routed" if kind == "routed" else "dense"] += copies * rows * cols
-        counts[f"{kind}_blocks"] += copies * _ceil_div(rows, FP8_BLOCK) * _ceil_div(cols, FP8_BLOCK)
+        if kind == "routed":
+            counts["fp4"] += copies * rows * _ceil_div(cols, FP4_GROUP)
+        elif fp8:
+            counts["dense_fp8"] += copies * rows * cols
+        if fp8:
+            counts[f"{kind}_blocks"] += copies * _ceil_div(rows, FP8_BLOCK) * _ceil_div(cols, FP8_BLOCK)
 
     hc_mix = (2 + hc) * hc
     for layer_type, mlp_type in zip(config.layer_types, config.mlp_layer_types, strict=True):
         counts["small"] += 2 * (hc_mix * hc * d + hc_mix + 3)  # attn_hc, ffn_hc: fn, base, scale
         counts["small"] += 2 * d  # input / post-attention norms
-        # attention: q LoRA, shared K=V head, grouped low-rank output, sinks
+        # attention: q LoRA, shared K=V head, grouped low-rank output (wo_a ships in bf16), sinks
         matrix(ql, d)
         matrix(h * hd, ql)
         matrix(hd, d)
-        matrix(g * r, h * hd // g)
+        matrix(g * r, h * hd // g, fp8=False)
         matrix(d, g * r)
         counts["small"] += ql + hd + h  # q_a_norm, kv_norm, sinks
-        if layer_type != "sliding_attention":
+        if layer_type != SLIDING:
             rate = config.compress_rate(layer_type)
             width = 2 * hd if layer_type == CSA else hd  # CSA pools overlapping windows: two halves
-            matrix(width, d, copies=2)  # kv_proj, gate_proj
+            matrix(width, d, copies=2, fp8=False)  # kv_proj, gate_proj ("stored in bf16")
             counts["small"] += rate * width + hd  # position_bias, kv_norm
         if layer_type == CSA:  # the lightning indexer: its own overlapping compressor + query and weights
-            matrix(2 * ihd, d, copies=2)
+            matrix(2 * ihd, d, copies=2, fp8=False)
             counts["small"] += config.compress_rate(CSA) * 2 * ihd + ihd
             matrix(ih * ihd, ql)
-            matrix(ih, d)
-        # MoE: router, routed experts (gate+up fused, down), one shared expert
-        matrix(e, d)
+            matrix(ih, d, fp8=False)
+        # MoE: router (float in releases), routed experts (gate+up fused, down), one shared expert
+        matrix(e, d, fp8=False)
         matrix(2 * i, d, copies=e, kind="routed")
         matrix(d, i, copies=e, kind="routed")
         matrix(i, d, copies=2)
@@ -104,21 +142,26 @@ def count_params(config: Config) -> ParamCounts:
     counts["small"] += hc * hc * d + hc + 1 + d  # hyper-head, final norm
     return ParamCounts(
         routed_experts=counts["routed"], dense_linear=counts["dense"], embeddings=2 * v * d,
-        small_fp32=counts["small"], buffers=counts["buffers"], dense_linear_fp8_blocks=counts["dense_blocks"],
-        routed_experts_fp8_blocks=counts["routed_blocks"],
+        small_fp32=counts["small"], buffers=counts["buffers"], dense_linear_fp8=counts["dense_fp8"],
+        dense_linear_fp8_blocks=counts["dense_blocks"], routed_experts_fp8_blocks=counts["routed_blocks"],
+        routed_experts_fp4_scales=counts["fp4"],
     )  # fmt: skip
 
 
-def kv_bytes_per_token(config: Config, kv_dtype: str = "bf16") -> dict[str, float]:
-    """KV bytes one context token adds, per layer type summed over the layers of that type (the rings,
-    constant in the context length, are not included)."""
-    per_type = {"sliding_attention": 0.0, CSA: 0.0, HCA: 0.0}
-    for layer_type in config.layer_types:
-        if layer_type == CSA:
-            per_type[CSA] += (config.head_dim + config.index_head_dim) / config.compress_rate(CSA)
-        elif layer_type == HCA:
-            per_type[HCA] += config.head_dim / config.compress_rate(HCA)
-    return {t: elements * BYTES[kv_dtype] for t, elements in per_type.items()}
+def kv_format(name: str, config: Config) -> KVFormat:
+    """A `KV_FORMATS` name → the `KVFormat` the cache stores ("fp8" is the default FP8 format)."""
+    if name == "fp8":
+        name = DEFAULT_FP8_FORMAT
+    if name == "fp32":
+        return KVFormat("fp32", dtype="float32")
+    if name not in FORMAT_NAMES:
+        raise ValueError(f"KV format {name!r}: choose one of {list(KV_FORMATS)}")
+    return KVFormat.named(name, rope_dim=config.qk_rope_head_dim)
+
+
+def cache_layout(config: Config, kv: str) -> CacheLayout:
+    """The per-layer cache layout the plan sizes the KV cache with (open-window state in bf16)."""
+    return CacheLayout.from_config(config, kv_format(kv, config), state_dtype="bfloat16")
 
 
 @dataclass(frozen=True)
@@ -133,12 +176,15 @@ class MemoryPlan:
     config: Config = field(repr=False)
     context: int
     devices: int
-    kv_dtype: str
-    weights_dtype: str
+    kv_format: str
+    weights: str
     chunk_size: int
     device_memory_gib: float
     headroom: float
     lines: tuple[LedgerLine, ...]
+    device: str | None = None
+    kv_bytes_per_token: float = 0.0
+    """One request's whole cache (all layers, CacheLayout) at `context` tokens / `context`."""
 
     @property
     def total_bytes(self) -> int:
@@ -160,129 +206,176 @@ class MemoryPlan:
         return next(line for line in self.lines if line.name == name)
 
 
+def device_gib(device: str) -> float:
+    """A `DEVICE_MIB` preset's memory in GiB."""
+    if device not in DEVICE_MIB:
+        raise ValueError(f"device {device!r}: choose one of {sorted(DEVICE_MIB)} or give the memory in GiB")
+    return DEVICE_MIB[device] * MIB / GIB
+
+
+def _weights_lines(config: Config, c: ParamCounts, weights: str, devices: int) -> list[LedgerLine]:
+    e = config.n_routed_experts
+    local = _ceil_div(e, devices)  # experts on the device that holds the most
+    if weights in ("bf16", "fp32"):
+        wb = 2 if weights == "bf16" else 4
+        routed_all, routed_how = c.routed_experts * wb, f"{c.routed_experts / 1e9:.2f}B params × {wb} B"
+        dense = c.dense_linear * wb
+        dense_how = f"{c.dense_linear / 1e9:.2f}B params × {wb} B"
+        dequant, dequant_how = 0, "none: weights used as stored"
+    else:
+        if weights == "fp8":
+            routed_all = c.routed_experts + c.routed_experts_fp8_blocks * SCALE_BYTES
+            routed_how = f"{c.routed_experts / 1e9:.2f}B params × 1 B (e4m3) + 1 float32 scale / 128×128 block"
+        else:
+            routed_all = _ceil_div(c.routed_experts, 2) + c.routed_experts_fp4_scales * SCALE_BYTES
+            routed_how = f"{c.routed_experts / 1e9:.2f}B params × ½ B (e2m1) + 1 float32 scale / 32 columns"
+        bf16_dense = c.dense_linear - c.dense_linear_fp8
+        dense = c.dense_linear_fp8 + c.dense_linear_fp8_blocks * SCALE_BYTES + bf16_dense * 2
+        dense_how = (f"{c.dense_linear_fp8 / 1e9:.2f}B fp8 (+ block scales: wq_a, wq_b, wkv, wo_b, indexer wq_b, "
+                     f"shared experts) + {bf16_dense / 1e9:.2f}B bf16 (wo_a, compressors, router)")  # fmt: skip
+        layer_experts = 3 * config.moe_intermediate_size * config.hidden_size  # gate, up, down of one expert
+        dequant = local * layer_experts * ACT_BYTES
+        dequant_how = f"one layer's {local} local experts dequantized to bf16 (no FP8 matmul yet), transient"
+    routed = local * routed_all // e  # every expert of every layer has the same shape
+    embed_bytes = 4 if weights == "fp32" else 2
+    small = c.embeddings * embed_bytes + (c.small_fp32 + c.buffers) * 4
+    return [
+        LedgerLine("weights: routed experts", routed, f"{routed_how}; {local} of {e} experts per device"),
+        LedgerLine("weights: dense (replicated)", dense, dense_how),
+        LedgerLine(
+            "weights: embeddings, norms (replicated)",
+            small,
+            f"embed + lm_head {c.embeddings / 1e9:.2f}B × {embed_bytes} B; norms, sinks, mHC, hash tables × 4 B",
+        ),  # fmt: skip
+        LedgerLine("weights: dequantized layer (transient)", dequant, dequant_how),
+    ]
+
+
+_TYPE_LABEL = {SLIDING: "sliding", CSA: "CSA", HCA: "HCA"}
+
+
+def _kv_lines(config: Config, layout: CacheLayout, context: int, devices: int) -> list[LedgerLine]:
+    """Per layer type: this device's share (its tokens' compressed rows + the fixed per-request parts)."""
+    shard = _ceil_div(context, devices)
+    fmt = layout.kv_format.name
+    lines = []
+    for layer_type in (SLIDING, CSA, HCA):
+        layers = [layer for layer in layout.layers if layer.layer_type == layer_type]
+        if not layers:
+            continue
+        one = layers[0]
+        growing = [a for a in one.arrays if a.tokens_per_row]
+        fixed = sum(a.bytes(shard) for a in one.arrays if not a.tokens_per_row)
+        parts = [f"{a.num_rows(shard)} {a.path} × {a.row_bytes} B" for a in growing]
+        ring = sum(a.bytes(shard) for a in one.arrays if a.path in ("window", "window_pos"))
+        fixed_how = f"ring {ring / 1024:.1f} KiB" + (
+            f" + open windows {(fixed - ring) / 1024:.1f} KiB" if fixed > ring else ""
+        )
+        parts.append(f"fixed on every device: {fixed_how}")
+        total = sum(layer.bytes_per_request(shard) for layer in layers)
+        share = f"this device's {shard} tokens: " if growing else ""
+        lines.append(LedgerLine(f"KV cache: {_TYPE_LABEL[layer_type]} layers", total,
+                                f"{len(layers)} × ({share}{' + '.join(parts)}); {fmt}"))  # fmt: skip
+    lines.append(LedgerLine(
+        "KV cache: scale state (replicated)", layout.shared_bytes,
+        f"{fmt}: per-array float32 scales, every layer" if layout.shared_bytes else f"{fmt}: none per array",
+    ))  # fmt: skip
+    return lines
+
+
 def plan_memory(
     config: Config,
     *,
     context: int,
     devices: int,
-    kv_dtype: str = "bf16",
-    weights_dtype: str = "bf16",
+    kv_format: str = DEFAULT_FP8_FORMAT,
+    weights: str = "bf16",
     chunk_size: int = 8192,
-    device_memory_gib: float = 96.0,
+    device_memory_gib: float | None = None,
+    device: str | None = DEFAULT_DEVICE,
     headroom: float = 1.2,
 ) -> MemoryPlan:
-    """The per-device ledger for one request of `context` tokens on `devices` devices."""
-    for name, value in (("kv_dtype", kv_dtype), ("weights_dtype", weights_dtype)):
-        if value not in BYTES:
-            raise ValueError(f"{name}={value!r}: choose one of {sorted(BYTES)}")
+    """The per-device ledger for one request of `context` tokens on `devices` devices.
+
+    Device memory: `device_memory_gib` if given, else the `device` preset's (`DEVICE_MIB`)."""
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format={kv_format!r}: choose one of {list(KV_FORMATS)}")
+    kv_format = DEFAULT_FP8_FORMAT if kv_format == "fp8" else kv_format
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights={weights!r}: choose one of {list(WEIGHT_FORMATS)}")
     for name, value in (("context", context), ("devices", devices), ("chunk_size", chunk_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if context > config.max_position_embeddings:
         raise ValueError(
-            f"context={context} exceeds the model's max_position_embeddings={config.max_position_embeddings}"
+            f"context={context} tokens exceeds the model's limit, max_position_embeddings="
+            f"{config.max_position_embeddings}: the longest prompt this model takes"
         )
+    if device_memory_gib is None:
+        if device is None:
+            raise ValueError("give a device preset or device_memory_gib")
+        device_memory_gib = device_gib(device)
+    else:
+        device = None
     if device_memory_gib <= 0 or headroom < 1:
         raise ValueError(f"device_memory_gib={device_memory_gib} must be > 0 and headroom={headroom} >= 1")
-    c = count_params(config)
-    wb = BYTES[weights_dtype]
-    scale = 4 if weights_dtype == "fp8" else 0  # bytes of one fp8 block scale
-    routed = _ceil_div(c.routed_experts * wb + c.routed_experts_fp8_blocks * scale, devices)
-    dense = c.dense_linear * wb + c.dense_linear_fp8_blocks * scale
-    embed_bytes = max(wb, 2)  # fp8 releases keep embeddings and the LM head in bf16
-    small = c.embeddings * embed_bytes + (c.small_fp32 + c.buffers) * 4
 
-    kb = BYTES[kv_dtype]
-    entries = 0  # compressed-KV elements of the whole context
-    largest_layer = 0  # one layer's gathered compressed KV, in elements
-    for layer_type in config.layer_types:
-        if layer_type == "sliding_attention":
-            continue
-        n = _ceil_div(context, config.compress_rate(layer_type))
-        width = config.head_dim + (config.index_head_dim if layer_type == CSA else 0)
-        entries += n * width
-        largest_layer = max(largest_layer, n * width)
-    kv = _ceil_div(entries * kb, devices)
-    ring = config.num_hidden_layers * config.sliding_window * config.head_dim * kb
+    c = count_params(config)
+    layout = cache_layout(config, kv_format)
+    lines = _weights_lines(config, c, weights, devices)
+    lines += _kv_lines(config, layout, context, devices)
+
+    # One layer's compressed KV of the whole context, gathered: the largest layer's growing arrays.
+    gathered, gathered_how = 0, "one device: nothing to gather"
+    if devices > 1:
+        biggest = max(layout.layers, key=lambda layer: sum(a.bytes(context) for a in layer.arrays if a.tokens_per_row))
+        growing = [a for a in biggest.arrays if a.tokens_per_row]
+        gathered = 2 * sum(a.bytes(context) for a in growing)
+        gathered_how = (f"2 × one {_TYPE_LABEL[biggest.layer_type]} layer's " + " + ".join(
+            f"{a.num_rows(context)} {a.path} × {a.row_bytes} B" for a in growing) +
+            " of the whole context (all-gathered per layer, double-buffered)")  # fmt: skip
 
     t = _ceil_div(min(chunk_size, context), devices)  # this device's share of one chunk
-    d, k = config.hidden_size, config.num_experts_per_tok
+    d, k, i = config.hidden_size, config.num_experts_per_tok, config.moe_intermediate_size
     per_token = (
         2 * config.hc_mult * d  # residual streams in and out
         + config.q_lora_rank + 2 * config.num_attention_heads * config.head_dim + config.head_dim  # q, out, kv
         + config.index_n_heads * config.index_head_dim  # indexer queries
-        + k * (2 * d + 2 * config.moe_intermediate_size)  # MoE: dispatched copies, gate/up, expert outputs
     ) * ACT_BYTES  # fmt: skip
+    # MoE per (token, expert) pair, as `routed_experts_jnp` holds them: the gathered input (bf16), gate/up
+    # (float32), SwiGLU (bf16), the weighted output (float32); plus the float32 combine per token.
+    moe_pair = d * ACT_BYTES + 2 * i * 4 + i * ACT_BYTES + d * 4
+    per_token += k * moe_pair + d * 4
     has_csa = CSA in config.layer_types
-    index_scores = t * _ceil_div(context, config.compress_rate(CSA)) * 4 if has_csa else 0
+    csa_keys = _ceil_div(context, config.compress_rate(CSA)) if has_csa else 0
+    index_scores = t * csa_keys * 4
     activations = t * per_token + index_scores + config.vocab_size * 4
 
-    kv_gather = 2 * largest_layer * kb if devices > 1 else 0
     all_to_all = 4 * t * k * d * ACT_BYTES if devices > 1 else 0
-
-    rate_note = ", ".join(f"{name} 1/{config.compress_rate(t_)}" for name, t_ in (("CSA", CSA), ("HCA", HCA))
-                          if t_ in config.layer_types)  # fmt: skip
-    lines = (
-        LedgerLine(
-            "weights: routed experts",
-            routed,
-            f"{c.routed_experts / 1e9:.2f}B params × {wb} B{' + block scales' if scale else ''} / {devices} devices",
-        ),
-        LedgerLine(
-            "weights: dense (replicated)",
-            dense,
-            f"{c.dense_linear / 1e9:.2f}B params × {wb} B{' + block scales' if scale else ''}: attention, "
-            "compressors, indexer, shared experts, routers",
-        ),
-        LedgerLine(
-            "weights: embeddings, norms (replicated)",
-            small,
-            f"embed + lm_head {c.embeddings / 1e9:.2f}B × {embed_bytes} B; norms, sinks, mHC, hash tables × 4 B",
-        ),
-        LedgerLine(
-            "KV cache: compressed entries",
-            kv,
-            f"{context} tokens × {sum(kv_bytes_per_token(config, kv_dtype).values()):.1f} B/token ({rate_note}; "
-            f"{kv_dtype}) / {devices} devices",
-        ),
-        LedgerLine(
-            "KV cache: sliding-window rings",
-            ring,
-            f"{config.num_hidden_layers} layers × {config.sliding_window} × {config.head_dim} × {kb} B",
-        ),
-        LedgerLine(
-            "activations: one chunk",
-            activations,
-            f"{t} tokens of a {chunk_size}-token chunk, one layer; indexer scores {t} × "
-            f"{_ceil_div(context, config.compress_rate(CSA)) if has_csa else 0} × 4 B",
-        ),
-        LedgerLine(
-            "communication: KV all-gather",
-            kv_gather,
-            "largest layer's compressed KV of the whole context, double-buffered",
-        ),
-        LedgerLine(
-            "communication: MoE all-to-all",
-            all_to_all,
-            f"dispatch + combine, send + receive: 4 × {t} tokens × top-{k} × {d} × {ACT_BYTES} B",
-        ),
-    )
-    return MemoryPlan(config, context, devices, kv_dtype, weights_dtype, chunk_size, device_memory_gib, headroom,
-                      lines)  # fmt: skip
+    lines += [
+        LedgerLine("activations: one chunk", activations,
+                   f"{t} tokens (of a {chunk_size}-token chunk) × {per_token} B, one layer; indexer scores "
+                   f"{t} × {csa_keys} × 4 B; last-token logits"),
+        LedgerLine("communication: KV all-gather", gathered, gathered_how),
+        LedgerLine("communication: MoE all-to-all", all_to_all,
+                   f"dispatch + combine, send + receive: 4 × {t} tokens × top-{k} × {d} × {ACT_BYTES} B"),
+    ]  # fmt: skip
+    return MemoryPlan(config, context, devices, kv_format, weights, chunk_size, device_memory_gib, headroom,
+                      tuple(lines), device, layout.bytes_per_request(context) / context)  # fmt: skip
 
 
 def _replan(plan: MemoryPlan, **changes) -> MemoryPlan:
     args = dict(
         context=plan.context,
         devices=plan.devices,
-        kv_dtype=plan.kv_dtype,
-        weights_dtype=plan.weights_dtype,
+        kv_format=plan.kv_format,
+        weights=plan.weights,
         chunk_size=plan.chunk_size,
         device_memory_gib=plan.device_memory_gib,
         headroom=plan.headroom,
     )
     args.update(changes)
-    return plan_memory(plan.config, **args)
+    return dataclasses.replace(plan_memory(plan.config, **args), device=plan.device)
 
 
 def suggestions(plan: MemoryPlan, *, max_devices: int = 4096) -> list[str]:
@@ -294,11 +387,14 @@ def suggestions(plan: MemoryPlan, *, max_devices: int = 4096) -> list[str]:
     def describe(flag: str, alt: MemoryPlan) -> str:
         return f"{flag}: needs {alt.required_bytes / GIB:.1f} GiB per device (with headroom)"
 
-    for flag, change in (("--weights-dtype fp8", dict(weights_dtype="fp8")), ("--kv-dtype fp8", dict(kv_dtype="fp8"))):
-        key = next(iter(change))
-        if BYTES[change[key]] < BYTES[getattr(plan, key)]:
+    for options in ((("--weights fp8", dict(weights="fp8")), ("--weights fp4-experts", dict(weights="fp4-experts"))),
+                    ((f"--kv-format {DEFAULT_FP8_FORMAT}", dict(kv_format=DEFAULT_FP8_FORMAT)),)):  # fmt: skip
+        for flag, change in options:  # smallest change first; stop at the first that fits
             alt = _replan(plan, **change)
-            out.append(describe(flag, alt) + ("" if alt.fits else ", still too much alone"))
+            if alt.required_bytes < plan.required_bytes:
+                out.append(describe(flag, alt) + ("" if alt.fits else ", still too much alone"))
+                if alt.fits:
+                    break
     devices = plan.devices
     while devices < max_devices and not _replan(plan, devices=devices).fits:
         devices *= 2
@@ -327,21 +423,34 @@ def suggestions(plan: MemoryPlan, *, max_devices: int = 4096) -> list[str]:
     return out
 
 
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:9.3f} {unit}"
+    return f"{n:9d} B  "
+
+
 def format_plan(plan: MemoryPlan) -> str:
     c = plan.config
+    where = f"{plan.device} " if plan.device else ""
     rows = [f"memory plan: {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.n_routed_experts} experts; "
-            f"context {plan.context} tokens, {plan.devices} device(s), weights {plan.weights_dtype}, "
-            f"KV {plan.kv_dtype}, chunk {plan.chunk_size}", ""]  # fmt: skip
+            f"context {plan.context} tokens over {plan.devices} {where}device(s) (sequence split evenly), "
+            f"weights {plan.weights}, KV {plan.kv_format} ({plan.kv_bytes_per_token:.1f} B/token for the whole "
+            f"request), chunk {plan.chunk_size}", "per device:"]  # fmt: skip
     width = max(len(line.name) for line in plan.lines)
     for line in plan.lines:
-        rows.append(f"  {line.name:<{width}}  {line.bytes_per_device / GIB:9.3f} GiB   {line.how}")
+        rows.append(f"  {line.name:<{width}}  {_size(line.bytes_per_device)}   {line.how}")
     rows += [
-        f"  {'total':<{width}}  {plan.total_bytes / GIB:9.3f} GiB",
-        f"  {f'× {plan.headroom} headroom':<{width}}  {plan.required_bytes / GIB:9.3f} GiB   "
-        f"of {plan.device_memory_gib:g} GiB per device",
+        f"  {'total':<{width}}  {_size(plan.total_bytes)}",
+        f"  {f'× {plan.headroom} headroom':<{width}}  {_size(plan.required_bytes)}   "
+        f"of {plan.device_memory_gib:.2f} GiB per {where}device",
         "",
-        "fits" if plan.fits else "DOES NOT FIT",
     ]  # fmt: skip
+    spare = plan.capacity_bytes - plan.required_bytes
+    if plan.fits:
+        rows.append(f"fits: {spare / GIB:.2f} GiB per device to spare after {plan.headroom}x headroom")
+    else:
+        rows.append(f"DOES NOT FIT: {-spare / GIB:.2f} GiB per device over, with {plan.headroom}x headroom")
     tips = suggestions(plan)
     if tips:
         rows.append("to make it fit, change one of:")
@@ -351,8 +460,8 @@ def format_plan(plan: MemoryPlan) -> str:
 
 def plan_to_dict(plan: MemoryPlan) -> dict:
     return {
-        "context": plan.context, "devices": plan.devices, "kv_dtype": plan.kv_dtype,
-        "weights_dtype": plan.weights_dtype, "chunk_size": plan.chunk_size,
+        "context": plan.context, "devices": plan.devices, "device": plan.device, "kv_format": plan.kv_format,
+        "kv_bytes_per_token": plan.kv_bytes_per_token, "weights": plan.weights, "chunk_size": plan.chunk_size,
         "device_memory_gib": plan.device_memory_gib, "headroom": plan.headroom,
         "lines": [{"name": ln.name, "bytes_per_device": ln.bytes_per_device, "how": ln.how} for ln in plan.lines],
         "total_bytes": plan.total_bytes, "required_bytes": plan.required_bytes, "capacity_bytes": plan.capacity_bytes,
@@ -360,5 +469,6 @@ def plan_to_dict(plan: MemoryPlan) -> dict:
     }  # fmt: skip
 
 
-__all__ = ["LedgerLine", "MemoryPlan", "ParamCounts", "count_params", "format_plan", "kv_bytes_per_token",
-           "plan_memory", "plan_to_dict", "suggestions"]  # fmt: skip
+__all__ = ["DEVICE_MIB", "GIB", "KV_FORMATS", "WEIGHT_FORMATS", "LedgerLine", "MemoryPlan", "ParamCounts",
+           "cache_layout", "count_params", "device_gib", "format_plan", "kv_format", "plan_memory",
+           "plan_to_dict", "suggestions"]  # fmt: skip

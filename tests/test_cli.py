@@ -13,7 +13,7 @@ import pytest
 import dsv4
 from dsv4.cli import main, parse_count
 from dsv4.config import Config
-from dsv4.memory_plan import GIB, count_params, kv_bytes_per_token, plan_memory
+from dsv4.memory_plan import GIB, count_params, plan_memory
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 MODEL_DIR = os.path.join(FIXTURES, "tiny_mixed")
@@ -89,38 +89,43 @@ def test_param_counts_match_the_model():
 
 def test_plan_ledger_by_hand():
     """Tiny config (layers: sliding, CSA, HCA, CSA; head_dim 32, index_head_dim 16, window 16, rates 4 and
-    16), 1024 tokens on 2 devices, bf16 KV and weights."""
+    16), 1024 tokens on 2 devices (512 each), bf16 KV and weights."""
     cfg = Config.preset("tiny")
-    plan = plan_memory(cfg, context=1024, devices=2, kv_dtype="bf16", weights_dtype="bf16", chunk_size=8192)
+    plan = plan_memory(cfg, context=1024, devices=2, kv_format="bf16", weights="bf16", chunk_size=8192)
     b = {line.name: line.bytes_per_device for line in plan.lines}
-    csa_layer = 1024 // 4 * (32 + 16)  # entries × (head_dim + index_head_dim) = 12288 elements
-    hca_layer = 1024 // 16 * 32  # 2048 elements
-    assert b["KV cache: compressed entries"] == (2 * csa_layer + hca_layer) * 2 // 2 == 26624
-    assert b["KV cache: sliding-window rings"] == 4 * 16 * 32 * 2 == 4096
-    assert b["communication: KV all-gather"] == 2 * csa_layer * 2 == 49152
+    ring = 16 * 32 * 2 + 16 * 4  # window rows (bf16) + their int32 positions = 1088
+    # CSA: this device's 512 / 4 = 128 entries × 64 B + 128 indexer keys × 32 B; open windows: compressor
+    # (4 × 64 kv + 4 × 64 gate, bf16; overlap half 4 × 32 bf16 + 4 × 32 float32), indexer (same at 32 / 16 wide)
+    open_windows = (2 * 4 * 64 * 2 + 4 * 32 * 2 + 4 * 32 * 4) + (2 * 4 * 32 * 2 + 4 * 16 * 2 + 4 * 16 * 4)
+    csa_layer = 128 * 64 + 128 * 32 + ring + open_windows
+    hca_layer = 512 // 16 * 64 + ring + 2 * 16 * 32 * 2  # entries + ring + open window (kv, gate)
+    assert b["KV cache: CSA layers"] == 2 * csa_layer == 32128
+    assert b["KV cache: HCA layers"] == hca_layer == 5184 and b["KV cache: sliding layers"] == ring == 1088
+    assert b["KV cache: scale state (replicated)"] == 0
+    assert b["communication: KV all-gather"] == 2 * (256 * 64 + 256 * 32) == 49152  # one CSA layer, whole context
     t = 1024 // 2  # this device's share of the (whole-prompt) chunk
     assert b["communication: MoE all-to-all"] == 4 * t * 2 * 64 * 2 == 524288
-    per_token = (2 * 4 * 64 + 32 + 2 * 4 * 32 + 32 + 4 * 16 + 2 * (2 * 64 + 2 * 32)) * 2  # 2560 B
-    assert b["activations: one chunk"] == t * per_token + t * 256 * 4 + 256 * 4 == 1836032
+    per_token = (2 * 4 * 64 + 32 + 2 * 4 * 32 + 32 + 4 * 16) * 2  # streams, q, out, kv, indexer q: 1792 B
+    per_token += 2 * (64 * 2 + 2 * 32 * 4 + 32 * 2 + 64 * 4) + 64 * 4  # MoE pairs (top-2) + combine: 1664 B
+    assert b["activations: one chunk"] == t * per_token + t * 256 * 4 + 256 * 4 == 2294784
     assert b["weights: routed experts"] == 4 * 8 * 6144 * 2 // 2 == 196608
+    assert b["weights: dequantized layer (transient)"] == 0
     counts = count_params(cfg)
     assert b["weights: dense (replicated)"] == counts.dense_linear * 2
     assert b["weights: embeddings, norms (replicated)"] == 2 * 256 * 64 * 2 + (counts.small_fp32 + counts.buffers) * 4
     assert plan.total_bytes == sum(b.values()) and plan.required_bytes == -(-plan.total_bytes * 12 // 10)
 
-    fp8 = plan_memory(cfg, context=1024, devices=2, kv_dtype="fp8", weights_dtype="fp8")
-    assert fp8.line("KV cache: compressed entries").bytes_per_device == 26624 // 2
+    fp8 = plan_memory(cfg, context=1024, devices=2, kv_format="fp8-channel", weights="fp8")
     # fp8 experts: 1 byte per weight + one float32 scale per 128×128 block (every tiny matrix is one block)
     assert fp8.line("weights: routed experts").bytes_per_device == (4 * 8 * 6144 + 4 * 8 * 2 * 4) // 2
-    # V4-Flash: 21 CSA layers × (512 + 128) / 4 + 20 HCA layers × 512 / 128 = 3440 bytes per token in fp8
-    assert sum(kv_bytes_per_token(Config.preset("v4-flash"), "fp8").values()) == 3440
+    assert fp8.line("weights: dequantized layer (transient)").bytes_per_device == 4 * 3 * 32 * 64 * 2
 
 
 def test_plan_refuses_what_does_not_fit(capsys):
     argv = ["plan", "--model", "v4-flash", "--context", "512k", "--devices", "8", "--kv-dtype", "fp8"]
-    assert main([*argv, "--device-memory-gib", "80"]) == 1  # bf16 weights: ~95.5 GiB with headroom
+    assert main([*argv, "--device-memory-gib", "80"]) == 1  # bf16 weights: ~95.8 GiB with headroom
     out = capsys.readouterr().out
-    assert "DOES NOT FIT" in out and "--weights-dtype fp8" in out and "--devices" in out
+    assert "DOES NOT FIT" in out and "--weights fp8" in out and "--devices" in out
     assert main([*argv, "--weights-dtype", "fp8", "--device-memory-gib", "80", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] and plan["required_bytes"] < 80 * GIB and plan["suggestions"] == []

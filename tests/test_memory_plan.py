@@ -1,0 +1,169 @@
+"""`dsv4.memory_plan`: the KV lines come from `dsv4.cache.layout.CacheLayout`, the weights from the config, and
+the 512K V4-Flash verdict on 8 × H20 is worked out by hand here.
+
+Plain arithmetic on the config (no JAX arrays, no device).
+"""
+
+import json
+
+import pytest
+
+from dsv4.cache.layout import FORMAT_NAMES, CacheLayout, KVFormat
+from dsv4.cli import main
+from dsv4.config import CSA, HCA, SLIDING, Config
+from dsv4.memory_plan import DEVICE_MIB, GIB, MIB, count_params, plan_memory, suggestions
+
+N = 524288  # 512K tokens
+FLASH = Config.preset("v4-flash")  # 2 sliding + 21 CSA + 20 HCA layers; head_dim 512 (64 RoPE), index_head_dim 128
+KV_LINES = ("KV cache: sliding layers", "KV cache: CSA layers", "KV cache: HCA layers")
+H20 = 97871 * MIB  # what nvidia-smi reports for an H20 ("96 GB"): 102,625,181,696 B = 95.58 GiB
+
+
+def kv_by_type(plan):
+    return {name: plan.line(name).bytes_per_device for name in KV_LINES}
+
+
+def flash_layer_bytes(tokens: int, entry: int, key: int, window: int) -> dict[str, int]:
+    """One V4-Flash layer of each type for one request of `tokens`, by hand: `entry` / `key` / `window` are the
+    stored row bytes of a compressed entry, an indexer key and a ring row."""
+    ring = 128 * window + 128 * 4  # sliding window of 128 rows + int32 positions
+    # CSA (rate 4): open window = compressor kv + gate (4 × 1024, bf16) + overlap half (4 × 512 bf16, 4 × 512
+    # float32); the indexer's the same at 256 / 128 wide.
+    csa_open = 2 * 4 * 1024 * 2 + 4 * 512 * 2 + 4 * 512 * 4 + 2 * 4 * 256 * 2 + 4 * 128 * 2 + 4 * 128 * 4
+    hca_open = 2 * 128 * 512 * 2  # HCA (rate 128): kv + gate of the open window, 512 wide, bf16
+    return {
+        SLIDING: ring,
+        CSA: -(-tokens // 4) * (entry + key) + ring + csa_open,
+        HCA: -(-tokens // 128) * entry + ring + hca_open,
+    }
+
+
+# Row bytes. bf16: 512 × 2 = 1024, key 128 × 2 = 256. fp8-channel: 448 e4m3 + 64 RoPE channels in bf16 = 576,
+# key 64 + 64 × 2 = 192.
+ROWS = {"bf16": (1024, 256, 1024), "fp8-channel": (576, 192, 576)}
+
+
+@pytest.mark.parametrize("fmt, hand_per_token", [("fp8-channel", 4139.5), ("bf16", 6902.2)])
+def test_kv_lines_are_the_cache_layout_v4_flash_512k(fmt, hand_per_token):
+    """One device holds the whole 512K request: the KV lines are CacheLayout's per-type bytes, which are
+    docs/BENCHMARKS.md's hand numbers (fp8-channel 4139.5, bf16 6902.2 B/token at 524,288 tokens)."""
+    layers = flash_layer_bytes(N, *ROWS[fmt])
+    want = {"KV cache: sliding layers": 2 * layers[SLIDING], "KV cache: CSA layers": 21 * layers[CSA],
+            "KV cache: HCA layers": 20 * layers[HCA]}  # fmt: skip
+    plan = plan_memory(FLASH, context=N, devices=1, kv_format=fmt, weights="fp8")
+    assert kv_by_type(plan) == want
+    # fp8-channel: CSA 21 × (131072 × 768 + 74240 + 35840) = 2,116,265,280; HCA 20 × (4096 × 576 + 74240 +
+    # 262144) = 53,914,880; sliding 2 × 74240 → 2,170,328,640 B = 4139.52 B/token.
+    total = sum(want.values())
+    assert total / N == pytest.approx(hand_per_token, abs=0.05)
+    layout = CacheLayout.from_config(FLASH, KVFormat.named(fmt, rope_dim=64))
+    assert total == layout.bytes_per_request(N) - 4  # (the layout's 4-byte token count is left out)
+    assert plan.kv_bytes_per_token == pytest.approx(hand_per_token, abs=0.05)
+    # Per-array scale state, fp8-channel: scale + amax per nope channel, float32, for each layer's ring and
+    # compressed entries (448 channels) and CSA's indexer keys (64): 2 × 3584 + 21 × 7680 + 20 × 7168.
+    scale = plan.line("KV cache: scale state (replicated)").bytes_per_device
+    assert scale == (311808 if fmt == "fp8-channel" else 0) == layout.shared_bytes
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_every_format_is_sized_by_the_layout_under_sequence_parallelism(fmt):
+    """8 devices: each holds the entries of its 65,536 tokens plus every layer's ring and open windows."""
+    plan = plan_memory(FLASH, context=N, devices=8, kv_format=fmt, weights="fp8")
+    layout = CacheLayout.from_config(FLASH, KVFormat.named(fmt, rope_dim=64))
+    assert sum(kv_by_type(plan).values()) == layout.bytes_per_request(N // 8) - 4
+    if fmt in ROWS:
+        layers = flash_layer_bytes(N // 8, *ROWS[fmt])
+        assert plan.line("KV cache: CSA layers").bytes_per_device == 21 * layers[CSA]
+    # Transient: one CSA layer's entries + indexer keys of the whole context, gathered, double-buffered.
+    entry, key = (a.row_bytes for a in layout.layers[2].arrays if a.tokens_per_row)
+    assert plan.line("communication: KV all-gather").bytes_per_device == 2 * (N // 4) * (entry + key)
+
+
+def test_v4_flash_fp8_weights_fit_8_h20_at_512k_bf16_do_not():
+    """By hand, per device, 512K tokens over 8 H20s (97871 MiB each), fp8-channel KV, chunk 8192, 1.2× headroom.
+
+    Routed experts, 32 of 256 per device, 43 layers; one expert = gate/up 4096 × 4096 + down 4096 × 2048 =
+    25,165,824 weights, in 32 × 32 + 32 × 16 = 1536 blocks of 128 × 128:
+      fp8:  32 × 43 × (25,165,824 + 1536 × 4)              = 34,636,627,968 B (32.26 GiB)
+      bf16: 32 × 43 × 25,165,824 × 2                       = 69,256,347,648 B (64.50 GiB)
+    Dense, replicated, per layer: wq_a 1024×4096, wq_b 32768×1024, wkv 512×4096, wo_b 4096×8192, shared expert
+    3 × 2048×4096 = 98,566,144 fp8 weights in 6016 blocks (+ CSA: indexer wq_b 8192×1024, 512 blocks); in bf16
+    as released: wo_a 8192×4096 + router 256×4096 = 34,603,008 (+ CSA: compressor 2 × 1024×4096, indexer
+    compressor 2 × 256×4096, weights_proj 64×4096 = 10,747,904; HCA: compressor 2 × 512×4096 = 4,194,304):
+      fp8:  43 × 98,566,144 + 21 × 8,388,608 = 4,414,504,960 B + (43 × 6016 + 21 × 512) × 4 = 1,077,760 B
+            + 2 × (43 × 34,603,008 + 21 × 10,747,904 + 20 × 4,194,304) = 3,595,042,816 B
+            = 8,010,625,536 B (7.46 GiB)
+      bf16: 6,212,026,368 weights × 2                      = 12,424,052,736 B (11.57 GiB)
+    Embedding + LM head 2 × 129280 × 4096 × 2 B = 2,118,123,520 B; norms, mHC, sinks, hash tables 152,355,164 B.
+    fp8 only: one layer's 32 local experts dequantized to bf16: 32 × 25,165,824 × 2 = 1,610,612,736 B.
+    KV (65,536 tokens per device, fp8-channel): 21 × 12,692,992 + 20 × 631,296 + 2 × 74,240 + 311,808 scales
+      = 279,639,040 B. All-gather: 2 × 131072 × (576 + 192) = 201,326,592 B.
+    Activations, 1024 tokens (8192 / 8): 1024 × 502,784 B + indexer scores 1024 × 131072 × 4 + logits 129280 × 4
+      = 1,052,238,848 B. MoE all-to-all: 4 × 1024 × 6 × 4096 × 2 = 201,326,592 B.
+    fp8:  44,917,732,188 + 1,610,612,736 + 279,639,040 + 1,052,238,848 + 2 × 201,326,592 = 48,262,875,996 B
+          (44.95 GiB) × 1.2 = 57,915,451,196 B (53.94 GiB)  ≤  102,625,181,696 B: fits, 41.6 GiB spare.
+    bf16: 83,950,879,068 + 279,639,040 + 1,052,238,848 + 2 × 201,326,592 = 85,685,410,140 B (79.80 GiB)
+          × 1.2 = 102,822,492,168 B (95.76 GiB)  >  102,625,181,696 B: over by 0.18 GiB. The bf16 weights alone
+          take 78.19 GiB (93.82 with headroom), leaving 1.46 GiB before headroom for cache, activations and
+          buffers that need 1.61 GiB: bf16 misses narrowly, fp8 fits with a wide margin.
+    """
+    fp8 = plan_memory(FLASH, context=N, devices=8, weights="fp8", device="h20")
+    bf16 = plan_memory(FLASH, context=N, devices=8, weights="bf16", device="h20")
+    assert fp8.capacity_bytes == bf16.capacity_bytes == H20 == 102_625_181_696
+    w = {line.name: line.bytes_per_device for line in fp8.lines}
+    assert w["weights: routed experts"] == 32 * 43 * (25_165_824 + 1536 * 4) == 34_636_627_968
+    assert w["weights: dense (replicated)"] == 4_414_504_960 + 1_077_760 + 3_595_042_816 == 8_010_625_536
+    assert w["weights: embeddings, norms (replicated)"] == 2_118_123_520 + 152_355_164
+    assert w["weights: dequantized layer (transient)"] == 32 * 25_165_824 * 2
+    assert sum(kv_by_type(fp8).values()) + w["KV cache: scale state (replicated)"] == 279_639_040
+    assert w["communication: KV all-gather"] == w["communication: MoE all-to-all"] == 201_326_592
+    assert w["activations: one chunk"] == 1_052_238_848
+    assert fp8.total_bytes == 48_262_875_996 and fp8.required_bytes == 57_915_451_196 and fp8.fits
+
+    assert bf16.line("weights: routed experts").bytes_per_device == 69_256_347_648
+    assert bf16.line("weights: dense (replicated)").bytes_per_device == 12_424_052_736
+    assert bf16.total_bytes == 85_685_410_140 and bf16.required_bytes == 102_822_492_168 and not bf16.fits
+    tips = suggestions(bf16)
+    assert tips[0].startswith("--weights fp8: needs 53.9 GiB")
+
+    # fp4 experts: ½ B per weight + one float32 scale per row and 32 columns (786,432 per expert).
+    fp4 = plan_memory(FLASH, context=N, devices=8, weights="fp4-experts")
+    assert fp4.line("weights: routed experts").bytes_per_device == 32 * 43 * (25_165_824 // 2 + 786_432 * 4)
+    assert count_params(FLASH).routed_experts_fp4_scales == 256 * 43 * 786_432
+
+
+def test_cli_prints_the_ledger_and_verdict(capsys):
+    argv = ["plan", "--model", "v4-flash", "--context", "512k", "--devices", "8", "--weights", "fp8"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "8 h20 device(s)" in out and "4139.5 B/token" in out and "KV cache: CSA layers" in out
+    assert "fits: 41.64 GiB per device to spare" in out and "of 95.58 GiB per h20 device" in out
+    assert main([*argv[:-1], "bf16"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT: 0.18 GiB per device over" in out and "--weights fp8: needs 53.9 GiB" in out
+    # The old flags still work and mean the same plan.
+    assert main([*argv, "--json"]) == 0
+    new = json.loads(capsys.readouterr().out)
+    assert main([*argv[:-2], "--weights-dtype", "fp8", "--kv-dtype", "fp8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == new and new["kv_format"] == "fp8-channel"
+    # Device presets; --device-memory-gib overrides them.
+    assert main([*argv[:-1], "bf16", "--device", "h200", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["capacity_bytes"] == DEVICE_MIB["h200"] * MIB and plan["device"] == "h200"
+    assert main([*argv[:-1], "bf16", "--device-memory-gib", "96", "--json"]) == 0  # 95.76 ≤ 96 GiB
+    assert json.loads(capsys.readouterr().out)["capacity_bytes"] == 96 * GIB
+
+
+def test_too_long_a_context_is_refused_naming_the_limit(capsys):
+    with pytest.raises(ValueError, match=r"context=1048577 tokens exceeds the model's limit, "
+                                         r"max_position_embeddings=1048576"):  # fmt: skip
+        plan_memory(FLASH, context=(1 << 20) + 1, devices=8)
+    assert main(["plan", "--model", "v4-flash", "--context", "2m"]) == 2
+    assert "max_position_embeddings=1048576" in capsys.readouterr().err
+    # Within the model's limit but over the memory: the advice names the longest context that fits as is.
+    plan = plan_memory(FLASH, context=1 << 20, devices=8, weights="bf16")
+    assert not plan.fits
+    (tip,) = [t for t in suggestions(plan) if t.startswith("--context ")]
+    longest = int(tip.split()[1].rstrip(":"))
+    assert plan_memory(FLASH, context=longest, devices=8, weights="bf16").fits
+    assert not plan_memory(FLASH, context=longest + 1, devices=8, weights="bf16").fits
