@@ -146,7 +146,8 @@ class LLM:
     max_num_batched_tokens: token budget of one step (default chunk_size + max_slots, so a running long
         prefill keeps its whole chunk while every running decode also gets its token).
     policy: "prefill_priority" (default), "decode_priority" or "fcfs"; see `dsv4.scheduler.SchedulingPolicy`.
-    kv_cache_dtype: "bfloat16" or "float32" (default: the model's dtype).
+    kv_cache_dtype: how cached rows are stored: "bfloat16" or "float32" (default: the model's dtype), or a
+        storage format of `dsv4.cache.layout.FORMAT_NAMES` ("bf16", "fp8-channel", "fp8-tile", ...).
     width_buckets: the chunk widths calls are padded to (default powers of two up to chunk_size); each
         width used costs one compilation. max_packed_width: chunks up to this bucket share one
         [max_slots, w] call; wider ones run as [1, w] on their own slot (see `dsv4.runner`).

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv4.cache.layout import FORMAT_NAMES
+from dsv4.cache.store import per_slot_mask
 from dsv4.model import DeepseekV4
 from dsv4.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -52,21 +54,33 @@ def _packed_step(graphdef, state, cache, token_ids, valid):
     return nnx.merge(graphdef, state).forward_chunk(cache, token_ids, valid)
 
 
+def _slot_of_cache(cache, slot):
+    """One slot's view of the cache: per-slot leaves sliced to [1, ...], shared leaves (FP8 scale states, page
+    pools) whole."""
+    return jax.tree.map(lambda x, own: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0) if own else x,
+                        cache, per_slot_mask(cache))  # fmt: skip
+
+
+def _put_slot(cache, sub, slot, *, shared_too: bool):
+    """Writes a slot's view back: per-slot leaves into row `slot`; shared leaves replaced if `shared_too`."""
+    return jax.tree.map(lambda x, y, own: jax.lax.dynamic_update_slice_in_dim(x, y, slot, axis=0) if own
+                        else (y if shared_too else x), cache, sub, per_slot_mask(cache))  # fmt: skip
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def _slot_step(graphdef, state, cache, slot, token_ids, valid):
     """One slot's chunk: token_ids [1, w], valid [1], slot a scalar → (logits [1, vocab], cache)."""
-    sub = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), cache)
-    logits, sub = nnx.merge(graphdef, state).forward_chunk(sub, token_ids, valid)
-    cache = jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, slot, axis=0), cache, sub)
-    return logits, cache
+    logits, sub = nnx.merge(graphdef, state).forward_chunk(_slot_of_cache(cache, slot), token_ids, valid)
+    return logits, _put_slot(cache, sub, slot, shared_too=True)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=2)
-def _reset_slot(graphdef, state, cache, slot, max_len, dtype):
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), donate_argnums=2)
+def _reset_slot(graphdef, state, cache, slot, max_len, dtype, kv_format):
     """Puts one slot back to exactly `init_cache`'s state (num_tokens 0, empty window ring with positions -1,
-    CSA overlap gates -inf, zero entries), so a new or preempted-and-resumed request starts clean."""
-    fresh = nnx.merge(graphdef, state).init_cache(1, max_len, dtype)
-    return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, slot, axis=0), cache, fresh)
+    CSA overlap gates -inf, zero entries), so a new or preempted-and-resumed request starts clean. Shared
+    leaves (the FP8 scale states) are left as they are."""
+    fresh = nnx.merge(graphdef, state).init_cache(1, max_len, dtype, kv_format=kv_format)
+    return _put_slot(cache, fresh, slot, shared_too=False)
 
 
 class ModelRunner:
@@ -86,13 +100,19 @@ class ModelRunner:
             raise ValueError(f"width_buckets={list(width_buckets)} must be positive widths")
         self.model = model
         self.max_slots, self.max_model_len = max_slots, max_model_len
-        self.kv_cache_dtype = jnp.dtype(kv_cache_dtype)
+        # A storage format name ("bf16", "fp8-channel", ...) stores the rows in it (computing in the model's
+        # dtype); a dtype keeps them unquantized in that dtype.
+        if isinstance(kv_cache_dtype, str) and kv_cache_dtype in FORMAT_NAMES:
+            self.kv_format, self.kv_cache_dtype = kv_cache_dtype, model.dtype
+        else:
+            self.kv_format, self.kv_cache_dtype = None, jnp.dtype(kv_cache_dtype)
         self.width_buckets = tuple(buckets)
         self.max_packed_width = max_packed_width
         self.graphdef, self.state = nnx.split(model)
         # NOTE: committed to a device from the start. Every jitted call returns committed arrays, and jit keys
         # its cache on commitment too: an uncommitted first cache would compile each shape twice.
-        self.cache = jax.device_put(model.init_cache(max_slots, max_model_len, self.kv_cache_dtype), jax.devices()[0])
+        self.cache = jax.device_put(model.init_cache(max_slots, max_model_len, self.kv_cache_dtype,
+                                                   kv_format=self.kv_format), jax.devices()[0])
         self._slot_of: dict[str, int] = {}
         self._free_slots = list(range(max_slots))  # kept sorted: lowest slot first
         self._num_tokens = [0] * max_slots  # host mirror of cache["num_tokens"]: checked against each chunk
@@ -125,7 +145,7 @@ class ModelRunner:
         slot = self._free_slots.pop(0)
         self._slot_of[request_id] = slot
         self.cache = self._timed(("reset", 0), _reset_slot, self.graphdef, self.state, self.cache, jnp.int32(slot),
-                                 self.max_model_len, self.kv_cache_dtype)  # fmt: skip
+                                 self.max_model_len, self.kv_cache_dtype, self.kv_format)  # fmt: skip
         self._num_tokens[slot] = 0
         return slot
 
@@ -167,6 +187,7 @@ class ModelRunner:
                 jnp.int32(self._free_slots[0]),
                 self.max_model_len,
                 self.kv_cache_dtype,
+                self.kv_format,
             )
         for width in sorted({self.bucket(w) for w in widths}):
             if self.is_packed(width):

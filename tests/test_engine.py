@@ -193,3 +193,15 @@ def test_runner_rejects_a_chunk_wider_than_every_bucket(llm):
         llm.runner.bucket(33)
     assert llm.runner.bucket(1) == 1 and llm.runner.bucket(2) == 8 and llm.runner.bucket(9) == 32
     assert llm.runner.is_packed(8) and not llm.runner.is_packed(9)
+
+
+def test_fp8_cache_engine_requests_equal_each_alone(llm):
+    """The engine with its cache stored in FP8 (per-channel scales shared by every slot: the packed and the
+    single-slot calls must both keep them, and a slot reset must not touch them): concurrent requests give the
+    tokens each gives alone, and every page and slot comes back."""
+    fp8 = LLM(llm.model, **{k: v for k, v in SHAPES.items() if k != "dtype"}, kv_cache_dtype="fp8-channel")
+    assert fp8.runner.kv_format == "fp8-channel"
+    prompts = [random_prompt(n, 40 + n) for n in (45, 3, 12)]
+    alone = [fp8.generate([p], max_new_tokens=5)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in fp8.generate(prompts, max_new_tokens=5)] == alone
+    assert_idle(fp8)
