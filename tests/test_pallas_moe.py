@@ -22,6 +22,9 @@ Tolerances (each side computes exact products of the same operand values in floa
 
 from __future__ import annotations
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -341,25 +344,52 @@ def test_input_validation_names_shapes():
 # ---------------------------------------------------------------------------------------------
 # Triton lowering (runs on CPU: lowers for an abstract H200, builds and verifies the Triton module; no ptxas).
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["bf16", "w8a16", "w8a8"])
+I32_OFFSETS_MAX_ELEMENTS = 2**31  # i32 element offsets (signed) address at most this many elements
+
+
+def addptr_offset_bits(module_text):
+    """→ {kernel argument index: set of bit widths of the offsets that `tt.addptr` adds to that argument's pointer}.
+
+    Every addptr must start from an argument, directly or through `tt.splat` (the lowering's pattern), so a changed
+    pattern fails here instead of escaping the check."""
+    splat_of = dict(re.findall(r"(%\w+) = tt\.splat %arg(\d+) ", module_text))
+    widths = {}
+    adds = re.findall(r"tt\.addptr (%\w+), %\w+ : \S+, (?:tensor<[\dx]*)?i(\d+)>?", module_text)
+    assert adds and len(adds) == module_text.count("tt.addptr")
+    for base, bits in adds:
+        arg = int(base[4:]) if base.startswith("%arg") else int(splat_of[base])
+        widths.setdefault(arg, set()).add(int(bits))
+    return widths
+
+
+@pytest.mark.parametrize("mode", ["bf16", "w8a16", "w8a8", "w8a8-long"])
 def test_lowers_to_triton_at_v4_shapes(mode, monkeypatch):
+    """Both kernels lower for an abstract H200 at V4-Flash expert shapes, with 2 / 1 `tt.dot`, fp8 × fp8 only in
+    W8A8, and i64 offsets for every operand of more than 2^31 elements.
+
+    The last check is the H200 fault of W8A8 at these shapes (docs/KERNEL_NOTES.md, MoE, M6): the fp8 gate_up
+    [256, 4096, 4096] is 2^32 elements in 2^32 bytes, which JAX's lowering addressed with i32 offsets (it switches
+    to i64 only above 2^32 *bytes*), so experts >= 128 read below the array. "w8a8-long" (100K tokens) puts the fp8
+    activations x [600K, 4096] past 2^31 elements too."""
     from jax._src import mesh as mesh_lib
     from jax._src.pallas.triton import lowering as triton_lowering
 
     modules = []
     original = triton_lowering.lower_jaxpr_to_triton_module
 
-    def lower_and_keep(*args, **kwargs):
-        result = original(*args, **kwargs)
-        modules.append(result)
+    def lower_and_keep(jaxpr, grid_mapping, *args, **kwargs):
+        result = original(jaxpr, grid_mapping, *args, **kwargs)
+        modules.append((result, [bm.array_aval for bm in grid_mapping.block_mappings]))
         return result
 
     monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", lower_and_keep)
     sds = jax.ShapeDtypeStruct
-    experts, hidden, inter, rows = 256, 4096, 2048, 6 * 1000  # V4-Flash experts; 1000 tokens × top-6
+    tokens = 100_000 if mode == "w8a8-long" else 1000
+    mode = mode.removesuffix("-long")
+    experts, hidden, inter, rows = 256, 4096, 2048, 6 * tokens  # V4-Flash experts, top-6
     weight_dtype = jnp.bfloat16 if mode == "bf16" else FP8
     act_dtype = FP8 if mode == "w8a8" else jnp.bfloat16
-    block_sizes = BlockSizes() if mode == "bf16" else BlockSizes(block_k=128)
+    block_sizes = BlockSizes()  # block_k 64 for bf16 weights, 128 for fp8
     gate_up = dict(x_sorted=sds((rows, hidden), act_dtype), gate_up=sds((experts, 2 * inter, hidden), weight_dtype),
                    group_sizes=sds((experts,), jnp.int32))  # fmt: skip
     down = dict(h=sds((rows, inter), act_dtype), down=sds((experts, hidden, inter), weight_dtype),
@@ -381,13 +411,66 @@ def test_lowers_to_triton_at_v4_shapes(mode, monkeypatch):
             hlo = jax.jit(fn).trace(*arrays.values()).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in hlo
     tiles = (rows + 63 * (experts + 1)) // 64  # the static tile bound at block_m = 64
-    [gate_up_module, down_module] = modules
-    for result, col_tiles, dots in [(gate_up_module, inter // 128, 2), (down_module, hidden // 128, 1)]:
+    [(gate_up_module, gate_up_avals), (down_module, down_avals)] = modules
+    wide = []
+    for result, avals, col_tiles, dots in [(gate_up_module, gate_up_avals, inter // 128, 2),
+                                           (down_module, down_avals, hidden // 128, 1)]:  # fmt: skip
         assert result.module.operation.verify()
         assert list(result.grid) == [tiles * col_tiles]
         text = str(result.module)
         assert text.count("tt.dot") == dots
         assert ("xf8E4M3FN> * tensor" in text) == (mode == "w8a8")  # fp8 × fp8 tensor-core dot only in W8A8
+        # fp8 × fp8 dots accumulate a whole K step in the tensor core (BlockSizes.fp8_fast_accum)
+        assert text.count("maxNumImpreciseAcc = 1073741824") == (dots if mode == "w8a8" else 0)
+        if mode != "bf16":  # fp8 weights: one 128-wide K step per weight-scale block
+            assert f"tensor<128x{QUANT_BLOCK}x!tt.ptr<f8E4M3FN>>" in text
+        for arg, bits in addptr_offset_bits(text).items():
+            if math.prod(avals[arg].shape) > I32_OFFSETS_MAX_ELEMENTS:
+                wide.append(avals[arg])
+                assert bits == {64}, f"{avals[arg]} (argument {arg}) addressed with i{min(bits)} offsets"
+    assert any(a.shape == (experts, 2 * inter, hidden) for a in wide)  # the check ran on the weights
+    if tokens > 87_381:  # 6 · tokens · 4096 > 2^31
+        assert any(a.shape == (rows, hidden) for a in wide)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_fp8_fast_accum_only_on_this_files_fp8_dots(fast, monkeypatch):
+    """BlockSizes.fp8_fast_accum sets maxNumImpreciseAcc = 2^30 on the W8A8 dot (Triton's sm90 default for
+    `tl.dot`), False keeps Pallas's 0; other Pallas kernels (here a plain fp8 matmul) keep 0."""
+    from jax._src import mesh as mesh_lib
+    from jax._src.pallas.triton import lowering as triton_lowering
+    from jax.experimental import pallas as pl
+
+    texts = {}
+    original = triton_lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_keep(*args, **kwargs):
+        result = original(*args, **kwargs)
+        texts[str(result.module.operation.attributes["sym_name"]).strip('"')] = str(result.module)
+        return result
+
+    monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", lower_and_keep)
+    sds = jax.ShapeDtypeStruct
+    rows, experts, hidden, inter = 128, 4, 256, 128
+    arrays = dict(h=sds((rows, inter), FP8), h_scales=sds((rows, 1), F32), group_sizes=sds((experts,), jnp.int32),
+                  down=sds((experts, hidden, inter), FP8), down_scales=sds((experts, 2, 1), F32))  # fmt: skip
+
+    def other_kernel(x_ref, y_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...], y_ref[...], preferred_element_type=F32)
+
+    def fn(h, h_scales, group_sizes, down, down_scales):
+        y = grouped_down(h, down, group_sizes, h_scales=h_scales, down_scales=down_scales,
+                         block_sizes=BlockSizes(fp8_fast_accum=fast))  # fmt: skip
+        other = pl.pallas_call(other_kernel, out_shape=sds((64, 64), F32), name="other")(h[:64, :64], h[64:, :64].T)
+        return y, other
+
+    h200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((), (), abstract_device=h200)):
+        jax.jit(fn).trace(*arrays.values()).lower(lowering_platforms=("cuda",))
+    down_text = texts["grouped_down" if fast else "grouped_down_fp8_promote32"]
+    assert down_text.count("xf8E4M3FN> * tensor") == 1
+    assert down_text.count("maxNumImpreciseAcc = 1073741824") == (1 if fast else 0)
+    assert "xf8E4M3FN> * tensor" in texts["other"] and "maxNumImpreciseAcc" not in texts["other"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,3 +503,31 @@ def test_gpu_routed_experts_matches_reference(mode):
         assert np.mean(np.abs(got - want) > 2**-5 * np.abs(want).max()) < 1e-3
     else:
         np.testing.assert_allclose(got, want, atol=2**-5 * np.abs(want).max(), rtol=0)
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("mode", ["w8a8", "w8a16"])
+def test_gpu_gate_up_v4_flash_weights_past_2_31_elements(mode):
+    """The H200 fault (docs/KERNEL_NOTES.md, MoE, M6): the real V4-Flash fp8 gate_up [256, 4096, 4096] (2^32
+    elements), rows routed to experts on both sides of 128 (expert · 2^24 crosses 2^31 there). The reference runs on
+    the used experts' slices only, so it does not do the 256× dense work."""
+    experts, hidden, inter = 256, 4096, 2048
+    used = np.array([0, 127, 128, 200, 255])
+    sizes = np.zeros(experts, np.int32)
+    sizes[used] = [40, 17, 64, 33, 50]
+    rows = int(sizes.sum())
+    # fp8 bits with the exponent's top bit cleared: |w| < 2, never NaN; built on the device (4 GiB)
+    bits = jax.random.bits(jax.random.key(22), (experts, 2 * inter, hidden), jnp.uint8) & jnp.uint8(0xBF)
+    gate_up = jax.lax.bitcast_convert_type(bits, FP8)
+    del bits
+    scales = jax.random.uniform(jax.random.key(23), (experts, 2 * inter // 128, hidden // 128), F32, 0.005, 0.02)
+    x = make_weights(24, (rows, hidden), jnp.bfloat16, 1.0)
+    arrays = dict(x_sorted=x, group_sizes=jnp.asarray(sizes), gate_up=gate_up, gate_up_scales=scales)
+    if mode == "w8a8":
+        arrays["x_sorted"], arrays["x_scales"] = quantize_per_token_group(x)
+    got = np.asarray(grouped_gate_up(**arrays, limit=LIMIT), np.float32)
+    small = dict(arrays, group_sizes=jnp.asarray(sizes[used]), gate_up=gate_up[used], gate_up_scales=scales[used])
+    want = np.asarray(grouped_gate_up_reference(**small, limit=LIMIT), np.float32)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, atol=2**-6 * np.abs(want).max(), rtol=2**-6)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _AMAX_FLOOR = 1e-4  # as DeepSeek's act_quant: an all-zero group gets a finite scale
 _MIN_DOT_DIM = 16  # `tl.dot` needs every matmul dimension >= 16
 _ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16, F32)
+_I32_OFFSETS_MAX_ELEMENTS = 2**31  # i32 element offsets reach every element of an array at most this large
 
 
 def _is_power_of_2(n: int) -> bool:
@@ -81,8 +83,16 @@ class BlockSizes:
              block_m - 1 rows of one tile).
     block_n: output columns per tile, clamped to the output width N (N must then be a multiple). In
              `grouped_gate_up` a program computes block_n gate and block_n up columns (2 accumulators).
-    block_k: reduction step, clamped to the reduction width K (K must then be a multiple).
+    block_k: reduction step, clamped to the reduction width K (K must then be a multiple). None (the default):
+             64 for bf16 / f16 / f32 weights, 128 (= QUANT_BLOCK) for fp8 weights: one K step per weight-scale
+             block, so the f32 promotion of the fp8 partial product (scale, add) runs once per 128 of K, and an
+             fp8 K step moves the same bytes as a bf16 one at 64 (docs/KERNEL_NOTES.md, MoE, M7).
     num_warps, num_stages: Triton launch parameters (None: 4 warps for block_m · block_n <= 64 · 64, else 8).
+    fp8_fast_accum: W8A8 only. True: each fp8 × fp8 `tl.dot` (one K step) accumulates inside the tensor core and
+             the kernel promotes it to f32 once per step (scale, add), as DeepGEMM does per 128 of K and as Triton's
+             own `tl.dot` does by default on sm90 (max_num_imprecise_acc = 2^30). False: Pallas's default
+             (max_num_imprecise_acc = 0), which adds every 32-wide wgmma into an f32 partial sum in registers:
+             4 promotions per 128-wide K step instead of 1 (docs/KERNEL_NOTES.md, MoE, M8).
 
     All sizes are powers of two >= 16 (Triton tensor shapes, `tl.dot`). FP8 weights need block_n and block_k to
     divide 128, so one weight scale covers a whole tile column-block per K step. Defaults are picked for V4
@@ -91,13 +101,16 @@ class BlockSizes:
 
     block_m: int = 64
     block_n: int = 128
-    block_k: int = 64
+    block_k: int | None = None
     num_warps: int | None = None
     num_stages: int = 3
+    fp8_fast_accum: bool = True
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
+            if name == "block_k" and value is None:
+                continue
             if not _is_power_of_2(value) or value < _MIN_DOT_DIM:
                 raise ValueError(f"BlockSizes.{name}={value} must be a power of two >= {_MIN_DOT_DIM}")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
@@ -107,7 +120,8 @@ class BlockSizes:
 
     def tile(self, n: int, k: int, *, fp8: bool, what: str) -> tuple[int, int]:
         """→ (block_n, block_k) clamped to an output width n and reduction width k; ValueError if they misfit."""
-        block_n, block_k = min(self.block_n, n), min(self.block_k, k)
+        block_k = self.block_k or (QUANT_BLOCK if fp8 else 64)
+        block_n, block_k = min(self.block_n, n), min(block_k, k)
         fits = all(_is_power_of_2(b) and b >= _MIN_DOT_DIM for b in (block_n, block_k))
         if n % block_n or k % block_k or not fits:
             raise ValueError(f"{what}: output width {n} and reduction width {k} must be multiples of the tile "
@@ -385,6 +399,118 @@ def grouped_matmul_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
+# Triton lowering: 64-bit element offsets for every array of more than 2^31 elements.
+# ---------------------------------------------------------------------------------------------
+# NOTE (the W8A8 illegal address at V4-Flash shapes, docs/KERNEL_NOTES.md, MoE, M6): JAX 0.11's Pallas Triton
+# lowering (`_compute_offsets_from_indices`) computes a load's or store's *element* offsets in i32 unless the whole
+# array is more than 2^32 *bytes*. For 1-byte dtypes that leaves arrays of 2^31 < elements <= 2^32 on i32 offsets,
+# which wrap negative past element 2^31 (Triton's addptr sign-extends them), so the load reads below the array.
+# The fp8 gate_up of V4-Flash, [256, 2 · 2048, 4096] = 2^32 elements = 2^32 bytes, is exactly that: every expert
+# >= 128 faulted (expert · 2^24 >= 2^31), in W8A8 and W8A16 alike, while bf16 (2^33 bytes) got i64 offsets. fp8
+# activations hit it too: x_sorted [M, 4096] from about 87K tokens (top-6), fp8 h [M, 2048] from about 175K.
+# A Pallas ref index cannot carry the fix (`w_ref.at[expert]` and BlockSpec start indices are still offsets into
+# the full array, in the width the lowering picked), so this wraps the lowering's choice: an array of more than
+# 2^31 elements is presented to the size check with a 4-byte dtype (only its itemsize is read there), which makes
+# the lowering pick i64. Arrays of at most 2^31 elements are untouched, so every other kernel lowers as before.
+def _install_wide_offsets() -> bool:
+    """Makes the Pallas Triton lowering use i64 element offsets for arrays of > 2^31 elements. → installed?"""
+    try:
+        from jax._src.pallas.triton import lowering as triton_lowering
+    except ImportError:  # no Triton lowering in this jax: nothing to fix
+        return False
+    original = getattr(triton_lowering, "_compute_offsets_from_indices", None)
+    if original is None or not hasattr(triton_lowering, "BlockInfo"):
+        return False
+    if getattr(original, "_dsv4_wide_offsets", False):
+        return True
+
+    @functools.wraps(original)
+    def compute_offsets(block_info, nd_indexer):
+        full = block_info.full_shape_dtype
+        if math.prod(full.shape) > _I32_OFFSETS_MAX_ELEMENTS and jnp.dtype(full.dtype).itemsize < 4:
+            block_info = dataclasses.replace(block_info, full_shape_dtype=jax.core.ShapedArray(full.shape, F32))
+        return original(block_info, nd_indexer)
+
+    compute_offsets._dsv4_wide_offsets = True
+    triton_lowering._compute_offsets_from_indices = compute_offsets
+    return True
+
+
+_WIDE_OFFSETS = _install_wide_offsets()
+
+# NOTE (fp8 accumulation, docs/KERNEL_NOTES.md, MoE, M8): Pallas emits `tt.dot` without maxNumImpreciseAcc (0), so
+# Triton splits every fp8 dot on Hopper into 32-wide wgmmas, each added into an f32 partial sum in registers.
+# Triton's own `tl.dot` defaults to 2^30 on sm90 (no split). This kernel already promotes each K step itself (fresh
+# accumulator, block scales applied in f32), so the kernels named below get 2^30 on their fp8 × fp8 dots; other
+# Pallas kernels are left as lowered.
+_FP8_FAST_ACCUM_KERNELS = ("grouped_gate_up", "grouped_down")  # pallas_call names (`BlockSizes.fp8_fast_accum`)
+_NO_IMPRECISE_ACC_LIMIT = 2**30
+
+
+def _set_fp8_fast_accum(module) -> int:
+    """Sets maxNumImpreciseAcc = 2^30 on the fp8 × fp8 `tt.dot`s of a Triton module. → how many were set."""
+    from jax._src.lib.mlir import ir
+
+    count = 0
+
+    def visit(op):
+        nonlocal count
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "tt.dot":
+                        a_type = ir.RankedTensorType(inner.operation.operands[0].type)
+                        if "f8" in str(a_type.element_type).lower():
+                            inner.operation.attributes["maxNumImpreciseAcc"] = ir.IntegerAttr.get(
+                                ir.IntegerType.get_signless(32), _NO_IMPRECISE_ACC_LIMIT)  # fmt: skip
+                            count += 1
+                    visit(inner.operation)
+
+    with module.context:
+        visit(module.operation)
+    return count
+
+
+def _install_fp8_fast_accum() -> bool:
+    """Wraps the Pallas Triton module lowering to apply `_set_fp8_fast_accum` to this file's kernels. → installed?"""
+    try:
+        from jax._src.pallas.triton import lowering as triton_lowering
+    except ImportError:
+        return False
+    original = getattr(triton_lowering, "lower_jaxpr_to_triton_module", None)
+    if original is None:
+        return False
+    if getattr(original, "_dsv4_fp8_fast_accum", False):
+        return True
+
+    @functools.wraps(original)
+    def lower(*args, **kwargs):
+        result = original(*args, **kwargs)
+        name = str(result.module.operation.attributes["sym_name"]).strip('"')
+        if name in _FP8_FAST_ACCUM_KERNELS:
+            _set_fp8_fast_accum(result.module)
+        return result
+
+    lower._dsv4_fp8_fast_accum = True
+    triton_lowering.lower_jaxpr_to_triton_module = lower
+    return True
+
+
+_FP8_FAST_ACCUM = _install_fp8_fast_accum()
+
+
+def _check_offsets_fit(name, arrays, interpret):
+    """Refuses, instead of faulting on the GPU, arrays past i32 offsets if the lowering fix could not be installed."""
+    if interpret or _WIDE_OFFSETS:
+        return
+    for a in arrays:
+        if a is not None and math.prod(a.shape) > _I32_OFFSETS_MAX_ELEMENTS and jnp.dtype(a.dtype).itemsize < 4:
+            raise ValueError(f"{name}: a {a.dtype} {a.shape} operand has more than 2^31 elements, which this jax's "
+                             f"Pallas Triton lowering addresses with wrapping i32 offsets (docs/KERNEL_NOTES.md, MoE, "
+                             f"M6), and the dsv4 fix for it could not be installed")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
 # Public entries.
 # ---------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("num_rows", "block_m"))
@@ -434,6 +560,7 @@ def _grouped_matmul(x, weight, group_sizes, *, x_scales, weight_scales, row_weig
         return None if a is None else pl.BlockSpec(a.shape, lambda p, nd=a.ndim: (0,) * nd)
 
     args = (tiles, x, x_scales_t, weight, weight_scales, row_weights, out_init)
+    _check_offsets_fit(name, (*args, jax.ShapeDtypeStruct((m, n_out), out_dtype)), interpret)
     kernel = functools.partial(
         grouped_matmul_kernel, num_experts=e, num_col_tiles=num_col_tiles, block_m=block_m, block_n=block_n,
         block_k=block_k, swiglu_limit=None if swiglu_limit is None else float(swiglu_limit),
@@ -448,7 +575,7 @@ def _grouped_matmul(x, weight, group_sizes, *, x_scales, weight_scales, row_weig
         input_output_aliases={} if out_init is None else {sum(a is not None for a in args) - 1: 0},
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.warps(), num_stages=block_sizes.num_stages),
         interpret=interpret,
-        name=name,
+        name=name if block_sizes.fp8_fast_accum else f"{name}_fp8_promote32",  # see _FP8_FAST_ACCUM_KERNELS
     )(*args)
 
 
