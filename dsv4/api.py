@@ -22,7 +22,7 @@ def _build(config: Config, *, dtype, attention_impl: str, moe_impl: str, rngs, i
                       indexer_impl=indexer_impl)
 
 
-def init_random(config: Config | str, seed: int = 0, *, dtype=jnp.float32, attention_impl: str = "jnp",
+def init_random(config: Config | str, seed: int = 0, *, dtype=jnp.float32, attention_impl: str = "auto",
                 moe_impl: str = "jnp", indexer_impl: str = "jnp") -> DeepseekV4:  # fmt: skip
     """A model with random weights (normal, std 0.02; norms 1; biases 0) — for tests and benchmarks.
 
@@ -41,7 +41,7 @@ def init_random(config: Config | str, seed: int = 0, *, dtype=jnp.float32, atten
     return model
 
 
-def load(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, attention_impl: str = "jnp", moe_impl: str = "jnp",
+def load(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, attention_impl: str = "auto", moe_impl: str = "jnp",
          indexer_impl: str = "jnp", mesh=None, shardings=None, keep_quantized: bool = False,
          progress: bool | None = None) -> DeepseekV4:  # fmt: skip
     """Loads a checkpoint directory: config.json + safetensors (either tensor layout, plain or FP8/FP4

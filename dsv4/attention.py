@@ -5,8 +5,11 @@ tokens; HCA layers add every causally complete entry of a 128:1 compressor, CSA 
 `index_topk` entries of a 4:1 overlapping compressor that a lightning indexer picks per query.
 
 The core (softmax over window + compressed keys + sink) sits behind one function boundary with
-interchangeable implementations (`ATTENTION_IMPLS`): "jnp" (`core_attention_jnp`, XLA) and "pallas"
-(`core_attention_pallas`, the kernel in `dsv4/pallas/attention.py`); a model picks one by name.
+interchangeable implementations (`ATTENTION_IMPLS`): "jnp" (`core_attention_jnp`, XLA), "pallas"
+(`core_attention_pallas`: the Mosaic GPU kernel `dsv4/pallas/attention_mgpu.py` for window / HCA prefill on
+Hopper, else the Triton-lowered one in `dsv4/pallas/attention.py`), "sp" (sequence parallel over a mesh,
+`dsv4/sharding/context_parallel.py`) and "auto" (the default: Pallas for the prefill on a GPU, jnp elsewhere);
+a model picks one by name.
 """
 
 from __future__ import annotations
@@ -127,7 +130,15 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
     """The blocked online-softmax Pallas kernel (`dsv4/pallas/attention.py`); interpreted off-GPU."""
     from dsv4.pallas.attention import v4_attention
 
-    del kv_aligned, query_chunk  # the kernel finds each query block's window band itself
+    del query_chunk  # the kernels find each query block's window band themselves
+    if _mosaic_applies(q, kv, compressed, kv_aligned):
+        from dsv4.pallas.attention_mgpu import v4_attention_mgpu
+
+        # Hopper fast path (window and HCA, the full-sequence prefill). It checks at run time that positions are
+        # contiguous and takes the Triton kernel otherwise.
+        extra = {} if compressed is None else dict(compressed=compressed.entries, compress_rate=compressed.rate)
+        return v4_attention_mgpu(q, kv[:, : q.shape[1]], q_pos, sinks.astype(F32), sliding_window=sliding_window,
+                                 scale=scale, **extra)  # fmt: skip
     extra = {}
     if compressed is not None:
         extra = dict(compressed=compressed.entries, compress_rate=compressed.rate, topk_indices=compressed.topk_indices)
@@ -135,8 +146,38 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
                         interpret=jax.default_backend() != "gpu", **extra)  # fmt: skip
 
 
+def _mosaic_applies(q, kv, compressed, kv_aligned) -> bool:
+    """Whether the Mosaic GPU kernel (dsv4/pallas/attention_mgpu.py) takes this call: on Hopper-class GPUs, for
+    the kv-aligned prefill of window and HCA layers in bf16/f16 with 64-head groups and D in 128..512."""
+    if jax.default_backend() != "gpu" or not kv_aligned or (compressed is not None and compressed.topk_indices is not None):
+        return False
+    if "H100" not in jax.devices()[0].device_kind and "H200" not in jax.devices()[0].device_kind:
+        return False
+    d = q.shape[-1]
+    same = kv.dtype == q.dtype and (compressed is None or compressed.entries.dtype == q.dtype)
+    return q.dtype in (jnp.bfloat16, jnp.float16) and same and q.shape[2] % 64 == 0 and d % 128 == 0 and d <= 512
+
+
+def core_attention_sp(*args, **kwargs) -> jax.Array:
+    """Sequence-parallel core over the active mesh's "sp" axis: halo exchange and ring-passed compressed entries
+    (dsv4/sharding/context_parallel.py); the jnp core when no such mesh is active or outside the full prefill."""
+    from dsv4.sharding.context_parallel import core_attention_sp as sp_core
+
+    return sp_core(*args, **kwargs)
+
+
+def core_attention_auto(q, kv, q_pos, kv_pos, sinks, *, kv_aligned: bool = False, **kwargs) -> jax.Array:
+    """The default: the Pallas kernels for the full-sequence prefill on a GPU (the Mosaic kernel for window / HCA
+    layers on Hopper, 1.5-1.9x the Triton one, which takes CSA; both beat XLA, docs/BENCHMARKS.md), and the jnp
+    core everywhere else (CPU, cached chunks and decode)."""
+    fast = jax.default_backend() == "gpu" and kv_aligned
+    impl = core_attention_pallas if fast else core_attention_jnp
+    return impl(q, kv, q_pos, kv_pos, sinks, kv_aligned=kv_aligned, **kwargs)
+
+
 AttentionFn = Callable[..., jax.Array]
-ATTENTION_IMPLS: dict[str, AttentionFn] = {"jnp": core_attention_jnp, "pallas": core_attention_pallas}
+ATTENTION_IMPLS: dict[str, AttentionFn] = {"auto": core_attention_auto, "jnp": core_attention_jnp,
+                                           "pallas": core_attention_pallas, "sp": core_attention_sp}  # fmt: skip
 
 
 def register_attention_impl(name: str, fn: AttentionFn) -> None:
@@ -368,7 +409,7 @@ def index_topk_jnp(q, keys, weights, positions, *, rate: int, k: int, softmax_sc
 class Attention(nnx.Module):
     """q LoRA → per-head unweighted RMSNorm → RoPE; one shared K=V head; sinks; grouped output projection."""
 
-    def __init__(self, config: Config, layer_type: str, *, rngs: nnx.Rngs, dtype, attention_impl: str = "jnp",
+    def __init__(self, config: Config, layer_type: str, *, rngs: nnx.Rngs, dtype, attention_impl: str = "auto",
                  indexer_impl: str = "jnp"):  # fmt: skip
         d, h, hd = config.hidden_size, config.num_attention_heads, config.head_dim
         g, r = config.o_groups, config.o_lora_rank

@@ -176,7 +176,7 @@ class LLM:
         num_kv_pages: int | None = None,
         tokenizer: TextTokenizer | None = None,
         chat_template: bool = True,
-        attention_impl: str = "jnp",
+        attention_impl: str = "auto",
         moe_impl: str = "jnp",
     ) -> None:
         self.model, model_dir = _resolve_model(model, dtype=dtype, seed=seed, attention_impl=attention_impl,

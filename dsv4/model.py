@@ -60,7 +60,7 @@ class DeepseekV4(nnx.Module):
     """DeepSeek-V4 causal LM. `dtype` is the weights' and activations' dtype; norms, sinks, biases and
     hyper-connection weights stay float32 as in the reference."""
 
-    def __init__(self, config: Config, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, attention_impl: str = "jnp",
+    def __init__(self, config: Config, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, attention_impl: str = "auto",
                  moe_impl: str = "jnp", indexer_impl: str = "jnp"):  # fmt: skip
         d, v = config.hidden_size, config.vocab_size
         self.config = config

@@ -1,0 +1,557 @@
+"""DeepSeek-V4 prefill attention core as a Mosaic GPU (Hopper) Pallas kernel: wgmma, TMA, optional warp specialization.
+
+Same semantics as `dsv4.pallas.attention.v4_attention` (see its docstring and docs/KERNEL_NOTES.md §1) for the two
+dense modes: the causal sliding window, optionally plus HCA compressed entries (entry c visible iff
+c < (p + 1) // compress_rate), with a per-head sink logit. CSA (top-k gathers) and FP8 stay on the Triton kernel.
+
+Restriction (the prefill hot path, "kv aligned"): the kv cache IS the query sequence, kv_pos == q_pos, and each batch
+row's positions are contiguous: q_pos[b, s] == q_pos[b, 0] + s with q_pos[b, 0] >= 0. Then the window of token s is
+exactly kv rows max(0, s - W + 1) .. s, found by index alone. `v4_attention_mgpu` checks this at run time and falls
+back to the Triton kernel (`lax.cond`) when it does not hold (or statically when `kv_pos` is passed).
+
+Design (docs/KERNEL_NOTES.md §2, "option B"):
+- One CTA = one token × 64 heads (M = 64), grid (S, B · H // 64), tokens fastest so neighbouring tokens, which
+  share most of their KV tiles, run at the same time (L2 reuse). Past 65535 tokens (CUDA's grid limit) S is folded
+  into (32768, S / 32768) and q padded.
+- Two consumer warpgroups split the head dim D: warpgroup w owns channels [w·D/2, (w+1)·D/2). Its Q half and the
+  matching half of every KV tile live in their own SMEM buffers (TMA loads the halves separately), so each
+  warpgroup touches only its half:
+    S_w = Q_w · K_wᵀ                    wgmma m64 n=block_kv k=D/2 (K-major B: the KV tile transposed)
+    S   = S_w + S_{1-w}                 partial logits exchanged through SMEM (f32, one [64, block_kv] per wg),
+                                        two mbarriers per step ("written", "read"); both wgs then run the same
+                                        online softmax redundantly (bit-identical: f32 addition commutes)
+    O_w = O_w·α + P · V_w               wgmma m64 n=D/2 k=block_kv, P (bf16) from registers, V_w = the same
+                                        SMEM tile as K_w (K = V: one TMA serves both matmuls)
+  O_w is [64, 256] f32 = 128 registers per thread.
+- Step stream per CTA: first the HCA tiles 0 .. ceil(n_c / block_kv) - 1 (n_c = visible entries of this token),
+  then the window tiles: they start at row r0 = max(0, s - W + 1) rounded down to a multiple of 8 and cover
+  [r0, s] (ceil(W / block_kv) tiles when r0 is 8-aligned, usually one more). NOTE: a TMA row start must be a
+  multiple of 8: Mosaic tiles the GMEM view (T/8, D/64, 8, 64) and turns a row start r into the coordinates
+  (r // 8, r % 8), so an unaligned box silently reads the rest of one 8-row tile then OOB zeros (the first H200
+  run: every token with (s - W + 1) % 8 != 0 was wrong; the CPU interpreter slices exactly and cannot see it).
+  Every step masks by column index against [lo, hi) bounds picked per step type, so a single loop body handles
+  both.
+- Softmax in the log2 domain, state starting at the sink (m = sink·log2e, l = 1, acc = 0), as the Triton kernel.
+- Two variants (`MgpuConfig.variant`):
+    "ws":       3 warpgroups; warpgroup 2 is the TMA producer (setmaxnreg 40), consumers get 232 registers.
+                Each half-tile slot has its own full/consumed barrier pair, so the producer refills half w as soon
+                as warpgroup w released it.
+    "prefetch": 2 warpgroups, no producer; each consumer issues the TMA for its own half `num_slots` steps ahead
+                right after its P·V on that slot has completed (no consumed barriers are needed since the loader is
+                the only reader). Simpler, no register rebalancing (each thread may use up to 255 registers).
+- Epilogue: O_w / l → bf16 into the Q_w buffer (Q is dead by then) → TMA store.
+
+SMEM at the defaults (D = 512, block_kv = 64, 2 slots): Q 64 KiB + KV 2 × 64 KiB + exchange 2 × 16 KiB + sinks
+= 224.3 KiB (+ 2 KiB Pallas reduction scratch), just under the 227 KiB per-block limit. One CTA per SM (registers
+cap it anyway), so a CTA's Q load and O store are not overlapped with another CTA's matmuls: expect the window-only
+mode (2 steps per CTA) to be latency-bound; a persistent, multi-token CTA is the next step if it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["MgpuConfig", "v4_attention_mgpu", "v4_attention_mgpu_kernel_call", "positions_are_aligned", "window_tiles"]
+
+F32 = jnp.float32
+LOG2E = math.log2(math.e)
+_M_FLOOR = -1e30  # same floor as the Triton kernel: keeps exp2 arguments finite for a -inf sink
+_GRID_DIM_MAX = 65535  # CUDA's limit on grid dims y and z
+_TOKEN_BLOCK = 32768  # tokens per grid row when the prompt is longer than that
+HEADS_PER_CTA = 64  # M of every wgmma (one token × 64 heads)
+_SMEM_LIMIT = 227 * 1024
+_VARIANTS = ("ws", "prefetch")
+_ROW_TILE = 8  # rows of the (8, 64) SMEM tile; TMA row starts in a tiled GMEM view must be multiples of it
+_PV_FORMS = ("run_state", "store", "p_smem", "interpret")
+_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump")
+_SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """Tunables of `v4_attention_mgpu`.
+
+    block_kv:   KV rows per step (both window and HCA tiles); a multiple of 64 in [64, 256] (32 allowed for the
+                interpreter form). With D = 512 only 64 fits in SMEM (128 needs 256 KiB with its exchange buffers).
+    num_slots:  KV tiles in flight (SMEM ring depth), >= 1.
+    variant:    "ws" (producer warpgroup + 2 consumers) or "prefetch" (2 consumers that prefetch their own halves).
+    approx_math: Mosaic `approx_math` (fast exp2 / reciprocal).
+    """
+
+    block_kv: int = 64
+    num_slots: int = 2
+    variant: str = "ws"
+    approx_math: bool = True
+    # NOTE: Pallas reserves 2 KiB of SMEM for cross-warp reductions by default; the row max / sum of a WGMMA-layout
+    # tile reduce within a warp, and the default configuration is 104 bytes over the limit with that reserve.
+    reduction_scratch_bytes: int = 0
+    # NOTE: "lane": the Warpgroup semantics' layout inference rejects TMA copies whose GMEM row start is a dynamic
+    # value not provably a multiple of the 8-row SMEM tile (the window tiles start at token - W + 1).
+    semantics: str = "lane"
+    # How P·V accumulates into O: "run_state" (in place, as the bundled FA3 kernel; the GPU default), "store"
+    # (accumulator store + wgmma), "p_smem" (P through SMEM as the wgmma A operand, in place accumulate; +16 KiB
+    # SMEM), "interpret" (P via SMEM, zero accumulator + add: doubles O's registers, so only for the CPU interpreter,
+    # which cannot run the others: "Cannot lower jaxpr with effects" / accumulator store).
+    pv_form: str = "run_state"
+    # Debug switches (scripts/debug_attention_mgpu.py), a tuple of:
+    #   "unaligned_window": the original window tiling (tiles start at row tok - W + 1: wrong on the GPU, see body);
+    #   "no_exchange": each consumer computes the full S = Q·Kᵀ from both halves (no SMEM exchange; "ws" only);
+    #   "plain_exchange": the exchange buffer without tiling/swizzle transforms;
+    #   "dump": a second output [B, S, 2 (wg), 2 (S unscaled, P f32), H, block_kv] f32 with the last step's tiles
+    #           (call v4_attention_mgpu_kernel_call directly; +32 KiB SMEM at block_kv 64).
+    debug: tuple = ()
+
+    def __post_init__(self):
+        # NOTE: P·V reduces over block_kv; a bf16 wgmma K must be a multiple of 64 (found by lowering, block_kv=32
+        # fails "K must be a multiple of 64"). The interpreter form has no such limit (used at 32 in the CPU test).
+        step = 32 if self.pv_form == "interpret" else 64
+        if self.block_kv % step or not step <= self.block_kv <= 256:
+            raise ValueError(f"MgpuConfig.block_kv={self.block_kv} must be a multiple of {step} in [{step}, 256]")
+        if self.num_slots < 1:
+            raise ValueError(f"MgpuConfig.num_slots={self.num_slots} must be >= 1")
+        if self.semantics not in _SEMANTICS:
+            raise ValueError(f"MgpuConfig.semantics={self.semantics!r} must be one of {tuple(_SEMANTICS)}")
+        if self.pv_form not in _PV_FORMS:
+            raise ValueError(f"MgpuConfig.pv_form={self.pv_form!r} must be one of {_PV_FORMS}")
+        if not isinstance(self.debug, tuple) or any(f not in _DEBUG_FLAGS for f in self.debug):
+            raise ValueError(f"MgpuConfig.debug={self.debug!r} must be a tuple of flags from {_DEBUG_FLAGS}")
+        if "no_exchange" in self.debug and self.variant != "ws":
+            raise ValueError("MgpuConfig.debug 'no_exchange' needs variant='ws' (consumed barriers guard both halves)")
+        if self.variant not in _VARIANTS:
+            raise ValueError(f"MgpuConfig.variant={self.variant!r} must be one of {_VARIANTS}")
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        q = HEADS_PER_CTA * head_dim * itemsize
+        kv = self.num_slots * self.block_kv * head_dim * itemsize
+        exchange = 2 * HEADS_PER_CTA * self.block_kv * 4
+        p = 2 * HEADS_PER_CTA * self.block_kv * itemsize if self.pv_form in ("p_smem", "interpret") else 0
+        dump = 4 * HEADS_PER_CTA * self.block_kv * 4 if "dump" in self.debug else 0
+        return q + kv + exchange + HEADS_PER_CTA * 4 + p + dump
+
+
+def _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config: MgpuConfig):
+    if q.ndim != 4 or kv.ndim != 3:
+        raise ValueError(f"expected q [B, S, H, D] and kv [B, T, D], got q.shape={q.shape}, kv.shape={kv.shape}")
+    b, s, h, d = q.shape
+    if kv.shape[0] != b or kv.shape[2] != d or kv.shape[1] < s:
+        raise ValueError(f"kv.shape={kv.shape} must be (B, T >= S, D) = ({b}, >= {s}, {d}) (kv aligned with q)")
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"q.dtype={q.dtype} must be bfloat16 or float16 (wgmma operands)")
+    if kv.dtype != q.dtype:
+        raise ValueError(f"kv.dtype={kv.dtype} must equal q.dtype={q.dtype} (FP8 KV: use the Triton kernel)")
+    if d % 128 or not 128 <= d <= 512:
+        raise ValueError(f"head dim D={d} must be 128, 256, 384 or 512 (two warpgroups × D/2 channels, "
+                         f"D/2 a multiple of 64 and <= 256 for the P·V wgmma)")  # fmt: skip
+    if h % HEADS_PER_CTA:
+        raise ValueError(f"num heads H={h} must be a multiple of {HEADS_PER_CTA} (one CTA = 1 token × 64 heads)")
+    if q_pos.shape != (b, s) or q_pos.dtype != jnp.int32:
+        raise ValueError(f"q_pos must be int32 [B, S] = ({b}, {s}), got {q_pos.dtype} {q_pos.shape}")
+    if sinks.shape != (h,) or sinks.dtype != F32:
+        raise ValueError(f"sinks must be float32 [H] = ({h},), got {sinks.dtype} {sinks.shape}")
+    if not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int")
+    if compressed is not None:
+        if compressed.ndim != 3 or compressed.shape[0] != b or compressed.shape[2] != d or compressed.shape[1] < 1:
+            raise ValueError(f"compressed.shape={compressed.shape} must be (B, C >= 1, D) = ({b}, C, {d})")
+        if compressed.dtype != q.dtype:
+            raise ValueError(f"compressed.dtype={compressed.dtype} must equal q.dtype={q.dtype}")
+        if not isinstance(compress_rate, int) or compress_rate < 1:
+            raise ValueError(f"HCA mode needs compress_rate >= 1, got {compress_rate!r}")
+    elif compress_rate is not None:
+        raise ValueError("compress_rate given without compressed")
+    if config.smem_bytes(d) > _SMEM_LIMIT:
+        raise ValueError(f"{config} needs {config.smem_bytes(d)} B of shared memory at D={d}; limit {_SMEM_LIMIT}")
+
+
+def positions_are_aligned(q_pos: jax.Array) -> jax.Array:
+    """→ bool scalar: every batch row's positions are q_pos[b, 0] + arange(S) with q_pos[b, 0] >= 0."""
+    s = q_pos.shape[1]
+    expected = q_pos[:, :1] + jnp.arange(s, dtype=jnp.int32)[None, :]
+    return jnp.all(q_pos == expected) & jnp.all(q_pos[:, 0] >= 0)
+
+
+def _pad_rows_to(x, rows):
+    """x [B, N, D] → [B, round_up(max(N, rows), 8), D] (zero rows appended): the TMA's GMEM view tiles the row
+    dimension by 8 ("dimension 1 must have size smaller or a multiple of its tiling 8")."""
+    n = _round_up(max(x.shape[1], rows), _ROW_TILE)
+    if n == x.shape[1]:
+        return x
+    return jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0)))
+
+
+def _round_up(x, m):
+    return (x + m - 1) // m * m
+
+
+def window_tiles(tok, sliding_window: int, block_kv: int, *, aligned: bool = True):
+    """→ (first row, number of tiles) of token `tok`'s window tiles (int32 scalars or arrays).
+
+    The window is kv rows [max(0, tok - W + 1), tok]. NOTE: a TMA row start must be a multiple of 8: the GMEM view is
+    tiled (T/8, D/64, 8, 64) and Mosaic turns a dynamic row start r into the coordinates (r // 8, r % 8), so a box
+    that starts inside an 8-row tile reads the rest of that tile then OOB zeros (the first H200 run: every token
+    with (tok - W + 1) % 8 != 0 was wrong). So the tiles start at the window's first row rounded down to a multiple
+    of 8 and cover [start, tok]. aligned=False: the original form (start at the first row, ceil(W / block_kv) tiles),
+    kept as a debug switch.
+    """
+    tok = jnp.asarray(tok, jnp.int32)
+    win_lo = jnp.maximum(tok - (sliding_window - 1), 0)
+    if not aligned:
+        return win_lo, tok * 0 + pl.cdiv(sliding_window, block_kv)
+    start = win_lo - lax.rem(win_lo, jnp.int32(_ROW_TILE))
+    return start, lax.div(tok - start, jnp.int32(block_kv)) + 1
+
+
+def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_window, scale, compressed,
+                                  config: MgpuConfig, interpret=None):  # fmt: skip
+    """The raw pallas call (no position checks). q [B,S,H,D]; kv [B,T>=S,D] (row j = position q_pos[b,0] + j);
+    n_visible [B,S] int32 visible HCA entries per token (ignored without compressed); sinks_log2 [H] f32 = sinks·log2e;
+    compressed [B,C,D] or None. → [B,S,H,D] (with config.debug "dump": (out, dbg [B,S,2,2,H,block_kv] f32), see
+    MgpuConfig.debug)."""
+    b, s_real, h, d = q.shape
+    # NOTE: CUDA grid dims y and z stop at 65535, and a long prompt has more tokens than that: the token axis is
+    # folded into (s_inner, s_outer) and q padded to whole inner blocks; padded tokens' outputs are cut off.
+    s_inner = s_real if s_real <= _GRID_DIM_MAX else _TOKEN_BLOCK
+    s_outer = pl.cdiv(s_real, s_inner)
+    s = s_inner * s_outer
+    if s != s_real:
+        q = jnp.pad(q, [(0, 0), (0, s - s_real), (0, 0), (0, 0)])
+        n_visible = jnp.pad(n_visible, [(0, 0), (0, s - s_real)], mode="edge")
+    hg = h // HEADS_PER_CTA
+    dtype = q.dtype
+    dh = d // 2
+    bk, slots = config.block_kv, config.num_slots
+    dbg = frozenset(config.debug)
+    unaligned = "unaligned_window" in dbg
+    no_exchange = "no_exchange" in dbg
+    plain_exchange = "plain_exchange" in dbg
+    dump = "dump" in dbg
+    n_win_max = pl.cdiv(sliding_window, bk) if unaligned else pl.cdiv(sliding_window + _ROW_TILE - 1, bk)
+    hca = compressed is not None
+    # TMA boxes past the last row are zero-filled on the GPU (and masked anyway); only the 8-row tiling of the GMEM
+    # view (and one whole tile) is needed. The CPU interpreter slices like lax.dynamic_slice (clamping), so there
+    # every box must stay in bounds: window tiles reach row tok + block_kv - 1 (+ W in the unaligned debug form).
+    kv_rows = s + (n_win_max + 1) * bk if interpret is not None else bk
+    kv = _pad_rows_to(kv, kv_rows)
+    if hca:
+        c = compressed.shape[1]
+        compressed = _pad_rows_to(compressed, pl.cdiv(c, bk) * bk)
+    ws = config.variant == "ws"
+    logit_scale = float(scale) * LOG2E
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    p_via_smem = config.pv_form in ("interpret", "p_smem")
+
+    def body(q_ref, kv_ref, comp_ref, nvis_ref, sinks_ref, o_ref, dbg_ref, q_smem, kv_smem, x_smem, sink_smem,
+             q_bar, sink_bar, kv_bar, consumed_bar, x_written, x_read, p_smem, dump_smem):  # fmt: skip
+        tok = lax.axis_index("so") * s_inner + lax.axis_index("s")
+        bi = lax.div(lax.axis_index("bh"), jnp.int32(hg))
+        h0 = lax.rem(lax.axis_index("bh"), jnp.int32(hg)) * HEADS_PER_CTA
+        wg = lax.axis_index("wg")
+        n_vis = nvis_ref[bi, tok] if hca else jnp.int32(0)
+        n_hca_tiles = lax.div(n_vis + (bk - 1), jnp.int32(bk))
+        win_start, n_win = window_tiles(tok, sliding_window, bk, aligned=not unaligned)
+        n_steps = n_hca_tiles + n_win
+
+        def issue(step, half):
+            """TMA of step `step`'s tile half `half` into its ring slot."""
+            slot = lax.rem(step, jnp.int32(slots))
+            dst = kv_smem.at[slot * 2 + half]
+            bar = kv_bar.at[slot * 2 + half]
+            cols = pl.ds(half * dh, dh)
+            if hca:
+                @pl.when(step < n_hca_tiles)
+                def _():
+                    plgpu.copy_gmem_to_smem(comp_ref.at[bi, pl.ds(step * bk, bk), cols], dst, bar)
+
+                @pl.when(step >= n_hca_tiles)
+                def _():
+                    start = win_start + (step - n_hca_tiles) * bk
+                    plgpu.copy_gmem_to_smem(kv_ref.at[bi, pl.ds(start, bk), cols], dst, bar)
+            else:
+                plgpu.copy_gmem_to_smem(kv_ref.at[bi, pl.ds(win_start + step * bk, bk), cols], dst, bar)
+
+        def consumer(w):
+            if ws:
+                plgpu.set_max_registers(232, action="increase")
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, tok, pl.ds(h0, HEADS_PER_CTA), pl.ds(w * dh, dh)], q_smem.at[w],
+                                    q_bar.at[w])  # fmt: skip
+
+            @pl.when(w == 0)
+            def _():
+                plgpu.copy_gmem_to_smem(sinks_ref.at[pl.ds(h0, HEADS_PER_CTA)], sink_smem, sink_bar.at[0])
+
+            if not ws:
+                for i in range(slots):
+                    @pl.when(i < n_steps)
+                    def _():
+                        issue(jnp.int32(i), w)
+
+            plgpu.barrier_wait(sink_bar.at[0])
+            sink = plgpu.load(sink_smem, layout=row_layout)  # [64] log2 domain
+            m_i = jnp.maximum(sink, _M_FLOOR)
+            l_i = jnp.exp2(sink - m_i)
+            acc = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, dh), F32), wgmma_layout)
+            plgpu.barrier_wait(q_bar.at[w])
+            if no_exchange:
+                plgpu.barrier_wait(q_bar.at[1 - w])
+
+            def step_fn(i, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(i, jnp.int32(slots))
+                kv_half = kv_smem.at[slot * 2 + w]
+                plgpu.barrier_wait(kv_bar.at[slot * 2 + w])
+
+                if no_exchange:  # debug: S from both halves in this warpgroup, no SMEM exchange
+                    plgpu.barrier_wait(kv_bar.at[slot * 2 + 1 - w])
+
+                    def qk_full(acc_ref):
+                        plgpu.wgmma(acc_ref, q_smem.at[0], kv_smem.at[slot * 2].transpose((1, 0)))
+                        plgpu.wgmma(acc_ref, q_smem.at[1], kv_smem.at[slot * 2 + 1].transpose((1, 0)))
+                        return acc_ref[...]
+
+                    s_full = pl.run_scoped(qk_full, plgpu.ACC((HEADS_PER_CTA, bk), F32))
+                else:
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_smem.at[w], kv_half.transpose((1, 0)))
+                        return acc_ref[...]
+
+                    s_part = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, bk), F32))  # [64, bk]
+
+                    # Exchange the partial logits with the other warpgroup.
+                    @pl.when(i > 0)
+                    def _():
+                        plgpu.barrier_wait(x_read)  # the other wg has read our previous partial
+
+                    x_smem[w] = s_part
+                    plgpu.barrier_arrive(x_written)
+                    plgpu.barrier_wait(x_written)
+                    other = plgpu.load(x_smem.at[1 - w], layout=wgmma_layout, optimized=not plain_exchange)
+                    s_full = s_part + other
+                    plgpu.barrier_arrive(x_read)
+
+                # Column mask: HCA steps see entries [0, n_vis); window steps rows [tok - W + 1, tok].
+                is_hca = i < n_hca_tiles
+                base = jnp.where(is_hca, i * bk, win_start + (i - n_hca_tiles) * bk)
+                lo = jnp.where(is_hca, 0, tok - (sliding_window - 1))
+                hi = jnp.where(is_hca, n_vis, tok + 1)
+                col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
+                logits = jnp.where((col >= lo) & (col < hi), s_full * logit_scale, -jnp.inf)
+
+                m_new = jnp.maximum(m_i, logits.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+                l_new = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dtype)
+
+                if dump:  # debug: the last step's S (unscaled, both halves summed) and P (f32) of this warpgroup
+                    @pl.when(i == n_steps - 1)
+                    def _():
+                        dump_smem[w, 0] = s_full
+                        dump_smem[w, 1] = p
+                        plgpu.commit_smem()
+                        for k in range(2):
+                            plgpu.copy_smem_to_gmem(dump_smem.at[w, k],
+                                                    dbg_ref.at[bi, tok, w, k, pl.ds(h0, HEADS_PER_CTA)])  # fmt: skip
+
+                if config.pv_form == "run_state":  # accumulate into acc in place (the bundled FA3 form)
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, kv_half)
+
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                elif config.pv_form == "store":
+                    def pv(acc_ref):
+                        acc_ref[...] = acc
+                        plgpu.wgmma(acc_ref, p16, kv_half)
+                        return acc_ref[...]
+
+                    acc = pl.run_scoped(pv, plgpu.ACC((HEADS_PER_CTA, dh), F32))
+                elif config.pv_form == "p_smem":  # P through SMEM (A operand from SMEM), in-place accumulate
+                    p_smem[w] = p16
+                    plgpu.commit_smem()
+
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem.at[w], kv_half)
+
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                else:  # "interpret": P through SMEM, zero accumulator + add (the CPU interpreter's wgmma needs
+                    # SMEM operands and a fresh accumulator; twice O's registers, so not a GPU configuration)
+                    p_smem[w] = p16
+                    plgpu.commit_smem()
+
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem.at[w], kv_half)
+                        return acc_ref[...]
+
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((HEADS_PER_CTA, dh), F32))
+                if ws:
+                    plgpu.barrier_arrive(consumed_bar.at[slot * 2 + w])
+                    if no_exchange:
+                        plgpu.barrier_arrive(consumed_bar.at[slot * 2 + 1 - w])
+                else:
+                    @pl.when(i + slots < n_steps)
+                    def _():
+                        issue(i + slots, w)
+                return acc, m_new, l_new
+
+            acc, m_i, l_i = lax.fori_loop(0, n_steps, step_fn, (acc, m_i, l_i))
+            if no_exchange:  # the other warpgroup may still read our Q half: rendezvous before overwriting it
+                plgpu.barrier_arrive(x_written)
+                plgpu.barrier_wait(x_written)
+            else:
+                plgpu.barrier_wait(x_read)  # observe the last exchange phase (barrier discipline; nearly free)
+            inv = jnp.where(l_i > 0, 1.0 / l_i, 0.0)
+            out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+            q_smem[w] = out.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[w], o_ref.at[bi, tok, pl.ds(h0, HEADS_PER_CTA), pl.ds(w * dh, dh)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 0)
+        def _():
+            consumer(0)
+
+        @pl.when(wg == 1)
+        def _():
+            consumer(1)
+
+        if ws:
+            @pl.when(wg == 2)
+            def _():
+                plgpu.set_max_registers(40, action="decrease")
+
+                @pl.loop(0, n_steps)
+                def _(i):
+                    slot = lax.rem(i, jnp.int32(slots))
+                    for half in range(2):
+                        @pl.when(i >= slots)
+                        def _():
+                            plgpu.barrier_wait(consumed_bar.at[slot * 2 + half])
+
+                        issue(i, half)
+
+                # Drain: observe the consumers' last releases, so every barrier phase is waited on.
+                @pl.loop(jnp.maximum(n_steps - slots, 0), n_steps)
+                def _(i):
+                    slot = lax.rem(i, jnp.int32(slots))
+                    for half in range(2):
+                        plgpu.barrier_wait(consumed_bar.at[slot * 2 + half])
+
+    def tiled(minor, itemsize=jnp.dtype(dtype).itemsize):
+        return plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(minor * itemsize)
+
+    elems_128b = 128 // jnp.dtype(dtype).itemsize
+    scratch = [
+        plgpu.SMEM((2, HEADS_PER_CTA, dh), dtype, transforms=tiled(elems_128b)),  # Q halves, then O halves
+        plgpu.SMEM((slots * 2, bk, dh), dtype, transforms=tiled(elems_128b)),  # KV ring: [slot · 2 + half]
+        # partial-logit exchange
+        plgpu.SMEM((2, HEADS_PER_CTA, bk), F32, transforms=() if plain_exchange else tiled(32, 4)),
+        plgpu.SMEM((HEADS_PER_CTA,), F32),  # sinks (log2 domain)
+        plgpu.Barrier(num_barriers=2),  # q halves
+        plgpu.Barrier(num_barriers=1),  # sinks
+        plgpu.Barrier(num_barriers=2 * slots),  # kv halves full
+        # kv halves consumed (ws only; both consumers read both halves in the no_exchange debug form)
+        plgpu.Barrier(num_arrivals=2 if no_exchange else 1, num_barriers=2 * slots) if ws else None,
+        plgpu.Barrier(num_arrivals=2),  # exchange written
+        plgpu.Barrier(num_arrivals=2),  # exchange read
+        plgpu.SMEM((2, HEADS_PER_CTA, bk), dtype, transforms=tiled(min(bk, elems_128b))) if p_via_smem else None,
+        plgpu.SMEM((2, 2, HEADS_PER_CTA, bk), F32) if dump else None,  # debug dump staging
+    ]
+    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+    if dump:
+        out_type = (out_type, jax.ShapeDtypeStruct((b, s, 2, 2, h, bk), F32))
+    if hca:
+        args = (q, kv, compressed, n_visible, sinks_log2)
+
+        def kernel_body(q_ref, kv_ref, comp_ref, nvis_ref, sinks_ref, *rest):
+            o_ref, dbg_ref, scr = (rest[0], rest[1], rest[2:]) if dump else (rest[0], None, rest[1:])
+            return body(q_ref, kv_ref, comp_ref, nvis_ref, sinks_ref, o_ref, dbg_ref, *scr)
+    else:
+        args = (q, kv, sinks_log2)
+
+        def kernel_body(q_ref, kv_ref, sinks_ref, *rest):
+            o_ref, dbg_ref, scr = (rest[0], rest[1], rest[2:]) if dump else (rest[0], None, rest[1:])
+            return body(q_ref, kv_ref, None, None, sinks_ref, o_ref, dbg_ref, *scr)
+
+    out = plgpu.kernel(
+        kernel_body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(s_inner, s_outer, b * hg),
+        grid_names=("s", "so", "bh"),
+        num_threads=3 if ws else 2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=config.approx_math,
+                                             reduction_scratch_bytes=config.reduction_scratch_bytes,
+                                             lowering_semantics=_SEMANTICS[config.semantics]),
+        interpret=interpret,
+    )(*args)
+    if s == s_real:
+        return out
+    return (out[0][:, :s_real], out[1][:, :s_real]) if dump else out[:, :s_real]
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "compress_rate", "config", "check_positions",
+                                             "interpret"))  # fmt: skip
+def v4_attention_mgpu(
+    q: jax.Array,
+    kv: jax.Array,
+    q_pos: jax.Array,
+    sinks: jax.Array,
+    *,
+    sliding_window: int,
+    scale: float,
+    compressed: jax.Array | None = None,
+    compress_rate: int | None = None,
+    kv_pos: jax.Array | None = None,
+    config: MgpuConfig = MgpuConfig(),
+    check_positions: bool = True,
+    interpret=None,
+) -> jax.Array:
+    """V4 attention core (window, or window + HCA) for the kv-aligned prefill case. → [B, S, H, D].
+
+    q [B, S, H, D] bf16/f16 (D ∈ {128, 256, 384, 512}, H a multiple of 64); kv [B, T, D] with T >= S, row j holding
+    position q_pos[b, 0] + j (the sequence itself; rows >= S are ignored); q_pos [B, S] int32; sinks [H] f32;
+    compressed [B, C, D] (HCA, entry c visible iff c < (p + 1) // compress_rate) or None.
+    kv_pos: if given, the caller is not in the aligned case: falls back to the Triton kernel (statically).
+    check_positions: verify at run time that q_pos is contiguous per row (positions_are_aligned) and take the Triton
+        kernel (lax.cond) otherwise. False: the caller guarantees it (saves compiling the fallback).
+    interpret: passed to plgpu.kernel (e.g. an InterpretGPUParams for the CPU interpreter).
+    """
+    _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config)
+    if "dump" in config.debug:
+        raise ValueError("MgpuConfig.debug 'dump' adds an output: call v4_attention_mgpu_kernel_call directly")
+    b, s, h, d = q.shape
+
+    def triton_path(q, kv, q_pos, sinks, compressed, kv_pos):
+        from dsv4.pallas.attention import v4_attention  # local import: keeps this module importable on its own
+
+        return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
+                            compressed=compressed, compress_rate=compress_rate)  # fmt: skip
+
+    if kv_pos is not None:
+        return triton_path(q, kv, q_pos, sinks, compressed, kv_pos)
+
+    n_vis = None
+    if compressed is not None:
+        n_vis = jnp.clip((q_pos + 1) // compress_rate, 0, compressed.shape[1]).astype(jnp.int32)  # [B, S]
+
+    def mgpu_path(q, kv, q_pos, sinks, compressed, kv_pos):
+        del q_pos, kv_pos
+        return v4_attention_mgpu_kernel_call(q, kv, n_vis, sinks * LOG2E, sliding_window=sliding_window,
+                                             scale=scale, compressed=compressed, config=config,
+                                             interpret=interpret)  # fmt: skip
+
+    if not check_positions:
+        return mgpu_path(q, kv, q_pos, sinks, compressed, None)
+    t = kv.shape[1]
+    full_pos = jnp.pad(q_pos, ((0, 0), (0, t - s)), constant_values=-1)  # kv_pos = q_pos; rows >= S empty
+    return lax.cond(positions_are_aligned(q_pos), mgpu_path, triton_path, q, kv, q_pos, sinks, compressed, full_pos)

@@ -1,0 +1,173 @@
+"""One GPU session for the Mosaic GPU attention core (dsv4/pallas/attention_mgpu.py): correctness, then timings.
+
+    PYTHONPATH=. python3 scripts/try_attention_mgpu.py --quick     # S = 8K, 32K only (~2-4 min)
+    PYTHONPATH=. python3 scripts/try_attention_mgpu.py             # S = 8K, 32K, 128K
+
+1. Correctness of every variant against the jnp reference (B=1, H=64, D=512, W=128; S = 301 and 1000; window and
+   HCA with rate 4 so several HCA tiles are visited): max abs error, PASS if < 3e-2.
+2. Timings (median of --iters runs after a warmup, jax.block_until_ready) at each S for window and HCA (rate 128):
+   the mgpu variants next to the Triton kernel (dsv4.pallas.attention.v4_attention), plus a same-run bf16
+   8192³ matmul rate. Useful FLOPs = 4·H·D per unmasked (query, key) pair: min(p+1, W) window keys plus
+   (p+1)//rate HCA entries per query.
+Every variant is caught separately: one failure prints its error and the rest go on. Progress is flushed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv4.pallas.attention import v4_attention, v4_attention_reference
+from dsv4.pallas.attention_mgpu import MgpuConfig, v4_attention_mgpu
+
+H, D, W, RATE = 64, 512, 128, 128
+T0 = time.time()
+
+
+def log(*args):
+    print(f"[{time.time() - T0:7.1f}s]", *args, flush=True)
+
+
+VARIANTS = {
+    "mgpu-ws-kv64x2": MgpuConfig(variant="ws", block_kv=64, num_slots=2),
+    "mgpu-prefetch-kv64x2": MgpuConfig(variant="prefetch", block_kv=64, num_slots=2),
+    "mgpu-ws-kv64x1": MgpuConfig(variant="ws", block_kv=64, num_slots=1),
+    "mgpu-ws-kv64x2-store": MgpuConfig(variant="ws", block_kv=64, num_slots=2, pv_form="store"),
+}
+
+
+def inputs(seq, *, hca, rate, seed=0):
+    rng = np.random.default_rng(seed)
+    key = jax.random.PRNGKey(seed)
+    kq, kk, kc = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (1, seq, H, D), jnp.bfloat16)
+    kv = jax.random.normal(kk, (1, seq, D), jnp.bfloat16)
+    q_pos = jnp.arange(seq, dtype=jnp.int32)[None, :]
+    sinks = jnp.asarray(rng.standard_normal(H) * 2.0, jnp.float32)
+    comp = jax.random.normal(kc, (1, max(seq // rate, 1), D), jnp.bfloat16) if hca else None
+    return q, kv, q_pos, sinks, comp
+
+
+def run_mgpu(config, q, kv, q_pos, sinks, comp, rate):
+    return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=W, scale=D**-0.5, compressed=comp,
+                             compress_rate=rate if comp is not None else None, config=config,
+                             check_positions=False)  # fmt: skip
+
+
+def run_triton(q, kv, q_pos, sinks, comp, rate):
+    return v4_attention(q, kv, q_pos, q_pos, sinks, sliding_window=W, scale=D**-0.5, compressed=comp,
+                        compress_rate=rate if comp is not None else None)  # fmt: skip
+
+
+def useful_flops(seq, hca, rate):
+    p = np.arange(seq, dtype=np.int64)
+    pairs = np.minimum(p + 1, W).sum()
+    if hca:
+        pairs += np.minimum((p + 1) // rate, max(seq // rate, 1)).sum()
+    return 4 * H * D * int(pairs)
+
+
+def bench(fn, iters):
+    jax.block_until_ready(fn())  # compile + warmup
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def correctness(names):
+    log("== correctness (max abs err vs jnp reference, bf16, PASS < 3e-2) ==")
+    results = {}
+    for seq in (301, 1000):
+        for hca in (False, True):
+            rate = 4  # several HCA tiles even at S = 301
+            args = inputs(seq, hca=hca, rate=rate, seed=seq)
+            q, kv, q_pos, sinks, comp = args
+            ref = v4_attention_reference(q, kv, q_pos, q_pos, sinks, sliding_window=W, scale=D**-0.5,
+                                         compressed=comp, compress_rate=rate if hca else None)  # fmt: skip
+            ref = np.asarray(ref, np.float32)
+            for name in names:
+                try:
+                    poison = run_mgpu(VARIANTS[name], jnp.full_like(q, jnp.nan), kv, q_pos, sinks, comp, rate)
+                    jax.block_until_ready(poison)
+                    del poison
+                    out = np.asarray(run_mgpu(VARIANTS[name], *args, rate), np.float32)
+                    err = float(np.nanmax(np.abs(out - ref))) if not np.isnan(out).any() else float("nan")
+                    ok = err < 3e-2
+                    results[name] = results.get(name, True) and ok
+                    log(f"  S={seq:5d} {'HCA   ' if hca else 'window'} {name:24s} max_err={err:.3e} "
+                        f"{'PASS' if ok else 'FAIL'}")  # fmt: skip
+                except Exception as e:  # noqa: BLE001
+                    results[name] = False
+                    log(f"  S={seq:5d} {'HCA   ' if hca else 'window'} {name:24s} ERROR {type(e).__name__}: "
+                        f"{str(e)[:400]}")  # fmt: skip
+                    traceback.print_exc(limit=3, file=sys.stdout)
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="S = 8K, 32K only")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    ap.add_argument("--skip-triton", action="store_true")
+    ap.add_argument("--seqs", default=None, help="comma-separated S values (overrides --quick)")
+    args = ap.parse_args()
+    names = [n for n in args.variants.split(",") if n]
+    log("devices:", jax.devices())
+
+    ok = correctness(names)
+    log("correctness summary:", ok)
+
+    log("== bf16 matmul 8192^3 ==")
+    a = jax.random.normal(jax.random.PRNGKey(1), (8192, 8192), jnp.bfloat16)
+    mm = jax.jit(lambda x, y: x @ y)
+    t = bench(lambda: mm(a, a), max(args.iters, 5))
+    mm_rate = 2 * 8192**3 / t / 1e12
+    log(f"  matmul: {t * 1e3:.2f} ms  {mm_rate:.0f} TFLOP/s")
+    del a
+
+    seqs = [int(x) for x in args.seqs.split(",")] if args.seqs else ([8192, 32768] if args.quick else
+                                                                       [8192, 32768, 131072])  # fmt: skip
+    rows = []
+    for seq in seqs:
+        for hca in (False, True):
+            mode = "HCA" if hca else "window"
+            data = inputs(seq, hca=hca, rate=RATE)
+            flops = useful_flops(seq, hca, RATE)
+            runners = [(n, (lambda c: lambda: run_mgpu(c, *data, RATE))(VARIANTS[n])) for n in names if ok.get(n)]
+            skipped = [n for n in names if not ok.get(n)]
+            if not args.skip_triton:
+                runners.append(("triton", lambda: run_triton(*data, RATE)))
+            for n in skipped:
+                log(f"  S={seq} {mode} {n}: skipped (failed correctness)")
+            for name, fn in runners:
+                try:
+                    t = bench(fn, args.iters)
+                    rate = flops / t / 1e12
+                    rows.append((seq, mode, name, t * 1e3, rate, rate / mm_rate))
+                    log(f"  S={seq:6d} {mode:6s} {name:24s} {t * 1e3:9.3f} ms {rate:7.1f} TFLOP/s "
+                        f"({100 * rate / mm_rate:5.1f}% of matmul)")  # fmt: skip
+                except Exception as e:  # noqa: BLE001
+                    log(f"  S={seq} {mode} {name}: ERROR {type(e).__name__}: {str(e)[:400]}")
+            del data
+
+    log("== table (useful TFLOP/s; % of same-run bf16 matmul", f"{mm_rate:.0f} TFLOP/s) ==")
+    print(f"{'S':>7} {'mode':6} {'variant':24} {'ms':>9} {'TFLOP/s':>8} {'%mm':>6}")
+    for seq, mode, name, ms, rate, frac in rows:
+        print(f"{seq:7d} {mode:6} {name:24} {ms:9.3f} {rate:8.1f} {100 * frac:6.1f}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
