@@ -420,8 +420,8 @@ def test_lowers_to_triton_at_v4_shapes(mode, monkeypatch):
         text = str(result.module)
         assert text.count("tt.dot") == dots
         assert ("xf8E4M3FN> * tensor" in text) == (mode == "w8a8")  # fp8 × fp8 tensor-core dot only in W8A8
-        # fast accumulation is opt-in (BlockSizes.fp8_fast_accum, off by default: M9 in KERNEL_NOTES)
-        assert text.count("maxNumImpreciseAcc = 1073741824") == 0
+        # fp8 × fp8 dots accumulate a whole K step in the tensor core (BlockSizes.fp8_fast_accum)
+        assert text.count("maxNumImpreciseAcc = 1073741824") == (dots if mode == "w8a8" else 0)
         if mode != "bf16":  # fp8 weights: one 128-wide K step per weight-scale block
             assert f"tensor<128x{QUANT_BLOCK}x!tt.ptr<f8E4M3FN>>" in text
         for arg, bits in addptr_offset_bits(text).items():
