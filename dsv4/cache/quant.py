@@ -46,8 +46,8 @@ A Pallas fused quantize-and-write kernel should match `write_rows` (same argumen
 
 NOTE: XLA on GPU may drop a convert pair (f32 → fp8 or bf16 → f32) inside one computation as "excess precision"
 (`xla_allow_excess_precision`), so `dequantize(quantize(x))` within one jit can come back unrounded. Rows read
-from a cache stored between steps are not affected; an emulation must materialize the stored arrays
-(scripts/fp8_kv_accuracy.py jits the two halves separately).
+from a cache stored between steps are not affected; rows rounded in flight must pass the stored form through
+`jax.lax.optimization_barrier` (`KVStore.round_trip` does), and scripts/fp8_kv_accuracy.py also turns the flag off.
 """
 
 from __future__ import annotations

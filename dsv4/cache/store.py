@@ -92,6 +92,9 @@ class KVStore:
         dequantized), and the scale state the write would leave. For rows used in flight before being stored,
         so a chunk's own keys look exactly like the cached keys of an earlier chunk."""
         stored, scale = quantize(rows, self.fmt, self.scale, valid=valid)
+        # NOTE: XLA on GPU may fold a convert pair (f32 → fp8 → f32, f32 → bf16 → f32) away as "excess precision";
+        # the barrier keeps the stored form real, so in-flight rows are rounded exactly as cached ones.
+        stored = jax.lax.optimization_barrier(stored)
         return dequantize(stored, self.fmt, scale, rows.dtype), scale
 
     def write(self, rows: jax.Array, index: jax.Array, block_table: jax.Array | None = None) -> KVStore:
