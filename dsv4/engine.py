@@ -16,6 +16,7 @@ mapping of errors to the request that caused them.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -34,6 +35,9 @@ from dsv4.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from dsv4.tokenizer import TextTokenizer, load_tokenizer
 
 Prompt = str | Sequence[int]
+
+DEFAULT_PAGE_TOKENS = 256
+"""Default tokens per KV page, rounded up to a multiple of every compress rate."""
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -139,9 +143,10 @@ class LLM:
 
     model: a `DeepseekV4`, a checkpoint directory, or a preset name ("tiny", "v4-flash", "v4-pro": random
         weights from `seed`, in `dtype`: default float32 for tiny, bfloat16 otherwise).
-    max_slots: requests running at once; each owns one slot of the dense device cache.
-    max_model_len: prompt + max_new_tokens limit of one request, and each slot's cache length
-        (default: min(max_position_embeddings, 32768)).
+    max_slots: requests running at once; each owns one slot of the device cache (its sliding-window ring,
+        compressor windows and block table row; its compressed entries live in the shared page pool).
+    max_model_len: prompt + max_new_tokens limit of one request, and the longest block table (default:
+        min(max_position_embeddings, 32768)).
     chunk_size: at most this many tokens of one request per step (chunked prefill).
     max_num_batched_tokens: token budget of one step (default chunk_size + max_slots, so a running long
         prefill keeps its whole chunk while every running decode also gets its token).
@@ -151,9 +156,15 @@ class LLM:
     width_buckets: the chunk widths calls are padded to (default powers of two up to chunk_size); each
         width used costs one compilation. max_packed_width: chunks up to this bucket share one
         [max_slots, w] call; wider ones run as [1, w] on their own slot (see `dsv4.runner`).
-    page_size / num_kv_pages: the host KV page accounting (`PageSpec.deepseek_v4` with page_size entries
-        per page); default num_kv_pages is what max_slots requests of max_model_len need, so requests are
-        never preempted. A smaller pool admits fewer requests and preempts (recompute) when it runs out.
+    page_size / num_kv_pages: the KV page pool. page_size is in *tokens* per page (a request of N tokens
+        holds ceil(N / page_size) pages; each page holds page_size // rate compressed entries of every layer
+        at compress rate `rate`), so it must be a multiple of every compress rate; default 256 rounded up to
+        one. num_kv_pages: usable pages (the null page comes on top); default what max_slots requests of
+        max_model_len need, so requests are never preempted. A smaller pool is less device memory: it admits
+        fewer requests and preempts (recompute) when it runs out. The host `KVCacheManager`
+        (`PageSpec.tokens(page_size)`) hands out the page ids, the device cache is a pool of that many pages.
+    paged: False keeps the older dense device cache (every slot sized for max_model_len; the pages are then
+        host accounting only), e.g. for comparisons; the default True pages it.
     tokenizer: a `TextTokenizer`; default: the checkpoint directory's tokenizer.json, if any (else token
         ids only). chat_template: wrap str prompts in the tokenizer's chat template when it has one.
     """
@@ -172,8 +183,9 @@ class LLM:
         dtype: str | None = None,
         width_buckets: Sequence[int] | None = None,
         max_packed_width: int = 16,
-        page_size: int = 64,
+        page_size: int | None = None,
         num_kv_pages: int | None = None,
+        paged: bool = True,
         tokenizer: TextTokenizer | None = None,
         chat_template: bool = True,
         attention_impl: str = "auto",
@@ -193,17 +205,26 @@ class LLM:
         buckets = sorted(set(width_buckets)) if width_buckets is not None else list(power_of_two_buckets(chunk_size))
         if buckets[-1] < chunk_size:
             buckets.append(chunk_size)  # a full chunk must fit some bucket
-        self.runner = ModelRunner(self.model, max_slots=max_slots, max_model_len=max_model_len,
-                                  kv_cache_dtype=kv_cache_dtype or self.model.dtype, width_buckets=buckets,
-                                  max_packed_width=max_packed_width)  # fmt: skip
 
         rates = sorted({config.compress_rate(t) for t in config.layer_types if t != SLIDING})
-        self.page_spec = PageSpec.deepseek_v4(sliding_window=config.sliding_window, compress_rates=rates,
-                                              entries_per_page=page_size)  # fmt: skip
+        unit = math.lcm(*rates) if rates else 1  # a page holds whole entries of every rate
+        if page_size is None:
+            page_size = -(-DEFAULT_PAGE_TOKENS // unit) * unit
+        if page_size < 1 or page_size % unit:
+            raise ValueError(f"page_size={page_size} (tokens per page) must be a positive multiple of every "
+                             f"compress rate {rates}")  # fmt: skip
+        self.page_size = page_size
+        self.page_spec = PageSpec.tokens(page_size)
         if num_kv_pages is None:
             num_kv_pages = max_slots * self.page_spec.num_pages(max_model_len)
+        if num_kv_pages < 1:
+            raise ValueError(f"num_kv_pages={num_kv_pages} must be >= 1")
         self.pool = BlockPool(num_kv_pages + 1, page_size)  # + the reserved null page
         self.kv_cache = KVCacheManager(self.pool, self.page_spec)
+        paging = dict(page_tokens=page_size, num_pages=self.pool.num_blocks) if paged else {}
+        self.runner = ModelRunner(self.model, max_slots=max_slots, max_model_len=max_model_len,
+                                  kv_cache_dtype=kv_cache_dtype or self.model.dtype, width_buckets=buckets,
+                                  max_packed_width=max_packed_width, **paging)  # fmt: skip
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens or chunk_size + max_slots, max_num_seqs=max_slots,

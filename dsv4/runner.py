@@ -1,11 +1,19 @@
-"""Device side of the engine: runs one scheduler plan (`SchedulerOutput`) on the model's per-slot cache.
+"""Device side of the engine: runs one scheduler plan (`SchedulerOutput`) on the model's cache.
 
-NOTE: the device cache is dense: `model.init_cache(max_slots, max_model_len)`, one slot per running
-request, each sized for `max_model_len` tokens. A slot index is *not* a page id: the host `KVCacheManager`'s
-pages are the memory accounting (admission, preemption), while the kernels here read their slot's dense
-arrays. The model's paged mode (`init_cache(page_size=, num_pages=)`, `cache["block_tables"]`) is not used
-yet; feeding it each `ScheduledChunk`'s compressed-group block tables makes the pages the addressing, and
-`max_slots × max_model_len` stops being the footprint; the plan dataclasses do not change.
+The device cache is paged by default: `model.init_cache(max_slots, max_model_len, page_tokens=, num_pages=)`.
+Every layer's compressed entries and indexer keys live in one pool of `num_pages` pages shared by all slots,
+each page holding `page_tokens` tokens' worth of entries, so the memory is the pool, not `max_slots ×
+max_model_len`. The host `KVCacheManager` (`PageSpec.tokens(page_tokens)`: one group, the request's token
+pages) hands out the page ids; each `ScheduledChunk.block_tables[0]` is the request's table. The runner keeps
+a host mirror of every slot's row (`np.int32 [max_slots, max_pages]`, zero-padded: page 0 is the null page)
+and passes it to each jitted call, which puts it into `cache["block_table"]`. The sliding-window ring and the
+compressors' open windows stay per slot (fixed size, independent of the length).
+
+A slot is still what a running request owns on the device (its ring, open windows, token count, table row);
+page ids come only from the host pool, so two slots never share a page.
+
+With `page_tokens=None` the cache is dense instead (`init_cache(max_slots, max_model_len)`, each slot sized
+for `max_model_len` tokens); the host pages are then accounting only (admission, preemption).
 
 Each step is at most two kinds of jitted call, in a few fixed shapes so compilations stay bounded:
 
@@ -48,10 +56,16 @@ def power_of_two_buckets(chunk_size: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
+def _with_table(cache, block_table):
+    """The cache with the host's block tables [max_slots, max_pages] in place (None: a dense cache, as is)."""
+    return cache if block_table is None else {**cache, "block_table": block_table}
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _packed_step(graphdef, state, cache, token_ids, valid):
-    """token_ids: [max_slots, w]; valid: [max_slots] → (logits [max_slots, vocab], cache)."""
-    return nnx.merge(graphdef, state).forward_chunk(cache, token_ids, valid)
+def _packed_step(graphdef, state, cache, token_ids, valid, block_table):
+    """token_ids: [max_slots, w]; valid: [max_slots]; block_table: [max_slots, max_pages] or None (dense)
+    → (logits [max_slots, vocab], cache)."""
+    return nnx.merge(graphdef, state).forward_chunk(_with_table(cache, block_table), token_ids, valid)
 
 
 def _slot_of_cache(cache, slot):
@@ -68,33 +82,47 @@ def _put_slot(cache, sub, slot, *, shared_too: bool):
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _slot_step(graphdef, state, cache, slot, token_ids, valid):
-    """One slot's chunk: token_ids [1, w], valid [1], slot a scalar → (logits [1, vocab], cache)."""
+def _slot_step(graphdef, state, cache, slot, token_ids, valid, block_table):
+    """One slot's chunk: token_ids [1, w], valid [1], slot a scalar, block_table as in `_packed_step` (all
+    slots' rows; the slot's is sliced out with the rest of its view) → (logits [1, vocab], cache)."""
+    cache = _with_table(cache, block_table)
     logits, sub = nnx.merge(graphdef, state).forward_chunk(_slot_of_cache(cache, slot), token_ids, valid)
     return logits, _put_slot(cache, sub, slot, shared_too=True)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), donate_argnums=2)
-def _reset_slot(graphdef, state, cache, slot, max_len, dtype, kv_format):
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), donate_argnums=2)
+def _reset_slot(graphdef, state, cache, slot, max_len, dtype, kv_format, page_tokens):
     """Puts one slot back to exactly `init_cache`'s state (num_tokens 0, empty window ring with positions -1,
-    CSA overlap gates -inf, zero entries), so a new or preempted-and-resumed request starts clean. Shared
-    leaves (the FP8 scale states) are left as they are."""
-    fresh = nnx.merge(graphdef, state).init_cache(1, max_len, dtype, kv_format=kv_format)
+    CSA overlap gates -inf, zero entries or an all-null block table row), so a new or preempted-and-resumed
+    request starts clean. Shared leaves (page pools, FP8 scale states) are left as they are: a request's
+    pages need no clearing, since reads only look below its entry count."""
+    # NOTE: a paged `fresh` must have the cache's tree structure (paged stores), but its pools are dropped by
+    # `_put_slot`: the smallest pool (2 pages) will do.
+    paging = {} if page_tokens is None else dict(page_tokens=page_tokens, num_pages=2)
+    fresh = nnx.merge(graphdef, state).init_cache(1, max_len, dtype, kv_format=kv_format, **paging)
     return _put_slot(cache, fresh, slot, shared_too=False)
 
 
 class ModelRunner:
-    """Owns the model's weights and its dense per-slot cache; executes plans; maps requests to slots.
+    """Owns the model's weights and its cache (paged, or dense per slot); executes plans; maps requests to slots.
 
     A request gets a slot when its chunk starting at position 0 is executed (a new request, or one resumed
     after preemption, which recomputes from scratch) and gives it back on `release` (finished, cancelled,
     preempted). Slots are handed out lowest first.
+
+    page_tokens, num_pages: page the cache (see the module docstring): a pool of `num_pages` pages (page 0,
+    the null page, included: the host `BlockPool`'s `num_blocks`) of `page_tokens` tokens each. Both None:
+    the dense cache.
     """
 
     def __init__(self, model: DeepseekV4, *, max_slots: int, max_model_len: int, kv_cache_dtype,
-                 width_buckets: Sequence[int], max_packed_width: int) -> None:  # fmt: skip
+                 width_buckets: Sequence[int], max_packed_width: int, page_tokens: int | None = None,
+                 num_pages: int | None = None) -> None:  # fmt: skip
         if max_slots < 1:
             raise ValueError(f"max_slots={max_slots} must be >= 1")
+        if (page_tokens is None) != (num_pages is None):
+            raise ValueError(f"a paged cache needs both page_tokens and num_pages; got page_tokens={page_tokens}, "
+                             f"num_pages={num_pages}")  # fmt: skip
         buckets = sorted(set(int(w) for w in width_buckets))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"width_buckets={list(width_buckets)} must be positive widths")
@@ -109,10 +137,16 @@ class ModelRunner:
         self.width_buckets = tuple(buckets)
         self.max_packed_width = max_packed_width
         self.graphdef, self.state = nnx.split(model)
+        self.page_tokens, self.num_pages = page_tokens, num_pages
+        paging = {} if page_tokens is None else dict(page_tokens=page_tokens, num_pages=num_pages)
         # NOTE: committed to a device from the start. Every jitted call returns committed arrays, and jit keys
         # its cache on commitment too: an uncommitted first cache would compile each shape twice.
         self.cache = jax.device_put(model.init_cache(max_slots, max_model_len, self.kv_cache_dtype,
-                                                   kv_format=self.kv_format), jax.devices()[0])
+                                                   kv_format=self.kv_format, **paging), jax.devices()[0])  # fmt: skip
+        # Host mirror of cache["block_table"], passed to every call (None: dense). A row is its slot's request's
+        # token pages, zero-padded; a free slot's row is all null pages.
+        self._block_tables = (None if page_tokens is None else
+                              np.zeros((max_slots, -(-max_model_len // page_tokens)), np.int32))  # fmt: skip
         self._slot_of: dict[str, int] = {}
         self._free_slots = list(range(max_slots))  # kept sorted: lowest slot first
         self._num_tokens = [0] * max_slots  # host mirror of cache["num_tokens"]: checked against each chunk
@@ -134,6 +168,8 @@ class ModelRunner:
         slot = self._slot_of.pop(request_id, None)
         if slot is not None:
             bisect.insort(self._free_slots, slot)
+            if self._block_tables is not None:
+                self._block_tables[slot] = 0  # its pages may go to another request now
 
     def _assign(self, request_id: str) -> int:
         self.release(request_id)  # a resumed request's old slot, if it was never released
@@ -145,7 +181,8 @@ class ModelRunner:
         slot = self._free_slots.pop(0)
         self._slot_of[request_id] = slot
         self.cache = self._timed(("reset", 0), _reset_slot, self.graphdef, self.state, self.cache, jnp.int32(slot),
-                                 self.max_model_len, self.kv_cache_dtype, self.kv_format)  # fmt: skip
+                                 self.max_model_len, self.kv_cache_dtype, self.kv_format,
+                                 self.page_tokens)  # fmt: skip
         self._num_tokens[slot] = 0
         return slot
 
@@ -188,19 +225,37 @@ class ModelRunner:
                 self.max_model_len,
                 self.kv_cache_dtype,
                 self.kv_format,
+                self.page_tokens,
             )
         for width in sorted({self.bucket(w) for w in widths}):
             if self.is_packed(width):
                 tokens, valid = np.zeros((self.max_slots, width), np.int32), np.zeros((self.max_slots,), np.int32)
                 _, self.cache = self._timed(("packed", width), _packed_step, self.graphdef, self.state, self.cache,
-                                            tokens, valid)  # fmt: skip
+                                            tokens, valid, self._tables())  # fmt: skip
             else:
                 tokens, valid = np.zeros((1, width), np.int32), np.zeros((1,), np.int32)
                 _, self.cache = self._timed(("slot", width), _slot_step, self.graphdef, self.state, self.cache,
-                                            jnp.int32(0), tokens, valid)  # fmt: skip
+                                            jnp.int32(0), tokens, valid, self._tables())  # fmt: skip
         return time.perf_counter() - t0
 
     # ----- one step --------------------------------------------------------------------------------------
+
+    def _tables(self) -> np.ndarray | None:
+        """The block tables for a call: a copy of the mirror, so a later edit cannot reach a call still in flight
+        (on CPU a numpy argument may be used without a copy)."""
+        return None if self._block_tables is None else self._block_tables.copy()
+
+    def _set_block_table(self, slot: int, chunk: ScheduledChunk) -> None:
+        """Copies the chunk's token pages (`block_tables[0]`) into the slot's mirror row, zero-padded."""
+        table = chunk.block_tables[0]
+        row = self._block_tables[slot]
+        needed = -(-(chunk.start + chunk.num_tokens) // self.page_tokens)
+        if len(table) < needed or len(table) > len(row):
+            raise RuntimeError(f"request {chunk.request_id!r}: its block table has {len(table)} pages; tokens "
+                               f"[{chunk.start}, {chunk.start + chunk.num_tokens}) need {needed} of "
+                               f"{self.page_tokens} tokens, at most {len(row)}")  # fmt: skip
+        row[: len(table)] = table
+        row[len(table) :] = 0
 
     def execute(self, plan: SchedulerOutput) -> dict[str, np.ndarray]:
         """Runs every chunk of the plan. → float32 logits [vocab] for each request whose chunk needs_logits."""
@@ -219,6 +274,8 @@ class ModelRunner:
             if self._num_tokens[slot] != chunk.start:
                 raise RuntimeError(f"request {chunk.request_id!r}: chunk starts at {chunk.start} but its slot {slot} "
                                    f"holds {self._num_tokens[slot]} tokens")  # fmt: skip
+            if self._block_tables is not None:
+                self._set_block_table(slot, chunk)
             (packed if self.is_packed(chunk.num_tokens) else single).append((chunk, slot))
 
         pending: list[tuple[jax.Array, int, str]] = []  # (logits on device, row, request id)
@@ -230,7 +287,7 @@ class ModelRunner:
                 tokens[slot, : chunk.num_tokens] = chunk.token_ids
                 valid[slot] = chunk.num_tokens
             logits, self.cache = self._timed(("packed", width), _packed_step, self.graphdef, self.state, self.cache,
-                                             tokens, valid)  # fmt: skip
+                                             tokens, valid, self._tables())  # fmt: skip
             pending += [(logits, slot, chunk.request_id) for chunk, slot in packed if chunk.needs_logits]
         for chunk, slot in single:
             width = self.bucket(chunk.num_tokens)
@@ -238,7 +295,7 @@ class ModelRunner:
             tokens[0, : chunk.num_tokens] = chunk.token_ids
             valid = np.array([chunk.num_tokens], np.int32)
             logits, self.cache = self._timed(("slot", width), _slot_step, self.graphdef, self.state, self.cache,
-                                             jnp.int32(slot), tokens, valid)  # fmt: skip
+                                             jnp.int32(slot), tokens, valid, self._tables())  # fmt: skip
             if chunk.needs_logits:
                 pending.append((logits, 0, chunk.request_id))
         for chunk, slot in packed + single:

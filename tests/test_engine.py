@@ -1,10 +1,14 @@
 """The engine end to end on a tiny fixture model: scheduler + KV pages + runner + sampling.
 
-One engine (module fixture) serves most tests, with its shapes chosen so the whole file compiles four
-functions: the slot reset, a [4, 1] and a [4, 8] packed call, and a [1, 32] single-slot call (chunks of
-up to 32 tokens; anything wider than 8 runs alone). A second engine for preemption reuses the same model
-object, so the same compiled functions. Greedy tokens are compared exactly: the fixtures' reference
-tokens have logit gaps above 1e-3 (tests/fixtures/README.md), and "alone" runs go through the same shapes.
+One engine (module fixture) serves most tests, with its shapes chosen so it compiles four functions: the
+slot reset, a [4, 1] and a [4, 8] packed call, and a [1, 32] single-slot call (chunks of up to 32 tokens;
+anything wider than 8 runs alone). Its cache is paged, 16 tokens a page (the tiny rates are 4 and 16), and
+the pool's size is part of those shapes: the preemption test's engine (a 5-page pool) compiles its own four,
+and so does the FP8 engine, which keeps the dense cache (`paged=False`) so that mode stays covered. Three
+compilation sets in all. Greedy tokens are compared exactly: the fixtures' reference tokens have logit gaps
+above 1e-3 (tests/fixtures/README.md), and "alone" runs go through the same shapes.
+
+Every test leaves the shared engine idle: no request, every page and slot back (checked after each test).
 """
 
 import json
@@ -20,7 +24,7 @@ from dsv4.generate import SamplingParams
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 MODEL_DIR = os.path.join(FIXTURES, "tiny_mixed")  # tiny_short has the same weights (same safetensors blob)
 SHAPES = dict(dtype="float32", max_slots=4, max_model_len=128, chunk_size=32, width_buckets=(1, 8, 32),
-              max_packed_width=8)  # fmt: skip
+              max_packed_width=8, page_size=16)  # fmt: skip
 
 
 def reference_cases() -> list[tuple[list[int], list[int]]]:
@@ -48,6 +52,27 @@ def assert_idle(engine: LLM) -> None:
     assert engine.pool.num_free == engine.pool.num_usable_blocks
     assert engine.runner.num_free_slots == engine.runner.max_slots
     assert list(engine.kv_cache.request_ids()) == []
+
+
+@pytest.fixture(autouse=True)
+def _shared_engine_left_idle(request):
+    yield
+    if "llm" in request.fixturenames:
+        assert_idle(request.getfixturevalue("llm"))
+
+
+def test_paged_cache_layout(llm):
+    """The fixture's cache is paged: a pool of 4 slots × ceil(128 / 16) = 32 pages plus the null page, one
+    block table row of 8 pages per slot. The default page is 256 tokens (a multiple of both rates), and a
+    page size that is not a multiple of every rate is refused before anything is built."""
+    assert llm.page_size == 16 and llm.pool.num_blocks == 33 and llm.pool.block_size == 16
+    assert llm.runner.page_tokens == 16 and llm.runner.num_pages == 33
+    assert llm.runner.cache["block_table"].shape == (4, 8)
+    default = LLM(llm.model, max_slots=1, max_model_len=64)
+    assert default.page_size == 256 and default.pool.num_usable_blocks == 1
+    assert default.runner.cache["block_table"].shape == (1, 1)
+    with pytest.raises(ValueError, match="page_size=24"):
+        LLM(llm.model, max_slots=1, max_model_len=64, page_size=24)
 
 
 def test_concurrent_requests_reproduce_the_reference(llm):
@@ -127,10 +152,13 @@ def test_refused_prompts_get_an_error_and_the_others_finish(llm):
 
 
 def test_preemption_with_a_tiny_page_pool_gives_identical_tokens(llm):
-    """Pages of 4 entries, 12 of them: a 37-token request needs 8 pages at its longest (4 for the sliding
-    ring, 3 for CSA entries, 1 for HCA), so two cannot grow side by side; the newest is preempted and
-    recomputes from scratch in a reset slot. The same model object: the same compiled functions."""
-    small = LLM(llm.model, **SHAPES, page_size=4, num_kv_pages=12)
+    """Pages of 16 tokens, 5 of them (80 tokens); a request of N tokens holds ceil(N / 16) pages, and at
+    its longest holds prompt + 6 - 1 tokens (the last sampled token is never fed back). A 37-token prompt
+    then holds ceil(42 / 16) = 3 pages, a 3-token one ceil(8 / 16) = 1, the 60-token one ceil(65 / 16) = 5
+    (the whole pool): 13 pages wanted, so the two 37-token requests (6) cannot grow side by side, nor the
+    60-token one beside anything. The newest is preempted and recomputes from scratch in a reset slot, on
+    whatever pages are free then. The same model object, but a pool of another size: its own compilations."""
+    small = LLM(llm.model, **SHAPES, num_kv_pages=5)
     cases = reference_cases()
     extra = random_prompt(60, 11)
     prompts = [prompt for prompt, _ in cases] + [extra]
@@ -139,8 +167,41 @@ def test_preemption_with_a_tiny_page_pool_gives_identical_tokens(llm):
     assert [o.token_ids for o in outputs] == [want for _, want in cases] + [extra_alone]
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
     assert_idle(small)
-    with pytest.raises(ValueError, match="whole KV pool holds 12 pages"):
+    # 100 + 20 - 1 = 119 tokens: ceil(119 / 16) = 8 pages > 5
+    with pytest.raises(ValueError, match="needs KV for 119 tokens = 8 pages, but the whole KV pool holds 5 pages "
+                                         "= 80 tokens"):  # fmt: skip
         small.add_request(random_prompt(100, 3), max_new_tokens=20)
+
+
+def test_requests_on_interleaved_shuffled_pages_equal_each_alone(llm):
+    """Two requests whose pages interleave in the pool, in no order, give the tokens each gives alone. Every
+    free page is first allocated and freed again in a shuffled order, so page ids come out of the queue
+    neither contiguous nor sorted (and they hold stale entries of earlier requests). The two 60-token
+    requests then grow side by side (prefill chunks in alternate steps, decodes crossing the page boundaries
+    at 64 and 80 tokens in the same steps), so their pages alternate in the queue. After each step, every
+    running request's row of the device block table is its host table, zero-padded."""
+    prompts = [random_prompt(60, 21), random_prompt(60, 22)]
+    alone = [llm.generate([p], max_new_tokens=24)[0].token_ids for p in prompts]
+    taken = llm.pool.allocate(llm.pool.num_free)
+    np.random.default_rng(0).shuffle(taken)
+    llm.pool.free(taken)
+    queue = {page: i for i, page in enumerate(llm.pool.free_block_ids())}
+    request_ids = [llm.add_request(p, max_new_tokens=24) for p in prompts]
+    tables: dict[str, list[int]] = {}
+    while llm.has_unfinished_requests():
+        llm.step()
+        device = np.asarray(llm.runner.cache["block_table"])
+        for request_id in request_ids:
+            table, slot = llm.kv_cache.block_table(request_id), llm.runner.slot_of(request_id)
+            if slot is not None:
+                tables[request_id] = table
+                assert device[slot, : len(table)].tolist() == table and not device[slot, len(table) :].any()
+    first, second = (tables[request_id] for request_id in request_ids)
+    assert len(first) == len(second) == 6  # ceil((60 + 24 - 1) / 16)
+    assert not set(first) & set(second) and first != sorted(first) and second != sorted(second)
+    owner = [page in first for page in sorted(first + second, key=queue.__getitem__)]
+    assert sum(a != b for a, b in zip(owner, owner[1:])) >= 3, "allocations alternate between the two"
+    assert [llm.pop_output(request_id).token_ids for request_id in request_ids] == alone
 
 
 def test_sampling_is_per_request_and_reproducible(llm):
@@ -199,8 +260,10 @@ def test_fp8_cache_engine_requests_equal_each_alone(llm):
     """The engine with its cache stored in FP8 (per-channel scales shared by every slot: the packed and the
     single-slot calls must both keep them, and a slot reset must not touch them): concurrent requests give the
     tokens each gives alone, and every page and slot comes back."""
-    fp8 = LLM(llm.model, **{k: v for k, v in SHAPES.items() if k != "dtype"}, kv_cache_dtype="fp8-channel")
+    fp8 = LLM(llm.model, **{k: v for k, v in SHAPES.items() if k != "dtype"}, kv_cache_dtype="fp8-channel",
+              paged=False)  # fmt: skip
     assert fp8.runner.kv_format == "fp8-channel"
+    assert fp8.runner.page_tokens is None and "block_table" not in fp8.runner.cache  # the dense mode
     prompts = [random_prompt(n, 40 + n) for n in (45, 3, 12)]
     alone = [fp8.generate([p], max_new_tokens=5)[0].token_ids for p in prompts]
     assert [o.token_ids for o in fp8.generate(prompts, max_new_tokens=5)] == alone
