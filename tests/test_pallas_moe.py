@@ -54,6 +54,11 @@ LIMIT = 3.0  # small enough that the SwiGLU clamp bites on these random values
 # (the numerics do not depend on them).
 FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
+# XLA:GPU folds chains of float converts (f32 → fp8 → f32, f32 → bf16 → f32) by default (SimplifyFPConversions under
+# `xla_allow_excess_precision`); XLA:CPU runs that pass only with its oneDNN rewriting on. Compiling a jnp function
+# with these options shows on CPU what XLA:GPU makes of it (it put the W8A8 GPU test 4.48 % off: M9 in KERNEL_NOTES).
+FOLD_FP_CONVERSIONS = {"xla_cpu_experimental_onednn_custom_call": True}
+
 gpu = pytest.mark.gpu
 requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Triton-compiled kernel)")
 
@@ -88,6 +93,16 @@ def quantize_weights(w):
     scales = jnp.abs(blocks).max(axis=(2, 4)) / 448.0  # [E, O // 128, I // 128]
     full = jnp.repeat(jnp.repeat(scales, QUANT_BLOCK, 1), QUANT_BLOCK, 2)
     return (w / full).astype(FP8), scales.astype(F32)
+
+
+def compile_folding_fp_conversions(fn, *args, **static):
+    """fn (jitted) traced with args and static keyword arguments, compiled for CPU as XLA:GPU would fold its float
+    convert chains (FOLD_FP_CONVERSIONS). Skips if this XLA:CPU does not run the pass."""
+    probe = jax.jit(lambda v: v.astype(FP8).astype(F32))
+    value = jnp.float32(0.3)  # not an e4m3 value: the round trip gives 0.3125 unless folded
+    if float(probe.trace(value).lower().compile(compiler_options=FOLD_FP_CONVERSIONS)(value)) != float(value):
+        pytest.skip("this XLA:CPU does not fold float convert chains (no oneDNN rewriting)")
+    return fn.trace(*args, **static).lower().compile(compiler_options=FOLD_FP_CONVERSIONS)
 
 
 def run_kernel(entry, arrays, static, out_shape, out_dtype):
@@ -267,6 +282,12 @@ def test_routed_experts_fp8(fp8_activations):
     want = np.asarray(routed_experts_reference(x, ids, weights, gate_up, down, LIMIT, **scales,
                                                fp8_activations=fp8_activations), np.float32)  # fmt: skip
     assert_close(got, want, jnp.bfloat16)
+    # The reference compiled as XLA:GPU compiles it (float convert chains folded) must still round x and h as the
+    # kernel path does: without the barriers in it, W8A8 is 4 % off here, as on H200 (the 4.48 % of M9).
+    args = (x, ids, weights, gate_up, down)
+    folded = compile_folding_fp_conversions(routed_experts_reference, *args, LIMIT, **scales,
+                                            fp8_activations=fp8_activations)  # fmt: skip
+    assert_close(got, np.asarray(folded(*args, **scales), np.float32), jnp.bfloat16)
     # Against the unquantized path on the dequantized weights: the error is the activation quantization.
     w1 = dequantize_blocks(gate_up, gate_up_scales, (QUANT_BLOCK, QUANT_BLOCK)).astype(jnp.bfloat16)
     w2 = dequantize_blocks(down, down_scales, (QUANT_BLOCK, QUANT_BLOCK)).astype(jnp.bfloat16)
