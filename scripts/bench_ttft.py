@@ -23,14 +23,16 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
     pallas           (3)  + Pallas grouped-GEMM MoE
     chunked          (4)  chunked prefill: `DeepseekV4.forward_chunk` over ``--chunk`` (8192) token chunks, both
                           kernels; TTFT = the sum of the chunk calls (cache of max_len = S, made before the clock)
+    chunked-fp8      (5)  as (4) with the cache stored in fp8-channel and paged (256-token pages, one request
+                          holding pages 1..n): the seed's "FP8 paged KV" step
     xla-cap          (1c) as (1) with a capacity-padded batched-einsum MoE (defined in this script, not in dsv4:
                           ANCHORS.md measured XLA's `lax.ragged_dot` asking 96 GiB at 8K tokens, so (1) is not
                           expected to fit at 32K+; (1c) is "what a straightforward XLA port gets"). Capacity
                           1.25 × the mean expert load; a pair past its expert's capacity is dropped (counted in
                           the breakdown's routing check).
     pallas-attn-cap  (2c) as (2) with the capacity MoE.
-Order of work: every length's variants (in the order pallas, chunked, xla-cap, pallas-attn-cap, xla, pallas-attn),
-then the chunked variant's layer-split passes, then the breakdowns (largest length first), then the whole-model check;
+Order of work: every length's variants (in the order pallas, chunked, xla-cap, pallas-attn-cap, chunked-fp8, xla,
+pallas-attn), then the chunked variant's layer-split passes, then the breakdowns (largest length first), then the whole-model check;
 the budget drops the tail. A variant that did not fit (OOM) or failed at a length is not tried at larger lengths; its
 row says how much XLA's buffer assignment asked for against what was free.
 
@@ -151,6 +153,7 @@ class Variant:
     mode: str  # "full" | "chunked"
     attention: str
     moe: str
+    kv: str | None = None  # chunked only: the cache's storage format, paged (None: dense, the model's dtype)
 
 
 VARIANTS = {v.key: v for v in [
@@ -158,11 +161,13 @@ VARIANTS = {v.key: v for v in [
     Variant("pallas-attn", "(2)", "+ Pallas attention + indexer", "full", "pallas", "jnp"),
     Variant("pallas", "(3)", "+ Pallas MoE", "full", "pallas", "pallas"),
     Variant("chunked", "(4)", "chunked prefill, both kernels", "chunked", "pallas", "pallas"),
+    Variant("chunked-fp8", "(5)", "+ FP8 paged KV cache (fp8-channel)", "chunked", "pallas", "pallas", "fp8-channel"),
     Variant("xla-cap", "(1c)", "XLA, capacity MoE", "full", "jnp", "xla_cap"),
     Variant("pallas-attn-cap", "(2c)", "+ Pallas attn + idx, capacity MoE", "full", "pallas", "xla_cap"),
 ]}  # fmt: skip
-PRIORITY = ["pallas", "chunked", "xla-cap", "pallas-attn-cap", "xla", "pallas-attn"]
-TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked"]
+PRIORITY = ["pallas", "chunked", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn"]
+TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked", "chunked-fp8"]
+PAGE_TOKENS = 256  # (5)'s page size: a multiple of both compress rates
 
 
 def default_mix(n: int) -> list[str]:
@@ -257,7 +262,7 @@ def parse_args():
         if args.smoke_all:
             tiny_v, small_v, lengths_t, checks = None, ["pallas", "chunked", "xla-cap"], "64,128", True
         else:
-            tiny_v, small_v, lengths_t, checks = ["pallas", "chunked", "xla-cap"], ["xla-cap"], "64", False
+            tiny_v, small_v, lengths_t, checks = ["pallas", "chunked", "chunked-fp8", "xla-cap"], ["xla-cap"], "64", False
         pick = lambda vs: None if vs is None else [v for v in vs if v in args.variants]  # noqa: E731
         args.setups = [Setup("tiny", tiny, parse_lengths(args.lengths or lengths_t), args.chunk or 32,
                              variants=pick(tiny_v), chunk_split=checks, whole_check=checks),
@@ -901,7 +906,7 @@ class Bench:
         peak_before = peak_in_use()
         self._pending_mem = None
         try:
-            row = self.measure_full(seq) if v.mode == "full" else self.measure_chunked(seq)
+            row = self.measure_full(seq) if v.mode == "full" else self.measure_chunked(seq, v.kv)
         except Exception as exc:
             kind_ = self.rec.error(where, exc)
             status = "oom" if kind_ == "OOM" else "error"
@@ -1064,24 +1069,34 @@ class Bench:
         jax.block_until_ready((chunks, valids, starts))
         return chunks, valids, starts
 
-    def measure_chunked(self, seq: int) -> dict:
+    def measure_chunked(self, seq: int, kv: str | None = None) -> dict:
         m = self.model
+
+        def new_cache():
+            """Dense in the model's dtype, or (kv given) stored in `kv` and paged: one request holding pages 1..n."""
+            if kv is None:
+                return m.init_cache(1, seq)
+            n_pages = -(-seq // PAGE_TOKENS)
+            cache = m.init_cache(1, seq, kv_format=kv, page_tokens=PAGE_TOKENS, num_pages=n_pages + 1)
+            cache["block_table"] = jnp.arange(1, n_pages + 1, dtype=jnp.int32)[None]
+            return cache
+
         chunks, valids, _ = self.chunk_plan(seq)
         gd, st = nnx.split(m)
-        cache_abs = jax.eval_shape(lambda: m.init_cache(1, seq))
+        cache_abs = jax.eval_shape(new_cache)
         e, compile_s = self.exe("chunk", self.j["chunk"], (gd, st, cache_abs, chunks[0], valids[0]), "chunk")
         self.note_need([e])
         track = MemTrack()
 
         def warm():  # one chunk on a scratch cache: the executable is the same for every chunk
-            cache = m.init_cache(1, seq)
+            cache = new_cache()
             t0 = time.perf_counter()
             out = e(st, cache, chunks[0], valids[0])
             jax.block_until_ready(out)
             return (time.perf_counter() - t0) * len(chunks)
 
         def one_pass():
-            cache = m.init_cache(1, seq)
+            cache = new_cache()
             jax.block_until_ready(cache)
             per = []
             for ids, valid in zip(chunks, valids):
