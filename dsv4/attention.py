@@ -167,10 +167,10 @@ def core_attention_sp(*args, **kwargs) -> jax.Array:
 
 
 def core_attention_auto(q, kv, q_pos, kv_pos, sinks, *, kv_aligned: bool = False, **kwargs) -> jax.Array:
-    """The default: the Pallas kernels for the full-sequence prefill on a GPU (the Mosaic kernel for window / HCA
-    layers on Hopper, 1.5-1.9x the Triton one, which takes CSA; both beat XLA, docs/BENCHMARKS.md), and the jnp
-    core everywhere else (CPU, cached chunks and decode)."""
-    fast = jax.default_backend() == "gpu" and kv_aligned
+    """The default: the Pallas kernels for the bf16 / f16 full-sequence prefill on a GPU (the Mosaic kernel for
+    window / HCA layers on Hopper, 1.5-1.9x the Triton one, which takes CSA; both beat XLA, docs/BENCHMARKS.md),
+    and the jnp core everywhere else (CPU, float32 models, cached chunks and decode)."""
+    fast = jax.default_backend() == "gpu" and kv_aligned and q.dtype in (jnp.bfloat16, jnp.float16)
     impl = core_attention_pallas if fast else core_attention_jnp
     return impl(q, kv, q_pos, kv_pos, sinks, kv_aligned=kv_aligned, **kwargs)
 
