@@ -266,7 +266,8 @@ def test_manager_with_several_page_groups_keeps_one_table_per_group():
 
 
 def test_host_side_modules_import_no_jax_flax_or_numpy():
-    """cache/ and the scheduler must stay importable without the device stack (cache/README.md).
+    """cache/ (its host side: pool, manager, layout) and the scheduler must stay importable without the device
+    stack (cache/README.md): the engine and the memory planner size pools with no device.
 
     A fresh interpreter with a stand-in `dsv4` package, so `dsv4/__init__.py` (which imports the model,
     hence JAX) does not run; importing any of the forbidden packages then fails loudly.
@@ -281,7 +282,7 @@ sys.meta_path.insert(0, Block())
 package = types.ModuleType("dsv4")
 package.__path__ = [{str(REPO_ROOT / "dsv4")!r}]
 sys.modules["dsv4"] = package
-import dsv4.cache, dsv4.cache.block_pool, dsv4.cache.manager, dsv4.scheduler
+import dsv4.cache, dsv4.cache.block_pool, dsv4.cache.layout, dsv4.cache.manager, dsv4.scheduler
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -1,7 +1,7 @@
 """What one request's DeepSeek-V4 KV cache holds, in bytes: storage formats and the per-layer cache layout.
 
 Two things live here, both plain Python (no JAX, so the engine and the memory planner can size pools without
-a device, and `tests/test_cache_layout.py` imports this module with JAX blocked):
+a device, and `tests/test_block_pool.py` imports this module with JAX blocked):
 
 - `KVFormat`: how one cached row (a K=V row, a compressed entry, an indexer key) is stored: bf16, or FP8 e4m3
   with per-tensor, per-channel or per-token-tile scales, RoPE channels kept in bf16. The jnp math that
