@@ -19,7 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4.pallas.indexer import BlockSizes, index_topk, index_topk_reference
+from dsv4.pallas.indexer import (
+    BlockSizes,
+    ScoreBlocks,
+    index_scores,
+    index_scores_reference,
+    index_topk,
+    index_topk_reference,
+    index_topk_two_pass,
+)
 
 POISON = -7  # never a valid output (indices are >= -1)
 SMALL = BlockSizes(block_q=4, block_c=16)
@@ -204,6 +212,72 @@ def test_gaussian_inputs_pick_a_true_top_k():
 
 
 # ---------------------------------------------------------------------------------------------
+# Two passes: the scores kernel (both matmul orientations) and the grouped exact top-k.
+# ---------------------------------------------------------------------------------------------
+SCORE_TILINGS = [
+    ScoreBlocks(block_q=4, block_c=16, span=32, rows="keys"),  # 2 live tiles per span, 3 spans over C = 70
+    ScoreBlocks(block_q=2, block_c=16, span=16, rows="queries"),
+    ScoreBlocks(block_q=1, block_c=16, span=64, rows="keys", q_transposed=True),
+]
+
+
+@pytest.mark.parametrize("blocks", SCORE_TILINGS, ids=lambda b: b.rows + ("-qT" if b.q_transposed else ""))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_scores_kernel_matches_reference(blocks, dtype):
+    """Every element written (NaN-poisoned output), bit-identical scores on integer data, -inf exactly where an
+    entry is not yet visible (ragged rows, padding queries, key tiles past the block's last visible entry)."""
+    rng = np.random.default_rng(11)
+    inputs = make_inputs(11, seq=37, entries=70, offsets=(0, 200), span=3, dtype=dtype)
+    inputs["positions"] = inputs["positions"].at[1, -3:].set(-1)
+    kw = dict(rate=4, softmax_scale=0.25)
+    if dtype == jnp.float8_e4m3fn:
+        kw["q_scale"] = jnp.asarray(2.0 ** rng.integers(-2, 3, (2, 37, 4)), jnp.float32)
+        kw["k_scale"] = jnp.asarray(2.0 ** rng.integers(-2, 3, (2, 70)), jnp.float32)
+    poison = jnp.full((2, 37, 70), jnp.nan, jnp.float32)
+    got = np.asarray(index_scores(**inputs, **kw, blocks=blocks, interpret=True, out_init=poison))
+    want = np.asarray(index_scores_reference(**inputs, **kw))
+    assert not np.isnan(got).any(), "kernel left elements unwritten (poisoned output)"
+    np.testing.assert_array_equal(got, want)
+    visible = visible_counts(inputs["positions"], 4, 70)
+    assert (np.isneginf(got) == (np.arange(70) >= visible[..., None])).all()
+    finite = np.isfinite(got)
+    np.testing.assert_allclose(got[finite], exact_scores(inputs, 0.25, kw.get("q_scale"), kw.get("k_scale"))[finite])
+
+
+@pytest.mark.parametrize("k, chunk, group", [(9, 16, 2), (40, 37, 4), (80, 8, 2)])
+def test_two_pass_matches_reference(k, chunk, group):
+    """Same index rows (order included) as the reference: ties everywhere (integer data), k below, across and
+    above the visible counts (k = 80 > C = 70), chunks that do or do not divide S, groups small enough that the
+    grouped top-k recurses."""
+    inputs = make_inputs(12, seq=37, entries=70, offsets=(30, 240))
+    inputs["positions"] = inputs["positions"].at[0, :2].set(-1)
+    kw = dict(rate=4, k=k, softmax_scale=0.25)
+    got = np.asarray(index_topk_two_pass(**inputs, **kw, query_chunk=chunk, group=group, blocks=SCORE_TILINGS[0],
+                                         interpret=True))  # fmt: skip
+    np.testing.assert_array_equal(got, np.asarray(index_topk_reference(**inputs, **kw)))
+    visible = visible_counts(inputs["positions"], 4, 70)
+    assert ((got >= 0).sum(-1) == np.minimum(visible, k)).all()
+
+
+def test_two_pass_fp8_per_token_scales():
+    rng = np.random.default_rng(13)
+    inputs = make_inputs(13, seq=21, entries=45, offsets=(0, 140), span=8, dtype=jnp.float8_e4m3fn)
+    kw = dict(rate=4, k=10, softmax_scale=0.25,
+              q_scale=jnp.asarray(2.0 ** rng.integers(-2, 3, (2, 21, 4)), jnp.float32),
+              k_scale=jnp.asarray(2.0 ** rng.integers(-2, 3, (2, 45)), jnp.float32))  # fmt: skip
+    got = index_topk_two_pass(**inputs, **kw, query_chunk=8, group=2, blocks=SCORE_TILINGS[1], interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(index_topk_reference(**inputs, **kw)))
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(block_q=3), "block_q=3"), (dict(span=8), "span=8"),
+                                           (dict(rows="heads"), "rows='heads'"), (dict(num_warps=3), "num_warps=3"),
+                                           (dict(rows="queries", q_transposed=True), "q_transposed")])
+def test_score_blocks_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ScoreBlocks(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
 # Validation.
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
@@ -304,3 +378,27 @@ def test_gpu_matches_reference_at_real_shapes(dtype, k, entries):
     poison = jnp.full((1, 384, k), POISON, jnp.int32)
     got = np.asarray(index_topk(**inputs, **kw, out_init=poison))
     assert_same(got, np.asarray(index_topk_reference(**inputs, **kw)))
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype, k, entries, rows", [(jnp.bfloat16, 512, 2000, "keys"),
+                                                      (jnp.float8_e4m3fn, 2048, 3000, "keys"),
+                                                      (jnp.float8_e4m3fn, 512, 3000, "queries")])  # fmt: skip
+def test_gpu_two_pass_matches_reference_at_real_shapes(dtype, k, entries, rows):
+    rng = np.random.default_rng(9)
+    inputs = make_inputs(9, batch=1, seq=384, heads=64, head_dim=128, entries=entries,
+                         offsets=(4 * entries - 200,), span=2, dtype=dtype)  # fmt: skip
+    kw = dict(rate=4, k=k, softmax_scale=2.0**-4)
+    if dtype == jnp.float8_e4m3fn:
+        kw["q_scale"] = jnp.asarray(2.0 ** rng.integers(-2, 3, (1, 384, 64)), jnp.float32)
+        kw["k_scale"] = jnp.asarray(2.0 ** rng.integers(-2, 3, (1, entries)), jnp.float32)
+    blocks = ScoreBlocks(block_q=2, block_c=128, rows=rows, num_warps=4 if rows == "keys" else 8)
+    poison = jnp.full((1, 384, entries), jnp.nan, jnp.float32)
+    scales = {n: kw[n] for n in ("q_scale", "k_scale") if n in kw}
+    scores = np.asarray(index_scores(**inputs, rate=4, softmax_scale=2.0**-4, **scales, blocks=blocks, out_init=poison))
+    want_scores = np.asarray(index_scores_reference(**inputs, rate=4, softmax_scale=2.0**-4, **scales))
+    assert not np.isnan(scores).any()
+    np.testing.assert_array_equal(scores, want_scores)
+    got = np.asarray(index_topk_two_pass(**inputs, **kw, query_chunk=128, blocks=blocks))
+    np.testing.assert_array_equal(got, np.asarray(index_topk_reference(**inputs, **kw)))

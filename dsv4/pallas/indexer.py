@@ -49,7 +49,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["BlockSizes", "index_topk", "index_topk_kernel", "index_topk_reference"]
+__all__ = [
+    "BlockSizes",
+    "ScoreBlocks",
+    "index_scores",
+    "index_scores_kernel",
+    "index_scores_reference",
+    "index_topk",
+    "index_topk_kernel",
+    "index_topk_reference",
+    "index_topk_two_pass",
+]
 
 F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn
@@ -158,6 +168,45 @@ def _visible(positions, rate: int, num_entries: int):
 # ---------------------------------------------------------------------------------------------
 # Reference: the spec, with the [B, S, C] scores materialized. Fine for small shapes only.
 # ---------------------------------------------------------------------------------------------
+def _reference_scores(q, keys, weights, positions, *, rate, softmax_scale, q_scale, k_scale, q_layout, k_layout):
+    """[B, S, C] float32 scores, -inf where invisible, -0.0 → +0.0 (shared by both references)."""
+    if q_layout is not None:
+        scale = q_scale if q_layout == "tensor" else q_scale[..., None]  # [] or [B, S, Hi, 1]
+        q = q.astype(F32) * scale
+    if k_layout is not None:
+        scale = k_scale if k_layout == "tensor" else k_scale[..., None]  # [] or [B, C, 1]
+        keys = keys.astype(F32) * scale
+    if q.dtype != keys.dtype:
+        q, keys = q.astype(F32), keys.astype(F32)
+    c = keys.shape[1]
+    dots = jnp.einsum("bqhd,bcd->bqhc", q, keys, preferred_element_type=F32)  # [B, S, Hi, C]
+    scores = jnp.einsum("bqhc,bqh->bqc", jax.nn.relu(dots) * softmax_scale, weights)  # [B, S, C]
+    scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 → +0.0 (lax.top_k orders -0.0 below +0.0)
+    visible = _visible(positions, rate, c)  # [B, S]
+    return jnp.where(jnp.arange(c) < visible[..., None], scores, NEG_INF)
+
+
+@functools.partial(jax.jit, static_argnames=("rate", "softmax_scale"))
+def index_scores_reference(q, keys, weights, positions, *, rate: int, softmax_scale: float, q_scale=None,
+                           k_scale=None) -> jax.Array:  # fmt: skip
+    """The indexer's scores straight from the spec (arguments as `index_scores`). → float32 [B, S, C], -inf where
+    the entry is not visible to the query."""
+    q_layout, k_layout = _check_inputs(q, keys, weights, positions, rate=rate, k=1, q_scale=q_scale,
+                                       k_scale=k_scale)  # fmt: skip
+    return _reference_scores(q, keys, weights, positions, rate=rate, softmax_scale=softmax_scale, q_scale=q_scale,
+                             k_scale=k_scale, q_layout=q_layout, k_layout=k_layout)  # fmt: skip
+
+
+def _topk_of_scores(scores, visible, k: int, select):
+    """Top-k indices of masked scores [B, S, C] (any k: padded with -inf past C) → int32 [B, S, k], -1 past the
+    visible count. select: (x, k) → (values, indices), `lax.top_k` or `dsv4.topk.top_k`."""
+    c = scores.shape[-1]
+    if k > c:  # top-k needs k <= C; the padding is never visible
+        scores = jnp.pad(scores, ((0, 0), (0, 0), (0, k - c)), constant_values=NEG_INF)
+    values, idx = select(scores, k)  # [B, S, k]
+    return jnp.where(jnp.isneginf(values) | (idx >= visible[..., None]), -1, idx).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale"))
 def index_topk_reference(
     q: jax.Array,
@@ -178,24 +227,9 @@ def index_topk_reference(
     """
     q_layout, k_layout = _check_inputs(q, keys, weights, positions, rate=rate, k=k, q_scale=q_scale,
                                        k_scale=k_scale)  # fmt: skip
-    if q_layout is not None:
-        scale = q_scale if q_layout == "tensor" else q_scale[..., None]  # [] or [B, S, Hi, 1]
-        q = q.astype(F32) * scale
-    if k_layout is not None:
-        scale = k_scale if k_layout == "tensor" else k_scale[..., None]  # [] or [B, C, 1]
-        keys = keys.astype(F32) * scale
-    if q.dtype != keys.dtype:
-        q, keys = q.astype(F32), keys.astype(F32)
-    c = keys.shape[1]
-    dots = jnp.einsum("bqhd,bcd->bqhc", q, keys, preferred_element_type=F32)  # [B, S, Hi, C]
-    scores = jnp.einsum("bqhc,bqh->bqc", jax.nn.relu(dots) * softmax_scale, weights)  # [B, S, C]
-    scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 → +0.0 (lax.top_k orders -0.0 below +0.0)
-    visible = _visible(positions, rate, c)  # [B, S]
-    scores = jnp.where(jnp.arange(c) < visible[..., None], scores, NEG_INF)
-    if k > c:  # lax.top_k needs k <= C; the padding is never visible
-        scores = jnp.pad(scores, ((0, 0), (0, 0), (0, k - c)), constant_values=NEG_INF)
-    values, idx = lax.top_k(scores, k)  # [B, S, k]
-    return jnp.where(jnp.isneginf(values) | (idx >= visible[..., None]), -1, idx).astype(jnp.int32)
+    scores = _reference_scores(q, keys, weights, positions, rate=rate, softmax_scale=softmax_scale, q_scale=q_scale,
+                               k_scale=k_scale, q_layout=q_layout, k_layout=k_layout)  # fmt: skip
+    return _topk_of_scores(scores, _visible(positions, rate, keys.shape[1]), k, lax.top_k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,12 +421,7 @@ def index_topk(
     if out_init is not None and (out_init.shape != (b, s, k) or out_init.dtype != jnp.int32):
         raise ValueError(f"out_init must be int32 {(b, s, k)}, got {out_init.dtype} {out_init.shape}")
 
-    # Everything that scales a whole (token, head) row folds into the weights: ReLU commutes with scales > 0.
-    weights = weights * softmax_scale
-    if q_layout is not None:
-        weights = weights * q_scale  # () or [B, S, Hi]
-    if k_layout == "tensor":
-        weights, k_scale = weights * k_scale, None
+    weights, k_scale = _fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout)
     compute_dtype = keys.dtype if q.dtype == FP8 else q.dtype  # both FP8: an FP8 matmul; one: upcast it
 
     chunk = _next_power_of_2(max(k, block_sizes.block_c))
@@ -422,3 +451,286 @@ def index_topk(
         interpret=interpret,
         name="index_topk",
     )(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two passes: a scores kernel over a block of queries, then an exact grouped top-k (dsv4.topk).
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ScoreBlocks:
+    """Tile sizes and launch parameters of `index_scores`.
+
+    block_q:  query tokens per program.
+    block_c:  keys per matmul tile; span: keys per program (a loop over span // block_c tiles, pipelined by
+              Triton with num_stages buffers), so the token's q tile is loaded once per span.
+    rows:     which operand forms the matmul's rows. "keys": per token a [block_c, Di] × [Di, Hi] dot; the head
+              sum runs along the accumulator's columns (within a warp). "queries": one [block_q·Hi, Di] ×
+              [Di, block_c] dot; the head sum runs across rows (through shared memory).
+    q_transposed: rows="keys" only: q goes to the kernel as [B, S, Di, Hi] (one XLA transpose per chunk), so the
+              dot's second operand is [K, N] as loaded instead of a transposed [N, K] tile.
+    num_warps, num_stages: Triton launch parameters.
+
+    block_q, block_c and span are powers of two with span >= block_c >= 16.
+    """
+
+    block_q: int = 2
+    block_c: int = 128
+    span: int = 1024
+    rows: str = "keys"
+    q_transposed: bool = False
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_c", "span"):
+            if not _is_power_of_2(getattr(self, name)):
+                raise ValueError(f"ScoreBlocks.{name}={getattr(self, name)} must be a power of two")
+        if self.block_c < _MIN_DOT_DIM or self.span < self.block_c:
+            raise ValueError(f"ScoreBlocks: need span >= block_c >= {_MIN_DOT_DIM}, got block_c={self.block_c}, "
+                             f"span={self.span}")  # fmt: skip
+        if self.rows not in ("keys", "queries"):
+            raise ValueError(f"ScoreBlocks.rows={self.rows!r} must be 'keys' or 'queries'")
+        if self.q_transposed and self.rows != "keys":
+            raise ValueError("ScoreBlocks.q_transposed needs rows='keys'")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"ScoreBlocks: num_warps={self.num_warps} (1..16, a power of two), "
+                             f"num_stages={self.num_stages} (>= 1)")  # fmt: skip
+
+
+def index_scores_kernel(
+    q_ref,  # [block_q, Hi, Di], or [block_q, Di, Hi] (q_transposed)
+    weights_ref,  # [block_q, Hi] f32, softmax_scale and per-tensor / per-(token, head) scales folded in
+    positions_ref,  # [block_q]
+    keys_ref,  # [C, Di]
+    k_scale_ref,  # [C] f32 per-entry scales, or None
+    out_init_ref,  # the aliased output buffer or None; never read
+    o_ref,  # [block_q, span] f32
+    *,
+    seq_len: int,
+    rate: int,
+    block_c: int,
+    rows: str,
+    q_transposed: bool,
+    compute_dtype,
+):
+    """One program: scores of block_q query tokens against `span` consecutive keys, -inf where not visible.
+
+    Key tiles past the block's last visible entry are not computed, only filled with -inf.
+    """
+    del out_init_ref
+    block_q, num_heads, head_dim = q_ref.shape
+    if q_transposed:
+        head_dim, num_heads = num_heads, head_dim
+    span = o_ref.shape[1]
+    num_entries = keys_ref.shape[0]
+    n_tiles = span // block_c
+    span_start = pl.program_id(1) * span
+
+    token = pl.program_id(0) * block_q + jnp.arange(block_q)  # [block_q]
+    token_valid = token < seq_len  # the last query block may overhang S
+    positions = plgpu.load(positions_ref, mask=token_valid, other=-1)  # [block_q]
+    visible = jnp.minimum(lax.div(jnp.maximum(positions + 1, 0), rate), num_entries)  # [block_q]; 0 for overhang
+    n_live = jnp.clip(lax.div(visible.max() - span_start + block_c - 1, block_c), 0, n_tiles)
+
+    def tile_keys(j):
+        entry = span_start + j * block_c + jnp.arange(block_c)  # [block_c]
+        in_bounds = entry < num_entries
+        keys = plgpu.load(keys_ref.at[pl.ds(span_start + j * block_c, block_c), :], mask=in_bounds[:, None])
+        keys = keys.astype(compute_dtype)  # [block_c, Di]; rows past C are garbage, their scores never stored
+        k_scale = None
+        if k_scale_ref is not None:
+            k_scale = plgpu.load(k_scale_ref.at[pl.ds(span_start + j * block_c, block_c)], mask=in_bounds, other=0.0)
+        return entry, in_bounds, keys, k_scale
+
+    def finish(scores, valid):  # -0.0 → +0.0 (as the reference), -inf where not visible
+        return jnp.where(valid, jnp.where(scores == 0, 0.0, scores), NEG_INF)
+
+    if rows == "keys":
+        # Per token: its q tile, weights and visible count (scalars come from masked reductions: Triton cannot
+        # index a register tensor).
+        per_token = []
+        for t in range(block_q):
+            here = jnp.arange(block_q) == t
+            valid_t = (here & token_valid).astype(jnp.int32).max() > 0
+            q_t = plgpu.load(q_ref.at[jnp.int32(t)], mask=jnp.full(q_ref.shape[1:], valid_t))  # [Hi, Di] / [Di, Hi]
+            w_t = plgpu.load(weights_ref.at[jnp.int32(t)], mask=jnp.full((num_heads,), valid_t), other=0.0)
+            per_token.append((q_t.astype(compute_dtype), w_t, jnp.where(here, visible, 0).max(), valid_t))
+
+        def live_tile(j, carry):
+            entry, in_bounds, keys, k_scale = tile_keys(j)
+            for t, (q_t, w_t, visible_t, valid_t) in enumerate(per_token):
+                dots = lax.dot_general(keys, q_t, (((1,), (0 if q_transposed else 1,)), ((), ())),
+                                       precision=lax.Precision.HIGHEST, preferred_element_type=F32)  # [block_c, Hi]
+                scores = (jnp.maximum(dots, 0.0) * w_t[None, :]).sum(axis=1)  # [block_c]
+                if k_scale is not None:
+                    scores = scores * k_scale
+                plgpu.store(o_ref.at[jnp.int32(t), pl.ds(j * block_c, block_c)], finish(scores, entry < visible_t),
+                            mask=in_bounds & valid_t)  # fmt: skip
+            return carry
+
+        def dead_tile(j, carry):
+            in_bounds = span_start + j * block_c + jnp.arange(block_c) < num_entries
+            for t, (_, _, _, valid_t) in enumerate(per_token):
+                plgpu.store(o_ref.at[jnp.int32(t), pl.ds(j * block_c, block_c)], jnp.full((block_c,), NEG_INF, F32),
+                            mask=in_bounds & valid_t)  # fmt: skip
+            return carry
+    else:
+        q = plgpu.load(q_ref, mask=token_valid[:, None, None]).astype(compute_dtype)
+        q = q.reshape(block_q * num_heads, head_dim)  # [M, Di], row = t · Hi + h
+        weights = plgpu.load(weights_ref, mask=token_valid[:, None], other=0.0)  # [block_q, Hi]
+
+        def live_tile(j, carry):
+            entry, in_bounds, keys, k_scale = tile_keys(j)
+            dots = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                   preferred_element_type=F32)  # fmt: skip  # [M, block_c]
+            dots = jnp.maximum(dots, 0.0).reshape(block_q, num_heads, block_c)
+            scores = (dots * weights[:, :, None]).sum(axis=1)  # [block_q, block_c]
+            if k_scale is not None:
+                scores = scores * k_scale[None, :]
+            plgpu.store(o_ref.at[:, pl.ds(j * block_c, block_c)], finish(scores, entry[None, :] < visible[:, None]),
+                        mask=token_valid[:, None] & in_bounds[None, :])  # fmt: skip
+            return carry
+
+        def dead_tile(j, carry):
+            in_bounds = span_start + j * block_c + jnp.arange(block_c) < num_entries
+            plgpu.store(o_ref.at[:, pl.ds(j * block_c, block_c)], jnp.full((block_q, block_c), NEG_INF, F32),
+                        mask=token_valid[:, None] & in_bounds[None, :])  # fmt: skip
+            return carry
+
+    lax.fori_loop(0, n_live, live_tile, 0)
+    lax.fori_loop(n_live, n_tiles, dead_tile, 0)
+
+
+def _fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout):
+    """Everything that scales a whole (token, head) row folds into the weights (ReLU commutes with scales > 0).
+    → (weights, per-entry k_scale or None)."""
+    weights = weights * softmax_scale
+    if q_layout is not None:
+        weights = weights * q_scale  # () or [B, S, Hi]
+    if k_layout == "tensor":
+        weights, k_scale = weights * k_scale, None
+    return weights, k_scale
+
+
+@functools.partial(jax.jit, static_argnames=("rate", "softmax_scale", "blocks", "interpret"))
+def index_scores(
+    q: jax.Array,
+    keys: jax.Array,
+    weights: jax.Array,
+    positions: jax.Array,
+    *,
+    rate: int,
+    softmax_scale: float,
+    q_scale: jax.Array | None = None,
+    k_scale: jax.Array | None = None,
+    blocks: ScoreBlocks = ScoreBlocks(),
+    interpret: bool = False,
+    out_init: jax.Array | None = None,
+) -> jax.Array:
+    """The indexer's scores for a block of queries. → float32 [B, S, C]: -inf where entry c is not visible
+    (c >= (p + 1) // rate), -0.0 written as +0.0.
+
+    Arguments as `index_topk` (q, keys, weights, positions, rate, softmax_scale, q_scale, k_scale, interpret,
+    out_init: an aliased float32 [B, S, C] buffer for poisoning in tests). Grid (nQ, nSpan, B).
+    Callers bound the [S, C] output by passing a chunk of the queries at a time (`index_topk_two_pass`).
+    """
+    q_layout, k_layout = _check_inputs(q, keys, weights, positions, rate=rate, k=1, q_scale=q_scale,
+                                       k_scale=k_scale)  # fmt: skip
+    b, s, h, d = q.shape
+    c = keys.shape[1]
+    if not _is_power_of_2(h) or not _is_power_of_2(d) or d < _MIN_DOT_DIM or (h < _MIN_DOT_DIM and not interpret):
+        raise ValueError(f"q.shape={q.shape}: Hi and Di must be powers of two >= {_MIN_DOT_DIM}")
+    if out_init is not None and (out_init.shape != (b, s, c) or out_init.dtype != F32):
+        raise ValueError(f"out_init must be float32 {(b, s, c)}, got {out_init.dtype} {out_init.shape}")
+    weights, k_scale = _fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout)
+    compute_dtype = keys.dtype if q.dtype == FP8 else q.dtype  # both FP8: an FP8 matmul; one: upcast it
+    bq, span = blocks.block_q, min(blocks.span, max(blocks.block_c, _next_power_of_2(c)))
+    out_spec = pl.BlockSpec((None, bq, span), lambda i, j, n: (n, i, j))
+    in_specs = [
+        pl.BlockSpec((None, bq, h, d), lambda i, j, n: (n, i, 0, 0)),  # q
+        pl.BlockSpec((None, bq, h), lambda i, j, n: (n, i, 0)),  # weights
+        pl.BlockSpec((None, bq), lambda i, j, n: (n, i)),  # positions
+        pl.BlockSpec((None, c, d), lambda i, j, n: (n, 0, 0)),  # keys
+        None if k_scale is None else pl.BlockSpec((None, c), lambda i, j, n: (n, 0)),  # k_scale
+        None if out_init is None else out_spec,
+    ]
+    if weights.shape != (b, s, h):
+        weights = jnp.broadcast_to(weights, (b, s, h))
+    if blocks.q_transposed:
+        q = jnp.swapaxes(q, 2, 3)  # [B, S, Di, Hi]
+        in_specs[0] = pl.BlockSpec((None, bq, d, h), lambda i, j, n: (n, i, 0, 0))
+    args = (q, weights, positions, keys, k_scale, out_init)
+    kernel = functools.partial(index_scores_kernel, seq_len=s, rate=rate, block_c=blocks.block_c, rows=blocks.rows,
+                               q_transposed=blocks.q_transposed, compute_dtype=compute_dtype)  # fmt: skip
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(s, bq), pl.cdiv(c, span), b),
+        in_specs=in_specs,
+        out_specs=out_spec,
+        out_shape=jax.ShapeDtypeStruct((b, s, c), F32),
+        input_output_aliases={} if out_init is None else {sum(a is not None for a in args) - 1: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        interpret=interpret,
+        name="index_scores",
+    )(*args)
+
+
+def default_query_chunk(num_entries: int, batch: int = 1, budget_bytes: int = 1 << 28) -> int:
+    """Queries per `index_topk_two_pass` step: the float32 [B, chunk, C] scores stay within budget_bytes
+    (256 MiB by default), 128..4096, a power of two."""
+    fit = budget_bytes // max(1, 4 * batch * num_entries)
+    return int(min(4096, max(128, 1 << max(0, fit.bit_length() - 1))))
+
+
+@functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "query_chunk", "blocks", "group",
+                                             "interpret"))  # fmt: skip
+def index_topk_two_pass(
+    q: jax.Array,
+    keys: jax.Array,
+    weights: jax.Array,
+    positions: jax.Array,
+    *,
+    rate: int,
+    k: int,
+    softmax_scale: float,
+    q_scale: jax.Array | None = None,
+    k_scale: jax.Array | None = None,
+    query_chunk: int | None = None,
+    blocks: ScoreBlocks = ScoreBlocks(),
+    group: int = 4,
+    interpret: bool = False,
+) -> jax.Array:
+    """`index_topk` in two passes per chunk of queries: the scores kernel writes a [B, chunk, C] float32 slab
+    (never the whole [S, C]), then `dsv4.topk.top_k` picks exactly what `lax.top_k` would while sorting only about
+    k · group elements per query. → int32 [B, S, k], ordered as `index_topk` (score desc, ties to the lower index,
+    -1 past the visible count).
+
+    query_chunk: queries per step (None: `default_query_chunk`, a 256 MiB slab); group: `dsv4.topk.top_k`'s group
+    size. Other arguments as `index_topk`.
+    """
+    from dsv4.topk import top_k
+
+    _check_inputs(q, keys, weights, positions, rate=rate, k=k, q_scale=q_scale, k_scale=k_scale)
+    b, s = positions.shape
+    c = keys.shape[1]
+    chunk = min(query_chunk or default_query_chunk(c, b), s)
+    n_chunks = -(-s // chunk)
+    pad = n_chunks * chunk - s
+    per_token_q_scale = q_scale is not None and q_scale.ndim == 3
+
+    def split(x, fill):  # [B, S, ...] → [n_chunks, B, chunk, ...]; padding queries (position -1) see nothing
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return jnp.moveaxis(x.reshape(b, n_chunks, chunk, *x.shape[2:]), 1, 0)
+
+    def one_chunk(args):
+        qc, wc, pc, qsc = args
+        scores = index_scores(qc, keys, wc, pc, rate=rate, softmax_scale=softmax_scale,
+                              q_scale=qsc if per_token_q_scale else q_scale, k_scale=k_scale, blocks=blocks,
+                              interpret=interpret)  # fmt: skip
+        select = functools.partial(top_k, group=group)
+        return _topk_of_scores(scores, _visible(pc, rate, c), k, lambda x, kk: select(x, kk))
+
+    xs = (split(q, 0), split(weights, 0), split(positions, -1),
+          split(q_scale, 1) if per_token_q_scale else jnp.zeros((n_chunks,), F32))  # fmt: skip
+    out = lax.map(one_chunk, xs)  # [n_chunks, B, chunk, k]
+    return jnp.moveaxis(out, 0, 1).reshape(b, n_chunks * chunk, k)[:, :s]
