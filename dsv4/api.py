@@ -17,17 +17,17 @@ from dsv4.weights import CheckpointError, load_into
 log = logging.getLogger("dsv4")
 
 
-def _build(config: Config, *, dtype, attention_impl: str, moe_impl: str, rngs, indexer_impl: str = "jnp") -> DeepseekV4:
+def _build(config: Config, *, dtype, attention_impl: str, moe_impl: str, rngs, indexer_impl: str = "auto") -> DeepseekV4:
     return DeepseekV4(config, rngs=rngs, dtype=dtype, attention_impl=attention_impl, moe_impl=moe_impl,
                       indexer_impl=indexer_impl)
 
 
 def init_random(config: Config | str, seed: int = 0, *, dtype=jnp.float32, attention_impl: str = "auto",
-                moe_impl: str = "jnp", indexer_impl: str = "jnp") -> DeepseekV4:  # fmt: skip
+                moe_impl: str = "jnp", indexer_impl: str = "auto") -> DeepseekV4:  # fmt: skip
     """A model with random weights (normal, std 0.02; norms 1; biases 0) — for tests and benchmarks.
 
     `config` is a Config or a preset name ("tiny", "v4-flash", "v4-pro"). `attention_impl` / `moe_impl` /
-    `indexer_impl` pick the kernels: "jnp" (XLA) or "pallas".
+    `indexer_impl` pick the kernels: "jnp" (XLA), "pallas", or "auto" (Pallas for 16-bit prefill on a GPU).
     """
     if isinstance(config, str):
         config = Config.preset(config)
@@ -42,7 +42,7 @@ def init_random(config: Config | str, seed: int = 0, *, dtype=jnp.float32, atten
 
 
 def load(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, attention_impl: str = "auto", moe_impl: str = "jnp",
-         indexer_impl: str = "jnp", mesh=None, shardings=None, keep_quantized: bool = False,
+         indexer_impl: str = "auto", mesh=None, shardings=None, keep_quantized: bool = False,
          progress: bool | None = None) -> DeepseekV4:  # fmt: skip
     """Loads a checkpoint directory: config.json + safetensors (either tensor layout, plain or FP8/FP4
     block-quantized), or an orbax checkpoint written by `dsv4.convert.convert`; the log says which it found.

@@ -348,7 +348,7 @@ class Indexer(Compressor):
         self.scorer = nnx.Dict(weights_proj=nnx.Dict(weight=param(
             rngs, (config.index_n_heads, config.hidden_size), ("index_n_heads", "embed"), dtype=dtype)))
         self.n_heads, self.topk = config.index_n_heads, config.index_topk
-        self.use_kernel = False  # the Pallas top-k kernel; set with indexer_impl="pallas"
+        self.impl = "jnp"  # the top-k path (INDEXER_IMPLS); set by Attention's indexer_impl
 
     def keys(self, x: jax.Array, rope: Rope) -> jax.Array:
         return self(x, rope)
@@ -363,13 +363,17 @@ class Indexer(Compressor):
         q = apply_rope(q, cos.astype(q.dtype), sin.astype(q.dtype))
         weights = linear(x, self.scorer["weights_proj"]["weight"][...]).astype(F32) * self.n_heads**-0.5
         k = min(self.topk, n_keys)
-        if self.use_kernel:
+        impl = resolve_indexer_impl(self.impl, q.dtype)
+        kw = dict(rate=self.rate, k=k, softmax_scale=self.head_dim**-0.5)
+        if impl == "pallas":
+            from dsv4.pallas.indexer import index_topk_two_pass
+
+            return index_topk_two_pass(q, keys, weights, positions, **kw, interpret=jax.default_backend() != "gpu")
+        if impl == "pallas-stream":
             from dsv4.pallas.indexer import index_topk
 
-            return index_topk(q, keys, weights, positions, rate=self.rate, k=k, softmax_scale=self.head_dim**-0.5,
-                              interpret=jax.default_backend() != "gpu")  # fmt: skip
-        return index_topk_jnp(q, keys, weights, positions, rate=self.rate, k=k, softmax_scale=self.head_dim**-0.5,
-                              query_chunk=query_chunk)  # fmt: skip
+            return index_topk(q, keys, weights, positions, **kw, interpret=jax.default_backend() != "gpu")
+        return index_topk_jnp(q, keys, weights, positions, **kw, query_chunk=query_chunk)
 
 
 def index_topk_jnp(q, keys, weights, positions, *, rate: int, k: int, softmax_scale: float, query_chunk: int = 512):
@@ -403,6 +407,24 @@ def index_topk_jnp(q, keys, weights, positions, *, rate: int, k: int, softmax_sc
     return jnp.moveaxis(out, 0, 1).reshape(b, n_chunks * chunk, k)[:, :s]
 
 
+INDEXER_IMPLS = ("auto", "jnp", "pallas", "pallas-stream")
+
+
+def resolve_indexer_impl(impl: str, dtype) -> str:
+    """The indexer's top-k path. "jnp": XLA (einsum → ReLU → weighted sum → `lax.top_k`, [chunk, Hi, C] dots
+    materialized); "pallas": two passes per query chunk (the Pallas scores kernel, then the exact grouped top-k of
+    `dsv4.topk`); "pallas-stream": the one-kernel streaming bitonic top-k; "auto": "pallas" for 16-bit / FP8
+    queries on a GPU, "jnp" otherwise (a float32 model keeps XLA's full-precision dots).
+    On one H200 at 32K / 128K / 512K (docs/BENCHMARKS.md): jnp 90 / 1443 ms / -, pallas 17 / 161 / 1769 ms,
+    pallas-stream 564 ms / - / -."""
+    if impl not in INDEXER_IMPLS:
+        raise ValueError(f"indexer_impl={impl!r}; available: {list(INDEXER_IMPLS)}")
+    if impl != "auto":
+        return impl
+    fast = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float8_e4m3fn))
+    return "pallas" if fast and jax.default_backend() == "gpu" else "jnp"
+
+
 # ---------------------------------------------------------------------------------------------
 # The attention block.
 # ---------------------------------------------------------------------------------------------
@@ -410,7 +432,7 @@ class Attention(nnx.Module):
     """q LoRA → per-head unweighted RMSNorm → RoPE; one shared K=V head; sinks; grouped output projection."""
 
     def __init__(self, config: Config, layer_type: str, *, rngs: nnx.Rngs, dtype, attention_impl: str = "auto",
-                 indexer_impl: str = "jnp"):  # fmt: skip
+                 indexer_impl: str = "auto"):  # fmt: skip
         d, h, hd = config.hidden_size, config.num_attention_heads, config.head_dim
         g, r = config.o_groups, config.o_lora_rank
         self.q_a_proj = nnx.Dict(weight=param(rngs, (config.q_lora_rank, d), ("q_lora", "embed"), dtype=dtype))
@@ -428,11 +450,8 @@ class Attention(nnx.Module):
             self.compressor = Compressor(config, rate=config.compress_rate(CSA), head_dim=hd, overlap=True,
                                          rngs=rngs, dtype=dtype)  # fmt: skip
             self.compressor.indexer = Indexer(config, rngs=rngs, dtype=dtype)
-            if indexer_impl not in ("jnp", "pallas"):
-                raise ValueError(f"indexer_impl={indexer_impl!r}; available: ['jnp', 'pallas']")
-            # NOTE: separate from attention_impl: on H200 the Pallas top-k took 291 ms against XLA's 92 ms
-            # at 32K (docs/BENCHMARKS.md), so the faster XLA indexer stays the default under "pallas" too.
-            self.compressor.indexer.use_kernel = indexer_impl == "pallas"
+            resolve_indexer_impl(indexer_impl, dtype)  # validates the name
+            self.compressor.indexer.impl = indexer_impl
         self.layer_type = layer_type
         self.rope = Rope.build(config.rope_main if layer_type == SLIDING else config.rope_compress, config.qk_rope_head_dim)
         self.n_heads, self.head_dim, self.o_groups = h, hd, g

@@ -30,7 +30,7 @@ STREAM_AXES = ("batch", "seq", None, "embed")  # the residual copies [B, S, hc, 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, config: Config, layer_idx: int, *, rngs: nnx.Rngs, dtype, attention_impl: str, moe_impl: str,
-                 indexer_impl: str = "jnp"):  # fmt: skip
+                 indexer_impl: str = "auto"):  # fmt: skip
         d, eps = config.hidden_size, config.rms_norm_eps
         self.attn_hc = HyperConnection(config, rngs=rngs)
         self.input_layernorm = RMSNorm(d, eps, axis_name="embed", rngs=rngs)
@@ -61,7 +61,7 @@ class DeepseekV4(nnx.Module):
     hyper-connection weights stay float32 as in the reference."""
 
     def __init__(self, config: Config, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, attention_impl: str = "auto",
-                 moe_impl: str = "jnp", indexer_impl: str = "jnp"):  # fmt: skip
+                 moe_impl: str = "jnp", indexer_impl: str = "auto"):  # fmt: skip
         d, v = config.hidden_size, config.vocab_size
         self.config = config
         self.dtype = jnp.dtype(dtype)

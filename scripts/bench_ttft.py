@@ -18,8 +18,10 @@ The weights are generated on the device (one jitted normal draw per distinct sha
 tree), not through `init_random`'s host-side numpy draw (~40 GB of normals would take minutes of host time).
 
 Variants (``--variants``, keys below), all on the same model, weights and token ids:
-    xla              (1)  full-sequence forward, attention_impl="jnp", moe_impl="jnp" (XLA; MoE = lax.ragged_dot)
-    pallas-attn      (2)  + attention_impl="pallas": the Pallas attention core and the Pallas indexer top-k
+    xla              (1)  full-sequence forward, attention_impl="jnp", indexer_impl="jnp", moe_impl="jnp" (XLA; MoE =
+                          lax.ragged_dot)
+    pallas-attn      (2)  + attention_impl="pallas", indexer_impl="pallas": the Pallas attention core and the
+                          two-pass Pallas indexer (scores kernel + exact grouped top-k)
     pallas           (3)  + Pallas grouped-GEMM MoE
     chunked          (4)  chunked prefill: `DeepseekV4.forward_chunk` over ``--chunk`` (8192) token chunks, both
                           kernels; TTFT = the sum of the chunk calls (cache of max_len = S, made before the clock)
@@ -52,8 +54,8 @@ residual streams, the model's own weights), each piece its own jitted call:
     out-proj     un-RoPE of the output, grouped o_a, o_b
     compressor   CSA (4:1 overlapping, 2 × 512 wide) and HCA (128:1, 512 wide) compressors
     idx-keys     the indexer's own compressor (4:1, 2 × 128 wide)
-    idx-topk     indexer q projection + weights + scores + top-512: XLA (`index_topk_jnp`, what attention_impl="jnp"
-                 runs) and the Pallas kernel (`dsv4.pallas.indexer.index_topk`, what attention_impl="pallas" runs)
+    idx-topk     indexer q projection + weights + scores + top-512: XLA (`index_topk_jnp`, what indexer_impl="jnp"
+                 runs) and the two-pass Pallas path (`dsv4.pallas.indexer.index_topk_two_pass`, indexer_impl="pallas")
     core         the attention core per layer type, jnp and Pallas (`core_attention_*`, kv_aligned as in the model)
     moe          router + routed + shared experts, per moe_impl
     mhc          both hyper-connections (mix, Sinkhorn, collapse, merge) + both RMSNorms of a layer
@@ -684,10 +686,10 @@ def _idx_keys(gd, st, x):
 
 def _idx_topk(gd, st, x, q_residual, positions, keys, impl, interpret):
     """The indexer's selection (q projection, RoPE, head weights, scores, top-k) as `Indexer.select` does it, with
-    the top-k by `impl`: "jnp" = `index_topk_jnp` (XLA), "pallas" = the Pallas kernel (what attention_impl="pallas"
-    runs), whatever the module's own flag says."""
+    the top-k by `impl`: "jnp" = `index_topk_jnp` (XLA), "pallas" = `index_topk_two_pass` (indexer_impl="pallas"),
+    whatever the module's own flag says."""
     from dsv4.attention import index_topk_jnp
-    from dsv4.pallas.indexer import index_topk
+    from dsv4.pallas.indexer import index_topk_two_pass
 
     attn = nnx.merge(gd, st)
     indexer = attn.compressor.indexer
@@ -700,7 +702,7 @@ def _idx_topk(gd, st, x, q_residual, positions, keys, impl, interpret):
     kw = dict(rate=indexer.rate, k=k, softmax_scale=indexer.head_dim**-0.5)
     if impl == "jnp":
         return index_topk_jnp(q, keys, weights, positions, **kw)
-    return index_topk(q, keys, weights, positions, interpret=interpret, **kw)
+    return index_topk_two_pass(q, keys, weights, positions, interpret=interpret, **kw)
 
 
 def _core(gd, st, q, kv, positions, entries, topk, impl, rate):
@@ -824,8 +826,9 @@ class Bench:
         weights (no copy)."""
         key = (attention, moe)
         if key not in self.graphdefs:
+            # the indexer follows the attention impl: XLA's for the jnp baseline, the two-pass Pallas path otherwise
             make = lambda: DeepseekV4(self.cfg, rngs=nnx.Rngs(0), dtype=BF16, attention_impl=attention,  # noqa: E731
-                                      moe_impl=moe)  # fmt: skip
+                                      moe_impl=moe, indexer_impl="jnp" if attention == "jnp" else "pallas")  # fmt: skip
             self.graphdefs[key] = nnx.split(nnx.eval_shape(make))[0]
         self.model = nnx.merge(self.graphdefs[key], self.state)
         return self.model
