@@ -30,9 +30,10 @@ milliseconds. The layout it assumes is the one the seed article describes for 51
   of the next layer overlaps this one; the MoE all-to-all's dispatch and combine buffers (send + receive).
 - Activations: one layer's temporaries for one chunk (layers run one after another), for the chunk's share of
   tokens on each device (ceil(chunk / N): the chunk's sequence axis is split too). The big ones: the lightning
-  indexer's float32 scores of every query of the share against every compressed key of the context (before
-  its top-k; the Pallas kernel path: the jnp fallback's [512 × heads × keys] float32 dots are far larger), and
-  the MoE's per-(token, expert) buffers in the dtypes `moe.routed_experts_jnp` uses (balanced routing).
+  indexer's float32 scores slab, one query chunk of the share against every compressed key of the context (the
+  two-pass Pallas indexer, `dsv4.pallas.indexer.index_topk_two_pass`, scores `INDEX_SLAB_BYTES` worth of queries
+  at a time; the jnp fallback's [512 × heads × keys] float32 dots are far larger), and the MoE's
+  per-(token, expert) buffers in the dtypes `moe.routed_experts_jnp` uses (balanced routing).
 - Headroom: the seed's rule, plan for 1.2× the peak.
 """
 
@@ -51,6 +52,9 @@ FP8_BLOCK = 128  # fp8 weights: one float32 scale per 128 × 128 block
 FP4_GROUP = 32  # fp4 experts: one scale per row and 32 columns (dsv4.quantization.FP4_GROUP)
 SCALE_BYTES = 4  # weight scales are float32 on the device (BlockQuantized.scale)
 ACT_BYTES = 2  # activations, open-window state and dequantized weights in bf16 (the compute dtype)
+# The two-pass indexer's float32 scores slab per step (dsv4.pallas.indexer.default_query_chunk's budget; a test
+# checks that the two agree): queries per step = clip(pow2_floor(INDEX_SLAB_BYTES / (4 · keys)), 128, 4096).
+INDEX_SLAB_BYTES = 1 << 28
 
 WEIGHT_FORMATS = ("bf16", "fp8", "fp4-experts", "fp32")
 KV_FORMATS = (*FORMAT_NAMES, "fp8", "fp32")  # "fp8" = DEFAULT_FP8_FORMAT; "fp32": unquantized float32 rows
@@ -348,14 +352,15 @@ def plan_memory(
     per_token += k * moe_pair + d * 4
     has_csa = CSA in config.layer_types
     csa_keys = _ceil_div(context, config.compress_rate(CSA)) if has_csa else 0
-    index_scores = t * csa_keys * 4
+    slab_rows = min(4096, max(128, 1 << max(0, (INDEX_SLAB_BYTES // max(1, 4 * csa_keys)).bit_length() - 1)))
+    index_scores = min(t, slab_rows) * csa_keys * 4
     activations = t * per_token + index_scores + config.vocab_size * 4
 
     all_to_all = 4 * t * k * d * ACT_BYTES if devices > 1 else 0
     lines += [
         LedgerLine("activations: one chunk", activations,
                    f"{t} tokens (of a {chunk_size}-token chunk) × {per_token} B, one layer; indexer scores "
-                   f"{t} × {csa_keys} × 4 B; last-token logits"),
+                   f"{min(t, slab_rows)} × {csa_keys} × 4 B; last-token logits"),
         LedgerLine("communication: KV all-gather", gathered, gathered_how),
         LedgerLine("communication: MoE all-to-all", all_to_all,
                    f"dispatch + combine, send + receive: 4 × {t} tokens × top-{k} × {d} × {ACT_BYTES} B"),
