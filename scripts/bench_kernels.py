@@ -35,16 +35,21 @@ cudnn      ``jax.nn.dot_product_attention(implementation="cudnn", is_causal=True
 fp8        the Pallas kernel with kv and compressed entries in float8_e4m3fn with per-channel scales, against
            the bf16 kernel on the dequantized values (same function, so the relative L2 should be ~0), at one
            length (``--fp8-length``, default the middle of ``--lengths``).
-indexer    ``dsv4.pallas.indexer.index_topk`` (Pallas, streaming top-k) at V4-Flash shapes: B=1, Hi=64 index heads ×
-           Di=128, keys C = S/4, top-512, S = 32K, 128K, 512K (``--indexer-lengths``). fp8: q e4m3 with per
-           (token, head) scales, keys e4m3 with per-entry scales (DeepSeek's act_quant, block = Di); bf16: the same
-           random values unquantized. Against ``dsv4.attention.index_topk_jnp`` (XLA: einsum → ReLU → weighted sum →
-           mask → lax.top_k, 1024 queries per scan step) in bf16, where one call is predicted under
-           ``--indexer-xla-max-call`` (5 s; it is quadratic: ~22 s per call at 512K). Checks at the smallest S, on
-           the timed calls' outputs: every list valid (indices in [-1, visible), distinct, min(visible, 512) valid);
-           per-row set equality Pallas bf16 vs XLA bf16, and Pallas fp8 vs index_topk_jnp on the dequantized float32
-           inputs (HIGHEST precision); near-tie swaps are allowed: the fraction of differing picks and the worst
-           relative score deficit of a differing pick against the other list's 512th score are reported.
+indexer    ``dsv4.pallas.indexer.index_topk_two_pass`` (Pallas, the primary path: a scores kernel per query chunk
+           + the exact grouped top-k of ``dsv4.topk``) at V4-Flash shapes: B=1, Hi=64 index heads × Di=128, keys
+           C = S/4, top-512, S = 32K, 128K, 512K (``--indexer-lengths``); the one-kernel streaming top-k
+           ``dsv4.pallas.indexer.index_topk`` (~30× slower) only at S <= ``--indexer-stream-max`` (32K; every S in
+           --smoke). fp8: q e4m3 with per (token, head) scales, keys e4m3 with per-entry scales (DeepSeek's
+           act_quant, block = Di); bf16: the same random values unquantized. Against
+           ``dsv4.attention.index_topk_jnp`` (XLA: einsum → ReLU → weighted sum → mask → lax.top_k, 1024 queries
+           per scan step) in bf16, where one call is predicted under ``--indexer-xla-max-call`` (5 s; it is
+           quadratic: ~22 s per call at 512K). One H200 (docs/data/bench_indexer_2026-11-30.json, fp8): two-pass
+           ~15 ms at 32K, ~143 ms at 128K, ~1.7 s at 512K; streaming 564 ms at 32K; XLA ~90 ms, ~1.4 s, ~22 s.
+           Checks at the smallest S, on the timed calls' outputs: every list valid (indices in [-1, visible),
+           distinct, min(visible, 512) valid); per-row set equality of each Pallas path's bf16 output vs XLA bf16,
+           and of its fp8 output vs index_topk_jnp on the dequantized float32 inputs (HIGHEST precision); near-tie
+           swaps are allowed: the fraction of differing picks and the worst relative score deficit of a differing
+           pick against the other list's 512th score are reported.
 decode     ``dsv4.pallas.decode.paged_decode_attention`` (flash-decoding over paged caches), H=64, D=512, window ring
            128, 64 entries per page, at batch 1 and 32 (``--decode-batches``) and contexts 32K, 128K, 512K
            (``--decode-contexts``), bf16 and fp8 pages (``--decode-fp8-scales``: per token and 64-channel tile, or
@@ -83,9 +88,9 @@ FLOPs (useful work; 2 per multiply-add; Q·Kᵀ and P·V are 2·D each, so 4·D 
            over its time; for the copy, bytes read + written.
     Indexer: useful FLOPs = 2 · Hi · Di · Σ_p visible(p), visible(p) = min((p + 1) // 4, C) (multiply-adds of the
            visible (query, key) pairs × 2); the note also gives the rate on the dense count 2 · Hi · Di · S · C / 2.
-           Same count for Pallas and XLA (XLA computes all S · C pairs). The % column: of this run's fp8 matmul for
-           fp8 rows, of the bf16 matmul for bf16 rows. Bytes: q, keys, weights, positions, scales read once, the
-           top-k written once.
+           Same count for both Pallas paths and XLA (XLA computes all S · C pairs). The % column: of this run's fp8
+           matmul for fp8 rows, of the bf16 matmul for bf16 rows. Bytes: q, keys, weights, positions, scales read
+           once, the top-k written once (not counted: the two-pass path's float32 score slabs).
     Decode: bytes = B · (q read + output written, 2 · H · D · 2) + per request: visible ring rows min(ctx, 128)
            and the compressed rows read (hca / sweep: all C; csa: the 512 picks) × (D · itemsize + tile scales
            D/64 · 4 B for fp8), the top-k list (4 B a slot) and the block-table entries dereferenced (4 B each). Not
@@ -129,8 +134,9 @@ Order of work (a slow Triton compile, ~40 of them in all, must not starve the ma
   8. decode: per context, hca then csa, bf16 then fp8, each batch size; then the sweep, largest context first;
   9. moe: per N below ``--large-from`` (8K, 64K) each mode's baseline variant, the einsum, ragged_dot at 8K; then
      the BlockSizes sweep at 64K; then ragged_dot at 64K if it ran at 8K;
- 10. indexer below ``--large-from`` (32K, 128K): per S, Pallas fp8, Pallas bf16, XLA bf16 (+ the checks at 32K);
- 11. moe-large (512K tokens);  12. indexer-large (512K).
+ 10. indexer below ``--large-from`` (32K, 128K): per S, two-pass fp8, two-pass bf16, XLA bf16, streaming fp8 and bf16
+     (S <= ``--indexer-stream-max``) (+ the checks at 32K);
+ 11. moe-large (512K tokens);  12. indexer-large (512K: two-pass fp8 and bf16, ~1.7 s and more per call).
 The larger lengths come after cudnn and fp8 also because a kernel fault there (an illegal address is a sticky
 CUDA error: nothing after it runs on the GPU) then costs only what follows; likewise the 512K MoE and indexer
 items (arrays past 2^31 elements, the largest temporaries) run last. Steps 8–12 each have a cap
@@ -315,6 +321,9 @@ def parse_args():
                    help="also time index_topk_jnp on fp8 inputs (XLA's fp8 dot autotuning can compile for minutes)")
     g.add_argument("--indexer-xla-max-call", type=float, default=None,
                    help="skip the XLA indexer above the smallest S when one call is predicted longer (s, default 5)")
+    g.add_argument("--indexer-stream-max", type=int, default=None,
+                   help="largest S for the streaming indexer kernel index_topk (~30x slower than the two-pass path; "
+                        "GPU default 32768, every S in --smoke)")  # fmt: skip
     g.add_argument("--decode-contexts", default=None, help="decode context lengths (GPU default 32k,128k,512k)")
     g.add_argument("--decode-batches", default=None, help="decode batch sizes (GPU default 1,32)")
     g.add_argument("--decode-fp8-scales", choices=("tile", "channel"), default="tile",
@@ -348,6 +357,8 @@ def parse_args():
     args.target_s = args.target_s or (0.05 if args.smoke else 1.5)
     args.indexer_lengths = parse_lengths(args.indexer_lengths or ("96,128" if args.smoke else "32k,128k,512k"))
     args.indexer_xla_max_call = args.indexer_xla_max_call or (1e9 if args.smoke else 5.0)
+    if args.indexer_stream_max is None:
+        args.indexer_stream_max = max(args.indexer_lengths) if args.smoke else 32768
     args.decode_contexts = parse_lengths(args.decode_contexts or ("256,512" if args.smoke else "32k,128k,512k"))
     args.decode_batches = parse_lengths(args.decode_batches or ("2" if args.smoke else "1,32"))
     args.decode_sweep_dtypes = [d.strip() for d in (args.decode_sweep_dtypes or ("bf16" if args.smoke else
@@ -1097,7 +1108,9 @@ class Bench:
                                xla_query_chunks=self.args.xla_query_chunks, fp8_length=self.args.fp8_length,
                                topk_scheme=self.args.topk_scheme, budget_s=self.args.budget,
                                target_s=self.args.target_s, smoke=self.args.smoke, only=self.args.only,
-                               indexer_lengths=self.args.indexer_lengths, decode_contexts=self.args.decode_contexts,
+                               indexer_lengths=self.args.indexer_lengths,
+                               indexer_stream_max=self.args.indexer_stream_max,
+                               decode_contexts=self.args.decode_contexts,
                                decode_batches=self.args.decode_batches, decode_fp8_scales=self.args.decode_fp8_scales,
                                moe_tokens=self.args.moe_tokens, moe_modes=self.args.moe_modes,
                                moe_zipf=self.args.moe_zipf, moe_variants_bf16=self.args.moe_variants_bf16,
@@ -1120,7 +1133,8 @@ class Bench:
         self.rec.log("variants: " + "; ".join(f"{n}={_bs_str(b)}" for n, b in self.variants))
         a = self.args
         if any(s in a.only for s in NEW_SECTIONS):
-            self.rec.log(f"indexer: Hi={sh.index_heads} Di={sh.index_dim} S {a.indexer_lengths}; decode: contexts "
+            self.rec.log(f"indexer: Hi={sh.index_heads} Di={sh.index_dim} S {a.indexer_lengths} (streaming S <= "
+                         f"{a.indexer_stream_max}); decode: contexts "
                          f"{a.decode_contexts} batches {a.decode_batches} page {sh.page_size}; moe: D={sh.moe_hidden} "
                          f"I={sh.moe_inter} E={sh.moe_experts} top-{sh.moe_topk} tokens {a.moe_tokens} modes "
                          f"{a.moe_modes} zipf {a.moe_zipf}; section caps {a.section_budgets or 'none'}")  # fmt: skip
@@ -1634,7 +1648,8 @@ class Bench:
             self.rec.skip("indexer", "dsv4.pallas.indexer did not import")
             return
         self.rec.log(f"--- lightning indexer: B=1, Hi={sh.index_heads} Di={sh.index_dim} top-{sh.topk}, keys C = S/"
-                     f"{sh.csa_rate}, S {lengths}; Pallas fp8 + bf16, XLA bf16 ---")  # fmt: skip
+                     f"{sh.csa_rate}, S {lengths}; Pallas two-pass fp8 + bf16, XLA bf16, streaming fp8 + bf16 at S <= "
+                     f"{self.args.indexer_stream_max} ---")  # fmt: skip
         for seq in lengths:
             where = f"indexer S={seq}"
             if self.budget.left() < 5:
@@ -1652,9 +1667,14 @@ class Bench:
                 continue
             keep = {} if first else None  # outputs kept for the checks at the smallest S
             try:
-                self.indexer_pallas(seq, "fp8", inputs["fp8"], keep)
-                self.indexer_pallas(seq, "bf16", inputs["bf16"], keep)
+                self.indexer_pallas(seq, "two-pass", "fp8", inputs["fp8"], keep)
+                self.indexer_pallas(seq, "two-pass", "bf16", inputs["bf16"], keep)
                 self.indexer_xla(seq, "bf16", inputs["bf16"], keep)
+                if seq <= self.args.indexer_stream_max:
+                    self.indexer_pallas(seq, "stream", "fp8", inputs["fp8"], keep)
+                    self.indexer_pallas(seq, "stream", "bf16", inputs["bf16"], keep)
+                else:
+                    self.rec.skip(f"indexer stream S={seq}", f"S > --indexer-stream-max {self.args.indexer_stream_max}")
                 if first:
                     self.indexer_checks(seq, inputs, keep)
                 if self.args.indexer_xla_fp8:
@@ -1671,12 +1691,14 @@ class Bench:
         sh = self.sh
         return dict(rate=sh.csa_rate, k=sh.topk, softmax_scale=sh.index_dim**-0.5)
 
-    def indexer_pallas(self, seq: int, dtype_name: str, args: dict, keep: dict | None):
+    def indexer_pallas(self, seq: int, impl: str, dtype_name: str, args: dict, keep: dict | None):
+        """impl "two-pass": index_topk_two_pass (scores kernel per query chunk + exact grouped top-k, its default
+        query chunk and ScoreBlocks); "stream": index_topk (one kernel, streaming bitonic top-k, default BlockSizes)."""
         ix, sh = self.ops["indexer"], self.sh
-        where = f"indexer pallas {dtype_name} S={seq}"
+        where = f"indexer {impl} {dtype_name} S={seq}"
         flops, dense = indexer_flops(seq, sh)
-        t_pred = self.predict_from("indexer", "pallas", dtype_name, seq, lambda n: indexer_flops(n, sh)[0],
-                                   1e9 if self.args.smoke else 100e12)  # fmt: skip
+        rate = 1e9 if self.args.smoke else (100e12 if impl == "two-pass" else 4e12)  # H200 fp8 32K: ~150, ~4 TF/s
+        t_pred = self.predict_from("indexer", impl, dtype_name, seq, lambda n: indexer_flops(n, sh)[0], rate)
         if t_pred > 60:
             self.rec.skip(where, f"one call predicted {t_pred:.0f} s (> 60 s)")
             return
@@ -1688,23 +1710,32 @@ class Bench:
             check.update({k: int(v) for k, v in topk_validity(out, args["positions"], rate=sh.csa_rate,
                                                                count=seq // sh.csa_rate).items()})  # fmt: skip
             if keep is not None:
-                keep[f"pallas-{dtype_name}"] = out
+                keep[f"{impl}-{dtype_name}"] = out
 
         try:
-            bs = ix.BlockSizes(block_q=4, block_c=16) if self.args.smoke else ix.BlockSizes()
-            static = dict(self.indexer_static(), block_sizes=bs, interpret=self.interpret)
-            compiled, cs = self.op_compiled(("ix", seq, "pallas", dtype_name), ix.index_topk, args, static,
-                                            kind="indexer")  # fmt: skip
+            extra = {}
+            if impl == "two-pass":  # --smoke: 2 key tiles per span, 2 query chunks (the second padded at S=96)
+                fn = ix.index_topk_two_pass
+                blocks = ix.ScoreBlocks(block_c=16, span=32) if self.args.smoke else ix.ScoreBlocks()
+                chunk = 64 if self.args.smoke else None
+                static = dict(self.indexer_static(), blocks=blocks, query_chunk=chunk, interpret=self.interpret)
+                extra = dict(blocks=dataclasses.asdict(blocks),
+                             query_chunk=min(chunk or ix.default_query_chunk(seq // sh.csa_rate), seq))
+            else:
+                fn = ix.index_topk
+                bs = ix.BlockSizes(block_q=4, block_c=16) if self.args.smoke else ix.BlockSizes()
+                static = dict(self.indexer_static(), block_sizes=bs, interpret=self.interpret)
+            compiled, cs = self.op_compiled(("ix", seq, impl, dtype_name), fn, args, static, kind="indexer")
             pre = jnp.full((1, seq, sh.topk), -7, jnp.int32)  # an impossible index in the block handed out next
             pre.block_until_ready()
             del pre
             t = time_compiled(compiled, [args], target_s=self.args.target_s, budget=self.budget, first_out=on_first)
             bad = sum(check.values())
             note = f"dense {dense / (t['ms'] * 1e-3) / 1e12:.0f}TF/s " + (f"INVALID {check}" if bad else "valid")
-            self.report("indexer", "pallas", seq, dtype_name, t, flops=flops,
+            self.report("indexer", impl, seq, dtype_name, t, flops=flops,
                         nbytes=indexer_min_bytes(seq, sh, 1 if dtype_name == "fp8" else 2), note=note,
                         ref="fp8" if dtype_name == "fp8" else "bf16", compile_s=cs, check=check,
-                        dense_flops=dense)  # fmt: skip
+                        dense_flops=dense, **extra)  # fmt: skip
             if bad:
                 self.rec.log(f"WARNING {where}: invalid top-k lists {check}")
         except Exception as exc:
@@ -1755,17 +1786,24 @@ class Bench:
         free()
 
     def indexer_checks(self, seq: int, inputs: dict, keep: dict):
-        """Index sets per row: Pallas bf16 vs the XLA path (same bf16 inputs); Pallas fp8 vs index_topk_jnp on the
-        dequantized float32 inputs at HIGHEST precision. Near-tie swaps are allowed: a pick missing from the other
-        list must score within the tolerance of that list's k-th score (exact float32 scores of the picks)."""
+        """Index sets per row, for each Pallas path (two-pass, stream) that ran: bf16 vs the XLA path (same bf16
+        inputs); fp8 vs index_topk_jnp on the dequantized float32 inputs at HIGHEST precision. Near-tie swaps are
+        allowed: a pick missing from the other list must score within the tolerance of that list's k-th score (exact
+        float32 scores of the picks)."""
         where = f"indexer check S={seq}"
-        if "pallas-bf16" in keep and "xla-bf16" in keep:
-            self.indexer_compare(seq, "bf16", keep["pallas-bf16"], keep["xla-bf16"], inputs["bf16"],
-                                 against="index_topk_jnp", tol=1e-4, max_frac=1e-3)  # fmt: skip
-        else:
-            self.rec.skip(f"{where} bf16", "a Pallas or XLA bf16 output is missing")
-        if "pallas-fp8" not in keep or "index_topk_jnp" not in self.ops:
-            self.rec.skip(f"{where} fp8", "the Pallas fp8 output or index_topk_jnp is missing")
+        impls = [impl for impl in ("two-pass", "stream") if f"{impl}-bf16" in keep or f"{impl}-fp8" in keep]
+        if not impls:
+            self.rec.skip(where, "no Pallas output")
+            return
+        for impl in impls:
+            if f"{impl}-bf16" in keep and "xla-bf16" in keep:
+                self.indexer_compare(seq, f"{impl} bf16", keep[f"{impl}-bf16"], keep["xla-bf16"], inputs["bf16"],
+                                     against="index_topk_jnp", tol=1e-4, max_frac=1e-3)  # fmt: skip
+            else:
+                self.rec.skip(f"{where} {impl} bf16", f"the {impl} or XLA bf16 output is missing")
+        got8 = [impl for impl in impls if f"{impl}-fp8" in keep]
+        if not got8 or "index_topk_jnp" not in self.ops:
+            self.rec.skip(f"{where} fp8", "no Pallas fp8 output, or index_topk_jnp is missing")
             return
         try:
             f8 = inputs["fp8"]
@@ -1774,9 +1812,10 @@ class Bench:
             with jax.default_matmul_precision("highest"):
                 want = self.indexer_xla_fn()(**deq)
             del deq
-            self.indexer_compare(seq, "fp8", keep["pallas-fp8"], want, f8,
-                                 against="index_topk_jnp f32 dequantized", tol=2e-2,
-                                 max_frac=1e-2)  # fmt: skip
+            for impl in got8:
+                self.indexer_compare(seq, f"{impl} fp8", keep[f"{impl}-fp8"], want, f8,
+                                     against="index_topk_jnp f32 dequantized", tol=2e-2,
+                                     max_frac=1e-2)  # fmt: skip
         except Exception as exc:
             self.rec.error(f"{where} fp8", exc)
         free()
@@ -2209,7 +2248,8 @@ class Bench:
         log = functools.partial(rec.log, stamp=False)  # the table is what the device tool's 12,000-char tail keeps
         order = {"ceiling": 0, "v4-pallas": 1, "v4-xla": 2, "v4-fp8": 3, "cudnn": 4, "indexer": 5, "decode": 6,
                  "moe": 7}  # fmt: skip
-        layer_order = {k: i for i, k in enumerate(LAYERS + ("sweep", "floor", "pallas", "xla", "einsum", "xla-ragged"))}
+        layer_order = {k: i for i, k in enumerate(LAYERS + ("sweep", "floor", "pallas", "two-pass", "xla", "stream",
+                                                             "einsum", "xla-ragged"))}  # fmt: skip
         best = {}
         for r in rec.rows:
             if r["section"] == "v4-pallas":
@@ -2312,13 +2352,17 @@ class Bench:
 
         out = []
         for seq in sorted({r["seq"] for r in rows if r["section"] == "indexer"}):
-            p8, p16 = get.get(("indexer", "pallas", seq, "fp8")), get.get(("indexer", "pallas", seq, "bf16"))
+            p8, p16 = get.get(("indexer", "two-pass", seq, "fp8")), get.get(("indexer", "two-pass", seq, "bf16"))
             x16 = get.get(("indexer", "xla", seq, "bf16"))
-            parts = [fmt(p8, "pallas fp8 ") if p8 else "pallas fp8 -", fmt(p16, "bf16 ") if p16 else "bf16 -",
+            parts = [fmt(p8, "two-pass fp8 ") if p8 else "two-pass fp8 -", fmt(p16, "bf16 ") if p16 else "bf16 -",
                      fmt(x16, "xla bf16 ") if x16 else "xla bf16 -"]  # fmt: skip
             if x16 and (p8 or p16):
                 parts.append(f"speedup vs xla: {'fp8 %.1fx' % (x16['ms'] / p8['ms']) if p8 else ''}"
                              f"{' bf16 %.1fx' % (x16['ms'] / p16['ms']) if p16 else ''}")  # fmt: skip
+            s8 = get.get(("indexer", "stream", seq, "fp8"))
+            if s8:  # the streaming kernel (secondary): its fp8 time and how much faster the two-pass fp8 is
+                parts.append(f"stream fp8 {_fmt_ms(s8['ms'], 0)} ms" + (f" ({s8['ms'] / p8['ms']:.1f}x two-pass)" if p8
+                                                                         else ""))  # fmt: skip
             out.append(f"summary indexer S={seq:<7} " + " | ".join(parts))
         floor = [r for r in rows if r["section"] == "decode" and r["layer"] == "floor"]
         if floor:
