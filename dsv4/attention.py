@@ -367,8 +367,13 @@ class Indexer(Compressor):
         kw = dict(rate=self.rate, k=k, softmax_scale=self.head_dim**-0.5)
         if impl == "pallas":
             from dsv4.pallas.indexer import index_topk_two_pass
+            from dsv4.sharding.context_parallel import per_sequence_shard
 
-            return index_topk_two_pass(q, keys, weights, positions, **kw, interpret=jax.default_backend() != "gpu")
+            def local(q_, weights_, positions_, keys_):  # this shard's queries against all keys
+                return index_topk_two_pass(q_, keys_, weights_, positions_, **kw,
+                                           interpret=jax.default_backend() != "gpu")  # fmt: skip
+
+            return per_sequence_shard(local, (q, weights, positions), (keys,), fill=(0, 0, -1))
         if impl == "pallas-stream":
             from dsv4.pallas.indexer import index_topk
 

@@ -100,8 +100,22 @@ class MoE(nnx.Module):
         b, s, d = x.shape
         flat = x.reshape(b * s, d)
         ids, weights = self.route(flat, token_ids.reshape(-1))
-        routed = MOE_IMPLS[self.moe_impl](flat, ids, weights, self.experts["gate_up_proj"][...],
-                                    self.experts["down_proj"][...], self.limit)  # fmt: skip
+        gate_up, down = self.experts["gate_up_proj"][...], self.experts["down_proj"][...]
+        if self.moe_impl == "pallas":
+            # A custom call: split it over the sequence shards by hand (experts gathered to every shard), else
+            # XLA would gather the tokens and run every token's experts on every device.
+            from dsv4.sharding.context_parallel import per_sequence_shard
+
+            def local(x_, ids_, weights_, gate_up_, down_):
+                n = x_.shape[0] * x_.shape[1]
+                out = routed_experts_pallas(x_.reshape(n, d), ids_.reshape(n, -1), weights_.reshape(n, -1),
+                                            gate_up_, down_, self.limit)  # fmt: skip
+                return out.reshape(x_.shape)
+
+            routed = per_sequence_shard(local, (x, ids.reshape(b, s, -1), weights.reshape(b, s, -1)), (gate_up, down),
+                                        fill=(0, 0, 0.0)).reshape(b * s, d)  # fmt: skip
+        else:
+            routed = MOE_IMPLS[self.moe_impl](flat, ids, weights, gate_up, down, self.limit)
         sh = self.shared_experts
         shared = linear(swiglu(linear(flat, sh["gate_proj"]["weight"][...]), linear(flat, sh["up_proj"]["weight"][...]),
                                self.limit), sh["down_proj"]["weight"][...])  # fmt: skip

@@ -95,6 +95,32 @@ def sp_layout(mesh: Mesh | None = None, axis: str | None = None) -> tuple[Mesh, 
     return mesh, axis, mesh.shape[axis]
 
 
+def per_sequence_shard(fn, sharded, replicated=(), *, fill, mesh: Mesh | None = None, axis: str | None = None):
+    """fn over each sequence shard of the active (or given) mesh: `fn(*local sharded, *replicated)`. → the global
+    result, its axis 1 the sequence axis like every array in `sharded` ([B, S, ...]).
+
+    For token-local work that lowers to a custom call (the Pallas indexer, the Pallas MoE): XLA's SPMD partitioner
+    cannot split a custom call, so given sequence-sharded operands it would gather them and every device would
+    compute the whole call. Here each device runs `fn` on its own tokens; `replicated` operands (the indexer keys,
+    the expert weights) are gathered once if they are sharded. S is padded to a multiple of the shard count with
+    `fill` (one value per sharded array) and the padding is cut from the result. No mesh (or a 1-device axis):
+    `fn` directly.
+    """
+    layout = sp_layout(mesh, axis)
+    if layout is None:
+        return fn(*sharded, *replicated)
+    mesh, axis, n = layout
+    s = sharded[0].shape[1]
+    pad = -s % n
+    if pad:
+        sharded = [jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=f)
+                   for x, f in zip(sharded, fill, strict=True)]  # fmt: skip
+    spec = P(None, axis)
+    out = jax.shard_map(fn, mesh=mesh, in_specs=(*(spec for _ in sharded), *(P() for _ in replicated)),
+                        out_specs=spec, check_vma=False)(*sharded, *replicated)  # fmt: skip
+    return out[:, :s] if pad else out
+
+
 def core_attention_sp(
     q: jax.Array,
     kv: jax.Array,

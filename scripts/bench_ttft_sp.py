@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""TTFT with sequence parallelism, end to end: the same V4-Flash-shaped model as `bench_ttft.py`, full-sequence
+prefill, on 1 device and on N devices of one host (the seed's "+ sequence parallelism" step).
+
+    python3 scripts/bench_ttft_sp.py --lengths 128k,512k --out $OUT        # 2 H200s (kind nvidia-h200-x2)
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python3 scripts/bench_ttft_sp.py --smoke   # CPU check
+
+Model: `bench_ttft.py`'s (V4-Flash widths, 3 layers sliding / CSA / HCA, bf16, random weights drawn on the device,
+B = 1, random token ids), built with attention_impl="sp" (`dsv4/sharding/context_parallel.py`: the sequence split
+evenly over an "sp" mesh, halo exchange for the window, ring-passed compressed entries, each shard's core in
+jnp), indexer_impl="pallas" and moe_impl="pallas" (both run per shard: `per_sequence_shard`). Weights are
+replicated on every device (3 layers fit; full depth would shard the experts). Token ids are sharded over the
+sequence. The whole prompt at once (no chunking), timed as `bench_ttft.py` times its full-sequence variants: embed,
+each layer, and the last token's head, each a jitted call.
+
+Per length, in one process: the 1-device run of the same model (attention_impl="sp" falls back to the jnp core
+with no mesh; the Pallas indexer and MoE as in (3)) when it fits, then the N-device run. Timing: AOT compile
+(reported apart), 1 warm-up call, median of --reps calls (1 when a call takes over 8 s). Speed-up = t1 / tN,
+scaling efficiency = t1 / (N · tN). Peak memory per device from `memory_stats()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+_SMOKE = "--smoke" in sys.argv
+if not _SMOKE:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_ttft import build_model_on_device, default_mix, model_flops, with_layers  # noqa: E402
+
+from dsv4.config import Config  # noqa: E402
+from dsv4.model import DeepseekV4  # noqa: E402
+from dsv4.sharding import make_mesh, use_mesh  # noqa: E402
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+def parse_len(x: str) -> int:
+    x = x.strip().lower()
+    return int(x[:-1]) * 1024 if x.endswith("k") else int(x)
+
+
+def peak_gib() -> list[float]:
+    out = []
+    for d in jax.local_devices():
+        s = d.memory_stats() or {}
+        out.append(round(s.get("peak_bytes_in_use", 0) / 2**30, 1))
+    return out
+
+
+def _embed(embed_w, ids, hc):
+    x = embed_w[ids]
+    return jnp.broadcast_to(x[:, :, None, :], (*ids.shape, hc, x.shape[-1]))
+
+
+def _layer(gd, st, streams, positions, ids):
+    return nnx.merge(gd, st)(streams, positions, ids)
+
+
+def _last(streams):
+    return streams[:, -1:]
+
+
+def _head(gd_h, st_h, gd_n, st_n, last, lm_w):
+    h = nnx.merge(gd_n, st_n)(nnx.merge(gd_h, st_h)(last))[:, 0]
+    return jnp.einsum("bd,vd->bv", h, lm_w, preferred_element_type=F32)
+
+
+def run(gd, state, ids, mesh, reps: int) -> dict:
+    """Compile + time one prompt's prefill (state and ids already placed; mesh None: one device), as
+    `bench_ttft.py` times its full-sequence variants: embed → each layer → last-token head, each its own jitted
+    call (a whole-model jit holds several layers' temporaries at once: at 128K it peaked 12 GiB higher)."""
+    model = nnx.merge(gd, state)
+    hc = model.config.hc_mult
+    seq = ids.shape[1]
+    positions = jnp.arange(seq, dtype=jnp.int32)[None]
+    stream_sharding = None
+    if mesh is not None:
+        positions = jax.device_put(positions, NamedSharding(mesh, P(None, "sp")))
+        stream_sharding = NamedSharding(mesh, P(None, "sp"))
+    embed_w, lm_w = model.embed_tokens["weight"][...], model.lm_head["weight"][...]
+    pieces = [nnx.split(layer) for layer in model.layers]
+    gd_h, st_h = nnx.split(model.hc_head)
+    gd_n, st_n = nnx.split(model.norm)
+    t0 = time.perf_counter()
+    with use_mesh(mesh) if mesh is not None else _nothing():
+        e_embed = jax.jit(_embed, static_argnums=2, out_shardings=stream_sharding).lower(embed_w, ids, hc).compile()
+        streams_abs = jax.ShapeDtypeStruct((1, seq, hc, model.config.hidden_size), embed_w.dtype,
+                                           sharding=stream_sharding)
+        layer_exes = [jax.jit(_layer, static_argnums=0, out_shardings=stream_sharding).lower(
+            g, st, streams_abs, positions, ids).compile() for g, st in pieces]  # fmt: skip
+        # The last token's streams are cut out (and replicated) by a call of their own: with the whole sharded
+        # [1, S, hc, D] streams as its input, the head's executable asked for 102 GiB at 512K on 2 H200s.
+        replicated = None if mesh is None else NamedSharding(mesh, P())
+        e_last = jax.jit(_last, out_shardings=replicated).lower(streams_abs).compile()
+        last_abs = jax.ShapeDtypeStruct((1, 1, hc, model.config.hidden_size), embed_w.dtype, sharding=replicated)
+        e_head = jax.jit(_head, static_argnums=(0, 2)).lower(gd_h, st_h, gd_n, st_n, last_abs, lm_w).compile()
+    compile_s = time.perf_counter() - t0
+
+    def one_pass():
+        t = time.perf_counter()
+        streams = e_embed(embed_w, ids)
+        for exe, (_, st) in zip(layer_exes, pieces):
+            streams = exe(st, streams, positions, ids)
+        out = jax.block_until_ready(e_head(st_h, st_n, e_last(streams), lm_w))
+        return time.perf_counter() - t, out
+
+    warm, out = one_pass()
+    n = 1 if warm > 8.0 else reps
+    times = [one_pass()[0] for _ in range(n)]
+    return dict(ttft_s=statistics.median(times), times_s=times, warm_s=warm, compile_s=compile_s,
+                logits=jax.device_get(out).astype("float32"))  # fmt: skip
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def measure(name, s, gd, state, ids, mesh, reps, row, flops):
+    try:
+        r = run(gd, state, ids, mesh, reps)
+        row[name] = {k: v for k, v in r.items() if k != "logits"}
+        row[name + "_logits"] = r["logits"]
+        print(f"  S={s} {name}: TTFT {r['ttft_s'] * 1e3:9.1f} ms  {flops / r['ttft_s'] / 1e12:6.1f} TF/s  "
+              f"compile {r['compile_s']:.1f} s  peak GiB per device so far {peak_gib()}", flush=True)  # fmt: skip
+    except Exception as e:  # noqa: BLE001
+        row[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        print(f"  S={s} {name}: FAILED {row[name]['error']}", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="128k,512k")
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--skip-1dev-from", default="512k", help="no 1-device run at or above this length (OOM)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="CPU: the tiny preset at S = 64 and 96")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    lengths = [64, 96] if args.smoke else [parse_len(x) for x in args.lengths.split(",")]
+    skip_from = 1 << 40 if args.smoke else parse_len(args.skip_1dev_from)
+    n_dev = len(jax.devices())
+    base = Config.preset("tiny" if args.smoke else "v4-flash")
+    cfg = with_layers(base, default_mix(args.layers))
+    print(f"jax {jax.__version__}, {n_dev} × {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M')}; "
+          f"{'tiny' if args.smoke else 'v4-flash'} {args.layers} layers", flush=True)  # fmt: skip
+    model, info = build_model_on_device(cfg, args.seed, F32 if args.smoke else BF16)
+    _, state = nnx.split(model)
+    abstract = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=F32 if args.smoke else BF16,
+                                                 attention_impl="sp", indexer_impl="pallas", moe_impl="pallas"))
+    gd = nnx.split(abstract)[0]
+    del model
+    print(f"  weights {info['param_bytes'] / 2**30:.1f} GiB, drawn in {info['init_s']:.0f} s", flush=True)
+    mesh = make_mesh(n_dev) if n_dev > 1 else None
+    many = f"{n_dev}dev"
+    rows = {s: dict(s=s, flops=model_flops(cfg, cfg.layer_types, s)) for s in lengths}
+
+    def token_ids(s):
+        return jax.random.randint(jax.random.key(args.seed * 7919 + s), (1, s), 0, cfg.vocab_size, jnp.int32)
+
+    # Every 1-device run first, then the weights are replicated (the single-device copy dropped) for the N-device
+    # runs: never two copies on device 0.
+    for s in lengths:
+        if s >= skip_from:
+            print(f"  S={s} 1dev: skipped (--skip-1dev-from)", flush=True)
+            continue
+        measure("1dev", s, gd, state, token_ids(s), None, args.reps, rows[s], rows[s]["flops"])
+    if mesh is not None:
+        replicated = jax.device_put(state, NamedSharding(mesh, P()))
+        jax.block_until_ready(replicated)
+        del state
+        for s in lengths:
+            ids = jax.device_put(token_ids(s), NamedSharding(mesh, P(None, "sp")))
+            measure(many, s, gd, replicated, ids, mesh, args.reps, rows[s], rows[s]["flops"])
+    for s, row in rows.items():
+        one, nd = row.get("1dev", {}), row.get(many, {})
+        if "ttft_s" in one and "ttft_s" in nd:
+            a, b = row["1dev_logits"], row[many + "_logits"]
+            rel = float(((a - b) ** 2).sum() ** 0.5 / max(((a**2).sum()) ** 0.5, 1e-30))
+            row.update(speedup=one["ttft_s"] / nd["ttft_s"], efficiency=one["ttft_s"] / (n_dev * nd["ttft_s"]),
+                       logits_rel_l2=rel)  # fmt: skip
+            print(f"  S={s}: speed-up {row['speedup']:.2f}x, efficiency {row['efficiency']:.2f}, last-token logits "
+                  f"rel. L2 {rel:.2e} ({n_dev} devices vs 1)", flush=True)  # fmt: skip
+        row.pop("1dev_logits", None)
+        row.pop(many + "_logits", None)
+    rows = list(rows.values())
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_ttft_sp.json"), "w") as f:
+            json.dump(dict(argv=sys.argv, jax=jax.__version__, devices=n_dev, rows=rows), f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
