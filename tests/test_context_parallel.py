@@ -158,8 +158,8 @@ def test_pallas_indexer_and_moe_run_per_sequence_shard():
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(KERNELS_SCRIPT)], env=env, capture_output=True,
                          text=True, timeout=900, cwd=ROOT)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    values = dict(line.split() for line in out.stdout.strip().splitlines() if line.split()[0] in ("err",
-                                                                                                     "shard_maps_with_pallas"))  # fmt: skip
+    wanted = ("err", "shard_maps_with_pallas")
+    values = dict(line.split() for line in out.stdout.strip().splitlines() if line.split()[0] in wanted)
     assert float(values["err"]) < 1e-4, values
     from dsv4.config import Config
 
