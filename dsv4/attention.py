@@ -166,6 +166,14 @@ def core_attention_sp(*args, **kwargs) -> jax.Array:
     return sp_core(*args, **kwargs)
 
 
+def core_attention_sp_pallas(*args, **kwargs) -> jax.Array:
+    """As "sp", with the Triton Pallas kernel for each shard's own attention (entries all-gathered instead of
+    ring-passed; context_parallel.py docstring (d)). Correct on CPU (interpreted); not yet timed on a GPU."""
+    from dsv4.sharding.context_parallel import core_attention_sp as sp_core
+
+    return sp_core(*args, local_core="pallas", **kwargs)
+
+
 def core_attention_auto(q, kv, q_pos, kv_pos, sinks, *, kv_aligned: bool = False, **kwargs) -> jax.Array:
     """The default: the Pallas kernels for the bf16 / f16 full-sequence prefill on a GPU (the Mosaic kernel for
     window / HCA layers on Hopper, 1.5-1.9x the Triton one, which takes CSA; both beat XLA, docs/BENCHMARKS.md),
@@ -177,7 +185,8 @@ def core_attention_auto(q, kv, q_pos, kv_pos, sinks, *, kv_aligned: bool = False
 
 AttentionFn = Callable[..., jax.Array]
 ATTENTION_IMPLS: dict[str, AttentionFn] = {"auto": core_attention_auto, "jnp": core_attention_jnp,
-                                           "pallas": core_attention_pallas, "sp": core_attention_sp}  # fmt: skip
+                                           "pallas": core_attention_pallas, "sp": core_attention_sp,
+                                           "sp-pallas": core_attention_sp_pallas}  # fmt: skip
 
 
 def register_attention_impl(name: str, fn: AttentionFn) -> None:

@@ -8,7 +8,7 @@ prefill, on 1 device and on N devices of one host (the seed's "+ sequence parall
 Model: `bench_ttft.py`'s (V4-Flash widths, 3 layers sliding / CSA / HCA, bf16, random weights drawn on the device,
 B = 1, random token ids), built with attention_impl="sp" (`dsv4/sharding/context_parallel.py`: the sequence split
 evenly over an "sp" mesh, halo exchange for the window, ring-passed compressed entries, each shard's core in
-jnp), indexer_impl="pallas" and moe_impl="pallas" (both run per shard: `per_sequence_shard`). Weights are
+jnp; ``--attention sp-pallas``: the Triton kernel per shard, entries all-gathered), indexer_impl="pallas" and moe_impl="pallas" (both run per shard: `per_sequence_shard`). Weights are
 replicated on every device (3 layers fit; full depth would shard the experts). Token ids are sharded over the
 sequence. The whole prompt at once (no chunking), timed as `bench_ttft.py` times its full-sequence variants: embed,
 each layer, and the last token's head, each a jitted call.
@@ -153,6 +153,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="128k,512k")
     p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--attention", default="sp", choices=("sp", "sp-pallas"),
+                   help="the SP core: jnp per shard with ring-passed entries, or the Triton kernel per shard")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-1dev-from", default="512k", help="no 1-device run at or above this length (OOM)")
     p.add_argument("--seed", type=int, default=0)
@@ -169,7 +171,8 @@ def main():
     model, info = build_model_on_device(cfg, args.seed, F32 if args.smoke else BF16)
     _, state = nnx.split(model)
     abstract = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=F32 if args.smoke else BF16,
-                                                 attention_impl="sp", indexer_impl="pallas", moe_impl="pallas"))
+                                                 attention_impl=args.attention, indexer_impl="pallas",
+                                                 moe_impl="pallas"))  # fmt: skip
     gd = nnx.split(abstract)[0]
     del model
     print(f"  weights {info['param_bytes'] / 2**30:.1f} GiB, drawn in {info['init_s']:.0f} s", flush=True)

@@ -92,6 +92,10 @@ CASES = [
     "8:5:csa",  # shorter than one window and than the shard count
     "8:83:hca",  # 11 rows per shard: two-hop halo, 8-step ring
     "8:256:csa:balance=zigzag",  # 16 blocks of 16 rows
+    # local_core=pallas: the Triton kernel per shard (interpreted), entries all-gathered
+    "2:83:hca:local_core=pallas",  # S odd (padded), the halo from one shard back
+    "4:37:sliding:local_core=pallas",  # 10 rows per shard: two-hop halo
+    "4:83:csa:local_core=pallas",
 ]
 
 

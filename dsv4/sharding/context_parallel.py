@@ -49,6 +49,14 @@ attention of its own queries, communicating only through `jax.lax.ppermute`:
     straddle a block when L is a multiple of the rate) and the core is called with `inputs_permuted=True`,
     so the per-layer relayout disappears. Zigzag needs W - 1 <= L; otherwise it falls back to contiguous.
 
+(d) local_core="pallas": each shard runs the Triton Pallas kernel (`dsv4.pallas.attention.v4_attention`, through
+    `core_attention_pallas` with kv_aligned=False) once over [halo ‖ own rows] and the WHOLE compressed entry
+    array, all-gathered by GSPMD (a replicated shard_map input) instead of ring-passed: at 512K that is 2 MiB
+    (HCA) or 128 MiB (CSA, D = 512, bf16) per layer, under a millisecond on NVLink. The kernel takes global
+    positions for both q and kv, so the halo rows, the empty halo of shard 0 (position -1) and the causal
+    visibility of entries need nothing else. Contiguous layout only (zigzag falls back to the jnp body).
+    Not yet timed on a GPU.
+
 Sequence length: S need not be divisible by N (or 2N for zigzag): the wrapper pads S up to a multiple
 (queries and kv rows with position -1, top-k -1: never visible, outputs dropped); S divisible needs no
 padding and no resharding.
@@ -140,6 +148,7 @@ def core_attention_sp(
     entry_block: int = 512,
     comm: str = "ppermute",
     inputs_permuted: bool = False,
+    local_core: str = "jnp",
 ) -> jax.Array:
     """`core_attention_jnp` split over the sequence axis of the active (or given) mesh. → [B, S, H, D].
 
@@ -149,7 +158,8 @@ def core_attention_sp(
     entry_block: HCA entries per inner step (the causal-skip granularity). comm: "ppermute", or "local"
     (every transfer replaced by a local array of the same shape: wrong values, same compute; for measuring
     exposed communication only). inputs_permuted: with zigzag, the inputs already are (and the output
-    stays) in zigzag order.
+    stays) in zigzag order. local_core: "jnp" (the body with ring-passed entries) or "pallas" (module
+    docstring (d); contiguous layout only).
     """
     layout = sp_layout(mesh, axis)
     if compressed is not None and compressed.entries.shape[1] == 0:
@@ -159,6 +169,8 @@ def core_attention_sp(
                                   compressed=compressed, kv_aligned=kv_aligned, query_chunk=query_chunk)  # fmt: skip
     if balance not in (None, "zigzag") or csa_mode not in ("gather", "ring") or comm not in ("ppermute", "local"):
         raise ValueError(f"balance={balance!r}, csa_mode={csa_mode!r}, comm={comm!r}")
+    if local_core not in ("jnp", "pallas"):
+        raise ValueError(f"local_core={local_core!r}; available: 'jnp', 'pallas'")
     mesh, axis, n = layout
     b, s, h, d = q.shape
     halo = min(sliding_window - 1, s)
@@ -191,6 +203,10 @@ def core_attention_sp(
         if kind == "csa":
             args["topk"] = padded(compressed.topk_indices.astype(jnp.int32), -1)
 
+    if local_core == "pallas" and not zigzag:
+        return _core_pallas_per_shard(args, compressed, sinks, mesh=mesh, axis=axis, n=n, s=s, halo=halo,
+                                      sliding_window=sliding_window, scale=scale, comm=comm)  # fmt: skip
+
     cfg = _Config(n=n, axis=axis, n_blocks_local=2 if zigzag else 1, block=s_pad // n_blocks, halo=halo,
                   window=sliding_window, scale=scale, query_chunk=query_chunk, kind=kind, rate=rate,
                   c_total=c_total, c_local=c_local, entry_block=eb, csa_mode=csa_mode, comm=comm,
@@ -201,6 +217,40 @@ def core_attention_sp(
     out = jax.shard_map(body, mesh=mesh, in_specs=(tuple(seq for _ in names), P()), out_specs=seq,
                         check_vma=False)(tuple(args[k] for k in names), sinks)  # fmt: skip
     return out[:, :s] if pad else out
+
+
+def _core_pallas_per_shard(args, compressed, sinks, *, mesh, axis, n, s, halo, sliding_window, scale, comm):
+    """local_core="pallas" (module docstring (d)). args: the padded q, kv, q_pos, kv_pos ([B, S_pad, ...])."""
+    from dsv4.attention import core_attention_pallas
+
+    s_pad = args["q"].shape[1]
+    cfg = _Config(n=n, axis=axis, n_blocks_local=1, block=s_pad // n, halo=halo, window=sliding_window, scale=scale,
+                  query_chunk=0, kind=None, rate=1, c_total=0, c_local=0, entry_block=1, csa_mode="gather",
+                  comm=comm, relayout=False)  # fmt: skip
+    seq = P(None, axis)
+    names = ["q", "kv", "q_pos", "kv_pos"]
+    sharded = [args[k] for k in names]
+    replicated = []
+    if compressed is not None:
+        replicated.append(compressed.entries)
+        if compressed.topk_indices is not None:
+            topk = compressed.topk_indices.astype(jnp.int32)
+            sharded.append(jnp.pad(topk, [(0, 0), (0, s_pad - s), (0, 0)], constant_values=-1) if s_pad > s else topk)
+
+    def body(*arrays):
+        q, kv, q_pos, kv_pos, *rest = arrays[: len(sharded)]
+        shard_sinks, *entries = arrays[len(sharded) :]
+        halo_kv, halo_pos = _halo_contiguous(kv, kv_pos, cfg) if halo > 0 else (kv[:, :0], kv_pos[:, :0])
+        kv_ext, pos_ext = jnp.concatenate([halo_kv, kv], 1), jnp.concatenate([halo_pos, kv_pos], 1)
+        local = None
+        if compressed is not None:
+            local = CompressedKeys(entries[0], compressed.rate, rest[0] if rest else None)
+        return core_attention_pallas(q, kv_ext, q_pos, pos_ext, shard_sinks, sliding_window=sliding_window,
+                                     scale=scale, compressed=local, kv_aligned=False)  # fmt: skip
+
+    out = jax.shard_map(body, mesh=mesh, in_specs=(*(seq for _ in sharded), P(), *(P() for _ in replicated)),
+                        out_specs=seq, check_vma=False)(*sharded, sinks, *replicated)  # fmt: skip
+    return out[:, :s] if s_pad > s else out
 
 
 # ---------------------------------------------------------------------------------------------
