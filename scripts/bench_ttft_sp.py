@@ -8,8 +8,9 @@ prefill, on 1 device and on N devices of one host (the seed's "+ sequence parall
 Model: `bench_ttft.py`'s (V4-Flash widths, 3 layers sliding / CSA / HCA, bf16, random weights drawn on the device,
 B = 1, random token ids), built with attention_impl="sp" (`dsv4/sharding/context_parallel.py`: the sequence split
 evenly over an "sp" mesh, halo exchange for the window, ring-passed compressed entries, each shard's core in
-jnp; ``--attention sp-pallas``: the Triton kernel per shard, entries all-gathered), indexer_impl="pallas" and moe_impl="pallas" (both run per shard: `per_sequence_shard`). Weights are
-replicated on every device (3 layers fit; full depth would shard the experts). Token ids are sharded over the
+jnp; ``--attention sp-pallas``: the Triton kernel per shard, entries all-gathered), indexer_impl="pallas" and
+moe_impl="pallas" (both run per shard: `per_sequence_shard`). Weights are replicated on every device (3 layers
+fit; full depth would shard the experts). Token ids are sharded over the
 sequence. The whole prompt at once (no chunking), timed as `bench_ttft.py` times its full-sequence variants: embed,
 each layer, and the last token's head, each a jitted call.
 
