@@ -429,7 +429,7 @@ def resolve_indexer_impl(impl: str, dtype) -> str:
     materialized); "pallas": two passes per query chunk (the Pallas scores kernel, then the exact grouped top-k of
     `dsv4.topk`); "pallas-stream": the one-kernel streaming bitonic top-k; "auto": "pallas" for 16-bit / FP8
     queries on a GPU, "jnp" otherwise (a float32 model keeps XLA's full-precision dots).
-    On one H200 at 32K / 128K / 512K (docs/BENCHMARKS.md): jnp 90 / 1443 ms / -, pallas 17 / 161 / 1769 ms,
+    On one H200 at 32K / 128K / 512K (docs/BENCHMARKS.md): jnp 90 / 1443 ms / ~22 s, pallas 15 / 143 / 1737 ms,
     pallas-stream 564 ms / - / -."""
     if impl not in INDEXER_IMPLS:
         raise ValueError(f"indexer_impl={impl!r}; available: {list(INDEXER_IMPLS)}")
