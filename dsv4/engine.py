@@ -124,7 +124,8 @@ class _Live:
     output: RequestOutput
 
 
-def _resolve_model(model, *, dtype, seed: int, attention_impl: str, moe_impl: str) -> tuple[DeepseekV4, str | None]:
+def _resolve_model(model, *, dtype, seed: int, attention_impl: str, moe_impl: str,
+                   indexer_impl: str = "auto") -> tuple[DeepseekV4, str | None]:  # fmt: skip
     """A model instance, a checkpoint directory or a preset name → (model, directory or None)."""
     import dsv4
 
@@ -133,9 +134,10 @@ def _resolve_model(model, *, dtype, seed: int, attention_impl: str, moe_impl: st
     name = os.fspath(model)
     if os.path.isdir(name):
         return dsv4.load(name, dtype=jnp.dtype(dtype or "bfloat16"), attention_impl=attention_impl,
-                         moe_impl=moe_impl), name  # fmt: skip
+                         moe_impl=moe_impl, indexer_impl=indexer_impl), name  # fmt: skip
     dtype = dtype or ("float32" if name == "tiny" else "bfloat16")
-    return dsv4.init_random(name, seed, dtype=jnp.dtype(dtype), attention_impl=attention_impl, moe_impl=moe_impl), None
+    return dsv4.init_random(name, seed, dtype=jnp.dtype(dtype), attention_impl=attention_impl, moe_impl=moe_impl,
+                            indexer_impl=indexer_impl), None  # fmt: skip
 
 
 class LLM:
@@ -190,9 +192,10 @@ class LLM:
         chat_template: bool = True,
         attention_impl: str = "auto",
         moe_impl: str = "jnp",
+        indexer_impl: str = "auto",
     ) -> None:
         self.model, model_dir = _resolve_model(model, dtype=dtype, seed=seed, attention_impl=attention_impl,
-                                               moe_impl=moe_impl)  # fmt: skip
+                                               moe_impl=moe_impl, indexer_impl=indexer_impl)  # fmt: skip
         config = self.config = self.model.config
         if max_model_len is None:
             max_model_len = min(config.max_position_embeddings, 32768)
