@@ -52,8 +52,8 @@ FP8_BLOCK = 128  # fp8 weights: one float32 scale per 128 × 128 block
 FP4_GROUP = 32  # fp4 experts: one scale per row and 32 columns (dsv4.quantization.FP4_GROUP)
 SCALE_BYTES = 4  # weight scales are float32 on the device (BlockQuantized.scale)
 ACT_BYTES = 2  # activations, open-window state and dequantized weights in bf16 (the compute dtype)
-# The two-pass indexer's float32 scores slab per step (dsv4.pallas.indexer.default_query_chunk's budget; a test
-# checks that the two agree): queries per step = clip(pow2_floor(INDEX_SLAB_BYTES / (4 · keys)), 128, 4096).
+# The two-pass indexer's float32 scores slab per step: queries per step = clip(pow2_floor(INDEX_SLAB_BYTES /
+# (4 · keys)), 128, 4096) (`index_slab_rows`, which dsv4.pallas.indexer.default_query_chunk calls).
 INDEX_SLAB_BYTES = 1 << 28
 
 WEIGHT_FORMATS = ("bf16", "fp8", "fp4-experts", "fp32")
@@ -62,6 +62,14 @@ KV_FORMATS = (*FORMAT_NAMES, "fp8", "fp32")  # "fp8" = DEFAULT_FP8_FORMAT; "fp32
 # the nominal size (an H20's "96 GB" is 97871 MiB = 95.6 GiB).
 DEVICE_MIB = {"h20": 97871, "h100": 81559, "h800": 81559, "h200": 143771}
 DEFAULT_DEVICE = "h20"  # the seed article's 8 × H20
+
+
+def index_slab_rows(num_keys: int, batch: int = 1) -> int:
+    """Queries per step of the two-pass indexer: its float32 [batch, rows, keys] scores stay within
+    INDEX_SLAB_BYTES; 128..4096, a power of two. The indexer (`dsv4.pallas.indexer.default_query_chunk`) and
+    the plan both use this."""
+    fit = INDEX_SLAB_BYTES // max(1, 4 * batch * num_keys)
+    return int(min(4096, max(128, 1 << max(0, fit.bit_length() - 1))))
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -352,7 +360,7 @@ def plan_memory(
     per_token += k * moe_pair + d * 4
     has_csa = CSA in config.layer_types
     csa_keys = _ceil_div(context, config.compress_rate(CSA)) if has_csa else 0
-    slab_rows = min(4096, max(128, 1 << max(0, (INDEX_SLAB_BYTES // max(1, 4 * csa_keys)).bit_length() - 1)))
+    slab_rows = index_slab_rows(csa_keys)
     index_scores = min(t, slab_rows) * csa_keys * 4
     activations = t * per_token + index_scores + config.vocab_size * 4
 

@@ -168,3 +168,19 @@ def test_too_long_a_context_is_refused_naming_the_limit(capsys):
     longest = int(tip.split()[1].rstrip(":"))
     assert plan_memory(FLASH, context=longest, devices=8, weights="bf16").fits
     assert not plan_memory(FLASH, context=longest + 1, devices=8, weights="bf16").fits
+
+
+@pytest.mark.parametrize("keys, batch, rows", [
+    (131072, 1, 512),   # 2^28 / (4 · 2^17) = 512: a 512K prompt's CSA keys
+    (32768, 1, 2048),   # 128K
+    (8192, 1, 4096),    # 8192 fits, clipped to 4096
+    (1, 1, 4096),
+    (131072, 4, 128),   # 2^28 / (4 · 4 · 2^17) = 128
+    (1 << 22, 1, 128),  # 16 fits, raised to 128
+    (100_000, 1, 512),  # 671 fits, rounded down to a power of two
+])  # fmt: skip
+def test_index_slab_rows_by_hand_and_the_indexer_uses_them(keys, batch, rows):
+    from dsv4.memory_plan import index_slab_rows
+    from dsv4.pallas.indexer import default_query_chunk
+
+    assert index_slab_rows(keys, batch) == rows == default_query_chunk(keys, batch)

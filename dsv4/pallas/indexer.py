@@ -675,11 +675,12 @@ def index_scores(
     )(*args)
 
 
-def default_query_chunk(num_entries: int, batch: int = 1, budget_bytes: int = 1 << 28) -> int:
-    """Queries per `index_topk_two_pass` step: the float32 [B, chunk, C] scores stay within budget_bytes
-    (256 MiB by default, `dsv4.memory_plan.INDEX_SLAB_BYTES`), 128..4096, a power of two."""
-    fit = budget_bytes // max(1, 4 * batch * num_entries)
-    return int(min(4096, max(128, 1 << max(0, fit.bit_length() - 1))))
+def default_query_chunk(num_entries: int, batch: int = 1) -> int:
+    """Queries per `index_topk_two_pass` step: the float32 [B, chunk, C] scores stay within 256 MiB
+    (`dsv4.memory_plan.INDEX_SLAB_BYTES`, which the memory plan counts), 128..4096, a power of two."""
+    from dsv4.memory_plan import index_slab_rows
+
+    return index_slab_rows(num_entries, batch)
 
 
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "query_chunk", "blocks", "group",
