@@ -1,16 +1,16 @@
 """GPU exploration of the two-pass lightning indexer: scores-kernel tilings, the grouped exact top-k, and the
 whole indexer at V4-Flash shapes against the XLA path, the streaming kernel and the same-run FP8 matmul rate.
 
-    PYTHONPATH=. python3 scripts/bench_indexer.py --out $OUT/ix            # one H200, about 6-8 minutes
+    PYTHONPATH=. python3 scripts/bench_indexer.py --out $OUT/ix            # one H200, about 5 minutes (measured)
 
 Sections (``--only scores,select,full``):
   scores  `index_scores` over one chunk of R queries at the end of an S-token prompt (C = S / 4 keys, all but
           the last few visible), per tiling (rows, block_q, block_c, num_warps) and dtype; TFLOP/s of the visible
           pairs (2 · Hi · Di per pair).
   select  `dsv4.topk.top_k` (per group size) against `lax.top_k` on random float32 [R, N] rows, k = 512 / 2048.
-  full    `index_topk_two_pass` at S = 32K, 128K, 512K (B = 1, Hi = 64, Di = 128, top-512, fp8 q and keys),
-          against `dsv4.attention.index_topk_jnp` (bf16, XLA) and the streaming kernel `index_topk` where a call
-          is short enough; index sets checked against the XLA path at the smallest S.
+  full    `index_topk_two_pass` at S = 32K, 128K, 512K (B = 1, Hi = 64, Di = 128, top-512; fp8 q and keys, and
+          bf16), against `dsv4.attention.index_topk_jnp` (bf16, XLA; S <= --xla-max) and the streaming kernel
+          `index_topk` (S <= --stream-max); two-pass bf16 index sets checked against the XLA path at the smallest S.
 Prints a table per section; medians of --reps timed calls after one warm-up call. JSON to --out.
 """
 
