@@ -15,7 +15,8 @@ sequence. The whole prompt at once (no chunking), timed as `bench_ttft.py` times
 each layer, and the last token's head, each a jitted call.
 
 Per length, in one process: the 1-device run of the same model (attention_impl="sp" falls back to the jnp core
-with no mesh; the Pallas indexer and MoE as in (3)) when it fits, then the N-device run. Timing: AOT compile
+with no mesh; the Pallas indexer and MoE as in (3); ``--one-device auto``: the Pallas attention kernels, i.e.
+bench_ttft's (3)) when it fits, then the N-device run. Timing: AOT compile
 (reported apart), 1 warm-up call, median of --reps calls (1 when a call takes over 8 s). Speed-up = t1 / tN,
 scaling efficiency = t1 / (N · tN). Peak memory per device from `memory_stats()`.
 """
@@ -158,6 +159,8 @@ def main():
                    help="the SP core: jnp per shard with ring-passed entries, or the Triton kernel per shard")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-1dev-from", default="512k", help="no 1-device run at or above this length (OOM)")
+    p.add_argument("--one-device", default="same", choices=("same", "auto"),
+                   help="the 1-device model: the same impls without a mesh, or attention_impl='auto' (Pallas)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny preset at S = 64 and 96")
     p.add_argument("--out", default=None)
@@ -171,10 +174,16 @@ def main():
           f"{'tiny' if args.smoke else 'v4-flash'} {args.layers} layers", flush=True)  # fmt: skip
     model, info = build_model_on_device(cfg, args.seed, F32 if args.smoke else BF16)
     _, state = nnx.split(model)
-    abstract = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=F32 if args.smoke else BF16,
-                                                 attention_impl=args.attention, indexer_impl="pallas",
-                                                 moe_impl="pallas"))  # fmt: skip
-    gd = nnx.split(abstract)[0]
+    def graphdef(attention):
+        abstract = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=F32 if args.smoke else BF16,
+                                                     attention_impl=attention, indexer_impl="pallas",
+                                                     moe_impl="pallas"))  # fmt: skip
+        return nnx.split(abstract)[0]
+
+    gd = graphdef(args.attention)
+    # The 1-device run: the same SP model without a mesh (its core falls back to jnp), or with --one-device
+    # auto, the best 1-GPU full-sequence model (bench_ttft's (3): the Pallas / Mosaic attention kernels).
+    gd_one = gd if args.one_device == "same" else graphdef("auto")
     del model
     print(f"  weights {info['param_bytes'] / 2**30:.1f} GiB, drawn in {info['init_s']:.0f} s", flush=True)
     mesh = make_mesh(n_dev) if n_dev > 1 else None
@@ -190,7 +199,7 @@ def main():
         if s >= skip_from:
             print(f"  S={s} 1dev: skipped (--skip-1dev-from)", flush=True)
             continue
-        measure("1dev", s, gd, state, token_ids(s), None, args.reps, rows[s], rows[s]["flops"])
+        measure("1dev", s, gd_one, state, token_ids(s), None, args.reps, rows[s], rows[s]["flops"])
     if mesh is not None:
         replicated = jax.device_put(state, NamedSharding(mesh, P()))
         jax.block_until_ready(replicated)
