@@ -16,7 +16,8 @@ each layer, and the last token's head, each a jitted call.
 
 Per length, in one process: the 1-device run of the same model (attention_impl="sp" falls back to the jnp core
 with no mesh; the Pallas indexer and MoE as in (3); ``--one-device auto``: the Pallas attention kernels, i.e.
-bench_ttft's (3)) when it fits, then the N-device run. Timing: AOT compile
+bench_ttft's (3)) when it fits, then the N-device run; ``--baseline`` adds bench_ttft's XLA baseline (1c) on one
+device first, and every run's speed-up over it. Timing: AOT compile
 (reported apart), 1 warm-up call, median of --reps calls (1 when a call takes over 8 s). Speed-up = t1 / tN,
 scaling efficiency = t1 / (N · tN). Peak memory per device from `memory_stats()`.
 """
@@ -159,6 +160,8 @@ def main():
                    help="the SP core: jnp per shard with ring-passed entries, or the Triton kernel per shard")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-1dev-from", default="512k", help="no 1-device run at or above this length (OOM)")
+    p.add_argument("--baseline", action="store_true",
+                   help="also time bench_ttft's XLA baseline (1c) on one device, in the same process")
     p.add_argument("--one-device", default="same", choices=("same", "auto"),
                    help="the 1-device model: the same impls without a mesh, or attention_impl='auto' (Pallas)")
     p.add_argument("--seed", type=int, default=0)
@@ -174,10 +177,10 @@ def main():
           f"{'tiny' if args.smoke else 'v4-flash'} {args.layers} layers", flush=True)  # fmt: skip
     model, info = build_model_on_device(cfg, args.seed, F32 if args.smoke else BF16)
     _, state = nnx.split(model)
-    def graphdef(attention):
+    def graphdef(attention, indexer="pallas", moe="pallas"):
         abstract = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=F32 if args.smoke else BF16,
-                                                     attention_impl=attention, indexer_impl="pallas",
-                                                     moe_impl="pallas"))  # fmt: skip
+                                                     attention_impl=attention, indexer_impl=indexer,
+                                                     moe_impl=moe))  # fmt: skip
         return nnx.split(abstract)[0]
 
     gd = graphdef(args.attention)
@@ -199,6 +202,9 @@ def main():
         if s >= skip_from:
             print(f"  S={s} 1dev: skipped (--skip-1dev-from)", flush=True)
             continue
+        if args.baseline:  # bench_ttft's (1c): XLA attention and indexer, the capacity-padded XLA MoE
+            measure("baseline", s, graphdef("jnp", "jnp", "xla_cap"), state, token_ids(s), None, args.reps, rows[s],
+                    rows[s]["flops"])  # fmt: skip
         measure("1dev", s, gd_one, state, token_ids(s), None, args.reps, rows[s], rows[s]["flops"])
     if mesh is not None:
         replicated = jax.device_put(state, NamedSharding(mesh, P()))
@@ -216,8 +222,14 @@ def main():
                        logits_rel_l2=rel)  # fmt: skip
             print(f"  S={s}: speed-up {row['speedup']:.2f}x, efficiency {row['efficiency']:.2f}, last-token logits "
                   f"rel. L2 {rel:.2e} ({n_dev} devices vs 1)", flush=True)  # fmt: skip
-        row.pop("1dev_logits", None)
-        row.pop(many + "_logits", None)
+        base = row.get("baseline", {})
+        if "ttft_s" in base:
+            for name in ("1dev", many):
+                if "ttft_s" in row.get(name, {}):
+                    row[name]["vs_baseline"] = base["ttft_s"] / row[name]["ttft_s"]
+                    print(f"  S={s}: {name} {row[name]['vs_baseline']:.2f}x the baseline (1c)", flush=True)
+        for name in ("baseline", "1dev", many):
+            row.pop(name + "_logits", None)
     rows = list(rows.values())
     if args.out:
         os.makedirs(args.out, exist_ok=True)
