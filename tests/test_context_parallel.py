@@ -151,18 +151,31 @@ KERNELS_SCRIPT = """
     bodies = inner_primitives(jaxpr.jaxpr, [])
     print("err", err)
     print("shard_maps_with_pallas", sum("pallas_call" in b for b in bodies))
+
+    # per_sequence_shard itself: S = 10 over 4 shards (padded to 12, 3 rows each), a replicated operand, the
+    # padding cut off; each shard sees only its own rows.
+    from dsv4.sharding.context_parallel import per_sequence_shard
+    x = jnp.arange(2 * 10 * 3, dtype=jnp.float32).reshape(2, 10, 3)
+    r = jnp.asarray([1.0, 2.0, 3.0])
+    def fn(x_, r_):
+        return x_ * r_ + x_.shape[1] * 1000 + jax.lax.axis_index("sp") * 100
+    with use_mesh(mesh):
+        got = np.asarray(jax.jit(lambda a, b: per_sequence_shard(fn, (a,), (b,), fill=(0.0,)))(x, r))
+    want = np.asarray(x * r) + 3000 + (np.arange(10) // 3)[None, :, None] * 100
+    print("pad_ok", bool(got.shape == (2, 10, 3) and np.array_equal(got, want)))
 """
 
 
 def test_pallas_indexer_and_moe_run_per_sequence_shard():
     """Under a sequence mesh the Pallas indexer and MoE (custom calls XLA cannot partition) run inside shard_map on
     each shard's own tokens, and the model still matches its reference logits (tiny_long: 2 CSA layers → 2
-    indexers, 4 MoE layers; Pallas interpreted on 4 CPU devices)."""
+    indexers, 4 MoE layers; Pallas interpreted on 4 CPU devices). Then `per_sequence_shard` alone: padding a length
+    that does not divide over the shards, a replicated operand, and each shard seeing only its own rows."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": ROOT}
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(KERNELS_SCRIPT)], env=env, capture_output=True,
                          text=True, timeout=900, cwd=ROOT)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    wanted = ("err", "shard_maps_with_pallas")
+    wanted = ("err", "shard_maps_with_pallas", "pad_ok")
     values = dict(line.split() for line in out.stdout.strip().splitlines() if line.split()[0] in wanted)
     assert float(values["err"]) < 1e-4, values
     from dsv4.config import Config
@@ -170,3 +183,4 @@ def test_pallas_indexer_and_moe_run_per_sequence_shard():
     cfg = Config.from_hf(os.path.join(ROOT, "tests/fixtures/tiny_long/config.json"))
     expected = cfg.layer_types.count("compressed_sparse_attention") + cfg.num_hidden_layers
     assert int(values["shard_maps_with_pallas"]) == expected, (values, expected)
+    assert values["pad_ok"] == "True", values
