@@ -364,17 +364,24 @@ def test_lowers_to_triton_at_real_shapes(dtype, k, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # GPU: the compiled Triton kernel at V4 shapes (integer data, so the comparison stays exact).
 # ---------------------------------------------------------------------------------------------
-@gpu
-@requires_gpu
-@pytest.mark.parametrize("dtype, k, entries", [(jnp.bfloat16, 512, 2000), (jnp.float8_e4m3fn, 2048, 3000)])
-def test_gpu_matches_reference_at_real_shapes(dtype, k, entries):
-    rng = np.random.default_rng(8)
-    inputs = make_inputs(8, batch=1, seq=384, heads=64, head_dim=128, entries=entries,
+def real_shape_inputs(seed, dtype, k, entries):
+    """V4 indexer shapes (384 queries × 64 heads × 128, the last 200 positions of a 4·entries prompt), integer
+    data; FP8 adds power-of-two per-(token, head) q and per-entry k scales. → (inputs, keyword arguments)."""
+    rng = np.random.default_rng(seed)
+    inputs = make_inputs(seed, batch=1, seq=384, heads=64, head_dim=128, entries=entries,
                          offsets=(4 * entries - 200,), span=2, dtype=dtype)  # fmt: skip
     kw = dict(rate=4, k=k, softmax_scale=2.0**-4)
     if dtype == jnp.float8_e4m3fn:
         kw["q_scale"] = jnp.asarray(2.0 ** rng.integers(-2, 3, (1, 384, 64)), jnp.float32)
         kw["k_scale"] = jnp.asarray(2.0 ** rng.integers(-2, 3, (1, entries)), jnp.float32)
+    return inputs, kw
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype, k, entries", [(jnp.bfloat16, 512, 2000), (jnp.float8_e4m3fn, 2048, 3000)])
+def test_gpu_matches_reference_at_real_shapes(dtype, k, entries):
+    inputs, kw = real_shape_inputs(8, dtype, k, entries)
     poison = jnp.full((1, 384, k), POISON, jnp.int32)
     got = np.asarray(index_topk(**inputs, **kw, out_init=poison))
     assert_same(got, np.asarray(index_topk_reference(**inputs, **kw)))
@@ -386,13 +393,7 @@ def test_gpu_matches_reference_at_real_shapes(dtype, k, entries):
                                                       (jnp.float8_e4m3fn, 2048, 3000, "keys"),
                                                       (jnp.float8_e4m3fn, 512, 3000, "queries")])  # fmt: skip
 def test_gpu_two_pass_matches_reference_at_real_shapes(dtype, k, entries, rows):
-    rng = np.random.default_rng(9)
-    inputs = make_inputs(9, batch=1, seq=384, heads=64, head_dim=128, entries=entries,
-                         offsets=(4 * entries - 200,), span=2, dtype=dtype)  # fmt: skip
-    kw = dict(rate=4, k=k, softmax_scale=2.0**-4)
-    if dtype == jnp.float8_e4m3fn:
-        kw["q_scale"] = jnp.asarray(2.0 ** rng.integers(-2, 3, (1, 384, 64)), jnp.float32)
-        kw["k_scale"] = jnp.asarray(2.0 ** rng.integers(-2, 3, (1, entries)), jnp.float32)
+    inputs, kw = real_shape_inputs(9, dtype, k, entries)
     blocks = ScoreBlocks(block_q=2, block_c=128, rows=rows, num_warps=4 if rows == "keys" else 8)
     poison = jnp.full((1, 384, entries), jnp.nan, jnp.float32)
     scales = {n: kw[n] for n in ("q_scale", "k_scale") if n in kw}
