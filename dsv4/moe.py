@@ -24,14 +24,16 @@ def router_scores(logits: jax.Array, scoring_func: str) -> jax.Array:
 
 
 def routed_experts_jnp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, gate_up: jax.Array,
-                       down: jax.Array, limit: float) -> jax.Array:  # fmt: skip
+                       down: jax.Array, limit: float, out_dtype=None) -> jax.Array:  # fmt: skip
     """Dropless routed experts by sorting token-expert pairs and grouped matmuls (`lax.ragged_dot`).
 
-    x: [N, D]; expert_ids, weights: [N, K]; gate_up: [E, 2I, D]; down: [E, D, I] → [N, D].
+    x: [N, D]; expert_ids, weights: [N, K]; gate_up: [E, 2I, D]; down: [E, D, I] → [N, D] in out_dtype (default
+    x's). A pair whose id is outside [0, E) contributes nothing (expert parallelism: another shard's expert).
     """
     n, k = expert_ids.shape
     e, two_i, _ = gate_up.shape
     flat_ids = expert_ids.reshape(-1)
+    flat_ids = jnp.where((flat_ids >= 0) & (flat_ids < e), flat_ids, e)  # sorts last; ragged_dot zeroes those rows
     order = jnp.argsort(flat_ids, stable=True)  # pairs grouped by expert
     token_of_pair = order // k
     group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
@@ -40,14 +42,15 @@ def routed_experts_jnp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, 
     h = swiglu(h[:, : two_i // 2], h[:, two_i // 2 :], limit).astype(x.dtype)
     y = jax.lax.ragged_dot(h, jnp.swapaxes(down, 1, 2), group_sizes, preferred_element_type=F32)  # [N·K, D]
     y = y * weights.reshape(-1)[order][:, None].astype(F32)
-    return jnp.zeros((n, x.shape[1]), F32).at[token_of_pair].add(y).astype(x.dtype)
+    return jnp.zeros((n, x.shape[1]), F32).at[token_of_pair].add(y).astype(out_dtype or x.dtype)
 
 
-def routed_experts_pallas(x, expert_ids, weights, gate_up, down, limit):
+def routed_experts_pallas(x, expert_ids, weights, gate_up, down, limit, out_dtype=None):
     """The grouped-GEMM Pallas kernels (`dsv4/pallas/moe.py`); interpreted off-GPU."""
     from dsv4.pallas.moe import routed_experts
 
-    return routed_experts(x, expert_ids, weights, gate_up, down, limit, interpret=jax.default_backend() != "gpu")
+    return routed_experts(x, expert_ids, weights, gate_up, down, limit, out_dtype=out_dtype,
+                          interpret=jax.default_backend() != "gpu")  # fmt: skip
 
 
 MOE_IMPLS = {"jnp": routed_experts_jnp, "pallas": routed_experts_pallas}
@@ -80,6 +83,8 @@ class MoE(nnx.Module):
         )
         self.top_k, self.scoring_func, self.limit = config.num_experts_per_tok, config.scoring_func, config.swiglu_limit
         self.scaling, self.norm_topk = config.routed_scaling_factor, config.norm_topk_prob
+        # Under expert parallelism, tokens per ring step (bounds the per-step memory; dsv4/sharding/expert_parallel.py)
+        self.ep_chunk_tokens = 16384
 
     def route(self, x: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x: [N, D], token_ids: [N] → expert ids [N, K] int32, weights [N, K] float32."""
@@ -101,21 +106,29 @@ class MoE(nnx.Module):
         flat = x.reshape(b * s, d)
         ids, weights = self.route(flat, token_ids.reshape(-1))
         gate_up, down = self.experts["gate_up_proj"][...], self.experts["down_proj"][...]
-        if self.moe_impl == "pallas":
+        from dsv4.sharding.context_parallel import per_sequence_shard
+        from dsv4.sharding.expert_parallel import ep_layout, routed_experts_ep
+
+        impl = MOE_IMPLS[self.moe_impl]
+        if ep_layout(gate_up.shape[0]) is not None:
+            # Expert parallelism: each device keeps its slice of the experts and the tokens come round a ring.
+            def local_experts(x_, ids_, weights_, gate_up_, down_):
+                return impl(x_, ids_, weights_, gate_up_, down_, self.limit, out_dtype=F32)
+
+            routed = routed_experts_ep(local_experts, x, ids.reshape(b, s, -1), weights.reshape(b, s, -1), gate_up,
+                                       down, chunk_tokens=self.ep_chunk_tokens).reshape(b * s, d)  # fmt: skip
+        elif self.moe_impl == "pallas":
             # A custom call: split it over the sequence shards by hand (experts gathered to every shard), else
             # XLA would gather the tokens and run every token's experts on every device.
-            from dsv4.sharding.context_parallel import per_sequence_shard
-
             def local(x_, ids_, weights_, gate_up_, down_):
                 n = x_.shape[0] * x_.shape[1]
-                out = routed_experts_pallas(x_.reshape(n, d), ids_.reshape(n, -1), weights_.reshape(n, -1),
-                                            gate_up_, down_, self.limit)  # fmt: skip
+                out = impl(x_.reshape(n, d), ids_.reshape(n, -1), weights_.reshape(n, -1), gate_up_, down_, self.limit)
                 return out.reshape(x_.shape)
 
             routed = per_sequence_shard(local, (x, ids.reshape(b, s, -1), weights.reshape(b, s, -1)), (gate_up, down),
                                         fill=(0, 0, 0.0)).reshape(b * s, d)  # fmt: skip
         else:
-            routed = MOE_IMPLS[self.moe_impl](flat, ids, weights, gate_up, down, self.limit)
+            routed = impl(flat, ids, weights, gate_up, down, self.limit)
         sh = self.shared_experts
         shared = linear(swiglu(linear(flat, sh["gate_proj"]["weight"][...]), linear(flat, sh["up_proj"]["weight"][...]),
                                self.limit), sh["down_proj"]["weight"][...])  # fmt: skip

@@ -337,10 +337,11 @@ def expert_capacity(n_pairs: int, n_experts: int, factor: float) -> int:
     return int(-(-math.ceil(factor * n_pairs / n_experts) // 8) * 8)
 
 
-def routed_experts_capacity(x, expert_ids, weights, gate_up, down, limit):
+def routed_experts_capacity(x, expert_ids, weights, gate_up, down, limit, out_dtype=None):
     """Routed experts as a batched einsum over a [E, capacity, D] buffer, in expert groups of bounded size.
 
-    Pairs beyond an expert's capacity (factor × the mean load) are dropped. x [N, D] → [N, D].
+    Pairs beyond an expert's capacity (factor × the mean load) are dropped. x [N, D] → [N, D]. The baselines run
+    on one device: every id must be in [0, E) (no expert-parallel remapping).
     """
     n, k = expert_ids.shape
     e, two_i, d = gate_up.shape
@@ -374,7 +375,7 @@ def routed_experts_capacity(x, expert_ids, weights, gate_up, down, limit):
         return out.at[tok].add(y * wts[:, None], mode="drop")
 
     out = jax.lax.fori_loop(0, n_groups, body, jnp.zeros((n, d), F32))
-    return out.astype(x.dtype)
+    return out.astype(out_dtype or x.dtype)
 
 
 dsv4_moe.MOE_IMPLS["xla_cap"] = routed_experts_capacity

@@ -9,8 +9,9 @@ Model: `bench_ttft.py`'s (V4-Flash widths, 3 layers sliding / CSA / HCA, bf16, r
 B = 1, random token ids), built with attention_impl="sp" (`dsv4/sharding/context_parallel.py`: the sequence split
 evenly over an "sp" mesh, halo exchange for the window, ring-passed compressed entries, each shard's core in
 jnp; ``--attention sp-pallas``: the Triton kernel per shard, entries all-gathered), indexer_impl="pallas" and
-moe_impl="pallas" (both run per shard: `per_sequence_shard`). Weights are replicated on every device (3 layers
-fit; full depth would shard the experts). Token ids are sharded over the
+moe_impl="pallas": the indexer runs per shard (`per_sequence_shard`); the routed experts are split over the devices
+and the tokens reach them round a ring (`dsv4/sharding/expert_parallel.py`; ``--experts replicated``: every
+device holds every expert and runs its own tokens). The other weights are replicated. Token ids are sharded over the
 sequence. The whole prompt at once (no chunking), timed as `bench_ttft.py` times its full-sequence variants: embed,
 each layer, and the last token's head, each a jitted call.
 
@@ -50,7 +51,8 @@ from bench_ttft import build_model_on_device, default_mix, model_flops, with_lay
 
 from dsv4.config import Config  # noqa: E402
 from dsv4.model import DeepseekV4  # noqa: E402
-from dsv4.sharding import make_mesh, use_mesh  # noqa: E402
+from dsv4.sharding import SEQUENCE_PARALLEL, ShardingRules, make_mesh, use_mesh  # noqa: E402
+from dsv4.sharding.rules import named_sharding  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -86,7 +88,17 @@ def _head(gd_h, st_h, gd_n, st_n, last, lm_w):
     return jnp.einsum("bd,vd->bv", h, lm_w, preferred_element_type=F32)
 
 
-def run(gd, state, ids, mesh, reps: int) -> dict:
+def place(state, mesh, rules):
+    """The state laid out on `mesh` by `rules` (each parameter by its logical axes; the experts split when the
+    rules say so), the old arrays dropped as it goes (never two copies of a tensor on one device)."""
+    flat = nnx.to_flat_state(state)
+    for _, var in flat:
+        axes = var.get_metadata().get("axes", (None,) * var.ndim)
+        var.set_value(jax.device_put(var[...], named_sharding(mesh, rules, axes, var.shape)))
+    return state
+
+
+def run(gd, state, ids, mesh, reps: int, rules=SEQUENCE_PARALLEL) -> dict:
     """Compile + time one prompt's prefill (state and ids already placed; mesh None: one device), as
     `bench_ttft.py` times its full-sequence variants: embed → each layer → last-token head, each its own jitted
     call (a whole-model jit holds several layers' temporaries at once: at 128K it peaked 12 GiB higher)."""
@@ -103,7 +115,7 @@ def run(gd, state, ids, mesh, reps: int) -> dict:
     gd_h, st_h = nnx.split(model.hc_head)
     gd_n, st_n = nnx.split(model.norm)
     t0 = time.perf_counter()
-    with use_mesh(mesh) if mesh is not None else _nothing():
+    with use_mesh(mesh, rules) if mesh is not None else _nothing():
         e_embed = jax.jit(_embed, static_argnums=2, out_shardings=stream_sharding).lower(embed_w, ids, hc).compile()
         streams_abs = jax.ShapeDtypeStruct((1, seq, hc, model.config.hidden_size), embed_w.dtype,
                                            sharding=stream_sharding)
@@ -140,9 +152,9 @@ class _nothing:
         return False
 
 
-def measure(name, s, gd, state, ids, mesh, reps, row, flops):
+def measure(name, s, gd, state, ids, mesh, reps, row, flops, rules=SEQUENCE_PARALLEL):
     try:
-        r = run(gd, state, ids, mesh, reps)
+        r = run(gd, state, ids, mesh, reps, rules)
         row[name] = {k: v for k, v in r.items() if k != "logits"}
         row[name + "_logits"] = r["logits"]
         print(f"  S={s} {name}: TTFT {r['ttft_s'] * 1e3:9.1f} ms  {flops / r['ttft_s'] / 1e12:6.1f} TF/s  "
@@ -158,6 +170,9 @@ def main():
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--attention", default="sp", choices=("sp", "sp-pallas"),
                    help="the SP core: jnp per shard with ring-passed entries, or the Triton kernel per shard")
+    p.add_argument("--experts", default="split", choices=("split", "replicated"),
+                   help="N devices: routed experts split over the devices (expert parallelism, the ring of "
+                        "dsv4/sharding/expert_parallel.py) or replicated (each device runs its own tokens' experts)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-1dev-from", default="512k", help="no 1-device run at or above this length (OOM)")
     p.add_argument("--baseline", action="store_true",
@@ -174,7 +189,8 @@ def main():
     base = Config.preset("tiny" if args.smoke else "v4-flash")
     cfg = with_layers(base, default_mix(args.layers))
     print(f"jax {jax.__version__}, {n_dev} × {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M')}; "
-          f"{'tiny' if args.smoke else 'v4-flash'} {args.layers} layers", flush=True)  # fmt: skip
+          f"{'tiny' if args.smoke else 'v4-flash'} {args.layers} layers; attention {args.attention}, experts "
+          f"{args.experts}", flush=True)  # fmt: skip
     model, info = build_model_on_device(cfg, args.seed, F32 if args.smoke else BF16)
     _, state = nnx.split(model)
     def graphdef(attention, indexer="pallas", moe="pallas"):
@@ -207,12 +223,14 @@ def main():
                     rows[s]["flops"])  # fmt: skip
         measure("1dev", s, gd_one, state, token_ids(s), None, args.reps, rows[s], rows[s]["flops"])
     if mesh is not None:
-        replicated = jax.device_put(state, NamedSharding(mesh, P()))
-        jax.block_until_ready(replicated)
+        # split: the seed's layout (sequence and routed experts over the devices, the rest replicated);
+        # replicated: every weight on every device, so the MoE runs data-parallel on each shard's tokens.
+        rules = SEQUENCE_PARALLEL if args.experts == "split" else ShardingRules((("seq", "sp"),))
+        placed = jax.block_until_ready(place(state, mesh, rules))
         del state
         for s in lengths:
             ids = jax.device_put(token_ids(s), NamedSharding(mesh, P(None, "sp")))
-            measure(many, s, gd, replicated, ids, mesh, args.reps, rows[s], rows[s]["flops"])
+            measure(many, s, gd, placed, ids, mesh, args.reps, rows[s], rows[s]["flops"], rules)
     for s, row in rows.items():
         one, nd = row.get("1dev", {}), row.get(many, {})
         if "ttft_s" in one and "ttft_s" in nd:

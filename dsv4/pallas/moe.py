@@ -663,7 +663,7 @@ def grouped_down(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("limit", "fp8_activations", "block_sizes", "down_block_sizes", "interpret")
+    jax.jit, static_argnames=("limit", "fp8_activations", "block_sizes", "down_block_sizes", "interpret", "out_dtype")
 )
 def routed_experts(
     x: jax.Array,
@@ -679,6 +679,7 @@ def routed_experts(
     block_sizes: BlockSizes = BlockSizes(),
     down_block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    out_dtype=None,
 ) -> jax.Array:
     """Dropless routed experts: sort pairs by expert → grouped_gate_up → grouped_down → weighted combine. → [N, D].
 
@@ -687,6 +688,8 @@ def routed_experts(
     and down_scales [E, D // 128, I // 128]. Same result as dsv4.moe.routed_experts_jnp.
     fp8_activations (FP8 weights only): quantize x and h per token per 128-group and multiply in fp8 (W8A8, as
     DeepSeek does); False keeps activations in x's dtype and upcasts weight tiles (W8A16).
+    out_dtype: the result's dtype (default x's); expert parallelism asks for float32 partial sums.
+    A pair whose id is outside [0, E) contributes nothing and costs no FLOPs (it sorts into the empty group).
 
     The combine is a gather (each token sums its K rows of y through the inverse permutation), not a scatter-add:
     deterministic and free of atomics. y stays float32 up to that sum, as in the reference.
@@ -704,7 +707,7 @@ def routed_experts(
         raise ValueError(f"routed_experts: down.shape={down.shape} must be (E, D, I) = {(e, d, two_i // 2)} for "
                          f"gate_up.shape={gate_up.shape}")  # fmt: skip
     if n == 0:
-        return jnp.zeros_like(x)
+        return jnp.zeros(x.shape, out_dtype or x.dtype)
     w8a8 = gate_up.dtype == FP8 and down.dtype == FP8 and fp8_activations
     flat_ids = expert_ids.reshape(-1)  # [N·K]
     # An id outside [0, E) sorts last, past every group, into the zero group: it contributes nothing.
@@ -726,4 +729,4 @@ def routed_experts(
                      row_weights=weights.reshape(-1)[order], out_dtype=F32,
                      block_sizes=down_block_sizes or block_sizes, interpret=interpret)  # fmt: skip  # [M, D]
     row_of_pair = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))  # inverse permutation
-    return y[row_of_pair].reshape(n, k, d).sum(1).astype(x.dtype)
+    return y[row_of_pair].reshape(n, k, d).sum(1).astype(out_dtype or x.dtype)

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Expert parallelism for one V4-Flash MoE layer's routed experts: 1 GPU against N GPUs of one host, and how much of
+the dispatch/combine communication is exposed.
+
+    python3 scripts/bench_moe_ep.py --tokens 64k,512k --out $OUT/ep          # 2 H200s (kind nvidia-h200-x2)
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python3 scripts/bench_moe_ep.py --smoke   # CPU check
+
+Shapes: D = 4096, I = 2048, E = 256, top-6 (`Config.preset("v4-flash")`), bf16 weights drawn on the devices, the
+shared expert excluded. Routing: `bench_kernels.make_routing` (Zipf-like expert popularity, --zipf, default 0.3).
+
+Rows, per token count N (all in one process, same inputs):
+  1gpu          `dsv4.pallas.moe.routed_experts` on device 0, over token chunks of --one-chunk (lax.map; the whole
+                512K at once needs ~84 GiB of temporaries), all 256 experts local.
+  ep-c<C>       `dsv4.sharding.expert_parallel.routed_experts_ep` on all N devices: tokens split over the devices,
+                experts split over the same devices (E / N each), ring dispatch/combine in chunks of C tokens.
+  ep-c<C>-local the same program with every transfer replaced by a local array of the same shape (comm="local":
+                wrong values, identical compute). exposed = t(ep) − t(ep-local): the communication time the ring
+                fails to hide; the bar (issue 10) asks for ≤ 10% of the MoE layer time.
+Useful FLOPs = 2 · 3 · D · I · N · K (gate, up, down per token-expert pair), the same count for every row; %mm is
+against the same run's bf16 matmul (8192³ on device 0). scaling = t(1gpu) / (N · t(ep)). Check: the EP output
+against the 1-GPU output (relative L2; both bf16 outputs of float32 sums). Load: the busiest device's share of
+token-expert pairs over the mean (the dropless EP's compute imbalance; it sets the EP time).
+Timing: AOT compile (reported apart), 1 warm-up call, median of --reps synchronized calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+_SMOKE = "--smoke" in sys.argv
+if not _SMOKE:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dsv4.config import Config  # noqa: E402
+from dsv4.moe import routed_experts_pallas  # noqa: E402
+from dsv4.sharding import make_mesh, use_mesh  # noqa: E402
+from dsv4.sharding.expert_parallel import routed_experts_ep  # noqa: E402
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+def parse_len(x: str) -> int:
+    x = x.strip().lower()
+    return int(x[:-1]) * 1024 if x.endswith("k") else int(x)
+
+
+def make_routing(key, tokens: int, experts: int, k: int, zipf: float):
+    """Zipf-like routing (as bench_kernels.make_routing): popularity ∝ (rank + 1)^-zipf over a random expert order,
+    k distinct experts per token by Gumbel top-k, weights uniform in [0.1, 1] normalized to sum 1.5."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    rank = jax.random.permutation(k1, experts)
+    log_p = -zipf * jnp.log1p(rank.astype(F32))
+    gumbel = jax.random.gumbel(k2, (tokens, experts), F32)
+    _, ids = jax.lax.top_k(log_p[None, :] + gumbel, k)
+    w = jax.random.uniform(k3, (tokens, k), F32, 0.1, 1.0)
+    return ids.astype(jnp.int32), 1.5 * w / w.sum(-1, keepdims=True)
+
+
+def timed(compiled, args, reps: int) -> dict:
+    out = jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t)
+    return dict(ms=statistics.median(times) * 1e3, times_ms=[t * 1e3 for t in times]), out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="64k,512k")
+    p.add_argument("--chunks", default="16k,32k", help="ring chunk sizes (tokens per ring step per device)")
+    p.add_argument("--one-chunk", default="64k", help="token chunk of the 1-GPU row")
+    p.add_argument("--zipf", type=float, default=0.3)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="CPU: the tiny preset's widths, 2 host devices")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    cfg = Config.preset("tiny" if args.smoke else "v4-flash")
+    d, inter, e, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    tokens = [24, 40] if args.smoke else [parse_len(x) for x in args.tokens.split(",")]
+    chunks = [8] if args.smoke else [parse_len(x) for x in args.chunks.split(",")]
+    one_chunk = 16 if args.smoke else parse_len(args.one_chunk)
+    n_dev = len(jax.devices())
+    if n_dev < 2:
+        raise SystemExit("bench_moe_ep needs at least 2 devices (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+    mesh = make_mesh(n_dev)
+    dev0 = jax.devices()[0]
+    print(f"jax {jax.__version__}, {n_dev} × {dev0.device_kind}, {time.strftime('%Y-%m-%d %H:%M')}; D={d} I={inter} "
+          f"E={e} top-{k}, zipf {args.zipf}", flush=True)  # fmt: skip
+    limit = cfg.swiglu_limit
+    rows = []
+
+    # Same-run ceiling on device 0.
+    mm_n = 256 if args.smoke else 8192
+    a = jax.device_put(jax.random.normal(jax.random.key(1), (mm_n, mm_n), BF16), dev0)
+    mm = jax.jit(lambda a: a @ a).lower(a).compile()
+    t_mm, _ = timed(mm, (a,), args.reps)
+    mm_tf = 2.0 * mm_n**3 / (t_mm["ms"] * 1e-3) / 1e12
+    print(f"  bf16 matmul {mm_n}^3: {mm_tf:.0f} TF/s", flush=True)
+    del a, mm
+
+    # Weights: one copy on device 0 (1-GPU rows), one split over the mesh (EP rows).
+    kw = jax.random.split(jax.random.key(args.seed), 2)
+    scale = 0.02
+    split = NamedSharding(mesh, P("sp"))
+    gu_ep, dn_ep = jax.jit(lambda kk: (jax.random.normal(kk[0], (e, 2 * inter, d), BF16) * scale,
+                                       jax.random.normal(kk[1], (e, d, inter), BF16) * scale),
+                           out_shardings=(split, split))(kw)  # fmt: skip
+    gu_1, dn_1 = jax.device_put((gu_ep, dn_ep), dev0)
+
+    def one_gpu(x, ids, w, gu, dn):
+        n = x.shape[0]
+        c = min(one_chunk, n)
+        pad = -n % c
+        xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, c, d)
+        ids_ = jnp.pad(ids, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, c, k)
+        ws = jnp.pad(w, ((0, pad), (0, 0))).reshape(-1, c, k)
+        y = jax.lax.map(lambda t: routed_experts_pallas(*t, gu, dn, limit), (xs, ids_, ws))
+        return y.reshape(-1, d)[:n]
+
+    def local_experts(x_, ids_, w_, gu_, dn_):
+        return routed_experts_pallas(x_, ids_, w_, gu_, dn_, limit, out_dtype=F32)
+
+    seq = NamedSharding(mesh, P(None, "sp"))
+    for n in tokens:
+        flops = 2.0 * 3 * d * inter * n * k
+        kx, kr = jax.random.split(jax.random.fold_in(jax.random.key(args.seed + 1), n))
+        x = jax.random.normal(kx, (n, d), BF16)
+        ids, w = jax.jit(make_routing, static_argnums=(1, 2, 3, 4))(kr, n, e, k, args.zipf)
+        per_dev = jnp.bincount(ids.reshape(-1) // (e // n_dev), length=n_dev)
+        load = float(per_dev.max() / per_dev.mean())
+        row = dict(tokens=n, flops=flops, load_max_over_mean=load, mm_bf16_tflops=mm_tf)
+        try:
+            args1 = jax.device_put((x, ids, w, gu_1, dn_1), dev0)
+            exe = jax.jit(one_gpu).lower(*args1).compile()
+            r, y1 = timed(exe, args1, args.reps)
+            row["1gpu"] = r
+            y1 = jax.device_get(y1).astype("float32")
+            print(f"  N={n} 1gpu: {r['ms']:8.2f} ms  {flops / r['ms'] / 1e9:6.0f} TF/s  "
+                  f"{flops / r['ms'] / 1e9 / mm_tf:4.0%} mm", flush=True)  # fmt: skip
+            del args1, exe
+        except Exception as exc:  # noqa: BLE001
+            row["1gpu"] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            y1 = None
+            print(f"  N={n} 1gpu: FAILED {row['1gpu']['error']}", flush=True)
+        xs = jax.device_put(x[None], seq)
+        ids_s, w_s = jax.device_put(ids[None], seq), jax.device_put(w[None], seq)
+        del x, ids, w
+        for c in chunks:
+            for comm in ("ppermute", "local"):
+                name = f"ep-c{c}" + ("-local" if comm == "local" else "")
+                try:
+                    with use_mesh(mesh):
+                        fn = jax.jit(lambda *a, c=c, comm=comm: routed_experts_ep(local_experts, *a, chunk_tokens=c,
+                                                                                  comm=comm))  # fmt: skip
+                        t0 = time.perf_counter()
+                        exe = fn.lower(xs, ids_s, w_s, gu_ep, dn_ep).compile()
+                        cs = time.perf_counter() - t0
+                    r, y = timed(exe, (xs, ids_s, w_s, gu_ep, dn_ep), args.reps)
+                    r["compile_s"] = cs
+                    if comm == "ppermute" and y1 is not None:
+                        yn = jax.device_get(y)[0].astype("float32")
+                        r["rel_l2_vs_1gpu"] = float(((yn - y1) ** 2).sum() ** 0.5 / max((y1**2).sum() ** 0.5, 1e-30))
+                    row[name] = r
+                    note = f"  rel L2 vs 1gpu {r['rel_l2_vs_1gpu']:.1e}" if "rel_l2_vs_1gpu" in r else ""
+                    print(f"  N={n} {name}: {r['ms']:8.2f} ms  {flops / r['ms'] / 1e9:6.0f} TF/s  "
+                          f"compile {cs:.1f} s{note}", flush=True)  # fmt: skip
+                    del exe, y
+                except Exception as exc:  # noqa: BLE001
+                    row[name] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                    print(f"  N={n} {name}: FAILED {row[name]['error']}", flush=True)
+            ep, loc = row.get(f"ep-c{c}", {}), row.get(f"ep-c{c}-local", {})
+            if "ms" in ep and "ms" in loc:
+                exposed = max(ep["ms"] - loc["ms"], 0.0)
+                ep["exposed_ms"], ep["exposed_frac"] = exposed, exposed / ep["ms"]
+                if "ms" in row.get("1gpu", {}):
+                    ep["scaling"] = row["1gpu"]["ms"] / (n_dev * ep["ms"])
+                print(f"  N={n} ep-c{c}: exposed comm {exposed:.2f} ms = {exposed / ep['ms']:.1%} of the layer; "
+                      f"scaling {ep.get('scaling', float('nan')):.2f}; busiest device {load:.2f}x the mean pairs",
+                      flush=True)  # fmt: skip
+        del xs, ids_s, w_s
+        rows.append(row)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_moe_ep.json"), "w") as f:
+            json.dump(dict(argv=sys.argv, jax=jax.__version__, devices=n_dev, device_kind=dev0.device_kind, rows=rows),
+                      f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
