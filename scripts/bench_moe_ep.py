@@ -98,7 +98,8 @@ def main():
     one_chunk = 16 if args.smoke else parse_len(args.one_chunk)
     n_dev = len(jax.devices())
     if n_dev < 2:
-        raise SystemExit("bench_moe_ep needs at least 2 devices (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+        raise SystemExit("bench_moe_ep needs at least 2 devices "
+                         "(CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2)")
     mesh = make_mesh(n_dev)
     dev0 = jax.devices()[0]
     print(f"jax {jax.__version__}, {n_dev} × {dev0.device_kind}, {time.strftime('%Y-%m-%d %H:%M')}; D={d} I={inter} "
