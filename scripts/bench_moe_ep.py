@@ -12,10 +12,14 @@ Rows, per token count N (all in one process, same inputs):
   1gpu          `dsv4.pallas.moe.routed_experts` on device 0, over token chunks of --one-chunk (lax.map; the whole
                 512K at once needs ~84 GiB of temporaries), all 256 experts local.
   ep-c<C>       `dsv4.sharding.expert_parallel.routed_experts_ep` on all N devices: tokens split over the devices,
-                experts split over the same devices (E / N each), ring dispatch/combine in chunks of C tokens.
-  ep-c<C>-local the same program with every transfer replaced by a local array of the same shape (comm="local":
-                wrong values, identical compute). exposed = t(ep) − t(ep-local): the communication time the ring
-                fails to hide; the bar (issue 10) asks for ≤ 10% of the MoE layer time.
+                experts split over the same devices (E / N each), ring dispatch/combine in chunks of C tokens
+                (--variants: "-scan" runs the chunks in a lax.scan instead of one unrolled program, "-bf16" sends
+                the partial sums in bf16 instead of float32).
+  ep-…-local    the same program with every transfer replaced by a local copy of the same shape (comm="local":
+                the array rolled by one row; wrong values, identical compute). exposed = t(ep) − t(ep-local): the
+                communication time the ring fails to hide; the bar (issue 10) asks for ≤ 10% of the MoE time.
+  ep-…-comm-only the first variant's ring with the expert GEMMs replaced by an elementwise op: the transfers'
+                own time. The first variant's compiled HLO (its schedule) is written to --out at the largest N.
 Useful FLOPs = 2 · 3 · D · I · N · K (gate, up, down per token-expert pair), the same count for every row; %mm is
 against the same run's bf16 matmul (8192³ on device 0). scaling = t(1gpu) / (N · t(ep)). Check: the EP output
 against the 1-GPU output (relative L2; both bf16 outputs of float32 sums). Load: the busiest device's share of
@@ -70,6 +74,14 @@ def make_routing(key, tokens: int, experts: int, k: int, zipf: float):
     return ids.astype(jnp.int32), 1.5 * w / w.sum(-1, keepdims=True)
 
 
+def parse_variant(v: str) -> tuple[int, bool | None, object]:
+    """"c32k-scan-bf16" → (32768, False, bfloat16): chunk tokens, unroll (None: the library's default), combine."""
+    parts = v.split("-")
+    if not parts[0].startswith("c") or any(x not in ("scan", "bf16") for x in parts[1:]):
+        raise SystemExit(f"bad variant {v!r}: expected c<tokens>[-scan][-bf16]")
+    return parse_len(parts[0][1:]), (False if "scan" in parts else None), (BF16 if "bf16" in parts else F32)
+
+
 def timed(compiled, args, reps: int) -> dict:
     out = jax.block_until_ready(compiled(*args))
     times = []
@@ -83,7 +95,9 @@ def timed(compiled, args, reps: int) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="64k,512k")
-    p.add_argument("--chunks", default="16k,32k", help="ring chunk sizes (tokens per ring step per device)")
+    p.add_argument("--variants", default="c32k,c16k,c32k-scan,c32k-bf16",
+                   help="EP variants: c<chunk tokens per ring step>[-scan (lax.scan over chunks, else unrolled)]"
+                        "[-bf16 (partial sums travel in bf16, else f32)]")
     p.add_argument("--one-chunk", default="64k", help="token chunk of the 1-GPU row")
     p.add_argument("--zipf", type=float, default=0.3)
     p.add_argument("--reps", type=int, default=5)
@@ -94,7 +108,7 @@ def main():
     cfg = Config.preset("tiny" if args.smoke else "v4-flash")
     d, inter, e, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
     tokens = [24, 40] if args.smoke else [parse_len(x) for x in args.tokens.split(",")]
-    chunks = [8] if args.smoke else [parse_len(x) for x in args.chunks.split(",")]
+    variants = ["c8", "c8-scan-bf16"] if args.smoke else args.variants.split(",")
     one_chunk = 16 if args.smoke else parse_len(args.one_chunk)
     n_dev = len(jax.devices())
     if n_dev < 2:
@@ -138,6 +152,9 @@ def main():
     def local_experts(x_, ids_, w_, gu_, dn_):
         return routed_experts_pallas(x_, ids_, w_, gu_, dn_, limit, out_dtype=F32)
 
+    def comm_only(x_, ids_, w_, gu_, dn_):  # no expert GEMMs: the ring's transfers (and an elementwise op) alone
+        return x_.astype(F32) * w_[:, :1]
+
     seq = NamedSharding(mesh, P(None, "sp"))
     for n in tokens:
         flops = 2.0 * 3 * d * inter * n * k
@@ -163,19 +180,27 @@ def main():
         xs = jax.device_put(x[None], seq)
         ids_s, w_s = jax.device_put(ids[None], seq), jax.device_put(w[None], seq)
         del x, ids, w
-        for c in chunks:
-            for comm in ("ppermute", "local"):
-                name = f"ep-c{c}" + ("-local" if comm == "local" else "")
+        for vi, variant in enumerate(variants):
+            c, unroll, combine = parse_variant(variant)
+            kinds = ("ppermute", "local", "comm-only") if vi == 0 else ("ppermute", "local")
+            for kind in kinds:
+                name = f"ep-{variant}" + ("" if kind == "ppermute" else f"-{kind}")
+                fn_local = comm_only if kind == "comm-only" else local_experts
                 try:
                     with use_mesh(mesh):
-                        fn = jax.jit(lambda *a, c=c, comm=comm: routed_experts_ep(local_experts, *a, chunk_tokens=c,
-                                                                                  comm=comm))  # fmt: skip
+                        fn = jax.jit(lambda *a, c=c, u=unroll, cd=combine, f=fn_local, k=kind: routed_experts_ep(
+                            f, *a, chunk_tokens=c, unroll=u, combine_dtype=cd,
+                            comm="local" if k == "local" else "ppermute"))  # fmt: skip
                         t0 = time.perf_counter()
                         exe = fn.lower(xs, ids_s, w_s, gu_ep, dn_ep).compile()
                         cs = time.perf_counter() - t0
+                    if vi == 0 and kind == "ppermute" and n == tokens[-1] and args.out:
+                        os.makedirs(args.out, exist_ok=True)
+                        with open(os.path.join(args.out, f"hlo_ep-{variant}_{n}.txt"), "w") as f:
+                            f.write(exe.as_text())
                     r, y = timed(exe, (xs, ids_s, w_s, gu_ep, dn_ep), args.reps)
                     r["compile_s"] = cs
-                    if comm == "ppermute" and y1 is not None:
+                    if kind == "ppermute" and y1 is not None:
                         yn = jax.device_get(y)[0].astype("float32")
                         r["rel_l2_vs_1gpu"] = float(((yn - y1) ** 2).sum() ** 0.5 / max((y1**2).sum() ** 0.5, 1e-30))
                     row[name] = r
@@ -186,13 +211,13 @@ def main():
                 except Exception as exc:  # noqa: BLE001
                     row[name] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
                     print(f"  N={n} {name}: FAILED {row[name]['error']}", flush=True)
-            ep, loc = row.get(f"ep-c{c}", {}), row.get(f"ep-c{c}-local", {})
+            ep, loc = row.get(f"ep-{variant}", {}), row.get(f"ep-{variant}-local", {})
             if "ms" in ep and "ms" in loc:
                 exposed = max(ep["ms"] - loc["ms"], 0.0)
                 ep["exposed_ms"], ep["exposed_frac"] = exposed, exposed / ep["ms"]
                 if "ms" in row.get("1gpu", {}):
                     ep["scaling"] = row["1gpu"]["ms"] / (n_dev * ep["ms"])
-                print(f"  N={n} ep-c{c}: exposed comm {exposed:.2f} ms = {exposed / ep['ms']:.1%} of the layer; "
+                print(f"  N={n} ep-{variant}: exposed comm {exposed:.2f} ms = {exposed / ep['ms']:.1%} of the layer; "
                       f"scaling {ep.get('scaling', float('nan')):.2f}; busiest device {load:.2f}x the mean pairs",
                       flush=True)  # fmt: skip
         del xs, ids_s, w_s

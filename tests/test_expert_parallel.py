@@ -43,9 +43,11 @@ EP_SCRIPT = """
         dn = jax.random.normal(k[4], (E, D, I), jnp.float32) * 0.2
         return x, ids.astype(jnp.int32), w, gu, dn
 
-    for n, impl, s, chunk, routing in [(2, "jnp", 37, 5, "uniform"), (4, "jnp", 50, 1000, "skewed"),
-                                       (8, "jnp", 3, 4, "uniform"), (2, "pallas", 29, 8, "skewed"),
-                                       (8, "pallas", 41, 3, "uniform")]:
+    # (devices, local kernels, tokens, chunk, routing, unroll the chunks?)
+    for n, impl, s, chunk, routing, unroll in [
+        (2, "jnp", 37, 5, "uniform", False), (4, "jnp", 50, 1000, "skewed", None), (8, "jnp", 3, 4, "uniform", True),
+        (2, "pallas", 29, 8, "skewed", True), (8, "pallas", 41, 3, "uniform", False),
+    ]:
         x, ids, w, gu, dn = inputs(n * 100 + s, s, routing)
         want = routed_experts_reference(x[0], ids[0], w[0], gu, dn, LIMIT)
         mesh = make_mesh(n)
@@ -54,7 +56,8 @@ EP_SCRIPT = """
         with use_mesh(mesh):
             args = (x, ids, w, put(gu, P("sp")), put(dn, P("sp")))
             for comm in ("ppermute", "local"):
-                fn = jax.jit(lambda *a, comm=comm: routed_experts_ep(local, *a, chunk_tokens=chunk, comm=comm))
+                fn = jax.jit(lambda *a, comm=comm: routed_experts_ep(local, *a, chunk_tokens=chunk, comm=comm,
+                                                                     unroll=unroll))
                 got = fn(*args)[0]
                 if comm == "ppermute":
                     hlo = fn.lower(*args).compile().as_text()
@@ -62,6 +65,12 @@ EP_SCRIPT = """
                 print("case", n, impl, s, chunk, routing, comm, err)
         gathered = [l for l in hlo.splitlines() if "all-gather(" in l and f"[{E}," in l.split("all-gather(")[0]]
         print("hlo", n, impl, hlo.count("collective-permute("), len(gathered))
+    with use_mesh(make_mesh(4)):  # partial sums travelling in bfloat16: each hop rounds them
+        x, ids, w, gu, dn = inputs(7, 45, "uniform")
+        want = routed_experts_reference(x[0], ids[0], w[0], gu, dn, LIMIT)
+        got = routed_experts_ep(lambda *a: routed_experts_jnp(*a, LIMIT, out_dtype=jnp.float32), x, ids, w, gu, dn,
+                                chunk_tokens=16, combine_dtype=jnp.bfloat16)[0]
+        print("bf16-combine", float(jnp.abs(got - want).max() / jnp.abs(want).max()))
 """
 
 
@@ -80,6 +89,8 @@ def test_expert_parallel_ring_matches_dense_reference():
         # per ring: N - 1 hops of (x, ids, weights) and N hops of the accumulator, inside the scan over chunks
         assert int(permutes) >= 3 * (int(n) - 1) + int(n), (n, impl, permutes)
         assert int(gathered) == 0, f"an expert weight was all-gathered (n={n}, {impl})"
+    (bf16,) = [float(r[1]) for r in rows if r[0] == "bf16-combine"]
+    assert 1e-5 < bf16 < 1e-2, bf16  # rounded (so not exact), but only by bfloat16's precision
 
 
 MODEL_SCRIPT = """

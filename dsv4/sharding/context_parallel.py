@@ -295,10 +295,19 @@ class _Config:
     relayout: bool  # zigzag: move blocks (2i, 2i+1) → (i, 2N-1-i) on entry, and back on exit
 
 
+def local_stand_in(x: jax.Array) -> jax.Array:
+    """comm="local"'s stand-in for a transfer: x rolled by one along its longest axis. Same shape, same bytes
+    moved (one local copy), different values, so XLA can neither fold it away (`x + 0`) nor merge the compute of
+    two ring steps that would otherwise see identical operands."""
+    if x.ndim == 0:
+        return x
+    return jnp.roll(x, 1, axis=max(range(x.ndim), key=lambda a: x.shape[a]))
+
+
 def _permute(x, cfg: _Config, pairs):
     """ppermute, or (comm="local") a local stand-in of the same shape for the exposed-comm measurement."""
     if cfg.comm == "local":
-        return x + jnp.zeros((), x.dtype)
+        return local_stand_in(x)
     return jax.lax.ppermute(x, cfg.axis, pairs)
 
 
@@ -321,7 +330,7 @@ def _relayout(x, cfg: _Config, *, forward: bool):
                 continue
             pairs = [(src_of(g)[0], dst_of(g)[0]) for g in blocks]
             if cfg.comm == "local":
-                recv = slots[s] + jnp.zeros((), x.dtype)
+                recv = local_stand_in(slots[s])
             else:
                 recv = jax.lax.ppermute(slots[s], cfg.axis, pairs)
             if got is None:

@@ -18,8 +18,9 @@ result, and passes both on. After N steps every accumulator is back at its owner
 
 Each token's sum is therefore complete and exact (no token dropped, no capacity), and both transfers of a step are
 independent of that step's expert GEMMs, so XLA's asynchronous collective-permutes overlap them; only the last
-hop of the last chunk's accumulator is exposed. Chunks run one after another (`lax.scan`), which bounds the
-per-step memory (sorted rows, SwiGLU activations, float32 outputs) by `chunk_tokens` instead of the shard's tokens.
+hop of the last chunk's accumulator is exposed. Chunks run one after another, which bounds the per-step memory
+(sorted rows, SwiGLU activations, float32 outputs) by `chunk_tokens` instead of the shard's tokens: unrolled into
+one program when there are few (so a chunk's last hop can overlap the next chunk's compute), else a `lax.scan`.
 
 Why a ring and not a ragged all-to-all. Bytes each device sends per layer, N_l tokens of D values:
     ring:          (N − 1) · N_l · D · 2 B (tokens, bf16) + N · N_l · D · 4 B (float32 accumulators)
@@ -45,10 +46,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from dsv4.sharding.context_parallel import local_stand_in
 from dsv4.sharding.rules import active
 
 F32 = jnp.float32
 DEFAULT_CHUNK_TOKENS = 16384  # per ring step: ≈ 2.5 TFLOP of expert GEMMs per shard at V4-Flash widths and N = 2
+MAX_UNROLLED_CHUNKS = 16
 
 
 def ep_layout(num_experts: int, mesh: Mesh | None = None, axis: str | None = None) -> tuple[Mesh, str, int] | None:
@@ -87,6 +90,8 @@ def routed_experts_ep(
     *,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     comm: str = "ppermute",
+    unroll: bool | None = None,
+    combine_dtype=F32,
     mesh: Mesh | None = None,
     axis: str | None = None,
 ) -> jax.Array:
@@ -95,6 +100,9 @@ def routed_experts_ep(
     x: [B, S, D] and expert_ids [B, S, K] int32 (global expert ids), weights [B, S, K] f32, all split over the
     sequence axis; gate_up [E, 2I, D], down [E, D, I] split over the expert axis (the same mesh axis).
     S need not divide by N: padded tokens route nowhere (id -1) and are cut from the result.
+    chunk_tokens: tokens per ring step per device. unroll: one straight-line program over the chunks (default when
+    there are at most MAX_UNROLLED_CHUNKS) or a `lax.scan` over them. combine_dtype: the dtype the partial sums
+    travel in (float32 by default; bfloat16 halves the combine bytes and rounds each hop's partial sum).
     """
     if comm not in ("ppermute", "local"):
         raise ValueError(f"comm={comm!r}; expected 'ppermute' or 'local'")
@@ -111,14 +119,16 @@ def routed_experts_ep(
         x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
         expert_ids = jnp.pad(expert_ids, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
         weights = jnp.pad(weights, ((0, 0), (0, pad), (0, 0)))
-    body = functools.partial(_ring_body, local_experts, axis=axis, n=n, chunk_tokens=chunk_tokens, comm=comm)
+    body = functools.partial(_ring_body, local_experts, axis=axis, n=n, chunk_tokens=chunk_tokens, comm=comm,
+                             unroll=unroll, combine_dtype=jnp.dtype(combine_dtype))  # fmt: skip
     seq = P(None, axis)
     out = jax.shard_map(body, mesh=mesh, in_specs=(seq, seq, seq, P(axis), P(axis)), out_specs=seq,
                         check_vma=False)(x, expert_ids, weights.astype(F32), gate_up, down)  # fmt: skip
     return out[:, :s] if pad else out
 
 
-def _ring_body(local_experts, x, expert_ids, weights, gate_up, down, *, axis, n, chunk_tokens, comm):
+def _ring_body(local_experts, x, expert_ids, weights, gate_up, down, *, axis, n, chunk_tokens, comm, unroll,
+               combine_dtype):  # fmt: skip
     b, s_l, d = x.shape
     e_l = gate_up.shape[0]
     first = jax.lax.axis_index(axis) * e_l  # this shard's experts are [first, first + e_l)
@@ -137,8 +147,8 @@ def _ring_body(local_experts, x, expert_ids, weights, gate_up, down, *, axis, n,
     forward = [(j, (j + 1) % n) for j in range(n)]
 
     def send(a):
-        if comm == "local":  # same shape, no transfer: for measuring exposed communication only
-            return a + jnp.zeros_like(a)
+        if comm == "local":  # same shape and bytes, no transfer: for measuring exposed communication only
+            return local_stand_in(a)
         return jax.lax.ppermute(a, axis, forward)
 
     def mine(x_c, ids_c, w_c):
@@ -146,19 +156,25 @@ def _ring_body(local_experts, x, expert_ids, weights, gate_up, down, *, axis, n,
         local = jnp.where((local >= 0) & (local < e_l), local, -1)  # another shard's expert (or padding): skipped
         return local_experts(x_c, local, w_c, gate_up, down)
 
-    def one_chunk(_, chunk):
+    def ring(chunk):
         in_hand = chunk  # (x, ids, weights) of the chunk at this step: own at t = 0
         y = None
         for t in range(n):
             if t < n - 1:
                 nxt = tuple(send(a) for a in in_hand)  # issued before the compute it overlaps with
             part = mine(*in_hand)
-            y = part if y is None else y + part
-            y = send(y)  # to i + 1, who adds to it after its own next step; at t = N − 1 this is the way home
+            y = part if y is None else y.astype(F32) + part
+            # to i + 1, who adds to it after its own next step; at t = N − 1 this is the way home
+            y = send(y.astype(combine_dtype))
             if t < n - 1:
                 in_hand = nxt
-        return None, y
+        return y
 
-    _, ys = jax.lax.scan(one_chunk, None, (xs, ids, ws))  # [chunks, size, D] float32
+    if unroll is None:
+        unroll = chunks <= MAX_UNROLLED_CHUNKS
+    if unroll:  # one program: a chunk's last hop home can overlap the next chunk's compute
+        ys = jnp.stack([ring((xs[j], ids[j], ws[j])) for j in range(chunks)])
+    else:  # bounded program size; each chunk's last hop is exposed
+        _, ys = jax.lax.scan(lambda _, c: (None, ring(c)), None, (xs, ids, ws))
     ys = ys.reshape(chunks * size, d)[:tokens]
     return ys.reshape(b, s_l, d).astype(x.dtype)
