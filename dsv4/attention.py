@@ -168,7 +168,8 @@ def core_attention_sp(*args, **kwargs) -> jax.Array:
 
 def core_attention_sp_pallas(*args, **kwargs) -> jax.Array:
     """As "sp", with the Triton Pallas kernel for each shard's own attention (entries all-gathered instead of
-    ring-passed; context_parallel.py docstring (d)). Correct on CPU (interpreted); not yet timed on a GPU."""
+    ring-passed; context_parallel.py docstring (d)). Correct on CPU (interpreted) and on 2 H200s
+    (scripts/check_sp_gpu.py)."""
     from dsv4.sharding.context_parallel import core_attention_sp as sp_core
 
     return sp_core(*args, local_core="pallas", **kwargs)

@@ -8,6 +8,8 @@ from flax import nnx
 
 from dsv4.config import Config
 from dsv4.layers import F32, Buffer, linear, param
+from dsv4.sharding.context_parallel import per_sequence_shard
+from dsv4.sharding.expert_parallel import DEFAULT_CHUNK_TOKENS, ep_layout, routed_experts_ep
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -84,7 +86,7 @@ class MoE(nnx.Module):
         self.top_k, self.scoring_func, self.limit = config.num_experts_per_tok, config.scoring_func, config.swiglu_limit
         self.scaling, self.norm_topk = config.routed_scaling_factor, config.norm_topk_prob
         # Under expert parallelism, tokens per ring step (bounds the per-step memory; dsv4/sharding/expert_parallel.py)
-        self.ep_chunk_tokens = 16384
+        self.ep_chunk_tokens = DEFAULT_CHUNK_TOKENS
 
     def route(self, x: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x: [N, D], token_ids: [N] → expert ids [N, K] int32, weights [N, K] float32."""
@@ -106,9 +108,6 @@ class MoE(nnx.Module):
         flat = x.reshape(b * s, d)
         ids, weights = self.route(flat, token_ids.reshape(-1))
         gate_up, down = self.experts["gate_up_proj"][...], self.experts["down_proj"][...]
-        from dsv4.sharding.context_parallel import per_sequence_shard
-        from dsv4.sharding.expert_parallel import ep_layout, routed_experts_ep
-
         impl = MOE_IMPLS[self.moe_impl]
         if ep_layout(gate_up.shape[0]) is not None:
             # Expert parallelism: each device keeps its slice of the experts and the tokens come round a ring.
