@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -58,6 +60,16 @@ def routed_experts_pallas(x, expert_ids, weights, gate_up, down, limit, out_dtyp
 MOE_IMPLS = {"jnp": routed_experts_jnp, "pallas": routed_experts_pallas}
 
 
+@functools.cache
+def _ep_local_experts(impl: str, limit: float):
+    """One function object per (impl, limit): the expert-parallel program is cached on it."""
+
+    def local_experts(x, ids, weights, gate_up, down):
+        return MOE_IMPLS[impl](x, ids, weights, gate_up, down, limit, out_dtype=F32)
+
+    return local_experts
+
+
 class MoE(nnx.Module):
     """Router (top-k over scores + a selection-only bias, or a fixed `tid2eid[token]` table) → experts."""
 
@@ -111,11 +123,9 @@ class MoE(nnx.Module):
         impl = MOE_IMPLS[self.moe_impl]
         if ep_layout(gate_up.shape[0]) is not None:
             # Expert parallelism: each device keeps its slice of the experts and the tokens come round a ring.
-            def local_experts(x_, ids_, weights_, gate_up_, down_):
-                return impl(x_, ids_, weights_, gate_up_, down_, self.limit, out_dtype=F32)
-
-            routed = routed_experts_ep(local_experts, x, ids.reshape(b, s, -1), weights.reshape(b, s, -1), gate_up,
-                                       down, chunk_tokens=self.ep_chunk_tokens).reshape(b * s, d)  # fmt: skip
+            routed = routed_experts_ep(_ep_local_experts(self.moe_impl, self.limit), x, ids.reshape(b, s, -1),
+                                       weights.reshape(b, s, -1), gate_up, down,
+                                       chunk_tokens=self.ep_chunk_tokens).reshape(b * s, d)  # fmt: skip
         elif self.moe_impl == "pallas":
             # A custom call: split it over the sequence shards by hand (experts gathered to every shard), else
             # XLA would gather the tokens and run every token's experts on every device.

@@ -8,6 +8,9 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -109,11 +112,65 @@ MODEL_SCRIPT = """
     e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     full = [f"[{e},{2 * i},{d}]", f"[{e},{d},{i}]"]
     print(sum(l.count(f) for l in hlo.splitlines() if "all-gather" in l for f in full), hlo.count("collective-permute"))
+
+    # The cached path (a prompt chunk, then a decode step) on the mesh (experts split, so the MoE runs the ring)
+    # against the same model's run without a mesh.
+    import numpy as np
+    ids = jax.random.randint(jax.random.key(3), (1, 21), 0, cfg.vocab_size)
+    def cached(model):
+        g, st = nnx.split(model)
+        @jax.jit
+        def steps(st):
+            m = nnx.merge(g, st)
+            cache = m.init_cache(batch=1, max_len=64)
+            first, cache = m.prefill_chunk(cache, ids[:, :20])
+            second, _ = m.decode(cache, ids[:, 20])
+            return jnp.stack([first, second])
+        return np.asarray(steps(st))
+    with use_mesh(mesh):
+        got = cached(model)
+    want = cached(dsv4.init_random("tiny", 0))
+    print(float(np.abs(got - want).max() / np.abs(want).max()))
 """
 
 
 def test_model_under_a_mesh_runs_its_experts_expert_parallel():
     """The whole model on 4 devices: the routed experts' weights stay split (never all-gathered) and tokens move by
-    collective-permute (the logits themselves are checked in test_sharding.py)."""
-    gathered, permutes = _run(MODEL_SCRIPT).split()
+    collective-permute (the logits themselves are checked in test_sharding.py); a prompt chunk and a decode step on
+    the mesh give the unsharded model's logits."""
+    gathered, permutes, cached_err = _run(MODEL_SCRIPT).split()
     assert int(gathered) == 0 and int(permutes) > 0
+    assert float(cached_err) < 1e-4, cached_err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(len(jax.devices("gpu") if jax.default_backend() == "gpu" else []) < 2,
+                    reason="needs 2 GPUs (the ring between real devices)")  # fmt: skip
+def test_gpu_ring_with_the_pallas_kernels_matches_one_device():
+    """On 2+ GPUs with the compiled grouped-GEMM kernels, V4-Flash's widths and a skewed load: the expert-parallel
+    result equals one device's `routed_experts` up to float32 summation order (bf16 output)."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from dsv4.moe import routed_experts_pallas
+    from dsv4.sharding import make_mesh, use_mesh
+    from dsv4.sharding.expert_parallel import routed_experts_ep
+
+    n_tok, d, inter, e, k = 3000, 4096, 2048, 32, 6
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (n_tok, d), jnp.bfloat16)
+    popularity = -0.5 * jnp.log1p(jnp.arange(e, dtype=jnp.float32))  # Zipf: expert 0 is the busiest
+    _, ids = jax.lax.top_k(popularity + jax.random.gumbel(keys[1], (n_tok, e)), k)
+    w = jax.random.uniform(keys[2], (n_tok, k), jnp.float32)
+    gu = jax.random.normal(keys[3], (e, 2 * inter, d), jnp.bfloat16) * 0.02
+    dn = jax.random.normal(keys[4], (e, d, inter), jnp.bfloat16) * 0.02
+    want = routed_experts_pallas(x, ids.astype(jnp.int32), w, gu, dn, 7.0).astype(jnp.float32)
+    mesh = make_mesh(len(jax.devices()))
+    split = NamedSharding(mesh, P("sp"))
+    with use_mesh(mesh):
+        got = routed_experts_ep(lambda *a: routed_experts_pallas(*a, 7.0, out_dtype=jnp.float32), x[None],
+                                ids[None].astype(jnp.int32), w[None], jax.device_put(gu, split),
+                                jax.device_put(dn, split), chunk_tokens=700)[0].astype(jnp.float32)  # fmt: skip
+    rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    assert rel < 1e-2, rel

@@ -121,12 +121,21 @@ def routed_experts_ep(
         x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
         expert_ids = jnp.pad(expert_ids, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
         weights = jnp.pad(weights, ((0, 0), (0, pad), (0, 0)))
-    body = functools.partial(_ring_body, local_experts, axis=axis, n=n, chunk_tokens=chunk_tokens, comm=comm,
-                             unroll=unroll, combine_dtype=jnp.dtype(combine_dtype))  # fmt: skip
-    seq = P(None, axis)
-    out = jax.shard_map(body, mesh=mesh, in_specs=(seq, seq, seq, P(axis), P(axis)), out_specs=seq,
-                        check_vma=False)(x, expert_ids, weights.astype(F32), gate_up, down)  # fmt: skip
+    program = _ring_program(local_experts, mesh, axis, n, chunk_tokens, comm, unroll, jnp.dtype(combine_dtype))
+    out = program(x, expert_ids, weights.astype(F32), gate_up, down)
     return out[:, :s] if pad else out
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_program(local_experts, mesh, axis, n, chunk_tokens, comm, unroll, combine_dtype):
+    """The jitted shard_map, cached: inside an outer jit it is inlined; called eagerly (the model's
+    `prefill_chunk` / `decode` outside jit) it is compiled once instead of dispatched op by op, which took minutes
+    per call. Pass the same `local_experts` object for the same math (dsv4.moe does) to hit the cache."""
+    body = functools.partial(_ring_body, local_experts, axis=axis, n=n, chunk_tokens=chunk_tokens, comm=comm,
+                             unroll=unroll, combine_dtype=combine_dtype)  # fmt: skip
+    seq = P(None, axis)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(seq, seq, seq, P(axis), P(axis)), out_specs=seq,
+                                 check_vma=False))  # fmt: skip
 
 
 def _ring_body(local_experts, x, expert_ids, weights, gate_up, down, *, axis, n, chunk_tokens, comm, unroll,
