@@ -17,23 +17,26 @@ result, and passes both on. After N steps every accumulator is back at its owner
              send y_in_hand to i + 1     (needed there only after its own step-t+1 compute)  ◀┘
 
 Each token's sum is therefore complete and exact (no token dropped, no capacity), and both transfers of a step are
-independent of that step's expert GEMMs, so XLA's asynchronous collective-permutes overlap them; only the last
-hop of the last chunk's accumulator is exposed. Chunks run one after another, which bounds the per-step memory
+independent of that step's expert GEMMs, so XLA's asynchronous collective-permutes can overlap them. (How much
+they do is XLA's scheduler's choice: on 2 H200s at 512K tokens 8.3% of the layer time stayed exposed, and the
+compiled schedule had hoisted the token sends to the start; docs/BENCHMARKS.md, "Expert parallelism".)
+Chunks run one after another, which bounds the per-step memory
 (sorted rows, SwiGLU activations, float32 outputs) by `chunk_tokens` instead of the shard's tokens: unrolled into
 one program when there are few (so a chunk's last hop can overlap the next chunk's compute), else a `lax.scan`.
 
 Why a ring and not a ragged all-to-all. Bytes each device sends per layer, N_l tokens of D values:
     ring:          (N − 1) · N_l · D · 2 B (tokens, bf16) + N · N_l · D · 4 B (float32 accumulators)
     all-to-all:    K · (N − 1)/N · N_l · D · 2 B out and the same back (K = 6 copies, no deduplication)
-At N = 2 the ring moves 5 · N_l · D B against 6 for the all-to-all; at N = 8 it is 46 against 21, so past a node
-the all-to-all (`jax.lax.ragged_all_to_all`, whose exact split is data dependent) is the better transport. The ring
+In bytes per N_l · D: at N = 2 the ring sends 10 (6 with bfloat16 accumulators) against the all-to-all's 12; at
+N = 8, 46 against 21. So at 8 devices and past a node the all-to-all (`jax.lax.ragged_all_to_all`, whose exact
+split is data dependent) is the better transport. The ring
 needs no per-step sizes, has static shapes, runs on every backend (XLA:CPU has no ragged all-to-all, so the CPU
 tests could not check that one), and its transfers are plain collective-permutes that overlap with compute.
 Imbalance: each shard computes the pairs routed to its own experts, whatever shard the tokens came from, so the
 load per shard is the routing's load per expert group, as with any dropless EP.
 
-`comm="local"` replaces every transfer by a local array of the same shape (wrong values, the same compute), for
-measuring how much communication is exposed (scripts/bench_kernels.py, the MoE EP rows).
+`comm="local"` replaces every transfer by a local copy of the same array, rolled by one (`local_stand_in`: wrong
+values, the same compute), for measuring how much communication is exposed (scripts/bench_moe_ep.py).
 """
 
 from __future__ import annotations
