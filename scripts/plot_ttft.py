@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Plots TTFT against prompt length, one line per ablation variant, from `bench_ttft.py`'s JSON output.
 
-    python scripts/plot_ttft.py RUN/bench_ttft.json [MORE.json ...] --out docs/ttft.png
+    python scripts/plot_ttft.py RUN/bench_ttft.json [MORE.json ...] [--sp SP.json ...] --out docs/ttft.png
 
 Needs matplotlib (not a dsv4 dependency: `pip install matplotlib`). Every file's measured variants are drawn;
 a variant measured in several files keeps the first file's points (name the main run first). Only rows with
-status "ok" are drawn; the title names the device, the measured depth and the files' dates.
+status "ok" are drawn; the title names the device, the measured depth and the files' dates. `--sp` adds the
+N-device rows of `bench_ttft_sp.py` runs (the same model, sequence + expert parallelism) as one more line.
 """
 
 from __future__ import annotations
@@ -60,9 +61,18 @@ def _first_file_keys(path: str) -> set[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", help="bench_ttft.json files (the main run first)")
+    p.add_argument("--sp", nargs="*", default=[], help="bench_ttft_sp.json files: their N-device rows")
     p.add_argument("--out", required=True, help="PNG to write")
     args = p.parse_args()
     points, dates, setup = load_points(args.files)
+    for path in args.sp:
+        with open(path) as f:
+            run = json.load(f)
+        n = run["devices"]
+        key = f"(6) + sequence + expert parallelism, {n} GPUs"
+        for row in run["rows"]:
+            if "ttft_s" in row.get(f"{n}dev", {}):
+                points.setdefault(key, {}).setdefault(int(row["s"]), row[f"{n}dev"]["ttft_s"])
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
     for key in [k for k in LABELS if k in points] + [k for k in points if k not in LABELS]:
         xs = sorted(points[key])
@@ -78,7 +88,8 @@ def main() -> None:
     ax.set_yticks(ticks, [f"{t:,}" for t in ticks])
     ax.set_xlabel("prompt length (K tokens)")
     ax.set_ylabel("TTFT of the measured layers (ms)")
-    runs = f"{len(args.files)} runs" if len(args.files) > 1 else "one run"
+    total = len(args.files) + len(args.sp)
+    runs = f"{total} runs" if total > 1 else "one run"
     ax.set_title(f"TTFT by ablation step — {setup}\n{', '.join(dates)}, {runs} (docs/BENCHMARKS.md)", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
