@@ -20,6 +20,8 @@ Rows, per token count N (all in one process, same inputs):
                 communication time the ring fails to hide; the bar (issue 10) asks for ≤ 10% of the MoE time.
   ep-…-comm-only the first variant's ring with the expert GEMMs replaced by an elementwise op: the transfers'
                 own time. The first variant's compiled HLO (its schedule) is written to --out at the largest N.
+--trace: one more call of the first variant at the largest N under `jax.profiler.trace` (Perfetto JSON in
+--out/trace); scripts/trace_overlap.py reports per GPU how much of the NCCL kernels' time ran alongside compute.
 Useful FLOPs = 2 · 3 · D · I · N · K (gate, up, down per token-expert pair), the same count for every row; %mm is
 against the same run's bf16 matmul (8192³ on device 0). scaling = t(1gpu) / (N · t(ep)). Check: the EP output
 against the 1-GPU output (relative L2; both bf16 outputs of float32 sums). Load: the busiest device's share of
@@ -48,6 +50,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from dsv4.config import Config  # noqa: E402
 from dsv4.moe import routed_experts_pallas  # noqa: E402
@@ -82,6 +85,26 @@ def parse_variant(v: str) -> tuple[int, bool | None, object]:
     return parse_len(parts[0][1:]), (False if "scan" in parts else None), (BF16 if "bf16" in parts else F32)
 
 
+def profile(compiled, args, trace_dir: str) -> dict:
+    """One call under the profiler (Perfetto JSON written too); → trace_overlap's per-GPU overlap summary."""
+    from trace_overlap import overlap
+
+    jax.block_until_ready(compiled(*args))
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        jax.block_until_ready(compiled(*args))
+    try:
+        rows = overlap(trace_dir)
+    except FileNotFoundError as exc:
+        print(f"  trace: {exc}", flush=True)
+        return {}
+    for pname, r in rows.items():
+        print(f"  trace {pname}: comm {r['comm_ms']:.2f} ms in {r['comm_events']} kernels, {r['hidden_ms']:.2f} hidden "
+              f"behind compute, {r['exposed_ms']:.2f} exposed; span {r['span_ms']:.2f} ms", flush=True)  # fmt: skip
+    if not rows:
+        print("  trace: no GPU kernels in the trace (CPU run?)", flush=True)
+    return rows
+
+
 def timed(compiled, args, reps: int) -> dict:
     out = jax.block_until_ready(compiled(*args))
     times = []
@@ -102,6 +125,9 @@ def main():
     p.add_argument("--zipf", type=float, default=0.3)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", action="store_true",
+                   help="profile one call of the first variant at the largest N into --out/trace and report, per GPU, "
+                        "how much of the communication kernels' time overlaps compute (scripts/trace_overlap.py)")
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny preset's widths, 2 host devices")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -200,6 +226,8 @@ def main():
                             f.write(exe.as_text())
                     r, y = timed(exe, (xs, ids_s, w_s, gu_ep, dn_ep), args.reps)
                     r["compile_s"] = cs
+                    if args.trace and args.out and vi == 0 and kind == "ppermute" and n == tokens[-1]:
+                        r["trace"] = profile(exe, (xs, ids_s, w_s, gu_ep, dn_ep), os.path.join(args.out, "trace"))
                     if kind == "ppermute" and y1 is not None:
                         yn = jax.device_get(y)[0].astype("float32")
                         r["rel_l2_vs_1gpu"] = float(((yn - y1) ** 2).sum() ** 0.5 / max((y1**2).sum() ** 0.5, 1e-30))

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""How much of the communication in a profiler trace overlaps with compute, per GPU.
+
+    python3 scripts/trace_overlap.py TRACE_DIR_OR_perfetto_trace.json.gz
+
+Reads the Perfetto / Chrome JSON that `jax.profiler.trace(dir, create_perfetto_trace=True)` writes. It takes every
+complete event ("ph": "X") of a GPU device's process ("/device:GPU:i" in its process name) and calls it
+communication if its name has one of COMM_MARKERS (NCCL's kernels: ncclDevKernel_SendRecv, ncclKernel_…), else
+compute. Per GPU it reports:
+    comm_ms       the union of the communication intervals
+    hidden_ms     the part of it during which some compute kernel also ran (the overlap)
+    exposed_ms    comm_ms - hidden_ms: link time with the tensor cores idle
+    compute_ms    the union of the compute intervals
+    span_ms       first kernel start to last kernel end
+The same measure as bench_moe_ep's "exposed" (ring time minus no-link time), taken from the timeline instead of
+from two runs; the two should roughly agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+
+COMM_MARKERS = ("nccl", "SendRecv", "AllGather", "AllReduce", "ReduceScatter", "AllToAll")
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if hi > lo:
+            total += hi - lo
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def find_trace(path: str) -> str:
+    if os.path.isfile(path):
+        return path
+    hits = [os.path.join(root, f) for root, _, files in os.walk(path) for f in files if f == "perfetto_trace.json.gz"]
+    if not hits:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {path}")
+    return max(hits, key=os.path.getmtime)
+
+
+def overlap(path: str) -> dict[str, dict[str, float]]:
+    """→ {process name: {comm_ms, hidden_ms, exposed_ms, compute_ms, span_ms, comm_events, compute_events}}."""
+    path = find_trace(path)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}  # fmt: skip
+    per: dict[str, dict[str, list]] = {}
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        pname = names.get(e.get("pid"), "")
+        if "/device:GPU" not in pname:
+            continue
+        kind = "comm" if any(m.lower() in e.get("name", "").lower() for m in COMM_MARKERS) else "compute"
+        per.setdefault(pname, {"comm": [], "compute": []})[kind].append((float(e["ts"]), float(e["ts"]) + e["dur"]))
+    out = {}
+    for pname, kinds in sorted(per.items()):
+        comm, compute = _union(kinds["comm"]), _union(kinds["compute"])
+        hidden = _intersection(comm, compute)
+        everything = _union(kinds["comm"] + kinds["compute"])
+        out[pname] = dict(comm_ms=_length(comm) / 1e3, hidden_ms=hidden / 1e3,
+                          exposed_ms=(_length(comm) - hidden) / 1e3, compute_ms=_length(compute) / 1e3,
+                          span_ms=(everything[-1][1] - everything[0][0]) / 1e3 if everything else 0.0,
+                          comm_events=len(kinds["comm"]), compute_events=len(kinds["compute"]))  # fmt: skip
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", help="a perfetto_trace.json.gz, or the directory jax.profiler.trace wrote")
+    args = p.parse_args()
+    rows = overlap(args.trace)
+    if not rows:
+        print("no GPU device events in the trace", file=sys.stderr)
+    for pname, r in rows.items():
+        print(f"{pname}: comm {r['comm_ms']:.2f} ms ({r['comm_events']} kernels), hidden {r['hidden_ms']:.2f}, "
+              f"exposed {r['exposed_ms']:.2f}; compute {r['compute_ms']:.2f} ms; span {r['span_ms']:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""scripts/trace_overlap.py: communication / compute overlap from a profiler trace, on a trace written by hand."""
+
+import gzip
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("trace_overlap", os.path.join(ROOT, "scripts", "trace_overlap.py"))
+trace_overlap = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(trace_overlap)
+
+
+def _event(pid, name, ts, dur):
+    return {"ph": "X", "pid": pid, "tid": 1, "name": name, "ts": ts, "dur": dur}
+
+
+def test_overlap_by_hand(tmp_path):
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:1"}},
+        {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/host:CPU"}},
+        # GPU 0: compute [0, 10) and [20, 30) µs (two kernels overlapping on [20, 25)), comm [5, 25) in two pieces
+        _event(1, "grouped_gate_up", 0, 10), _event(1, "fusion.3", 20, 5), _event(1, "grouped_down", 22, 8),
+        _event(1, "ncclDevKernel_SendRecv", 5, 12), _event(1, "ncclDevKernel_SendRecv", 15, 10),
+        # GPU 1: only a transfer: all of it exposed
+        _event(2, "ncclKernel_AllGather_RING", 100, 4),
+        # host events are not device time
+        _event(3, "ncclDevKernel_SendRecv", 0, 1000), _event(3, "PjitFunction", 0, 1000),
+        {"ph": "i", "pid": 1, "name": "marker", "ts": 3},
+    ]
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = trace_overlap.overlap(str(tmp_path))  # the directory: the file is found under it
+    assert set(got) == {"/device:GPU:0", "/device:GPU:1"}
+    g0 = got["/device:GPU:0"]
+    # comm = [5, 25) = 20 µs; compute = [0, 10) ∪ [20, 30) = 20 µs; overlap [5, 10) ∪ [20, 25) = 10 µs
+    assert g0["comm_ms"] == pytest.approx(0.020)
+    assert g0["compute_ms"] == pytest.approx(0.020)
+    assert g0["hidden_ms"] == pytest.approx(0.010)
+    assert g0["exposed_ms"] == pytest.approx(0.010)
+    assert g0["span_ms"] == pytest.approx(0.030)
+    assert (g0["comm_events"], g0["compute_events"]) == (2, 3)
+    g1 = got["/device:GPU:1"]
+    assert (g1["comm_ms"], g1["hidden_ms"], g1["exposed_ms"], g1["compute_ms"]) == pytest.approx((0.004, 0, 0.004, 0))
+
+
+def test_missing_trace_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="perfetto_trace.json.gz"):
+        trace_overlap.overlap(str(tmp_path))
