@@ -131,7 +131,7 @@ def main():
         chains[name] = logits
         pairs = ", ".join(f"vs {k} {rel(logits, v):.2e}" for k, v in chains.items() if k != name)
         print(f"  {name:22s} free-running chain, last-token logits rel L2: {pairs}", flush=True)
-        """rel L2 of the layer's update (output − input: the residual stream would dilute a wrong update)."""
+        # rel L2 of each layer's update (output − input): the residual stream would dilute a wrong update
         for li, (o, r, x) in enumerate(zip(outs, ref_out, inputs)):
             do, dr = o.astype(np.float32) - x.astype(np.float32), r.astype(np.float32) - x.astype(np.float32)
             print(f"  {name:22s} layer {li} ({cfg.layer_types[li][:7]}): update rel L2 {rel(do, dr):.2e}  first "
@@ -149,7 +149,7 @@ def main():
         todo = [a for a in ("sp", "sp-pallas") if f"{a}-{tag}" in wanted]
         if not todo:
             continue
-        placed = place(jax.tree.map(lambda a: a, state), mesh, rules)
+        placed = place(state, mesh, rules)  # in place: the 1-device variant has run already
         for attention in todo:
             try:
                 report(f"{n_dev}dev-{attention}-{tag}", layer_outputs(graphdef(attention), placed, mesh, rules, inputs))
