@@ -52,29 +52,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_kernels import make_routing  # noqa: E402
+from bench_ttft_sp import parse_len  # noqa: E402
+
 from dsv4.config import Config  # noqa: E402
 from dsv4.moe import routed_experts_pallas  # noqa: E402
 from dsv4.sharding import make_mesh, use_mesh  # noqa: E402
 from dsv4.sharding.expert_parallel import routed_experts_ep  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-
-
-def parse_len(x: str) -> int:
-    x = x.strip().lower()
-    return int(x[:-1]) * 1024 if x.endswith("k") else int(x)
-
-
-def make_routing(key, tokens: int, experts: int, k: int, zipf: float):
-    """Zipf-like routing (as bench_kernels.make_routing): popularity ∝ (rank + 1)^-zipf over a random expert order,
-    k distinct experts per token by Gumbel top-k, weights uniform in [0.1, 1] normalized to sum 1.5."""
-    k1, k2, k3 = jax.random.split(key, 3)
-    rank = jax.random.permutation(k1, experts)
-    log_p = -zipf * jnp.log1p(rank.astype(F32))
-    gumbel = jax.random.gumbel(k2, (tokens, experts), F32)
-    _, ids = jax.lax.top_k(log_p[None, :] + gumbel, k)
-    w = jax.random.uniform(k3, (tokens, k), F32, 0.1, 1.0)
-    return ids.astype(jnp.int32), 1.5 * w / w.sum(-1, keepdims=True)
 
 
 def parse_variant(v: str) -> tuple[int, bool | None, object]:
@@ -186,7 +172,7 @@ def main():
         flops = 2.0 * 3 * d * inter * n * k
         kx, kr = jax.random.split(jax.random.fold_in(jax.random.key(args.seed + 1), n))
         x = jax.random.normal(kx, (n, d), BF16)
-        ids, w = jax.jit(make_routing, static_argnums=(1, 2, 3, 4))(kr, n, e, k, args.zipf)
+        ids, w = make_routing(kr, tokens=n, experts=e, k=k, zipf=args.zipf)
         per_dev = jnp.bincount(ids.reshape(-1) // (e // n_dev), length=n_dev)
         load = float(per_dev.max() / per_dev.mean())
         row = dict(tokens=n, flops=flops, load_max_over_mean=load, mm_bf16_tflops=mm_tf)
