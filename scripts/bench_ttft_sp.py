@@ -51,7 +51,7 @@ from bench_ttft import build_model_on_device, default_mix, model_flops, with_lay
 
 from dsv4.config import Config  # noqa: E402
 from dsv4.model import DeepseekV4  # noqa: E402
-from dsv4.sharding import SEQUENCE_PARALLEL, ShardingRules, make_mesh, use_mesh  # noqa: E402
+from dsv4.sharding import SEQUENCE_ONLY, SEQUENCE_PARALLEL, make_mesh, use_mesh  # noqa: E402
 from dsv4.sharding.rules import named_sharding  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -225,7 +225,7 @@ def main():
     if mesh is not None:
         # split: the seed's layout (sequence and routed experts over the devices, the rest replicated);
         # replicated: every weight on every device, so the MoE runs data-parallel on each shard's tokens.
-        rules = SEQUENCE_PARALLEL if args.experts == "split" else ShardingRules((("seq", "sp"),))
+        rules = SEQUENCE_PARALLEL if args.experts == "split" else SEQUENCE_ONLY
         placed = jax.block_until_ready(place(state, mesh, rules))
         del state
         for s in lengths:

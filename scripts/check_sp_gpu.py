@@ -47,7 +47,7 @@ from bench_ttft_sp import _nothing, parse_len, place  # noqa: E402
 
 from dsv4.config import Config  # noqa: E402
 from dsv4.model import DeepseekV4  # noqa: E402
-from dsv4.sharding import SEQUENCE_PARALLEL, ShardingRules, make_mesh, use_mesh  # noqa: E402
+from dsv4.sharding import SEQUENCE_ONLY, SEQUENCE_PARALLEL, make_mesh, use_mesh  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -144,7 +144,7 @@ def main():
     if n_dev < 2:
         return
     mesh = make_mesh(n_dev)
-    split_rules, repl_rules = SEQUENCE_PARALLEL, ShardingRules((("seq", "sp"),))
+    split_rules, repl_rules = SEQUENCE_PARALLEL, SEQUENCE_ONLY
     for rules, tag in ((split_rules, "split"), (repl_rules, "repl")):
         todo = [a for a in ("sp", "sp-pallas") if f"{a}-{tag}" in wanted]
         if not todo:

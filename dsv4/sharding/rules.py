@@ -36,6 +36,8 @@ class ShardingRules:
 # The seed article's layout: the sequence split over every device, positions kept global; the routed
 # experts split over the same devices (expert parallelism); all other weights replicated.
 SEQUENCE_PARALLEL = ShardingRules((("seq", "sp"), ("experts", "sp")))
+# The sequence split, every weight replicated: the routed experts run data-parallel on each shard's own tokens.
+SEQUENCE_ONLY = ShardingRules((("seq", "sp"),))
 REPLICATED = ShardingRules()
 
 _ACTIVE: list[tuple[Mesh, ShardingRules]] = []
