@@ -131,7 +131,7 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
     from dsv4.pallas.attention import v4_attention
 
     del query_chunk  # the kernels find each query block's window band themselves
-    if _mosaic_applies(q, kv, compressed, kv_aligned):
+    if mosaic_applies(q, kv, compressed, kv_aligned):
         from dsv4.pallas.attention_mgpu import v4_attention_mgpu
 
         # Hopper fast path (window and HCA, the full-sequence prefill). It checks at run time that positions are
@@ -146,7 +146,7 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
                         interpret=jax.default_backend() != "gpu", **extra)  # fmt: skip
 
 
-def _mosaic_applies(q, kv, compressed, kv_aligned) -> bool:
+def mosaic_applies(q, kv, compressed, kv_aligned) -> bool:
     """Whether the Mosaic GPU kernel (dsv4/pallas/attention_mgpu.py) takes this call: on Hopper-class GPUs, for
     the kv-aligned prefill of window and HCA layers in bf16/f16 with 64-head groups and D in 128..512."""
     if jax.default_backend() != "gpu" or not kv_aligned or (compressed is not None and compressed.topk_indices is not None):
@@ -233,6 +233,42 @@ def pool_windows(kv: jax.Array, gate: jax.Array, position_bias: jax.Array, rate:
     return jnp.sum(kv * weights, axis=2)
 
 
+def pool_windows_zigzag(kv: jax.Array, gate: jax.Array, position_bias: jax.Array, rate: int, n: int, *,
+                        overlap: bool, head_dim: int) -> jax.Array:  # fmt: skip
+    """`pool_windows` of a sequence held in zigzag order over n shards (dsv4/sharding/context_parallel.py, "Whole-model
+    zigzag"): kv, gate [B, S, W] are 2n blocks of L rows (L a multiple of `rate`), slot j holding sequence block
+    `zigzag_order(n)[j]`. → entries [B, S // rate, head_dim] in *sequence* order.
+
+    Each block is pooled on its own; with overlap (CSA) a block's first entry takes its Ca half from the last window
+    of the block before it in sequence order (a [B, rate, head_dim] slice per block), the first block's from none.
+    """
+    from dsv4.sharding.context_parallel import zigzag_order
+
+    b, s, width = kv.shape
+    blocks = 2 * n
+    rows = s // blocks
+    if rows * blocks != s or rows % rate:
+        raise ValueError(f"zigzag pooling needs S = 2N · L with L a multiple of the rate {rate}; got S={s}, N={n}")
+    order = zigzag_order(n)
+    kv_b, gate_b = kv.reshape(b, blocks, rows, width), gate.reshape(b, blocks, rows, width)
+
+    def pool(k, g, *prev):
+        return pool_windows(k, g, position_bias, rate, overlap=overlap, head_dim=head_dim, prev_kv=prev[0] if prev
+                            else None, prev_gate=prev[1] if prev else None)  # fmt: skip
+
+    operands = [kv_b, gate_b]
+    if overlap:
+        slot = {g: j for j, g in enumerate(order)}
+        before = jnp.asarray([slot[max(g - 1, 0)] for g in order])  # the slot of the block before, in sequence order
+        first = jnp.asarray([g == 0 for g in order])[None, :, None, None]
+        tail_gate = gate_b[:, :, rows - rate :, :head_dim].astype(F32) + position_bias[:, :head_dim].astype(F32)
+        operands.append(jnp.take(kv_b[:, :, rows - rate :, :head_dim], before, axis=1))
+        operands.append(jnp.where(first, NEG_INF, jnp.take(tail_gate, before, axis=1)))
+    pooled = jax.vmap(pool, in_axes=1, out_axes=1)(*operands)  # [B, 2n, L // rate, head_dim], zigzag order
+    inverse = jnp.asarray([order.index(g) for g in range(blocks)])
+    return jnp.take(pooled, inverse, axis=1).reshape(b, s // rate, head_dim)
+
+
 class Compressor(nnx.Module):
     """Turns hidden states into compressed entries: project, pool windows, RMSNorm, RoPE at the window start.
 
@@ -250,11 +286,19 @@ class Compressor(nnx.Module):
         self.rate, self.head_dim, self.overlap = rate, head_dim, overlap
 
     def __call__(self, x: jax.Array, rope: Rope, first_position: int | jax.Array = 0) -> jax.Array:
-        """x: [B, S, hidden] → entries [B, S // rate, head_dim] for the complete windows."""
+        """x: [B, S, hidden] → entries [B, S // rate, head_dim] for the complete windows (in sequence order, also
+        when x is in zigzag order under a zigzag layout)."""
         kv = linear(x, self.kv_proj["weight"][...])
         gate = linear(x, self.gate_proj["weight"][...])
-        pooled = pool_windows(kv, gate, self.position_bias[...], self.rate, overlap=self.overlap,
-                              head_dim=self.head_dim)  # fmt: skip
+        from dsv4.sharding.context_parallel import zigzag_shards
+
+        n = zigzag_shards()  # a sequence in zigzag order (whole-model zigzag): pool per block
+        if n is None:
+            pooled = pool_windows(kv, gate, self.position_bias[...], self.rate, overlap=self.overlap,
+                                  head_dim=self.head_dim)  # fmt: skip
+        else:
+            pooled = pool_windows_zigzag(kv, gate, self.position_bias[...], self.rate, n, overlap=self.overlap,
+                                         head_dim=self.head_dim)  # fmt: skip
         entries = self.kv_norm(pooled.astype(x.dtype))
         positions = (first_position + self.rate * jnp.arange(entries.shape[1]))[None]  # [1, C]
         cos, sin = rope.cos_sin(positions)

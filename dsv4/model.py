@@ -11,6 +11,7 @@ block's input and expand the block's output back.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -77,16 +78,49 @@ class DeepseekV4(nnx.Module):
 
     # ---- pure forward pieces (traced under jit) ----------------------------------------------
     def hidden_states(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """token_ids: [B, S] → final normed hidden states [B, S, D] (full-sequence, no cache)."""
+        """token_ids: [B, S] → final normed hidden states [B, S, D] (full-sequence, no cache).
+
+        Under a layout with `seq_order="zigzag"` the layers run on the sequence in zigzag order (padded to 2N
+        blocks; dsv4/sharding/context_parallel.py, "Whole-model zigzag"); the result is in sequence order."""
+        from dsv4.sharding.context_parallel import zigzag_shards
+
         b, s = token_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        n = zigzag_shards()
+        if n is None:
+            return self._layers_forward(token_ids, positions)
+        return self._zigzag_forward(token_ids, positions, n)
+
+    def _layers_forward(self, token_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        b, s = token_ids.shape
         x = self.embed_tokens["weight"][...][token_ids]  # [B, S, D]
         streams = jnp.broadcast_to(x[:, :, None, :], (b, s, self.config.hc_mult, x.shape[-1]))
         streams = constrain(streams, STREAM_AXES)  # sequence parallel when a mesh is active
         for layer in self.layers:
             streams = constrain(layer(streams, positions, token_ids), STREAM_AXES)
         return self.norm(self.hc_head(streams))
+
+    def _zigzag_forward(self, token_ids: jax.Array, positions: jax.Array, n: int) -> jax.Array:
+        """The layers over the sequence in zigzag order over n shards. Padding tokens (id 0) go after the last
+        real token at the following positions: causally invisible to every real token (window, compressed
+        entries and indexer keys only look back), so the real tokens' results are exact."""
+        from dsv4.sharding.context_parallel import zigzag_permute, zigzag_rows
+
+        impls = sorted({layer.self_attn.attention_impl for layer in self.layers} - {"sp", "sp-pallas"})
+        if impls:
+            raise ValueError(f"seq_order='zigzag' needs the sequence-parallel attention cores ('sp', 'sp-pallas'); "
+                             f"this model has attention_impl {impls}")  # fmt: skip
+        b, s = token_ids.shape
+        rates = [self.config.compress_rate(t) for t in self.config.layer_types if t != SLIDING]
+        rows = zigzag_rows(s, n, multiple=math.lcm(1, *rates), min_rows=self.config.sliding_window - 1)
+        pad = 2 * n * rows - s
+        if pad:
+            token_ids = jnp.pad(token_ids, [(0, 0), (0, pad)])
+            after = positions[:, -1:] + 1 + jnp.arange(pad, dtype=positions.dtype)[None]
+            positions = jnp.concatenate([positions, after], axis=1)
+        h = self._layers_forward(zigzag_permute(token_ids, n), zigzag_permute(positions, n))
+        return zigzag_permute(h, n, inverse=True)[:, :s]
 
     def lm_logits(self, h: jax.Array) -> jax.Array:
         """Final hidden states [..., D] → logits [..., vocab] float32."""

@@ -20,7 +20,8 @@ sampled query rows (first / middle / last 256).
 
 Per (length, layer type): t1 = the 1-device core (``--core jnp`` = `core_attention_jnp(query_chunk=512)`, the model's
 XLA path; ``pallas`` = `core_attention_pallas`, the Pallas kernel; a list times both), tN = `core_attention_sp` on all
-N devices of a 1-D "sp" mesh (for each ``--balance`` entry: none = contiguous, zigzag), scaling efficiency
+N devices of a 1-D "sp" mesh (for each ``--sp-core`` and ``--balance`` entry: none = contiguous, zigzag, or
+zigzag-permuted = the inputs already in zigzag order, as the whole model keeps them), scaling efficiency
 eff = t1 / (N · tN) (> 1 is possible against the jnp core: it computes HCA densely over all C entries, the SP core
 skips each query chunk's causally invisible entry blocks). Exposed communication: the same SP call with every
 ppermute replaced by a local array of the same shape (comm="local": same compute, wrong values), comm ≈ tN − t_local
@@ -61,7 +62,7 @@ sys.path.insert(0, str(ROOT))
 
 from dsv4.attention import CompressedKeys, core_attention_jnp, core_attention_pallas  # noqa: E402
 from dsv4.sharding import make_mesh  # noqa: E402
-from dsv4.sharding.context_parallel import core_attention_sp  # noqa: E402
+from dsv4.sharding.context_parallel import core_attention_sp, zigzag_permute, zigzag_row  # noqa: E402
 
 F32 = jnp.float32
 LAYERS = ("sliding", "hca", "csa")
@@ -82,7 +83,11 @@ def parse_args():
     p.add_argument("--lengths", default="128k,512k")
     p.add_argument("--layers", default=",".join(LAYERS))
     p.add_argument("--core", default="jnp", help="1-device core(s): jnp, pallas or jnp,pallas")
-    p.add_argument("--balance", default="none", help="SP layouts: none, zigzag or none,zigzag")
+    p.add_argument("--balance", default="none",
+                   help="SP layouts, comma-separated: none (contiguous), zigzag (the core moves q, kv, positions and "
+                        "the output in and out of zigzag order each call), zigzag-permuted (the inputs already in "
+                        "zigzag order, as the model keeps them under SEQUENCE_PARALLEL_ZIGZAG)")
+    p.add_argument("--sp-core", default="jnp", help="each shard's core: jnp, pallas or jnp,pallas")
     p.add_argument("--csa-mode", default="gather", choices=("gather", "ring"))
     p.add_argument("--devices", type=int, default=0, help="N (default: all devices)")
     p.add_argument("--batch", type=int, default=1)
@@ -261,19 +266,31 @@ def run_case(r: Runner, layer: str, s: int, h: int, mesh, n: int) -> dict | None
         return row
     seq, rep = NamedSharding(mesh, P(None, "sp")), NamedSharding(mesh, P())
     q, kv, pos, sinks, entries, topk = make_inputs(layer, s, a, h, seq, rep)
-    variants = [(bal, "ppermute") for bal in a.balance.split(",")]
+    permuted = None
+    layouts = [(core, bal) for core in a.sp_core.split(",") for bal in a.balance.split(",")]
+    variants = [(core, bal, "ppermute") for core, bal in layouts]
     if not a.no_local:
-        variants += [(bal, "local") for bal in a.balance.split(",")]
-    for bal, comm in variants:
-        kind = f"sp-{bal}-{comm}"
+        variants += [(core, bal, "local") for core, bal in layouts]
+    for core, bal, comm in variants:
+        name = bal if a.sp_core == "jnp" else f"{core}-{bal}"
+        kind = f"sp-{name}-{comm}"
         need = r.predict(layer, kind, s)
         if need > r.left():
             log(f"SKIP {layer} S={s} {kind}: predicted {need:.0f} s > {r.left():.0f} s left")
             continue
-        fn = functools.partial(core_attention_sp, mesh=mesh, axis="sp", balance=None if bal == "none" else bal,
-                               csa_mode=a.csa_mode, entry_block=a.entry_block, comm=comm,
-                               query_chunk=a.query_chunk)  # fmt: skip
-        t, comp, out, compiled = r.time_fn(layer, kind, s, with_entries(fn), q, kv, pos, sinks, entries, topk)
+        args = (q, kv, pos, sinks, entries, topk)
+        if bal == "zigzag-permuted":  # the model's layout: permuted once, outside the layer
+            if permuted is None:  # q, kv, positions and top-k rows (the entries stay in sequence order)
+                rows_in = [x for x in (q, kv, pos, topk) if x is not None]
+                permuted = jax.jit(lambda *xs: [zigzag_permute(x, n) for x in xs], out_shardings=seq)(*rows_in)
+            pq, pkv, ppos, *ptopk = permuted
+            args = (pq, pkv, ppos, sinks, entries, ptopk[0] if ptopk else None)
+        fn = functools.partial(core_attention_sp, mesh=mesh, axis="sp", csa_mode=a.csa_mode, comm=comm,
+                               balance="contiguous" if bal == "none" else "zigzag",
+                               inputs_permuted=bal == "zigzag-permuted", local_core=core,
+                               entry_block=a.entry_block, query_chunk=a.query_chunk)  # fmt: skip
+        t, comp, out, compiled = r.time_fn(layer, kind, s, with_entries(fn), *args)
+        bal = name
         row["compile"][kind] = comp
         if comm == "local":
             row["t_local"][bal] = t
@@ -284,7 +301,8 @@ def run_case(r: Runner, layer: str, s: int, h: int, mesh, n: int) -> dict | None
         else:
             row["tN"][bal] = t
             if want_rows is not None:
-                got = np.asarray(out[:, rows].astype(F32))
+                got_rows = [zigzag_row(int(p), s, n) for p in rows] if "permuted" in bal else rows
+                got = np.asarray(out[:, got_rows].astype(F32))
                 row["check"][bal] = float(np.linalg.norm(got - want_rows) / np.linalg.norm(want_rows))
             effs = {core: t1 / (n * t) for core, t1 in row["t1"].items()}
             row["eff"][bal] = effs
@@ -293,9 +311,9 @@ def run_case(r: Runner, layer: str, s: int, h: int, mesh, n: int) -> dict | None
                 f"  eff {eff_text}  check {row['check'].get(bal, float('nan')):.1e}  compile {comp:.1f} s")  # fmt: skip
             if a.trace and s == min(parse_lengths(a.lengths)) and r.left() > 2 * t + 5:
                 with jax.profiler.trace(str(Path(a.trace) / f"{layer}-{s}-{bal}")):
-                    jax.block_until_ready(compiled(q, kv, pos, sinks, entries, topk))
-        del out
-    del q, kv, pos, sinks, entries, topk
+                    jax.block_until_ready(compiled(*args))
+        del out, args
+    del q, kv, pos, sinks, entries, topk, permuted
     return row
 
 
@@ -311,8 +329,8 @@ def main():
     n = a.devices or len(devices)
     mesh = make_mesh(n) if n >= 2 else None
     log(f"bench_sp: {n} × {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
-        f"B={a.batch} D={a.head_dim} W={a.window} top-{a.topk}, bf16; 1-device core {a.core}; SP balance {a.balance}, "
-        f"csa_mode {a.csa_mode}; budget {a.budget:.0f} s")  # fmt: skip
+        f"B={a.batch} D={a.head_dim} W={a.window} top-{a.topk}, bf16; 1-device core {a.core}; SP core {a.sp_core}, "
+        f"balance {a.balance}, csa_mode {a.csa_mode}; budget {a.budget:.0f} s")  # fmt: skip
     if n < 2:
         log("only one device: the N-device columns are skipped (1-device times only)")
     log(

@@ -26,7 +26,9 @@ scaling efficiency = t1 / (N · tN). Peak memory per device from `memory_stats()
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -52,6 +54,7 @@ from bench_ttft import build_model_on_device, default_mix, model_flops, with_lay
 from dsv4.config import Config  # noqa: E402
 from dsv4.model import DeepseekV4  # noqa: E402
 from dsv4.sharding import SEQUENCE_ONLY, SEQUENCE_PARALLEL, make_mesh, use_mesh  # noqa: E402
+from dsv4.sharding.context_parallel import zigzag_permute, zigzag_row, zigzag_rows  # noqa: E402
 from dsv4.sharding.rules import named_sharding  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -70,17 +73,20 @@ def peak_gib() -> list[float]:
     return out
 
 
-def _embed(embed_w, ids, hc):
+def _embed(embed_w, ids, hc, zigzag_n):
+    if zigzag_n:  # the whole model runs in zigzag order: the token ids are permuted once, here
+        ids = zigzag_permute(ids, zigzag_n)
     x = embed_w[ids]
     return jnp.broadcast_to(x[:, :, None, :], (*ids.shape, hc, x.shape[-1]))
 
 
-def _layer(gd, st, streams, positions, ids):
+def _layer(gd, st, streams, positions, ids, layout):
+    del layout  # static: the rules are read while tracing, so a different layout must be a different program
     return nnx.merge(gd, st)(streams, positions, ids)
 
 
-def _last(streams):
-    return streams[:, -1:]
+def _last(streams, row):
+    return streams[:, row : row + 1]
 
 
 def _head(gd_h, st_h, gd_n, st_n, last, lm_w):
@@ -106,6 +112,15 @@ def run(gd, state, ids, mesh, reps: int, rules=SEQUENCE_PARALLEL) -> dict:
     hc = model.config.hc_mult
     seq = ids.shape[1]
     positions = jnp.arange(seq, dtype=jnp.int32)[None]
+    zigzag_n, last_row = 0, seq - 1
+    if mesh is not None and rules.seq_order == "zigzag":
+        zigzag_n = mesh.shape["sp"]
+        cfg = model.config
+        rates = [cfg.compress_rate(t) for t in cfg.layer_types if t != "sliding_attention"]
+        rows = zigzag_rows(seq, zigzag_n, multiple=math.lcm(1, *rates), min_rows=cfg.sliding_window - 1)
+        if 2 * zigzag_n * rows != seq:  # the model would pad; this harness times unpadded lengths only
+            raise ValueError(f"--order zigzag: S={seq} is not 2N blocks of whole compressor windows (N={zigzag_n})")
+        positions, last_row = zigzag_permute(positions, zigzag_n), zigzag_row(seq - 1, seq, zigzag_n)
     stream_sharding = None
     if mesh is not None:
         positions = jax.device_put(positions, NamedSharding(mesh, P(None, "sp")))
@@ -116,15 +131,17 @@ def run(gd, state, ids, mesh, reps: int, rules=SEQUENCE_PARALLEL) -> dict:
     gd_n, st_n = nnx.split(model.norm)
     t0 = time.perf_counter()
     with use_mesh(mesh, rules) if mesh is not None else _nothing():
-        e_embed = jax.jit(_embed, static_argnums=2, out_shardings=stream_sharding).lower(embed_w, ids, hc).compile()
+        e_embed = jax.jit(_embed, static_argnums=(2, 3), out_shardings=stream_sharding).lower(
+            embed_w, ids, hc, zigzag_n).compile()
         streams_abs = jax.ShapeDtypeStruct((1, seq, hc, model.config.hidden_size), embed_w.dtype,
                                            sharding=stream_sharding)
-        layer_exes = [jax.jit(_layer, static_argnums=0, out_shardings=stream_sharding).lower(
-            g, st, streams_abs, positions, ids).compile() for g, st in pieces]  # fmt: skip
+        layer_exes = [jax.jit(_layer, static_argnums=(0, 5), out_shardings=stream_sharding).lower(
+            g, st, streams_abs, positions, ids, rules if mesh is not None else None).compile()
+            for g, st in pieces]  # fmt: skip
         # The last token's streams are cut out (and replicated) by a call of their own: with the whole sharded
         # [1, S, hc, D] streams as its input, the head's executable asked for 102 GiB at 512K on 2 H200s.
         replicated = None if mesh is None else NamedSharding(mesh, P())
-        e_last = jax.jit(_last, out_shardings=replicated).lower(streams_abs).compile()
+        e_last = jax.jit(_last, static_argnums=1, out_shardings=replicated).lower(streams_abs, last_row).compile()
         last_abs = jax.ShapeDtypeStruct((1, 1, hc, model.config.hidden_size), embed_w.dtype, sharding=replicated)
         e_head = jax.jit(_head, static_argnums=(0, 2)).lower(gd_h, st_h, gd_n, st_n, last_abs, lm_w).compile()
     compile_s = time.perf_counter() - t0
@@ -173,6 +190,9 @@ def main():
     p.add_argument("--experts", default="split", choices=("split", "replicated"),
                    help="N devices: routed experts split over the devices (expert parallelism, the ring of "
                         "dsv4/sharding/expert_parallel.py) or replicated (each device runs its own tokens' experts)")
+    p.add_argument("--order", default="contiguous",
+                   help="N devices, comma-separated: contiguous (the sequence split in order) and/or zigzag (shard i "
+                        "holds blocks i and 2N-1-i; the ids permuted once at the input, SEQUENCE_PARALLEL_ZIGZAG)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-1dev-from", default="512k", help="no 1-device run at or above this length (OOM)")
     p.add_argument("--baseline", action="store_true",
@@ -190,7 +210,7 @@ def main():
     cfg = with_layers(base, default_mix(args.layers))
     print(f"jax {jax.__version__}, {n_dev} × {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M')}; "
           f"{'tiny' if args.smoke else 'v4-flash'} {args.layers} layers; attention {args.attention}, experts "
-          f"{args.experts}", flush=True)  # fmt: skip
+          f"{args.experts}, order {args.order}", flush=True)  # fmt: skip
     model, info = build_model_on_device(cfg, args.seed, F32 if args.smoke else BF16)
     _, state = nnx.split(model)
     def graphdef(attention, indexer="pallas", moe="pallas"):
@@ -207,6 +227,8 @@ def main():
     print(f"  weights {info['param_bytes'] / 2**30:.1f} GiB, drawn in {info['init_s']:.0f} s", flush=True)
     mesh = make_mesh(n_dev) if n_dev > 1 else None
     many = f"{n_dev}dev"
+    if any(o not in ("contiguous", "zigzag") for o in args.order.split(",")):
+        p.error(f"--order {args.order!r}: each entry must be contiguous or zigzag")
     rows = {s: dict(s=s, flops=model_flops(cfg, cfg.layer_types, s)) for s in lengths}
 
     def token_ids(s):
@@ -222,6 +244,8 @@ def main():
             measure("baseline", s, graphdef("jnp", "jnp", "xla_cap"), state, token_ids(s), None, args.reps, rows[s],
                     rows[s]["flops"])  # fmt: skip
         measure("1dev", s, gd_one, state, token_ids(s), None, args.reps, rows[s], rows[s]["flops"])
+    orders = args.order.split(",")
+    names = [many if order == "contiguous" else f"{many}-{order}" for order in orders]
     if mesh is not None:
         # split: the seed's layout (sequence and routed experts over the devices, the rest replicated);
         # replicated: every weight on every device, so the MoE runs data-parallel on each shard's tokens.
@@ -230,23 +254,27 @@ def main():
         del state
         for s in lengths:
             ids = jax.device_put(token_ids(s), NamedSharding(mesh, P(None, "sp")))
-            measure(many, s, gd, placed, ids, mesh, args.reps, rows[s], rows[s]["flops"], rules)
+            for order, name in zip(orders, names):  # the orders side by side, length by length
+                layout = dataclasses.replace(rules, seq_order=order)
+                measure(name, s, gd, placed, ids, mesh, args.reps, rows[s], rows[s]["flops"], layout)
     for s, row in rows.items():
-        one, nd = row.get("1dev", {}), row.get(many, {})
-        if "ttft_s" in one and "ttft_s" in nd:
-            a, b = row["1dev_logits"], row[many + "_logits"]
-            rel = float(((a - b) ** 2).sum() ** 0.5 / max(((a**2).sum()) ** 0.5, 1e-30))
-            row.update(speedup=one["ttft_s"] / nd["ttft_s"], efficiency=one["ttft_s"] / (n_dev * nd["ttft_s"]),
-                       logits_rel_l2=rel)  # fmt: skip
-            print(f"  S={s}: speed-up {row['speedup']:.2f}x, efficiency {row['efficiency']:.2f}, last-token logits "
-                  f"rel. L2 {rel:.2e} ({n_dev} devices vs 1)", flush=True)  # fmt: skip
+        one = row.get("1dev", {})
+        for name in names:
+            nd = row.get(name, {})
+            if "ttft_s" in one and "ttft_s" in nd:
+                a, b = row["1dev_logits"], row[name + "_logits"]
+                rel = float(((a - b) ** 2).sum() ** 0.5 / max(((a**2).sum()) ** 0.5, 1e-30))
+                nd.update(speedup=one["ttft_s"] / nd["ttft_s"], efficiency=one["ttft_s"] / (n_dev * nd["ttft_s"]),
+                          logits_rel_l2=rel)  # fmt: skip
+                print(f"  S={s}: {name} speed-up {nd['speedup']:.2f}x, efficiency {nd['efficiency']:.2f}, last-token "
+                      f"logits rel. L2 {rel:.2e} ({n_dev} devices vs 1)", flush=True)  # fmt: skip
         base = row.get("baseline", {})
         if "ttft_s" in base:
-            for name in ("1dev", many):
+            for name in ("1dev", *names):
                 if "ttft_s" in row.get(name, {}):
                     row[name]["vs_baseline"] = base["ttft_s"] / row[name]["ttft_s"]
                     print(f"  S={s}: {name} {row[name]['vs_baseline']:.2f}x the baseline (1c)", flush=True)
-        for name in ("baseline", "1dev", many):
+        for name in ("baseline", "1dev", *names):
             row.pop(name + "_logits", None)
     rows = list(rows.values())
     if args.out:

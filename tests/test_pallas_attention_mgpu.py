@@ -112,6 +112,29 @@ def test_interpreter_matches_reference(variant, fold, monkeypatch):
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("variant", ["prefetch", "ws"])
+def test_interpreter_with_a_halo_before_q(variant):
+    """kv_offset: kv holds 13 rows (positions 37..49, a sequence shard's halo; 13 is not a multiple of the 8-row TMA
+    tile) before q's 21 rows (positions 50..70): windows reach into the halo, HCA counts follow global positions."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    window, rate, bk, off, p0, seq = 40, 4, 32, 13, 50, 21
+    q, _, q_pos, sinks, compressed = make_inputs(2, seq=seq, head_dim=128, rate=rate, offset=p0)
+    kv = jnp.asarray(np.random.default_rng(3).standard_normal((1, off + seq, 128)), jnp.bfloat16)
+    kv_pos = jnp.asarray(p0 - off + np.arange(off + seq, dtype=np.int32))[None]
+    config = MgpuConfig(variant=variant, block_kv=bk, pv_form="interpret")
+    with _abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
+        out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
+                                compress_rate=rate, config=config, check_positions=False, kv_offset=off,
+                                interpret=InterpretGPUParams())  # fmt: skip
+        out = np.asarray(jax.block_until_ready(out), np.float32)
+    ref = v4_attention_reference(q, kv, q_pos, kv_pos, sinks, sliding_window=window, scale=128**-0.5,
+                                 compressed=compressed, compress_rate=rate)  # fmt: skip
+    np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="kv_offset"):
+        v4_attention_mgpu(q, kv[:, :-1], q_pos, sinks, sliding_window=window, scale=1.0, kv_offset=off)
+
+
 @pytest.mark.parametrize(
     "shape, match",
     [((1, 8, 64, 576), "head dim"), ((1, 8, 32, 512), "multiple of 64"), ((1, 8, 96, 512), "multiple of 64")],
@@ -155,6 +178,27 @@ def test_gpu_matches_reference(variant, hca, seq):
     ref = np.asarray(_reference(q, kv, q_pos, sinks, compressed, window=window, scale=d**-0.5, rate=rate), np.float32)
     assert not np.isnan(out).any(), "kernel left elements unwritten (NaN)"
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("check_positions", [False, True])
+def test_gpu_with_a_halo_before_q(check_positions):
+    """A sequence shard as `context_parallel` hands it over: 127 halo rows (W - 1) before q's 301, q at global
+    positions 1000.. (HCA entries visible by global position). check_positions=True compiles the Triton fallback
+    too (its kv positions must include the halo's)."""
+    window, rate, off, p0, seq, d = 128, 4, 127, 1000, 301, 512
+    q, _, q_pos, sinks, compressed = make_inputs(7, seq=seq, rate=rate, offset=p0)
+    kv = jnp.asarray(np.random.default_rng(8).standard_normal((1, off + seq, d)), jnp.bfloat16)
+    kv_pos = jnp.asarray(p0 - off + np.arange(off + seq, dtype=np.int32))[None]
+    kwargs = dict(sliding_window=window, scale=d**-0.5, compressed=compressed, compress_rate=rate, kv_offset=off,
+                  check_positions=check_positions)  # fmt: skip
+    jax.block_until_ready(v4_attention_mgpu(jnp.full_like(q, jnp.nan), kv, q_pos, sinks, **kwargs))  # poison
+    out = np.asarray(v4_attention_mgpu(q, kv, q_pos, sinks, **kwargs), np.float32)
+    ref = v4_attention_reference(q, kv, q_pos, kv_pos, sinks, sliding_window=window, scale=d**-0.5,
+                                 compressed=compressed, compress_rate=rate)  # fmt: skip
+    assert not np.isnan(out).any(), "kernel left elements unwritten (NaN)"
+    np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=TOL, rtol=0)
 
 
 @gpu

@@ -137,12 +137,15 @@ class MgpuConfig:
         return q + kv + exchange + HEADS_PER_CTA * 4 + p + dump
 
 
-def _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config: MgpuConfig):
+def _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config: MgpuConfig, kv_offset=0):
     if q.ndim != 4 or kv.ndim != 3:
         raise ValueError(f"expected q [B, S, H, D] and kv [B, T, D], got q.shape={q.shape}, kv.shape={kv.shape}")
     b, s, h, d = q.shape
-    if kv.shape[0] != b or kv.shape[2] != d or kv.shape[1] < s:
-        raise ValueError(f"kv.shape={kv.shape} must be (B, T >= S, D) = ({b}, >= {s}, {d}) (kv aligned with q)")
+    if not isinstance(kv_offset, int) or kv_offset < 0:
+        raise ValueError(f"kv_offset={kv_offset!r} must be an int >= 0")
+    if kv.shape[0] != b or kv.shape[2] != d or kv.shape[1] < s + kv_offset:
+        raise ValueError(f"kv.shape={kv.shape} must be (B, T >= kv_offset + S, D) = ({b}, >= {kv_offset + s}, {d}) "
+                         f"(kv aligned with q)")  # fmt: skip
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"q.dtype={q.dtype} must be bfloat16 or float16 (wgmma operands)")
     if kv.dtype != q.dtype:
@@ -210,8 +213,9 @@ def window_tiles(tok, sliding_window: int, block_kv: int, *, aligned: bool = Tru
 
 
 def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_window, scale, compressed,
-                                  config: MgpuConfig, interpret=None):  # fmt: skip
-    """The raw pallas call (no position checks). q [B,S,H,D]; kv [B,T>=S,D] (row j = position q_pos[b,0] + j);
+                                  config: MgpuConfig, interpret=None, kv_offset: int = 0):  # fmt: skip
+    """The raw pallas call (no position checks). q [B,S,H,D]; kv [B,T>=kv_offset+S,D] (row kv_offset + j = position
+    q_pos[b,0] + j: the kv_offset rows before are the positions just before q's, e.g. a sequence shard's halo);
     n_visible [B,S] int32 visible HCA entries per token (ignored without compressed); sinks_log2 [H] f32 = sinks·log2e;
     compressed [B,C,D] or None. → [B,S,H,D] (with config.debug "dump": (out, dbg [B,S,2,2,H,block_kv] f32), see
     MgpuConfig.debug)."""
@@ -238,7 +242,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     # TMA boxes past the last row are zero-filled on the GPU (and masked anyway); only the 8-row tiling of the GMEM
     # view (and one whole tile) is needed. The CPU interpreter slices like lax.dynamic_slice (clamping), so there
     # every box must stay in bounds: window tiles reach row tok + block_kv - 1 (+ W in the unaligned debug form).
-    kv_rows = s + (n_win_max + 1) * bk if interpret is not None else bk
+    kv_rows = kv_offset + s + (n_win_max + 1) * bk if interpret is not None else bk
     kv = _pad_rows_to(kv, kv_rows)
     if hca:
         c = compressed.shape[1]
@@ -257,7 +261,8 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         wg = lax.axis_index("wg")
         n_vis = nvis_ref[bi, tok] if hca else jnp.int32(0)
         n_hca_tiles = lax.div(n_vis + (bk - 1), jnp.int32(bk))
-        win_start, n_win = window_tiles(tok, sliding_window, bk, aligned=not unaligned)
+        row = tok + kv_offset  # this token's own kv row
+        win_start, n_win = window_tiles(row, sliding_window, bk, aligned=not unaligned)
         n_steps = n_hca_tiles + n_win
 
         def issue(step, half):
@@ -337,11 +342,11 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                     s_full = s_part + other
                     plgpu.barrier_arrive(x_read)
 
-                # Column mask: HCA steps see entries [0, n_vis); window steps rows [tok - W + 1, tok].
+                # Column mask: HCA steps see entries [0, n_vis); window steps rows [row - W + 1, row].
                 is_hca = i < n_hca_tiles
                 base = jnp.where(is_hca, i * bk, win_start + (i - n_hca_tiles) * bk)
-                lo = jnp.where(is_hca, 0, tok - (sliding_window - 1))
-                hi = jnp.where(is_hca, n_vis, tok + 1)
+                lo = jnp.where(is_hca, 0, row - (sliding_window - 1))
+                hi = jnp.where(is_hca, n_vis, row + 1)
                 col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
                 logits = jnp.where((col >= lo) & (col < hi), s_full * logit_scale, -jnp.inf)
 
@@ -500,7 +505,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "compress_rate", "config", "check_positions",
-                                             "interpret"))  # fmt: skip
+                                             "interpret", "kv_offset"))  # fmt: skip
 def v4_attention_mgpu(
     q: jax.Array,
     kv: jax.Array,
@@ -515,6 +520,7 @@ def v4_attention_mgpu(
     config: MgpuConfig = MgpuConfig(),
     check_positions: bool = True,
     interpret=None,
+    kv_offset: int = 0,
 ) -> jax.Array:
     """V4 attention core (window, or window + HCA) for the kv-aligned prefill case. → [B, S, H, D].
 
@@ -522,11 +528,13 @@ def v4_attention_mgpu(
     position q_pos[b, 0] + j (the sequence itself; rows >= S are ignored); q_pos [B, S] int32; sinks [H] f32;
     compressed [B, C, D] (HCA, entry c visible iff c < (p + 1) // compress_rate) or None.
     kv_pos: if given, the caller is not in the aligned case: falls back to the Triton kernel (statically).
+    kv_offset: kv rows before q's first position (a sequence shard's halo: row kv_offset + j holds q_pos[b, 0] + j,
+        rows [0, kv_offset) the kv_offset positions just before it, all real). T >= kv_offset + S.
     check_positions: verify at run time that q_pos is contiguous per row (positions_are_aligned) and take the Triton
         kernel (lax.cond) otherwise. False: the caller guarantees it (saves compiling the fallback).
     interpret: passed to plgpu.kernel (e.g. an InterpretGPUParams for the CPU interpreter).
     """
-    _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config)
+    _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config, kv_offset)
     if "dump" in config.debug:
         raise ValueError("MgpuConfig.debug 'dump' adds an output: call v4_attention_mgpu_kernel_call directly")
     b, s, h, d = q.shape
@@ -548,10 +556,12 @@ def v4_attention_mgpu(
         del q_pos, kv_pos
         return v4_attention_mgpu_kernel_call(q, kv, n_vis, sinks * LOG2E, sliding_window=sliding_window,
                                              scale=scale, compressed=compressed, config=config,
-                                             interpret=interpret)  # fmt: skip
+                                             interpret=interpret, kv_offset=kv_offset)  # fmt: skip
 
     if not check_positions:
         return mgpu_path(q, kv, q_pos, sinks, compressed, None)
     t = kv.shape[1]
-    full_pos = jnp.pad(q_pos, ((0, 0), (0, t - s)), constant_values=-1)  # kv_pos = q_pos; rows >= S empty
+    before = q_pos[:, :1] - kv_offset + jnp.arange(kv_offset, dtype=jnp.int32)[None]  # the halo's positions
+    full_pos = jnp.concatenate([before, q_pos], axis=1)
+    full_pos = jnp.pad(full_pos, ((0, 0), (0, t - s - kv_offset)), constant_values=-1)  # rows past q's: empty
     return lax.cond(positions_are_aligned(q_pos), mgpu_path, triton_path, q, kv, q_pos, sinks, compressed, full_pos)

@@ -54,9 +54,23 @@ attention of its own queries, communicating only through `jax.lax.ppermute`:
     array, all-gathered by GSPMD (a replicated shard_map input) instead of ring-passed: at 512K that is 2 MiB
     (HCA) or 128 MiB (CSA, D = 512, bf16) per layer, under a millisecond on NVLink. The kernel takes global
     positions for both q and kv, so the halo rows, the empty halo of shard 0 (position -1) and the causal
-    visibility of entries need nothing else. Contiguous layout only (zigzag falls back to the jnp body).
+    visibility of entries need nothing else. With zigzag, one kernel call per block (each with its own halo).
     Timed end to end on 2 H200s (the whole model at 32K–512K, docs/BENCHMARKS.md "Sequence parallelism"), and
     checked there layer by layer against the 1-device model (scripts/check_sp_gpu.py).
+
+Whole-model zigzag. Under a layout whose rules say `seq_order="zigzag"` (`SEQUENCE_PARALLEL_ZIGZAG`), every
+[B, S, ...] activation of the full-sequence forward is in zigzag order: `DeepseekV4.hidden_states` pads S so that a
+block holds L rows (a multiple of every compress rate, at least W - 1), permutes the token ids and positions once,
+and permutes the final hidden states back once. In between:
+    - per-token work (projections, norms, hyper-connections, the MoE) does not care about the order;
+    - the compressors pool each block on its own (windows never straddle a block) and put the entries in sequence
+      order (`dsv4.attention.pool_windows_zigzag`; CSA's overlap takes the previous block's last window);
+    - the indexer reads each query's global position, so its causal work splits evenly too;
+    - this core takes the zigzag layout from the active rules (`balance=None`) with `inputs_permuted=True`, so no
+      per-layer relayout: each shard attends for its two blocks, each with its own halo (`_halo_zigzag`), with
+      the jnp body or (local_core="pallas") one kernel call per block.
+  What it costs: the ids and positions permutation (4 bytes a token) and the final hidden states' (D · 2 bytes a
+  token); the compressors' entries are gathered in sequence order (at 512K, 2 MiB for HCA, 128 MiB for CSA).
 
 Sequence length: S need not be divisible by N (or 2N for zigzag): the wrapper pads S up to a multiple
 (queries and kv rows with position -1, top-k -1: never visible, outputs dropped); S divisible needs no
@@ -130,6 +144,29 @@ def per_sequence_shard(fn, sharded, replicated=(), *, fill, mesh: Mesh | None = 
     return out[:, :s] if pad else out
 
 
+def zigzag_shards() -> int | None:
+    """N when the active layout keeps sequences in zigzag order over N > 1 shards ("Whole-model zigzag"), else
+    None."""
+    current = active()
+    if current is None or current[1].seq_order != "zigzag":
+        return None
+    layout = sp_layout()
+    return None if layout is None else layout[2]
+
+
+def zigzag_rows(s: int, n: int, *, multiple: int = 1, min_rows: int = 0) -> int:
+    """Rows per block (L) to hold s tokens in zigzag order over n shards: the least multiple of `multiple` that is
+    >= ceil(s / 2n) and >= min_rows. The padded length is 2n · L."""
+    rows = max(-(-s // (2 * n)), min_rows, 1)
+    return -(-rows // multiple) * multiple
+
+
+def zigzag_row(p: int, s: int, n: int) -> int:
+    """Row, in zigzag order, of sequence index p of an S-row sequence (S divisible by 2N)."""
+    rows = s // (2 * n)
+    return zigzag_order(n).index(p // rows) * rows + p % rows
+
+
 def core_attention_sp(
     q: jax.Array,
     kv: jax.Array,
@@ -155,20 +192,26 @@ def core_attention_sp(
 
     q: [B, S, H, D]; kv: [B, S, D]; q_pos, kv_pos: [B, S] global positions; sinks: [H]. Extra options:
     mesh / axis: the mesh and its sequence axis (default: the active `use_mesh` layout's "seq" axis).
-    balance: None (contiguous) or "zigzag" (module docstring). csa_mode: "gather" or "ring".
+    balance: "contiguous", "zigzag" (module docstring (c)), or None: the active layout's `seq_order`, and under a
+    zigzag layout the inputs are already in zigzag order ("Whole-model zigzag"). csa_mode: "gather" or "ring".
     entry_block: HCA entries per inner step (the causal-skip granularity). comm: "ppermute", or "local"
     (every transfer replaced by a local array of the same shape: wrong values, same compute; for measuring
     exposed communication only). inputs_permuted: with zigzag, the inputs already are (and the output
     stays) in zigzag order. local_core: "jnp" (the body with ring-passed entries) or "pallas" (module
-    docstring (d); contiguous layout only).
+    docstring (d)).
     """
     layout = sp_layout(mesh, axis)
+    if balance is None:
+        balance = "contiguous"
+        if layout is not None and layout[2] == zigzag_shards():  # the layers run in zigzag order
+            balance, inputs_permuted = "zigzag", True
     if compressed is not None and compressed.entries.shape[1] == 0:
         compressed = None
     if layout is None or not kv_aligned:
         return core_attention_jnp(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
                                   compressed=compressed, kv_aligned=kv_aligned, query_chunk=query_chunk)  # fmt: skip
-    if balance not in (None, "zigzag") or csa_mode not in ("gather", "ring") or comm not in ("ppermute", "local"):
+    bad = balance not in ("contiguous", "zigzag") or csa_mode not in ("gather", "ring")
+    if bad or comm not in ("ppermute", "local"):
         raise ValueError(f"balance={balance!r}, csa_mode={csa_mode!r}, comm={comm!r}")
     if local_core not in ("jnp", "pallas"):
         raise ValueError(f"local_core={local_core!r}; available: 'jnp', 'pallas'")
@@ -204,9 +247,10 @@ def core_attention_sp(
         if kind == "csa":
             args["topk"] = padded(compressed.topk_indices.astype(jnp.int32), -1)
 
-    if local_core == "pallas" and not zigzag:
+    if local_core == "pallas":
         return _core_pallas_per_shard(args, compressed, sinks, mesh=mesh, axis=axis, n=n, s=s, halo=halo,
-                                      sliding_window=sliding_window, scale=scale, comm=comm)  # fmt: skip
+                                      sliding_window=sliding_window, scale=scale, comm=comm, zigzag=zigzag,
+                                      relayout=zigzag and not inputs_permuted)  # fmt: skip
 
     cfg = _Config(n=n, axis=axis, n_blocks_local=2 if zigzag else 1, block=s_pad // n_blocks, halo=halo,
                   window=sliding_window, scale=scale, query_chunk=query_chunk, kind=kind, rate=rate,
@@ -220,14 +264,20 @@ def core_attention_sp(
     return out[:, :s] if pad else out
 
 
-def _core_pallas_per_shard(args, compressed, sinks, *, mesh, axis, n, s, halo, sliding_window, scale, comm):
-    """local_core="pallas" (module docstring (d)). args: the padded q, kv, q_pos, kv_pos ([B, S_pad, ...])."""
-    from dsv4.attention import core_attention_pallas
+def _core_pallas_per_shard(args, compressed, sinks, *, mesh, axis, n, s, halo, sliding_window, scale, comm, zigzag,
+                           relayout):  # fmt: skip
+    """local_core="pallas" (module docstring (d)). args: the padded q, kv, q_pos, kv_pos ([B, S_pad, ...]). Each of
+    the shard's blocks (one contiguous, two zigzag) is one kernel call over [its halo ‖ its rows]: on Hopper for
+    window and HCA layers the Mosaic kernel (the halo as its `kv_offset`; the block that starts the sequence has no
+    halo, so it takes a call without one: `lax.cond` on the shard index), else the Triton kernel."""
+    from dsv4.attention import core_attention_pallas, mosaic_applies
 
     s_pad = args["q"].shape[1]
-    cfg = _Config(n=n, axis=axis, n_blocks_local=1, block=s_pad // n, halo=halo, window=sliding_window, scale=scale,
+    n_local = 2 if zigzag else 1
+    rows = s_pad // (n * n_local)
+    cfg = _Config(n=n, axis=axis, n_blocks_local=n_local, block=rows, halo=halo, window=sliding_window, scale=scale,
                   query_chunk=0, kind=None, rate=1, c_total=0, c_local=0, entry_block=1, csa_mode="gather",
-                  comm=comm, relayout=False)  # fmt: skip
+                  comm=comm, relayout=relayout)  # fmt: skip
     seq = P(None, axis)
     names = ["q", "kv", "q_pos", "kv_pos"]
     sharded = [args[k] for k in names]
@@ -238,16 +288,51 @@ def _core_pallas_per_shard(args, compressed, sinks, *, mesh, axis, n, s, halo, s
             topk = compressed.topk_indices.astype(jnp.int32)
             sharded.append(jnp.pad(topk, [(0, 0), (0, s_pad - s), (0, 0)], constant_values=-1) if s_pad > s else topk)
 
+    csa = compressed is not None and compressed.topk_indices is not None
+    mosaic = (not csa and halo == sliding_window - 1 and rows >= halo
+              and mosaic_applies(args["q"], args["kv"], compressed, kv_aligned=True))  # fmt: skip
+
+    def mosaic_block(q, kv, halo_kv, q_pos, shard_sinks, entries, may_start):
+        """One block on the Mosaic kernel; may_start: this block is global block 0 on shard 0 (no halo there)."""
+        from dsv4.pallas.attention_mgpu import v4_attention_mgpu
+
+        extra = {} if compressed is None else dict(compressed=entries, compress_rate=compressed.rate)
+        call = functools.partial(v4_attention_mgpu, sliding_window=sliding_window, scale=scale,
+                                 check_positions=False, **extra)  # fmt: skip
+        with_halo = lambda: call(q, jnp.concatenate([halo_kv, kv], 1), q_pos, shard_sinks, kv_offset=halo)  # noqa: E731
+        if not may_start:
+            return with_halo()
+        return jax.lax.cond(jax.lax.axis_index(axis) == 0, lambda: call(q, kv, q_pos, shard_sinks), with_halo)
+
     def body(*arrays):
-        q, kv, q_pos, kv_pos, *rest = arrays[: len(sharded)]
+        local_arrays = arrays[: len(sharded)]
+        if relayout:
+            local_arrays = [_relayout(x, cfg, forward=True) for x in local_arrays]
+        q, kv, q_pos, kv_pos, *rest = local_arrays
         shard_sinks, *entries = arrays[len(sharded) :]
-        halo_kv, halo_pos = _halo_contiguous(kv, kv_pos, cfg) if halo > 0 else (kv[:, :0], kv_pos[:, :0])
-        kv_ext, pos_ext = jnp.concatenate([halo_kv, kv], 1), jnp.concatenate([halo_pos, kv_pos], 1)
-        local = None
-        if compressed is not None:
-            local = CompressedKeys(entries[0], compressed.rate, rest[0] if rest else None)
-        return core_attention_pallas(q, kv_ext, q_pos, pos_ext, shard_sinks, sliding_window=sliding_window,
-                                     scale=scale, compressed=local, kv_aligned=False)  # fmt: skip
+        spans = [slice(i * rows, (i + 1) * rows) for i in range(n_local)]
+        if halo == 0:
+            halos = [(kv[:, :0], kv_pos[:, :0])] * n_local
+        elif zigzag:
+            halos = _halo_zigzag(kv[:, spans[0]], kv_pos[:, spans[0]], kv[:, spans[1]], kv_pos[:, spans[1]], cfg)
+        else:
+            halos = [_halo_contiguous(kv, kv_pos, cfg)]
+        outs = []
+        for i, (span, (halo_kv, halo_pos)) in enumerate(zip(spans, halos)):
+            if mosaic:
+                outs.append(mosaic_block(q[:, span], kv[:, span], halo_kv, q_pos[:, span], shard_sinks.astype(F32),
+                                         entries[0] if entries else None, may_start=i == 0))  # fmt: skip
+                continue
+            kv_ext = jnp.concatenate([halo_kv, kv[:, span]], 1)
+            pos_ext = jnp.concatenate([halo_pos, kv_pos[:, span]], 1)
+            local = None
+            if compressed is not None:
+                local = CompressedKeys(entries[0], compressed.rate, rest[0][:, span] if rest else None)
+            outs.append(core_attention_pallas(q[:, span], kv_ext, q_pos[:, span], pos_ext, shard_sinks,
+                                              sliding_window=sliding_window, scale=scale, compressed=local,
+                                              kv_aligned=False))  # fmt: skip
+        out = jnp.concatenate(outs, axis=1) if n_local > 1 else outs[0]
+        return _relayout(out, cfg, forward=False) if relayout else out
 
     out = jax.shard_map(body, mesh=mesh, in_specs=(*(seq for _ in sharded), P(), *(P() for _ in replicated)),
                         out_specs=seq, check_vma=False)(*sharded, sinks, *replicated)  # fmt: skip

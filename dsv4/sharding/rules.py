@@ -14,12 +14,27 @@ from collections.abc import Iterator, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+SEQ_ORDERS = ("contiguous", "zigzag")
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
-    """logical axis → mesh axis (or None: replicated). Unlisted logical axes are replicated."""
+    """logical axis → mesh axis (or None: replicated). Unlisted logical axes are replicated.
+
+    seq_order: how the tokens of a sequence map onto the shards of the "seq" mesh axis.
+      "contiguous": shard i holds tokens [i·S/N, (i+1)·S/N).
+      "zigzag": the sequence is cut into 2N blocks and shard i holds blocks i and 2N-1-i, so every shard
+        does the same causal work (HCA entries, indexer keys). The full-sequence forward permutes the token
+        ids once at the input and the hidden states back once at the output; every layer in between runs
+        in that order (dsv4/sharding/context_parallel.py, "Whole-model zigzag").
+    """
 
     rules: tuple[tuple[str, str | None], ...] = ()
+    seq_order: str = "contiguous"
+
+    def __post_init__(self):
+        if self.seq_order not in SEQ_ORDERS:
+            raise ValueError(f"ShardingRules.seq_order={self.seq_order!r}; available: {SEQ_ORDERS}")
 
     def mesh_axis(self, logical: str | None) -> str | None:
         return None if logical is None else dict(self.rules).get(logical)
@@ -36,6 +51,8 @@ class ShardingRules:
 # The seed article's layout: the sequence split over every device, positions kept global; the routed
 # experts split over the same devices (expert parallelism); all other weights replicated.
 SEQUENCE_PARALLEL = ShardingRules((("seq", "sp"), ("experts", "sp")))
+# As SEQUENCE_PARALLEL, with the causal work balanced: shard i holds sequence blocks i and 2N-1-i.
+SEQUENCE_PARALLEL_ZIGZAG = dataclasses.replace(SEQUENCE_PARALLEL, seq_order="zigzag")
 # The sequence split, every weight replicated: the routed experts run data-parallel on each shard's own tokens.
 SEQUENCE_ONLY = ShardingRules((("seq", "sp"),))
 REPLICATED = ShardingRules()
