@@ -76,6 +76,25 @@ def test_lowers_for_cuda_at_real_shapes(variant, hca, s):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("hca", [False, True])
+def test_lowers_for_cuda_with_window_rows(hca):
+    """The sequence-parallel form: a zigzag shard's [halo ‖ block] × 2 kv and each token's window rows."""
+    b, h, d, s, t = 1, 64, 512, 1024, 1024 + 2 * 127
+    args = (jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32),
+            jax.ShapeDtypeStruct((b, 64, d), jnp.bfloat16) if hca else None,
+            (jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32)))  # fmt: skip
+
+    def f(q, kv, q_pos, sinks, compressed, window_rows):
+        return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=128, scale=d**-0.5, compressed=compressed,
+                                 compress_rate=128 if hca else None, check_positions=False,
+                                 window_rows=window_rows)  # fmt: skip
+
+    with _abstract_gpu_mesh():
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 @pytest.mark.parametrize("window, bk", [(128, 64), (40, 32), (1, 64), (200, 64)])
 def test_window_tiles_start_aligned_and_cover_the_window(window, bk):
     """TMA row starts must be multiples of 8 (an unaligned start reads garbage on the GPU; the interpreter cannot
@@ -133,6 +152,41 @@ def test_interpreter_with_a_halo_before_q(variant):
     np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=TOL, rtol=0)
     with pytest.raises(ValueError, match="kv_offset"):
         v4_attention_mgpu(q, kv[:, :-1], q_pos, sinks, sliding_window=window, scale=1.0, kv_offset=off)
+
+
+@pytest.mark.parametrize("first_halo_empty", [False, True])
+def test_interpreter_with_window_rows_for_two_blocks(first_halo_empty):
+    """window_rows: a zigzag shard's layout, kv = [halo A ‖ block A ‖ halo B ‖ block B] (8-row halos = W - 1, 10-row
+    blocks at positions 38.. and 78..) and q = [A ‖ B], in one call; each token's window rows given. first_halo_empty:
+    shard 0, whose block A starts the sequence (its halo rows hold nothing: position -1, never in a window)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    window, rate, bk, halo, rows = 9, 4, 32, 8, 10
+    starts = (38, 78)
+    q_pos = np.concatenate([np.arange(p, p + rows) for p in starts]).astype(np.int32)[None]
+    kv_pos = np.concatenate([np.arange(p - halo, p + rows) for p in starts]).astype(np.int32)[None]
+    region = [0, rows + halo]
+    if first_halo_empty:
+        kv_pos[:, :halo] = -1
+        region[0] = halo
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((1, 2 * rows, 64, 128)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((1, kv_pos.shape[1], 128)), jnp.bfloat16)
+    sinks = jnp.asarray(rng.standard_normal(64) * 2.0, jnp.float32)
+    compressed = jnp.asarray(rng.standard_normal((1, 88 // rate + 1, 128)), jnp.bfloat16)
+    t = np.arange(2 * rows)
+    row = (t // rows) * (rows + halo) + halo + t % rows
+    lo = np.maximum(row - (window - 1), np.asarray(region)[t // rows])
+    window_rows = (jnp.asarray(lo, jnp.int32)[None], jnp.asarray(row + 1, jnp.int32)[None])
+    config = MgpuConfig(variant="ws", block_kv=bk, pv_form="interpret")
+    with _abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
+        out = v4_attention_mgpu(q, kv, jnp.asarray(q_pos), sinks, sliding_window=window, scale=128**-0.5,
+                                compressed=compressed, compress_rate=rate, config=config, check_positions=False,
+                                window_rows=window_rows, interpret=InterpretGPUParams())  # fmt: skip
+        out = np.asarray(jax.block_until_ready(out), np.float32)
+    ref = v4_attention_reference(q, kv, jnp.asarray(q_pos), jnp.asarray(kv_pos), sinks, sliding_window=window,
+                                 scale=128**-0.5, compressed=compressed, compress_rate=rate)  # fmt: skip
+    np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize(

@@ -213,9 +213,12 @@ def window_tiles(tok, sliding_window: int, block_kv: int, *, aligned: bool = Tru
 
 
 def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_window, scale, compressed,
-                                  config: MgpuConfig, interpret=None, kv_offset: int = 0):  # fmt: skip
+                                  config: MgpuConfig, interpret=None, kv_offset: int = 0,
+                                  window_rows=None):  # fmt: skip
     """The raw pallas call (no position checks). q [B,S,H,D]; kv [B,T>=kv_offset+S,D] (row kv_offset + j = position
     q_pos[b,0] + j: the kv_offset rows before are the positions just before q's, e.g. a sequence shard's halo);
+    window_rows: None, or (lo, hi) int32 [B,S] each: token j's window is kv rows [lo, hi) instead (hi - lo <= W,
+    lo < T; e.g. a zigzag shard's two blocks, each after its own halo, in one call);
     n_visible [B,S] int32 visible HCA entries per token (ignored without compressed); sinks_log2 [H] f32 = sinks·log2e;
     compressed [B,C,D] or None. → [B,S,H,D] (with config.debug "dump": (out, dbg [B,S,2,2,H,block_kv] f32), see
     MgpuConfig.debug)."""
@@ -227,7 +230,9 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     s = s_inner * s_outer
     if s != s_real:
         q = jnp.pad(q, [(0, 0), (0, s - s_real), (0, 0), (0, 0)])
-        n_visible = jnp.pad(n_visible, [(0, 0), (0, s - s_real)], mode="edge")
+        edge = lambda x: None if x is None else jnp.pad(x, [(0, 0), (0, s - s_real)], mode="edge")  # noqa: E731
+        n_visible = edge(n_visible)
+        window_rows = None if window_rows is None else tuple(edge(x) for x in window_rows)
     hg = h // HEADS_PER_CTA
     dtype = q.dtype
     dh = d // 2
@@ -242,7 +247,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     # TMA boxes past the last row are zero-filled on the GPU (and masked anyway); only the 8-row tiling of the GMEM
     # view (and one whole tile) is needed. The CPU interpreter slices like lax.dynamic_slice (clamping), so there
     # every box must stay in bounds: window tiles reach row tok + block_kv - 1 (+ W in the unaligned debug form).
-    kv_rows = kv_offset + s + (n_win_max + 1) * bk if interpret is not None else bk
+    kv_rows = max(kv_offset + s, kv.shape[1]) + (n_win_max + 1) * bk if interpret is not None else bk
     kv = _pad_rows_to(kv, kv_rows)
     if hca:
         c = compressed.shape[1]
@@ -253,16 +258,22 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     p_via_smem = config.pv_form in ("interpret", "p_smem")
 
-    def body(q_ref, kv_ref, comp_ref, nvis_ref, sinks_ref, o_ref, dbg_ref, q_smem, kv_smem, x_smem, sink_smem,
-             q_bar, sink_bar, kv_bar, consumed_bar, x_written, x_read, p_smem, dump_smem):  # fmt: skip
+    def body(q_ref, kv_ref, comp_ref, nvis_ref, lo_ref, hi_ref, sinks_ref, o_ref, dbg_ref, q_smem, kv_smem, x_smem,
+             sink_smem, q_bar, sink_bar, kv_bar, consumed_bar, x_written, x_read, p_smem, dump_smem):  # fmt: skip
         tok = lax.axis_index("so") * s_inner + lax.axis_index("s")
         bi = lax.div(lax.axis_index("bh"), jnp.int32(hg))
         h0 = lax.rem(lax.axis_index("bh"), jnp.int32(hg)) * HEADS_PER_CTA
         wg = lax.axis_index("wg")
         n_vis = nvis_ref[bi, tok] if hca else jnp.int32(0)
         n_hca_tiles = lax.div(n_vis + (bk - 1), jnp.int32(bk))
-        row = tok + kv_offset  # this token's own kv row
-        win_start, n_win = window_tiles(row, sliding_window, bk, aligned=not unaligned)
+        if lo_ref is None:
+            row = tok + kv_offset  # this token's own kv row
+            win_lo, win_hi = row - (sliding_window - 1), row + 1
+            win_start, n_win = window_tiles(row, sliding_window, bk, aligned=not unaligned)
+        else:  # the caller's rows; at least one (masked) tile, so that every barrier phase happens
+            win_lo, win_hi = lo_ref[bi, tok], hi_ref[bi, tok]
+            win_start = win_lo - lax.rem(win_lo, jnp.int32(_ROW_TILE))
+            n_win = jnp.maximum(lax.div(win_hi - 1 - win_start, jnp.int32(bk)) + 1, 1)
         n_steps = n_hca_tiles + n_win
 
         def issue(step, half):
@@ -342,11 +353,11 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                     s_full = s_part + other
                     plgpu.barrier_arrive(x_read)
 
-                # Column mask: HCA steps see entries [0, n_vis); window steps rows [row - W + 1, row].
+                # Column mask: HCA steps see entries [0, n_vis); window steps rows [win_lo, win_hi).
                 is_hca = i < n_hca_tiles
                 base = jnp.where(is_hca, i * bk, win_start + (i - n_hca_tiles) * bk)
-                lo = jnp.where(is_hca, 0, row - (sliding_window - 1))
-                hi = jnp.where(is_hca, n_vis, row + 1)
+                lo = jnp.where(is_hca, 0, win_lo)
+                hi = jnp.where(is_hca, n_vis, win_hi)
                 col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
                 logits = jnp.where((col >= lo) & (col < hi), s_full * logit_scale, -jnp.inf)
 
@@ -473,18 +484,18 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
     if dump:
         out_type = (out_type, jax.ShapeDtypeStruct((b, s, 2, 2, h, bk), F32))
-    if hca:
-        args = (q, kv, compressed, n_visible, sinks_log2)
+    # Inputs: q, kv, [compressed, n_visible], [window lo, hi], sinks (optional ones absent, not None).
+    optional = [(compressed, n_visible) if hca else (None, None), tuple(window_rows) if window_rows else (None, None)]
+    args = (q, kv, *(x for pair in optional for x in pair if x is not None), sinks_log2)
 
-        def kernel_body(q_ref, kv_ref, comp_ref, nvis_ref, sinks_ref, *rest):
-            o_ref, dbg_ref, scr = (rest[0], rest[1], rest[2:]) if dump else (rest[0], None, rest[1:])
-            return body(q_ref, kv_ref, comp_ref, nvis_ref, sinks_ref, o_ref, dbg_ref, *scr)
-    else:
-        args = (q, kv, sinks_log2)
-
-        def kernel_body(q_ref, kv_ref, sinks_ref, *rest):
-            o_ref, dbg_ref, scr = (rest[0], rest[1], rest[2:]) if dump else (rest[0], None, rest[1:])
-            return body(q_ref, kv_ref, None, None, sinks_ref, o_ref, dbg_ref, *scr)
+    def kernel_body(*refs):
+        it = iter(refs)
+        q_ref, kv_ref = next(it), next(it)
+        got = [(next(it), next(it)) if pair[0] is not None else (None, None) for pair in optional]
+        sinks_ref = next(it)
+        rest = list(it)
+        o_ref, dbg_ref, scr = (rest[0], rest[1], rest[2:]) if dump else (rest[0], None, rest[1:])
+        return body(q_ref, kv_ref, *got[0], *got[1], sinks_ref, o_ref, dbg_ref, *scr)
 
     out = plgpu.kernel(
         kernel_body,
@@ -521,6 +532,7 @@ def v4_attention_mgpu(
     check_positions: bool = True,
     interpret=None,
     kv_offset: int = 0,
+    window_rows: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """V4 attention core (window, or window + HCA) for the kv-aligned prefill case. → [B, S, H, D].
 
@@ -530,11 +542,19 @@ def v4_attention_mgpu(
     kv_pos: if given, the caller is not in the aligned case: falls back to the Triton kernel (statically).
     kv_offset: kv rows before q's first position (a sequence shard's halo: row kv_offset + j holds q_pos[b, 0] + j,
         rows [0, kv_offset) the kv_offset positions just before it, all real). T >= kv_offset + S.
+    window_rows: (lo, hi) int32 [B, S]: token j's window is kv rows [lo[b, j], hi[b, j]) (at most W rows), for a
+        kv that is not one run of positions (a zigzag shard: [halo A ‖ block A ‖ halo B ‖ block B]). HCA visibility
+        still follows q_pos. Needs check_positions=False (the caller vouches for the rows).
     check_positions: verify at run time that q_pos is contiguous per row (positions_are_aligned) and take the Triton
         kernel (lax.cond) otherwise. False: the caller guarantees it (saves compiling the fallback).
     interpret: passed to plgpu.kernel (e.g. an InterpretGPUParams for the CPU interpreter).
     """
     _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config, kv_offset)
+    if window_rows is not None:
+        lo, hi = window_rows
+        if check_positions or lo.shape != q_pos.shape or hi.shape != q_pos.shape:
+            raise ValueError(f"window_rows needs check_positions=False and (lo, hi) int32 [B, S] = {q_pos.shape}; "
+                             f"got {lo.shape}, {hi.shape}")  # fmt: skip
     if "dump" in config.debug:
         raise ValueError("MgpuConfig.debug 'dump' adds an output: call v4_attention_mgpu_kernel_call directly")
     b, s, h, d = q.shape
@@ -556,7 +576,8 @@ def v4_attention_mgpu(
         del q_pos, kv_pos
         return v4_attention_mgpu_kernel_call(q, kv, n_vis, sinks * LOG2E, sliding_window=sliding_window,
                                              scale=scale, compressed=compressed, config=config,
-                                             interpret=interpret, kv_offset=kv_offset)  # fmt: skip
+                                             interpret=interpret, kv_offset=kv_offset,
+                                             window_rows=window_rows)  # fmt: skip
 
     if not check_positions:
         return mgpu_path(q, kv, q_pos, sinks, compressed, None)

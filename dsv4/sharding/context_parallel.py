@@ -266,10 +266,10 @@ def core_attention_sp(
 
 def _core_pallas_per_shard(args, compressed, sinks, *, mesh, axis, n, s, halo, sliding_window, scale, comm, zigzag,
                            relayout):  # fmt: skip
-    """local_core="pallas" (module docstring (d)). args: the padded q, kv, q_pos, kv_pos ([B, S_pad, ...]). Each of
-    the shard's blocks (one contiguous, two zigzag) is one kernel call over [its halo ‖ its rows]: on Hopper for
-    window and HCA layers the Mosaic kernel (the halo as its `kv_offset`; the block that starts the sequence has no
-    halo, so it takes a call without one: `lax.cond` on the shard index), else the Triton kernel."""
+    """local_core="pallas" (module docstring (d)). args: the padded q, kv, q_pos, kv_pos ([B, S_pad, ...]). One
+    kernel call per shard over all its queries and kv = [halo ‖ block] for each of its blocks (one contiguous, two
+    zigzag): on Hopper for window and HCA layers the Mosaic kernel (each token's window rows given), else the Triton
+    kernel (windows found by position). No slice of q and no concatenation of outputs: at 512K, q is 16 GiB a shard."""
     from dsv4.attention import core_attention_pallas, mosaic_applies
 
     s_pad = args["q"].shape[1]
@@ -292,24 +292,13 @@ def _core_pallas_per_shard(args, compressed, sinks, *, mesh, axis, n, s, halo, s
     mosaic = (not csa and halo == sliding_window - 1 and rows >= halo
               and mosaic_applies(args["q"], args["kv"], compressed, kv_aligned=True))  # fmt: skip
 
-    def mosaic_block(q, kv, halo_kv, q_pos, shard_sinks, entries, may_start):
-        """One block on the Mosaic kernel; may_start: this block is global block 0 on shard 0 (no halo there)."""
-        from dsv4.pallas.attention_mgpu import v4_attention_mgpu
-
-        extra = {} if compressed is None else dict(compressed=entries, compress_rate=compressed.rate)
-        call = functools.partial(v4_attention_mgpu, sliding_window=sliding_window, scale=scale,
-                                 check_positions=False, **extra)  # fmt: skip
-        with_halo = lambda: call(q, jnp.concatenate([halo_kv, kv], 1), q_pos, shard_sinks, kv_offset=halo)  # noqa: E731
-        if not may_start:
-            return with_halo()
-        return jax.lax.cond(jax.lax.axis_index(axis) == 0, lambda: call(q, kv, q_pos, shard_sinks), with_halo)
-
     def body(*arrays):
         local_arrays = arrays[: len(sharded)]
         if relayout:
             local_arrays = [_relayout(x, cfg, forward=True) for x in local_arrays]
         q, kv, q_pos, kv_pos, *rest = local_arrays
         shard_sinks, *entries = arrays[len(sharded) :]
+        me = jax.lax.axis_index(axis)
         spans = [slice(i * rows, (i + 1) * rows) for i in range(n_local)]
         if halo == 0:
             halos = [(kv[:, :0], kv_pos[:, :0])] * n_local
@@ -317,26 +306,47 @@ def _core_pallas_per_shard(args, compressed, sinks, *, mesh, axis, n, s, halo, s
             halos = _halo_zigzag(kv[:, spans[0]], kv_pos[:, spans[0]], kv[:, spans[1]], kv_pos[:, spans[1]], cfg)
         else:
             halos = [_halo_contiguous(kv, kv_pos, cfg)]
-        outs = []
+        # kv = [halo ‖ block] per block. On the last zigzag shard block B's halo is block A's tail, already in kv:
+        # its positions become -1 there (the Triton kernel masks by position: no key twice; Mosaic reads rows).
+        kv_parts, pos_parts = [], []
         for i, (span, (halo_kv, halo_pos)) in enumerate(zip(spans, halos)):
-            if mosaic:
-                outs.append(mosaic_block(q[:, span], kv[:, span], halo_kv, q_pos[:, span], shard_sinks.astype(F32),
-                                         entries[0] if entries else None, may_start=i == 0))  # fmt: skip
-                continue
-            kv_ext = jnp.concatenate([halo_kv, kv[:, span]], 1)
-            pos_ext = jnp.concatenate([halo_pos, kv_pos[:, span]], 1)
+            if zigzag and i == 1 and halo:
+                halo_pos = jnp.where(me == n - 1, -1, halo_pos)
+            kv_parts += [halo_kv, kv[:, span]]
+            pos_parts += [halo_pos, kv_pos[:, span]]
+        kv_ext, pos_ext = jnp.concatenate(kv_parts, 1), jnp.concatenate(pos_parts, 1)
+        if mosaic:
+            out = _mosaic_per_shard(q, kv_ext, q_pos, shard_sinks, entries[0] if entries else None, me, rows=rows,
+                                    halo=halo, compressed=compressed, sliding_window=sliding_window, scale=scale)
+        else:
             local = None
             if compressed is not None:
-                local = CompressedKeys(entries[0], compressed.rate, rest[0][:, span] if rest else None)
-            outs.append(core_attention_pallas(q[:, span], kv_ext, q_pos[:, span], pos_ext, shard_sinks,
-                                              sliding_window=sliding_window, scale=scale, compressed=local,
-                                              kv_aligned=False))  # fmt: skip
-        out = jnp.concatenate(outs, axis=1) if n_local > 1 else outs[0]
+                local = CompressedKeys(entries[0], compressed.rate, rest[0] if rest else None)
+            out = core_attention_pallas(q, kv_ext, q_pos, pos_ext, shard_sinks, sliding_window=sliding_window,
+                                        scale=scale, compressed=local, kv_aligned=False)  # fmt: skip
         return _relayout(out, cfg, forward=False) if relayout else out
 
     out = jax.shard_map(body, mesh=mesh, in_specs=(*(seq for _ in sharded), P(), *(P() for _ in replicated)),
                         out_specs=seq, check_vma=False)(*sharded, sinks, *replicated)  # fmt: skip
     return out[:, :s] if s_pad > s else out
+
+
+def _mosaic_per_shard(q, kv_ext, q_pos, sinks, entries, me, *, rows, halo, compressed, sliding_window, scale):
+    """The Mosaic kernel once over the shard's queries: kv_ext = [halo ‖ block] per block, so token t of block
+    b = t // rows sits at kv row b·(rows + halo) + halo + t % rows and sees W rows back from it, never before its
+    block's halo; the halo of global block 0 (block A of shard 0) holds nothing."""
+    from dsv4.pallas.attention_mgpu import v4_attention_mgpu
+
+    t = jnp.arange(q.shape[1], dtype=jnp.int32)
+    blk = t // rows
+    row = blk * (rows + halo) + halo + t % rows
+    region = blk * (rows + halo) + jnp.where((blk == 0) & (me == 0), halo, 0)
+    lo = jnp.maximum(row - (sliding_window - 1), region)
+    b = q.shape[0]
+    window_rows = (jnp.broadcast_to(lo, (b, t.size)), jnp.broadcast_to(row + 1, (b, t.size)))
+    extra = {} if compressed is None else dict(compressed=entries, compress_rate=compressed.rate)
+    return v4_attention_mgpu(q, kv_ext, q_pos, sinks.astype(F32), sliding_window=sliding_window, scale=scale,
+                             check_positions=False, window_rows=window_rows, **extra)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
