@@ -37,7 +37,8 @@ head (ms / H) so that cases run at different H can be compared: the core's work 
 Budget: ``--budget`` seconds in all (default 400); before each run the time it is predicted to need (compile + calls,
 from the smaller lengths' measurements) is checked against what is left, and a run that does not fit is skipped and
 reported (SKIP). Cases run all layer types at the smaller length first, so the budget trims the largest lengths.
-``--trace DIR`` wraps one extra N-device call per case of the smallest length in `jax.profiler.trace(DIR/<case>)`.
+``--trace DIR`` wraps one extra N-device call per case of the smallest length in `jax.profiler.trace(DIR/<case>)` and
+prints per GPU how much of the communication kernels' time ran alongside compute kernels (scripts/trace_overlap.py).
 """
 
 from __future__ import annotations
@@ -226,6 +227,25 @@ def log(msg: str):
     print(msg, flush=True)
 
 
+def profile(compiled, args, trace_dir: str) -> dict:
+    """One call under the profiler (Perfetto JSON too) → per GPU, how much of the NCCL kernels' time ran alongside
+    compute kernels (scripts/trace_overlap.py)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from trace_overlap import overlap
+
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        jax.block_until_ready(compiled(*args))
+    try:
+        rows = overlap(trace_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        log(f"    trace: {exc}")
+        return {}
+    for pname, r in rows.items():
+        log(f"    trace {pname}: comm {r['comm_ms']:.2f} ms in {r['comm_events']} kernels, {r['hidden_ms']:.2f} hidden "
+            f"behind compute, {r['exposed_ms']:.2f} exposed; compute {r['compute_ms']:.2f}, span {r['span_ms']:.2f}")
+    return rows
+
+
 def run_case(r: Runner, layer: str, s: int, h: int, mesh, n: int) -> dict | None:
     """One (layer, S) at H heads: 1-device core(s), then SP per balance, then comm=local. Raises on OOM."""
     a = r.a
@@ -310,8 +330,7 @@ def run_case(r: Runner, layer: str, s: int, h: int, mesh, n: int) -> dict | None
             log(f"  {layer:7s} S={s:>7} H={h:2d} {n} devices {bal:6s}: {t * 1e3:9.1f} ms ({t * 1e3 / h:7.2f} ms/head)"
                 f"  eff {eff_text}  check {row['check'].get(bal, float('nan')):.1e}  compile {comp:.1f} s")  # fmt: skip
             if a.trace and s == min(parse_lengths(a.lengths)) and r.left() > 2 * t + 5:
-                with jax.profiler.trace(str(Path(a.trace) / f"{layer}-{s}-{bal}")):
-                    jax.block_until_ready(compiled(*args))
+                row.setdefault("trace", {})[bal] = profile(compiled, args, str(Path(a.trace) / f"{layer}-{s}-{bal}"))
         del out, args
     del q, kv, pos, sinks, entries, topk, permuted
     return row
