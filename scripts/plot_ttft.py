@@ -69,10 +69,12 @@ def main() -> None:
         with open(path) as f:
             run = json.load(f)
         n = run["devices"]
-        key = f"(6) + sequence + expert parallelism, {n} GPUs"
+        series = {f"{n}dev": f"(6) + sequence + expert parallelism, {n} GPUs",
+                  f"{n}dev-zigzag": f"(6') the same in zigzag token order, {n} GPUs"}  # fmt: skip
         for row in run["rows"]:
-            if "ttft_s" in row.get(f"{n}dev", {}):
-                points.setdefault(key, {}).setdefault(int(row["s"]), row[f"{n}dev"]["ttft_s"])
+            for name, key in series.items():
+                if "ttft_s" in row.get(name, {}):
+                    points.setdefault(key, {}).setdefault(int(row["s"]), row[name]["ttft_s"])
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
     for key in [k for k in LABELS if k in points] + [k for k in points if k not in LABELS]:
         xs = sorted(points[key])
