@@ -197,8 +197,9 @@ def main():
     p.add_argument("--skip-1dev-from", default="512k", help="no 1-device run at or above this length (OOM)")
     p.add_argument("--baseline", action="store_true",
                    help="also time bench_ttft's XLA baseline (1c) on one device, in the same process")
-    p.add_argument("--one-device", default="same", choices=("same", "auto"),
-                   help="the 1-device model: the same impls without a mesh, or attention_impl='auto' (Pallas)")
+    p.add_argument("--one-device", default="same", choices=("same", "auto", "none"),
+                   help="the 1-device model: the same impls without a mesh, attention_impl='auto' (Pallas), or none "
+                        "(e.g. only the baseline at a length where the full-sequence 1-device model does not fit)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny preset at S = 64 and 96")
     p.add_argument("--out", default=None)
@@ -243,7 +244,8 @@ def main():
         if args.baseline:  # bench_ttft's (1c): XLA attention and indexer, the capacity-padded XLA MoE
             measure("baseline", s, graphdef("jnp", "jnp", "xla_cap"), state, token_ids(s), None, args.reps, rows[s],
                     rows[s]["flops"])  # fmt: skip
-        measure("1dev", s, gd_one, state, token_ids(s), None, args.reps, rows[s], rows[s]["flops"])
+        if args.one_device != "none":
+            measure("1dev", s, gd_one, state, token_ids(s), None, args.reps, rows[s], rows[s]["flops"])
     orders = args.order.split(",")
     names = [many if order == "contiguous" else f"{many}-{order}" for order in orders]
     if mesh is not None:
