@@ -27,6 +27,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("--token-ids-file", help=".npy of prompt ids [S] or [B, S] instead of a random prompt")
+    p.add_argument("--attention", default="auto", choices=["auto", "sp", "sp-pallas"],
+                   help="the sequence-parallel attention core: sp (jnp per shard, ring-passed entries), sp-pallas "
+                        "(the Pallas kernels per shard), auto: sp-pallas on GPUs, sp elsewhere")
+    p.add_argument("--order", default="zigzag", choices=["zigzag", "contiguous"],
+                   help="token order over the sequence shards (zigzag balances the causal work)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-logits", help="process 0 writes the last position's logits here (.npy)")
     args = p.parse_args(argv)
@@ -35,6 +40,7 @@ def main(argv=None) -> int:
 
     distributed.initialize(args.coordinator, args.num_processes, args.process_id, cpu_devices=args.cpu_devices)
 
+    import dataclasses
     import os
 
     import jax
@@ -43,21 +49,25 @@ def main(argv=None) -> int:
     from jax.experimental import multihost_utils
 
     import dsv4
-    from dsv4.sharding import make_mesh, shard_model, use_mesh
+    from dsv4.sharding import SEQUENCE_PARALLEL, make_mesh, shard_model, use_mesh
 
     dtype = jnp.dtype(args.dtype)
     mesh = make_mesh()
+    attention = args.attention
+    if attention == "auto":
+        attention = "sp-pallas" if jax.default_backend() == "gpu" else "sp"
+    rules = dataclasses.replace(SEQUENCE_PARALLEL, seq_order=args.order)
     if os.path.isdir(args.model):
-        model = dsv4.load(args.model, dtype=dtype)
+        model = dsv4.load(args.model, dtype=dtype, attention_impl=attention)
     else:
-        model = dsv4.init_random(args.model, args.seed, dtype=dtype)
+        model = dsv4.init_random(args.model, args.seed, dtype=dtype, attention_impl=attention)
     shard_model(model, mesh)
     if args.token_ids_file:
         ids = np.load(args.token_ids_file)
     else:
         ids = np.random.default_rng(args.seed).integers(0, model.config.vocab_size, (1, args.prompt_len))
     ids = np.atleast_2d(ids).astype(np.int32)
-    with use_mesh(mesh):
+    with use_mesh(mesh, rules):
         model.logits(ids).block_until_ready()  # compile
         start = time.perf_counter()
         logits = model.logits(ids)
@@ -65,7 +75,8 @@ def main(argv=None) -> int:
         ttft = time.perf_counter() - start
     last = np.asarray(multihost_utils.process_allgather(logits[:, -1], tiled=True))
     if jax.process_index() == 0:
-        print(f"{jax.process_count()} processes, {len(jax.devices())} devices, prompt {ids.shape}: "
+        print(f"{jax.process_count()} processes, {len(jax.devices())} devices, attention {attention}, order "
+              f"{args.order}, prompt {ids.shape}: "
               f"prefill {ttft * 1e3:.1f} ms; logits checksum {float(np.abs(last).sum()):.6f}")  # fmt: skip
         if args.save_logits:
             np.save(args.save_logits, last)

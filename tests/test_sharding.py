@@ -92,7 +92,8 @@ def _free_port() -> int:
 
 
 def test_two_processes_under_jax_distributed_match_one(tmp_path):
-    """scripts/launch.py in 2 processes × 2 CPU devices (a 4-device mesh) gives the single-process logits."""
+    """scripts/launch.py in 2 processes × 2 CPU devices (a 4-device mesh; its defaults: the SP core in zigzag order)
+    gives the reference logits."""
     ids = np.load(os.path.join(FIXTURES, "tiny_long", "reference.npz"))["input_ids"]
     np.save(tmp_path / "ids.npy", ids)
     port = _free_port()

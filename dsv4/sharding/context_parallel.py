@@ -49,14 +49,17 @@ attention of its own queries, communicating only through `jax.lax.ppermute`:
     straddle a block when L is a multiple of the rate) and the core is called with `inputs_permuted=True`,
     so the per-layer relayout disappears. Zigzag needs W - 1 <= L; otherwise it falls back to contiguous.
 
-(d) local_core="pallas": each shard runs the Triton Pallas kernel (`dsv4.pallas.attention.v4_attention`, through
-    `core_attention_pallas` with kv_aligned=False) once over [halo ‖ own rows] and the WHOLE compressed entry
-    array, all-gathered by GSPMD (a replicated shard_map input) instead of ring-passed: at 512K that is 2 MiB
-    (HCA) or 128 MiB (CSA, D = 512, bf16) per layer, under a millisecond on NVLink. The kernel takes global
-    positions for both q and kv, so the halo rows, the empty halo of shard 0 (position -1) and the causal
-    visibility of entries need nothing else. With zigzag, one kernel call per block (each with its own halo).
-    Timed end to end on 2 H200s (the whole model at 32K–512K, docs/BENCHMARKS.md "Sequence parallelism"), and
-    checked there layer by layer against the 1-device model (scripts/check_sp_gpu.py).
+(d) local_core="pallas": each shard runs a Pallas kernel once over its queries, kv = [halo ‖ block] for each of its
+    blocks, and the WHOLE compressed entry array, all-gathered by GSPMD (a replicated shard_map input) instead of
+    ring-passed: at 512K that is 2 MiB (HCA) or 128 MiB (CSA, D = 512, bf16) per layer, under a millisecond on
+    NVLink. Window and HCA layers on Hopper take the Mosaic kernel (`v4_attention_mgpu` with each token's window
+    rows, `_mosaic_per_shard`); CSA layers and other GPUs the Triton kernel (`core_attention_pallas` with
+    kv_aligned=False), which takes global positions for q and kv, so the halo rows, the empty halo of shard 0
+    (position -1) and the causal visibility of entries need nothing else. On 2 H200s at 512K, in zigzag order:
+    scaling 0.94 / 1.01 / 0.99 (sliding / HCA / CSA) against the best 1-GPU kernel (docs/BENCHMARKS.md).
+    Timed end to end on 2 H200s (the whole model at 32K–512K, docs/BENCHMARKS.md "Sequence parallelism"). The
+    Triton-only form was checked there layer by layer against the 1-device model (scripts/check_sp_gpu.py); the
+    Mosaic form by the 2-GPU tests (tests/test_context_parallel.py, `-m gpu`) and bench_sp's check (≤ 1.4e-3).
 
 Whole-model zigzag. Under a layout whose rules say `seq_order="zigzag"` (`SEQUENCE_PARALLEL_ZIGZAG`), every
 [B, S, ...] activation of the full-sequence forward is in zigzag order: `DeepseekV4.hidden_states` pads S so that a
@@ -68,7 +71,7 @@ and permutes the final hidden states back once. In between:
     - the indexer reads each query's global position, so its causal work splits evenly too;
     - this core takes the zigzag layout from the active rules (`balance=None`) with `inputs_permuted=True`, so no
       per-layer relayout: each shard attends for its two blocks, each with its own halo (`_halo_zigzag`), with
-      the jnp body or (local_core="pallas") one kernel call per block.
+      the jnp body or (local_core="pallas") one kernel call over both blocks.
   What it costs: the ids and positions permutation (4 bytes a token) and the final hidden states' (D · 2 bytes a
   token); the compressors' entries are gathered in sequence order (at 512K, 2 MiB for HCA, 128 MiB for CSA).
 
