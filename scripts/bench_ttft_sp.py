@@ -150,7 +150,10 @@ def run(gd, state, ids, mesh, reps: int, rules=SEQUENCE_PARALLEL) -> dict:
         t = time.perf_counter()
         streams = e_embed(embed_w, ids)
         for exe, (_, st) in zip(layer_exes, pieces):
-            streams = exe(st, streams, positions, ids)
+            # One layer in flight at a time, as bench_ttft.py: a call dispatched while the previous one still runs
+            # has its buffers allocated at dispatch, so two layers' temporaries would coexist (at 512K the XLA
+            # baseline's are ~64 GiB; the failure was reported against the last call dispatched, the head).
+            streams = jax.block_until_ready(exe(st, streams, positions, ids))
         out = jax.block_until_ready(e_head(st_h, st_n, e_last(streams), lm_w))
         return time.perf_counter() - t, out
 
