@@ -17,10 +17,12 @@ each layer, and the last token's head, each a jitted call.
 
 Per length, in one process: the 1-device run of the same model (attention_impl="sp" falls back to the jnp core
 with no mesh; the Pallas indexer and MoE as in (3); ``--one-device auto``: the Pallas attention kernels, i.e.
-bench_ttft's (3)) when it fits, then the N-device run; ``--baseline`` adds bench_ttft's XLA baseline (1c) on one
-device first, and every run's speed-up over it. Timing: AOT compile
-(reported apart), 1 warm-up call, median of --reps calls (1 when a call takes over 8 s). Speed-up = t1 / tN,
-scaling efficiency = t1 / (N · tN). Peak memory per device from `memory_stats()`.
+bench_ttft's (3); ``none``: skipped) when it fits, then the N-device run for each ``--order`` (contiguous: the
+sequence split in order; zigzag: `SEQUENCE_PARALLEL_ZIGZAG`, the ids permuted once in the embed call, the last token
+read from its zigzag row); ``--baseline`` adds bench_ttft's XLA baseline (1c) on one device first, and every run's
+speed-up over it. Timing: AOT compile (reported apart), 1 warm-up call, median of --reps calls (1 when a call takes
+over 8 s); one layer in flight at a time, as in bench_ttft. Speed-up = t1 / tN, scaling efficiency = t1 / (N · tN).
+Peak memory per device from `memory_stats()`.
 """
 
 from __future__ import annotations
