@@ -47,7 +47,8 @@ from bench_ttft_sp import _nothing, parse_len, place  # noqa: E402
 
 from dsv4.config import Config  # noqa: E402
 from dsv4.model import DeepseekV4  # noqa: E402
-from dsv4.sharding import SEQUENCE_ONLY, SEQUENCE_PARALLEL, make_mesh, use_mesh  # noqa: E402
+from dsv4.sharding import SEQUENCE_ONLY, SEQUENCE_PARALLEL, SEQUENCE_PARALLEL_ZIGZAG, make_mesh, use_mesh  # noqa: E402
+from dsv4.sharding.context_parallel import zigzag_permute  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -60,12 +61,13 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--length", default="16k")
-    p.add_argument("--variants", default="1dev-auto,sp-split,sp-pallas-split,sp-pallas-repl",
-                   help="which of the variants to run (the N-device ones without the 'Ndev-' prefix)")
+    p.add_argument("--variants", default="1dev-auto,sp-split,sp-pallas-split,sp-pallas-repl,sp-pallas-zigzag",
+                   help="which of the variants to run (the N-device ones without the 'Ndev-' prefix; -split: experts "
+                        "split, -repl: replicated, -zigzag: experts split, the sequence in zigzag order)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
-    s = 96 if args.smoke else parse_len(args.length)
+    s = 128 if args.smoke else parse_len(args.length)  # zigzag: 2N blocks of whole compressor windows
     dtype = F32 if args.smoke else BF16
     cfg = with_layers(Config.preset("tiny" if args.smoke else "v4-flash"), default_mix(3))
     n_dev = len(jax.devices())
@@ -88,27 +90,29 @@ def main():
         return jnp.einsum("bd,vd->bv", h, model.lm_head["weight"][...], preferred_element_type=F32)
 
     def layer_outputs(gd, st, mesh, rules, inputs):
-        """Each layer's output given `inputs[l]` (host arrays) as its input. → list of host arrays."""
+        """Each layer's output given `inputs[l]` (host arrays) as its input. → list of host arrays. Under a zigzag
+        layout the inputs, positions and ids are permuted into zigzag order and the outputs back."""
         model = nnx.merge(gd, st)
         outs = []
         seq = None if mesh is None else NamedSharding(mesh, P(None, "sp"))
+        n_zig = mesh.shape["sp"] if mesh is not None and rules.seq_order == "zigzag" else 0
+        to_zig = (lambda a: np.asarray(zigzag_permute(jnp.asarray(a), n_zig))) if n_zig else (lambda a: a)  # noqa: E731
+        from_zig = (lambda a: np.asarray(zigzag_permute(jnp.asarray(a), n_zig, inverse=True))) if n_zig else (lambda a: a)  # noqa: E731,E501
+        put = (lambda a: jnp.asarray(a)) if seq is None else (lambda a: jax.device_put(to_zig(np.asarray(a)), seq))  # noqa: E731
         with use_mesh(mesh, rules) if mesh is not None else _nothing():
+            pos, tok = put(positions), put(ids)
             for layer, x in zip(model.layers, inputs):
                 g, lst = nnx.split(layer)
-                xs = jnp.asarray(x) if seq is None else jax.device_put(x, seq)
-                pos = positions if seq is None else jax.device_put(positions, seq)
-                tok = ids if seq is None else jax.device_put(ids, seq)
-                out = jax.jit(lambda st_, x_, p_, t_, g=g: nnx.merge(g, st_)(x_, p_, t_))(lst, xs, pos, tok)
-                outs.append(np.asarray(jax.device_get(out)))
+                out = jax.jit(lambda st_, x_, p_, t_, g=g: nnx.merge(g, st_)(x_, p_, t_))(lst, put(x), pos, tok)
+                outs.append(from_zig(np.asarray(jax.device_get(out))))
                 del out
             # The free-running chain (each layer on the variant's own previous output) and its last-token logits.
-            x = jnp.asarray(inputs[0]) if seq is None else jax.device_put(inputs[0], seq)
+            x = put(inputs[0])
             for layer in model.layers:
                 g, lst = nnx.split(layer)
-                pos = positions if seq is None else jax.device_put(positions, seq)
-                tok = ids if seq is None else jax.device_put(ids, seq)
                 x = jax.jit(lambda st_, x_, p_, t_, g=g: nnx.merge(g, st_)(x_, p_, t_))(lst, x, pos, tok)
-            logits = np.asarray(jax.device_get(jax.jit(last_logits)(model, jax.device_get(x)[:, -1:])))
+            last = from_zig(np.asarray(jax.device_get(x)))[:, -1:]
+            logits = np.asarray(jax.device_get(jax.jit(last_logits)(model, last)))
         return outs, logits
 
     # The reference chain: one device, jnp attention core.
@@ -144,8 +148,7 @@ def main():
     if n_dev < 2:
         return
     mesh = make_mesh(n_dev)
-    split_rules, repl_rules = SEQUENCE_PARALLEL, SEQUENCE_ONLY
-    for rules, tag in ((split_rules, "split"), (repl_rules, "repl")):
+    for rules, tag in ((SEQUENCE_PARALLEL, "split"), (SEQUENCE_ONLY, "repl"), (SEQUENCE_PARALLEL_ZIGZAG, "zigzag")):
         todo = [a for a in ("sp", "sp-pallas") if f"{a}-{tag}" in wanted]
         if not todo:
             continue

@@ -268,7 +268,6 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         n_hca_tiles = lax.div(n_vis + (bk - 1), jnp.int32(bk))
         if lo_ref is None:
             row = tok + kv_offset  # this token's own kv row
-            win_lo, win_hi = row - (sliding_window - 1), row + 1
             win_start, n_win = window_tiles(row, sliding_window, bk, aligned=not unaligned)
         else:  # the caller's rows; at least one (masked) tile, so that every barrier phase happens
             win_lo, win_hi = lo_ref[bi, tok], hi_ref[bi, tok]
@@ -356,8 +355,12 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                 # Column mask: HCA steps see entries [0, n_vis); window steps rows [win_lo, win_hi).
                 is_hca = i < n_hca_tiles
                 base = jnp.where(is_hca, i * bk, win_start + (i - n_hca_tiles) * bk)
-                lo = jnp.where(is_hca, 0, win_lo)
-                hi = jnp.where(is_hca, n_vis, win_hi)
+                if lo_ref is None:  # NOTE: computed here, not hoisted: hoisted, the CPU interpreter's ws run hung
+                    lo = jnp.where(is_hca, 0, row - (sliding_window - 1))
+                    hi = jnp.where(is_hca, n_vis, row + 1)
+                else:
+                    lo = jnp.where(is_hca, 0, win_lo)
+                    hi = jnp.where(is_hca, n_vis, win_hi)
                 col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
                 logits = jnp.where((col >= lo) & (col < hi), s_full * logit_scale, -jnp.inf)
 
