@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_kernels import make_routing  # noqa: E402
 from bench_ttft_sp import parse_len  # noqa: E402
+from trace_overlap import profile  # noqa: E402
 
 from dsv4.config import Config  # noqa: E402
 from dsv4.moe import routed_experts_pallas  # noqa: E402
@@ -69,26 +70,6 @@ def parse_variant(v: str) -> tuple[int, bool | None, object]:
     if not parts[0].startswith("c") or any(x not in ("scan", "bf16") for x in parts[1:]):
         raise SystemExit(f"bad variant {v!r}: expected c<tokens>[-scan][-bf16]")
     return parse_len(parts[0][1:]), (False if "scan" in parts else None), (BF16 if "bf16" in parts else F32)
-
-
-def profile(compiled, args, trace_dir: str) -> dict:
-    """One call under the profiler (Perfetto JSON written too); → trace_overlap's per-GPU overlap summary."""
-    from trace_overlap import overlap
-
-    jax.block_until_ready(compiled(*args))
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        jax.block_until_ready(compiled(*args))
-    try:
-        rows = overlap(trace_dir)
-    except FileNotFoundError as exc:
-        print(f"  trace: {exc}", flush=True)
-        return {}
-    for pname, r in rows.items():
-        print(f"  trace {pname}: comm {r['comm_ms']:.2f} ms in {r['comm_events']} kernels, {r['hidden_ms']:.2f} hidden "
-              f"behind compute, {r['exposed_ms']:.2f} exposed; span {r['span_ms']:.2f} ms", flush=True)  # fmt: skip
-    if not rows:
-        print("  trace: no GPU kernels in the trace (CPU run?)", flush=True)
-    return rows
 
 
 def timed(compiled, args, reps: int) -> dict:

@@ -60,6 +60,9 @@ from jax.sharding import PartitionSpec as P
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from trace_overlap import profile  # noqa: E402
 
 from dsv4.attention import CompressedKeys, core_attention_jnp, core_attention_pallas  # noqa: E402
 from dsv4.sharding import make_mesh  # noqa: E402
@@ -227,25 +230,6 @@ def log(msg: str):
     print(msg, flush=True)
 
 
-def profile(compiled, args, trace_dir: str) -> dict:
-    """One call under the profiler (Perfetto JSON too) → per GPU, how much of the NCCL kernels' time ran alongside
-    compute kernels (scripts/trace_overlap.py)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from trace_overlap import overlap
-
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        jax.block_until_ready(compiled(*args))
-    try:
-        rows = overlap(trace_dir)
-    except (OSError, ValueError, KeyError) as exc:
-        log(f"    trace: {exc}")
-        return {}
-    for pname, r in rows.items():
-        log(f"    trace {pname}: comm {r['comm_ms']:.2f} ms in {r['comm_events']} kernels, {r['hidden_ms']:.2f} hidden "
-            f"behind compute, {r['exposed_ms']:.2f} exposed; compute {r['compute_ms']:.2f}, span {r['span_ms']:.2f}")
-    return rows
-
-
 def run_case(r: Runner, layer: str, s: int, h: int, mesh, n: int) -> dict | None:
     """One (layer, S) at H heads: 1-device core(s), then SP per balance, then comm=local. Raises on OOM."""
     a = r.a
@@ -330,7 +314,8 @@ def run_case(r: Runner, layer: str, s: int, h: int, mesh, n: int) -> dict | None
             log(f"  {layer:7s} S={s:>7} H={h:2d} {n} devices {bal:6s}: {t * 1e3:9.1f} ms ({t * 1e3 / h:7.2f} ms/head)"
                 f"  eff {eff_text}  check {row['check'].get(bal, float('nan')):.1e}  compile {comp:.1f} s")  # fmt: skip
             if a.trace and s == min(parse_lengths(a.lengths)) and r.left() > 2 * t + 5:
-                row.setdefault("trace", {})[bal] = profile(compiled, args, str(Path(a.trace) / f"{layer}-{s}-{bal}"))
+                row.setdefault("trace", {})[bal] = profile(compiled, args, str(Path(a.trace) / f"{layer}-{s}-{bal}"),
+                                                           indent="    ")
         del out, args
     del q, kv, pos, sinks, entries, topk, permuted
     return row

@@ -95,6 +95,28 @@ def overlap(path: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def profile(fn, args, trace_dir: str, indent: str = "  ") -> dict[str, dict[str, float]]:
+    """One call of `fn(*args)` under `jax.profiler.trace` (Perfetto JSON too), then `overlap` of that trace, printed
+    per GPU. For the benchmark scripts' --trace. → `overlap`'s rows ({} when the trace has no GPU kernels)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))  # warm: the profiled call is a steady-state one
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        jax.block_until_ready(fn(*args))
+    try:
+        rows = overlap(trace_dir)
+    except FileNotFoundError as exc:
+        print(f"{indent}trace: {exc}", flush=True)
+        return {}
+    for pname, r in rows.items():
+        print(f"{indent}trace {pname}: comm {r['comm_ms']:.2f} ms in {r['comm_events']} kernels, {r['hidden_ms']:.2f} "
+              f"hidden behind compute, {r['exposed_ms']:.2f} exposed; compute {r['compute_ms']:.2f}, span "
+              f"{r['span_ms']:.2f} ms", flush=True)  # fmt: skip
+    if not rows:
+        print(f"{indent}trace: no GPU kernels in the trace (CPU run?)", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="a perfetto_trace.json.gz, or the directory jax.profiler.trace wrote")
