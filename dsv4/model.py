@@ -11,7 +11,6 @@ block's input and expand the block's output back.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -105,16 +104,14 @@ class DeepseekV4(nnx.Module):
         """The layers over the sequence in zigzag order over n shards. Padding tokens (id 0) go after the last
         real token at the following positions: causally invisible to every real token (window, compressed
         entries and indexer keys only look back), so the real tokens' results are exact."""
-        from dsv4.sharding.context_parallel import zigzag_permute, zigzag_rows
+        from dsv4.sharding.context_parallel import zigzag_model_rows, zigzag_permute
 
         impls = sorted({layer.self_attn.attention_impl for layer in self.layers} - {"sp", "sp-pallas"})
         if impls:
             raise ValueError(f"seq_order='zigzag' needs the sequence-parallel attention cores ('sp', 'sp-pallas'); "
                              f"this model has attention_impl {impls}")  # fmt: skip
         b, s = token_ids.shape
-        rates = [self.config.compress_rate(t) for t in self.config.layer_types if t != SLIDING]
-        rows = zigzag_rows(s, n, multiple=math.lcm(1, *rates), min_rows=self.config.sliding_window - 1)
-        pad = 2 * n * rows - s
+        pad = 2 * n * zigzag_model_rows(self.config, s, n) - s
         if pad:
             token_ids = jnp.pad(token_ids, [(0, 0), (0, pad)])
             after = positions[:, -1:] + 1 + jnp.arange(pad, dtype=positions.dtype)[None]

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
@@ -56,7 +55,7 @@ from bench_ttft import build_model_on_device, default_mix, model_flops, with_lay
 from dsv4.config import Config  # noqa: E402
 from dsv4.model import DeepseekV4  # noqa: E402
 from dsv4.sharding import SEQUENCE_ONLY, SEQUENCE_PARALLEL, make_mesh, use_mesh  # noqa: E402
-from dsv4.sharding.context_parallel import zigzag_permute, zigzag_row, zigzag_rows  # noqa: E402
+from dsv4.sharding.context_parallel import zigzag_model_rows, zigzag_permute, zigzag_row  # noqa: E402
 from dsv4.sharding.rules import named_sharding  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -117,10 +116,8 @@ def run(gd, state, ids, mesh, reps: int, rules=SEQUENCE_PARALLEL) -> dict:
     zigzag_n, last_row = 0, seq - 1
     if mesh is not None and rules.seq_order == "zigzag":
         zigzag_n = mesh.shape["sp"]
-        cfg = model.config
-        rates = [cfg.compress_rate(t) for t in cfg.layer_types if t != "sliding_attention"]
-        rows = zigzag_rows(seq, zigzag_n, multiple=math.lcm(1, *rates), min_rows=cfg.sliding_window - 1)
-        if 2 * zigzag_n * rows != seq:  # the model would pad; this harness times unpadded lengths only
+        # The model would pad; this harness times unpadded lengths only.
+        if 2 * zigzag_n * zigzag_model_rows(model.config, seq, zigzag_n) != seq:
             raise ValueError(f"--order zigzag: S={seq} is not 2N blocks of whole compressor windows (N={zigzag_n})")
         positions, last_row = zigzag_permute(positions, zigzag_n), zigzag_row(seq - 1, seq, zigzag_n)
     stream_sharding = None

@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +163,13 @@ def zigzag_rows(s: int, n: int, *, multiple: int = 1, min_rows: int = 0) -> int:
     >= ceil(s / 2n) and >= min_rows. The padded length is 2n · L."""
     rows = max(-(-s // (2 * n)), min_rows, 1)
     return -(-rows // multiple) * multiple
+
+
+def zigzag_model_rows(config, s: int, n: int) -> int:
+    """Rows per block for a model (`dsv4.Config`) in zigzag order: whole compressor windows of every rate (so no
+    window straddles a block) and at least W - 1 rows (so a block's halo is one block back)."""
+    rates = [config.compress_rate(t) for t in config.layer_types]
+    return zigzag_rows(s, n, multiple=math.lcm(1, *(r for r in rates if r)), min_rows=config.sliding_window - 1)
 
 
 def zigzag_row(p: int, s: int, n: int) -> int:
