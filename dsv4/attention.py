@@ -242,7 +242,7 @@ def pool_windows_zigzag(kv: jax.Array, gate: jax.Array, position_bias: jax.Array
     Each block is pooled on its own; with overlap (CSA) a block's first entry takes its Ca half from the last window
     of the block before it in sequence order (a [B, rate, head_dim] slice per block), the first block's from none.
     """
-    from dsv4.sharding.context_parallel import zigzag_order
+    from dsv4.sharding.context_parallel import zigzag_order, zigzag_permute
 
     b, s, width = kv.shape
     blocks = 2 * n
@@ -265,8 +265,7 @@ def pool_windows_zigzag(kv: jax.Array, gate: jax.Array, position_bias: jax.Array
         operands.append(jnp.take(kv_b[:, :, rows - rate :, :head_dim], before, axis=1))
         operands.append(jnp.where(first, NEG_INF, jnp.take(tail_gate, before, axis=1)))
     pooled = jax.vmap(pool, in_axes=1, out_axes=1)(*operands)  # [B, 2n, L // rate, head_dim], zigzag order
-    inverse = jnp.asarray([order.index(g) for g in range(blocks)])
-    return jnp.take(pooled, inverse, axis=1).reshape(b, s // rate, head_dim)
+    return zigzag_permute(pooled.reshape(b, s // rate, head_dim), n, inverse=True)
 
 
 class Compressor(nnx.Module):

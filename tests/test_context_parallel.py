@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import jax
 import numpy as np
@@ -208,7 +209,7 @@ def test_gpu_pallas_core_per_shard_matches_reference(kind, balance):
 
     n = len(jax.devices())
     s, h, d, w, rate = 2 * n * 384, 64, 512, 128, (4 if kind == "csa" else 16)
-    keys = jax.random.split(jax.random.key(hash((kind, balance)) % 1000), 5)
+    keys = jax.random.split(jax.random.key(zlib.crc32(f"{kind}-{balance}".encode())), 5)  # fixed per case
     q = jax.random.normal(keys[0], (1, s, h, d), jnp.bfloat16)
     kv = jax.random.normal(keys[1], (1, s, d), jnp.bfloat16)
     pos = jnp.arange(s, dtype=jnp.int32)[None]
