@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from dsv4.pallas.attention import SCALE_TILE, v4_attention_reference
-from dsv4.pallas.decode import BlockSizes, paged_decode_attention, paged_decode_attention_reference
+from dsv4.pallas.decode import BlockSizes, default_num_splits, paged_decode_attention, paged_decode_attention_reference
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 SMALL = BlockSizes(block_kv=16, num_splits=3)
@@ -184,9 +184,10 @@ def test_compressed_matches_reference(seed, mode, seq_lens, block_sizes, dtype):
 
 @pytest.mark.parametrize("mode, kv_layout, compressed_layout", [("hca", "tile", "channel"), ("csa", "channel", "tile")])
 def test_fp8_matches_reference(mode, kv_layout, compressed_layout):
-    inputs, _ = make_cache(8, [5, 64, 200], head_dim=64, rate=4, dtype=jnp.float32)
+    # head_dim 128 = two 64-channel scale tiles per row: a tile scale applied to the wrong channels shows
+    inputs, _ = make_cache(8, [5, 64, 200], head_dim=128, rate=4, dtype=jnp.float32)
     inputs["q"] = inputs["q"].astype(jnp.bfloat16)
-    kw = dict(sliding_window=16, scale=0.125)
+    kw = dict(sliding_window=16, scale=128**-0.5)
     inputs["kv_pages"], kw["kv_scales"] = quantize(inputs["kv_pages"], kv_layout)
     inputs["compressed_pages"], kw["compressed_scales"] = quantize(inputs["compressed_pages"], compressed_layout)
     if mode == "csa":
@@ -268,6 +269,15 @@ def test_input_validation_names_shapes():
 # ---------------------------------------------------------------------------------------------
 # Triton lowering (runs on CPU: lowers for an abstract H200, builds and verifies the Triton module; no ptxas).
 # ---------------------------------------------------------------------------------------------
+def test_default_num_splits_fills_one_wave():
+    # (programs, key blocks, SMs) → splits, worked out by hand: floor(SMs / programs), capped by the blocks
+    assert default_num_splits(32, 66, 132) == 4  # 128 programs: one wave (5 splits would spill 28 into a second)
+    assert default_num_splits(1, 66, 132) == 66  # one request: a split per key block
+    assert default_num_splits(1, 2050, 132) == 132
+    assert default_num_splits(200, 66, 132) == 1  # more programs than SMs: no split
+    assert default_num_splits(8, 2, 132) == 2
+
+
 @pytest.mark.parametrize("mode", ["window", "hca", "csa-fp8"])
 def test_lowers_to_triton_at_real_shapes(mode, monkeypatch):
     from jax._src import mesh as mesh_lib
@@ -310,8 +320,8 @@ def test_lowers_to_triton_at_real_shapes(mode, monkeypatch):
     assert "__gpu$xla.gpu.triton" in hlo
     [result] = modules
     assert result.module.operation.verify()
-    # splits: min(264 / 8 programs, key blocks): window 2 blocks; HCA 2 + 6400 / 64; CSA 2 + 512 / 64
-    assert list(result.grid) == [b, 1, {"window": 2, "hca": 33, "csa-fp8": 10}[mode]]
+    # splits: min(132 SMs // 8 programs = 16, key blocks): window 2 blocks; HCA 2 + 6400 / 64; CSA 2 + 512 / 64
+    assert list(result.grid) == [b, 1, {"window": 2, "hca": 16, "csa-fp8": 10}[mode]]
     assert str(result.module).count("tt.dot") == (2 if mode == "window" else 4)
 
 

@@ -57,15 +57,41 @@ from jax.experimental.pallas import triton as plgpu
 # two kernels must round identically (FP8 → q.dtype, P → q.dtype for P·V, log2-domain exp2).
 from dsv4.pallas.attention import _M_FLOOR, SCALE_TILE, _load_values, _online_softmax_step
 
-__all__ = ["BlockSizes", "paged_decode_attention", "paged_decode_attention_kernel", "paged_decode_attention_reference"]
+__all__ = ["BlockSizes", "default_num_splits", "paged_decode_attention", "paged_decode_attention_kernel",
+           "paged_decode_attention_reference"]
 
 F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn
 LOG2E = math.log2(math.e)
 # NOTE: `tl.dot` needs every matmul dimension >= 16, so compiled programs need block_h >= 16 and block_kv >= 16.
 _MIN_DOT_DIM = 16
-# Programs to aim for when the split count is left to the heuristic: two per SM of an H200 (132 SMs).
-_TARGET_PROGRAMS = 264
+# SMs of an H200, used when the device does not say (CPU interpret runs).
+_DEFAULT_SM_COUNT = 132
+# Gather per-token-tile FP8 scales straight into the [N, D] tile (see `_load_values`); a module flag so that a
+# benchmark can A/B it (scripts/bench_decode.py).
+_GATHER_TILE_SCALES = True
+
+
+def _sm_count() -> int:
+    """SMs of the default device (GPU), else `_DEFAULT_SM_COUNT`."""
+    try:
+        device = jax.devices()[0]
+        return int(getattr(device, "core_count", 0) or _DEFAULT_SM_COUNT) if device.platform == "gpu" \
+            else _DEFAULT_SM_COUNT  # fmt: skip
+    except RuntimeError:
+        return _DEFAULT_SM_COUNT
+
+
+def default_num_splits(programs: int, max_blocks: int, sm_count: int | None = None) -> int:
+    """Key-axis splits for `programs` (request, head-block) pairs with at most `max_blocks` key blocks each.
+
+    One program holds a [64, 512] float32 accumulator, so one fits an SM at a time: aim for one full wave,
+    splits = floor(SMs / programs) (at least 1, at most one per key block). Rounding down, not up: 32 requests on
+    132 SMs take 4 splits (128 programs, one wave), where 5 would spill 28 programs into a second wave; and each
+    split adds a [H, D] float32 partial that is written and read back by the combine.
+    """
+    sm_count = _sm_count() if sm_count is None else sm_count
+    return max(1, min(sm_count // max(programs, 1), max_blocks))
 
 
 def _is_power_of_2(n: int) -> bool:
@@ -78,8 +104,8 @@ class BlockSizes:
 
     block_h:    heads per program (clamped to H; must then divide H). Tile rows M = block_h (one token).
     block_kv:   keys per inner step (window tokens, compressed entries or top-k slots; gathered row by row).
-    num_splits: key-axis splits per (request, head block). None: enough programs for about two per H200 SM,
-                at most one split per key block.
+    num_splits: key-axis splits per (request, head block). None: `default_num_splits` (one wave of programs over
+                the device's SMs, at most one split per key block).
     num_warps, num_stages: Triton launch parameters (None: 8 warps for D >= 256, else 4; 2 stages).
 
     Defaults are picked for H = 64, D = 512 on H200, not measured: one program holds all 64 heads of a request,
@@ -318,7 +344,8 @@ def paged_decode_attention_kernel(
         slot = lax.rem(first_token + j, ring_size)  # ring slot (positions are >= 0)
         page = plgpu.load(block_table_ref.at[lax.div(slot, page_size)], mask=valid, other=0)  # [N]
         row = jnp.where(valid, page * page_size + lax.rem(slot, page_size), 0)
-        keys = _load_values(kv_ref, kv_scales_ref, kv_scale_layout, row, valid, compute_dtype)  # [N, D]
+        keys = _load_values(kv_ref, kv_scales_ref, kv_scale_layout, row, valid, compute_dtype,
+                            tile_scales_by_gather=_GATHER_TILE_SCALES)  # fmt: skip  # [N, D]
         return step(carry, q, keys, jnp.broadcast_to(valid[None, :], (block_h, block_kv)))
 
     carry = lax.fori_loop(jnp.minimum(lo, n_window_blocks), jnp.minimum(hi, n_window_blocks), window_body, carry)
@@ -336,7 +363,7 @@ def paged_decode_attention_kernel(
             page = plgpu.load(compressed_table_ref.at[lax.div(entry, compressed_page_size)], mask=valid, other=0)
             row = jnp.where(valid, page * compressed_page_size + lax.rem(entry, compressed_page_size), 0)
             keys = _load_values(compressed_ref, compressed_scales_ref, compressed_scale_layout, row, valid,
-                                compute_dtype)  # fmt: skip  # [N, D]
+                                compute_dtype, tile_scales_by_gather=_GATHER_TILE_SCALES)  # fmt: skip  # [N, D]
             return step(carry, q, keys, jnp.broadcast_to(valid[None, :], (block_h, block_kv)))
 
         start = jnp.maximum(lo, n_window_blocks) - n_window_blocks
@@ -437,7 +464,7 @@ def paged_decode_attention(
     num_splits = block_sizes.num_splits
     if num_splits is None:
         max_blocks = pl.cdiv(sliding_window, block_kv) + pl.cdiv(max_items, block_kv)
-        num_splits = max(1, min(pl.cdiv(_TARGET_PROGRAMS, b * (h // block_h)), max_blocks))
+        num_splits = default_num_splits(b * (h // block_h), max_blocks)
     grid = (b, h // block_h, num_splits)
 
     def flat(pages):  # [P, ps, X] → [P · ps, X]: rows gathered by page · ps + row
