@@ -20,9 +20,8 @@ the same run's copy bandwidth (`x ^ 1` over 4 GiB of uint32, read + write, timed
 item's first call is checked against `paged_decode_attention_reference` (relative L2) while that fits
 (--check-max-bytes).
 
-Variants (`--variants`, applied to the items named by `--variant-items`): `name:kv=64,s=3,w=8,sp=4,gather=0`
-(block_kv, num_stages, num_warps, num_splits, and gather=0 switches off `decode._GATHER_TILE_SCALES`: the FP8
-per-tile scales loaded as [N, D // 64] and broadcast by a reshape, the code before 2026-11-30's session 6).
+Variants (`--variants`, applied to the items named by `--variant-items`): `name:kv=64,s=3,w=8,h=32,sp=4,spx=2`
+(block_kv, num_stages, num_warps, block_h, num_splits, and spx = a multiple of the default split count).
 """
 
 from __future__ import annotations
@@ -54,8 +53,8 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 GiB = 1 << 30
 VARIANT_KEYS = {"kv": "block_kv", "s": "num_stages", "w": "num_warps", "h": "block_h", "sp": "num_splits"}
 # kv64 at 4 stages would need 256 KiB of shared memory for bf16 keys (64 KiB a stage): over the H200's 227 KiB.
-GPU_VARIANTS = "default;s3:s=3;kv32-s3:kv=32,s=3;kv32-s4:kv=32,s=4;h32:h=32;w4-h32:h=32,w=4;spx2:spx=2;gather0:gather=0"
-SMOKE_VARIANTS = "default;kv16:kv=16;spx2:spx=2;gather0:gather=0"
+GPU_VARIANTS = "default;s3:s=3;kv32-s3:kv=32,s=3;kv32-s4:kv=32,s=4;h32:h=32;w4-h32:h=32,w=4;spx2:spx=2"
+SMOKE_VARIANTS = "default;kv16:kv=16;spx2:spx=2"
 
 
 def parse_args():
@@ -99,12 +98,11 @@ def parse_args():
 class Variant:
     name: str = "default"
     block_sizes: dc.BlockSizes = dc.BlockSizes()
-    gather: bool = True  # decode._GATHER_TILE_SCALES while tracing
     split_factor: int = 1  # num_splits = this × the default split count (when block_sizes.num_splits is None)
 
 
 def parse_variants(text: str) -> list[Variant]:
-    """'name:kv=64,s=3,gather=0,spx=2;...' → [Variant]."""
+    """'name:kv=64,s=3,spx=2;...' → [Variant]."""
     out = []
     for item in filter(None, (t.strip() for t in text.split(";"))):
         name, _, spec = item.partition(":")
@@ -112,9 +110,7 @@ def parse_variants(text: str) -> list[Variant]:
         for kv in filter(None, spec.split(",")):
             k, _, v = kv.partition("=")
             k = k.strip()
-            if k == "gather":
-                extra["gather"] = bool(int(v))
-            elif k == "spx":
+            if k == "spx":
                 extra["split_factor"] = int(v)
             else:
                 fields[VARIANT_KEYS[k]] = int(v)
@@ -212,7 +208,7 @@ class Bench:
         lens = (jnp.full((batch,), ctx, jnp.int32), jnp.full((batch,), count, jnp.int32))
         return dict(count=count, topk=topk), (q, ring, comp, picks, *lens)
 
-    def build(self, pool, block_sizes, gather: bool):
+    def build(self, pool, block_sizes):
         """The jitted step: --calls decode calls, each on its own q and tables (a Python loop: one kernel launch
         per call in the compiled program, as the model's layers would be)."""
         sh, interpret = self.sh, self.interpret
@@ -228,7 +224,6 @@ class Bench:
                     topk_indices=None if picks is None else picks[i], **extra, **static))  # fmt: skip
             return jnp.stack(outs)
 
-        dc._GATHER_TILE_SCALES = gather  # read at trace time, i.e. by the lower() below
         fixed = (pool["kv_pages"], pool["compressed_pages"], pool["sinks"], extra)
         return step, fixed, static
 
@@ -241,7 +236,7 @@ class Bench:
                                      self.sm_count)  # fmt: skip
 
     def item(self, layer, ctx, batch, dtype_name, variant=Variant()):
-        name, bs, gather = variant.name, variant.block_sizes, variant.gather
+        name, bs = variant.name, variant.block_sizes
         if bs.num_splits is None and variant.split_factor != 1:
             bs = dataclasses.replace(bs, num_splits=variant.split_factor * self.splits(layer, ctx, batch, bs))
         where = f"{layer} ctx={ctx} B={batch} {dtype_name} {name}"
@@ -252,11 +247,10 @@ class Bench:
         try:
             pool = self.pool(dtype_name)
             meta, arrays = self.step_inputs(pool, layer, ctx, batch, self.args.seed * 1000 + ctx % 9973 + batch)
-            step, fixed, static = self.build(pool, bs, gather)
+            step, fixed, static = self.build(pool, bs)
             t0 = time.perf_counter()
             compiled = jax.jit(step).lower(*fixed, *arrays).compile()
             compile_s = time.perf_counter() - t0
-            dc._GATHER_TILE_SCALES = True
             out = compiled(*fixed, *arrays)
             check = self.check(pool, arrays, static, out, nbytes)
             del out
@@ -264,7 +258,6 @@ class Bench:
             _, arrays2 = self.step_inputs(pool, layer, ctx, batch, self.args.seed * 1000 + ctx % 9973 + batch + 1)
             t = self.time_step(compiled, [(*fixed, *arrays), (*fixed, *arrays2)])
         except Exception as exc:
-            dc._GATHER_TILE_SCALES = True
             self.log(f"ERROR {where}: {type(exc).__name__}: {str(exc)[:800]}")
             traceback.print_exc(limit=3)
             return
@@ -272,7 +265,7 @@ class Bench:
         tbps = nbytes / per_call / 1e12
         splits = bs.num_splits or self.splits(layer, ctx, batch, bs)
         row = dict(layer=layer, ctx=ctx, batch=batch, dtype=dtype_name, variant=name, block_kv=bs.block_kv,
-                   num_stages=bs.num_stages, num_warps=bs.num_warps, splits=splits, gather=gather,
+                   num_stages=bs.num_stages, num_warps=bs.num_warps, block_h=bs.block_h, splits=splits,
                    us_per_call=per_call * 1e6, mbytes=nbytes / 1e6, tbps=tbps,
                    pct_copy=100 * tbps / self.copy_tbps if self.copy_tbps else None, spread=t["spread"],
                    steps=t["steps"], calls=self.args.calls, compile_s=compile_s, **check)  # fmt: skip
@@ -362,8 +355,7 @@ def main():
         if layer in args.layers:
             for dtype_name in args.dtypes:
                 for variant in variants:
-                    if dtype_name == "fp8" or variant.gather:  # gather=0 changes the fp8 path only
-                        bench.item(layer, ctx, batch, dtype_name, variant)
+                    bench.item(layer, ctx, batch, dtype_name, variant)
     if args.per_call and args.variant_items:
         layer, ctx, batch = args.variant_items[0]
         bench.per_call(layer, ctx, batch, args.dtypes[0])

@@ -245,13 +245,10 @@ def v4_attention_reference(
 # ---------------------------------------------------------------------------------------------
 # Kernel.
 # ---------------------------------------------------------------------------------------------
-def _load_values(ref, scales_ref, scale_layout, rows, row_valid, compute_dtype, *, tile_scales_by_gather=False):
+def _load_values(ref, scales_ref, scale_layout, rows, row_valid, compute_dtype):
     """Loads value rows and dequantizes them to `compute_dtype`.
 
     ref: [N_all, D] (maybe FP8). rows: a `pl.ds` (contiguous rows) or int32 [N] (gather). row_valid: [N].
-    tile_scales_by_gather (gathered rows, "tile" scales): load each value's scale straight into a [N, D] tile
-    (64 neighbouring lanes read one address, served by L1) instead of loading [N, D // 64] and broadcasting
-    it through a reshape, which the Triton lowering turns into a shared-memory layout conversion.
     → [N, D]; invalid rows are 0.
     """
     d = ref.shape[-1]
@@ -268,10 +265,6 @@ def _load_values(ref, scales_ref, scale_layout, rows, row_valid, compute_dtype, 
         values = values * scales_ref[...][None, :]  # [N, D] · [1, D]
     else:
         n, groups = row_valid.shape[0], d // SCALE_TILE
-        if tile_scales_by_gather and not isinstance(rows, pl.Slice):
-            tile_of = lax.div(jnp.arange(d), SCALE_TILE)  # [D]
-            s = plgpu.load(scales_ref.at[rows[:, None], tile_of[None, :]], mask=row_valid[:, None], other=0)
-            return (values * s).astype(compute_dtype)  # [N, D]
         if isinstance(rows, pl.Slice):
             s = plgpu.load(scales_ref.at[rows, :], mask=row_valid[:, None], other=0)  # [N, D // 64]
         else:

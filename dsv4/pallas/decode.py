@@ -67,9 +67,6 @@ LOG2E = math.log2(math.e)
 _MIN_DOT_DIM = 16
 # SMs of an H200, used when the device does not say (CPU interpret runs).
 _DEFAULT_SM_COUNT = 132
-# Gather per-token-tile FP8 scales straight into the [N, D] tile (see `_load_values`); a module flag so that a
-# benchmark can A/B it (scripts/bench_decode.py).
-_GATHER_TILE_SCALES = True
 
 
 def _sm_count() -> int:
@@ -344,8 +341,7 @@ def paged_decode_attention_kernel(
         slot = lax.rem(first_token + j, ring_size)  # ring slot (positions are >= 0)
         page = plgpu.load(block_table_ref.at[lax.div(slot, page_size)], mask=valid, other=0)  # [N]
         row = jnp.where(valid, page * page_size + lax.rem(slot, page_size), 0)
-        keys = _load_values(kv_ref, kv_scales_ref, kv_scale_layout, row, valid, compute_dtype,
-                            tile_scales_by_gather=_GATHER_TILE_SCALES)  # fmt: skip  # [N, D]
+        keys = _load_values(kv_ref, kv_scales_ref, kv_scale_layout, row, valid, compute_dtype)  # [N, D]
         return step(carry, q, keys, jnp.broadcast_to(valid[None, :], (block_h, block_kv)))
 
     carry = lax.fori_loop(jnp.minimum(lo, n_window_blocks), jnp.minimum(hi, n_window_blocks), window_body, carry)
@@ -363,7 +359,7 @@ def paged_decode_attention_kernel(
             page = plgpu.load(compressed_table_ref.at[lax.div(entry, compressed_page_size)], mask=valid, other=0)
             row = jnp.where(valid, page * compressed_page_size + lax.rem(entry, compressed_page_size), 0)
             keys = _load_values(compressed_ref, compressed_scales_ref, compressed_scale_layout, row, valid,
-                                compute_dtype, tile_scales_by_gather=_GATHER_TILE_SCALES)  # fmt: skip  # [N, D]
+                                compute_dtype)  # fmt: skip  # [N, D]
             return step(carry, q, keys, jnp.broadcast_to(valid[None, :], (block_h, block_kv)))
 
         start = jnp.maximum(lo, n_window_blocks) - n_window_blocks
