@@ -32,6 +32,7 @@ from jax import lax
 
 from dsv4.attention import index_topk_jnp
 from dsv4.pallas.indexer import ScoreBlocks, index_scores, index_topk, index_topk_two_pass
+from dsv4.pallas.indexer_mgpu import MgpuScoreConfig, index_scores_mgpu
 from dsv4.topk import top_k
 
 HI, DI, RATE, FP8 = 64, 128, 4, jnp.float8_e4m3fn
@@ -97,9 +98,12 @@ def section_scores(args, rows_out):
         ScoreBlocks(block_q=2, block_c=256, rows="keys", num_warps=8, q_transposed=True),
         ScoreBlocks(block_q=1, block_c=64, rows="queries"),
     ]
+    tilings = tilings[: args.triton_tilings]
     flops = 2 * HI * DI * visible_pairs(s_end, r)
     for fp8 in (True, False):
         inp = make_inputs(r, c, fp8=fp8, offset=s_end - r)
+        if fp8:
+            section_scores_mgpu(args, rows_out, inp, flops)
         for blocks in tilings:
             name = f"{'fp8' if fp8 else 'bf16'} rows={blocks.rows}{'-qT' if blocks.q_transposed else ''} " \
                    f"bq={blocks.block_q} bc={blocks.block_c} w={blocks.num_warps} st={blocks.num_stages}"  # fmt: skip
@@ -114,6 +118,55 @@ def section_scores(args, rows_out):
                 row = dict(section="scores", name=name, error=f"{type(e).__name__}: {str(e)[:300]}")
                 print(f"  scores {name:55s} FAILED {row['error']}", flush=True)
             rows_out.append(row)
+
+
+def parse_mgpu_configs(text: str) -> list[tuple[str, MgpuScoreConfig]]:
+    """'t8-s2048:tokens=8,span=2048,slots=4;...' → [(name, MgpuScoreConfig)]."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        name, _, spec = item.partition(":")
+        fields = {k.strip(): int(v) for k, v in (kv.split("=") for kv in filter(None, spec.split(",")))}
+        fields["num_slots"] = fields.pop("slots", MgpuScoreConfig.num_slots)
+        out.append((name.strip(), MgpuScoreConfig(**fields)))
+    return out
+
+
+def section_scores_mgpu(args, rows_out, inp, flops):
+    """The Mosaic FP8 scores kernel per config, checked against the Triton FP8 kernel (itself tested against the
+    reference): the -inf pattern must match exactly, the finite scores to a relative error."""
+    ref = None
+    try:
+        ref = np.asarray(jax.jit(functools.partial(index_scores, rate=RATE, softmax_scale=DI**-0.5,
+                                                   interpret=INTERPRET))(**inp))  # fmt: skip
+    except Exception as e:  # noqa: BLE001
+        print(f"  scores mgpu: Triton fp8 reference FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    interpret = None
+    if INTERPRET:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        interpret = InterpretGPUParams()
+    for name, config in parse_mgpu_configs(args.mgpu_configs):
+        name = f"fp8 mgpu {name}"
+        try:
+            f = jax.jit(functools.partial(index_scores_mgpu, rate=RATE, softmax_scale=DI**-0.5, config=config,
+                                          interpret=interpret))  # fmt: skip
+            first, t = timed(lambda: f(**inp), reps=args.reps)
+            row = dict(section="scores", name=name, ms=t * 1e3, tflops=flops / t / 1e12, first_s=first)
+            check = ""
+            if ref is not None:
+                got = np.asarray(f(**inp))
+                fin = np.isfinite(ref)
+                same_inf = bool(np.array_equal(np.isneginf(got), np.isneginf(ref)))
+                err = float(np.abs(got[fin] - ref[fin]).max() / max(np.abs(ref[fin]).max(), 1e-30))
+                row.update(same_inf=same_inf, rel_err=err, nans=int(np.isnan(got).sum()))
+                check = f" check: -inf pattern {'same' if same_inf else 'DIFFERS'}, max rel err {err:.1e}, " \
+                        f"NaN {row['nans']}"  # fmt: skip
+            print(f"  scores {name:55s} {t * 1e3:8.2f} ms {flops / t / 1e12:7.1f} TF/s (first {first:.1f} s){check}",
+                  flush=True)  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            row = dict(section="scores", name=name, error=f"{type(e).__name__}: {str(e)[:600]}")
+            print(f"  scores {name:55s} FAILED {row['error']}", flush=True)
+        rows_out.append(row)
 
 
 def section_select(args, rows_out):
@@ -148,6 +201,9 @@ def section_full(args, rows_out):
         for name, fn, inp in (
             ("two-pass fp8", functools.partial(index_topk_two_pass, **static, blocks=blocks, group=args.group,
                                                 interpret=INTERPRET), inp8),
+            ("two-pass fp8 mgpu", functools.partial(index_topk_two_pass, **static, group=args.group,
+                                                    interpret=INTERPRET, scores_impl="mgpu",
+                                                    mgpu_config=parse_mgpu_configs(args.mgpu_configs)[0][1]), inp8),
             ("two-pass bf16", functools.partial(index_topk_two_pass, **static, blocks=blocks, group=args.group,
                                                  interpret=INTERPRET), "bf16"),
             ("xla bf16", functools.partial(index_topk_jnp, rate=RATE, k=args.k, softmax_scale=DI**-0.5,
@@ -173,6 +229,12 @@ def section_full(args, rows_out):
             except Exception as e:  # noqa: BLE001
                 print(f"  full S={s} {name} FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
                 rows_out.append(dict(section="full", s=s, name=name, error=str(e)[:400]))
+        if results.get("two-pass fp8") is not None and results.get("two-pass fp8 mgpu") is not None:
+            a, b = results["two-pass fp8 mgpu"], results["two-pass fp8"]
+            same_rows = np.mean([set(x) == set(y) for x, y in zip(a[0], b[0])])
+            print(f"  full S={s} check: two-pass fp8 mgpu vs Triton identical index sets in {same_rows:.4%} of rows",
+                  flush=True)  # fmt: skip
+            rows_out.append(dict(section="full-check-mgpu", s=s, same_rows=float(same_rows)))
         if results.get("two-pass bf16") is not None and results.get("xla bf16") is not None:
             a, b = results["two-pass bf16"], results["xla bf16"]
             same_rows = np.mean([set(x) == set(y) for x, y in zip(a[0], b[0])])
@@ -195,6 +257,9 @@ def main():
     p.add_argument("--block-q", type=int, default=2)
     p.add_argument("--block-c", type=int, default=128)
     p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--triton-tilings", type=int, default=13, help="the first N Triton tilings of the scores section")
+    p.add_argument("--mgpu-configs", default="t8-s2048:tokens=8,span=2048,slots=4",
+                   help="Mosaic FP8 scores configs 'name:tokens=,span=,slots=;...' (the first is used by full)")
     p.add_argument("--xla-max", type=int, default=131072)
     p.add_argument("--stream-max", type=int, default=32768)
     p.add_argument("--out", default=None)

@@ -684,7 +684,7 @@ def default_query_chunk(num_entries: int, batch: int = 1) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "query_chunk", "blocks", "group",
-                                             "interpret"))  # fmt: skip
+                                             "interpret", "scores_impl", "mgpu_config"))  # fmt: skip
 def index_topk_two_pass(
     q: jax.Array,
     keys: jax.Array,
@@ -700,6 +700,8 @@ def index_topk_two_pass(
     blocks: ScoreBlocks = ScoreBlocks(),
     group: int = 4,
     interpret: bool = False,
+    scores_impl: str = "triton",
+    mgpu_config=None,
 ) -> jax.Array:
     """`index_topk` in two passes per chunk of queries: the scores kernel writes a [B, chunk, C] float32 slab
     (never the whole [S, C]), then `dsv4.topk.top_k` picks exactly what `lax.top_k` would while sorting only about
@@ -707,7 +709,9 @@ def index_topk_two_pass(
     -1 past the visible count).
 
     query_chunk: queries per step (None: `default_query_chunk`, a 256 MiB slab); group: `dsv4.topk.top_k`'s group
-    size. Other arguments as `index_topk`.
+    size. scores_impl: "triton" (`index_scores`, any dtype) or "mgpu" (`dsv4.pallas.indexer_mgpu.index_scores_mgpu`:
+    e4m3 q and keys, Hi = 64, Hopper; `mgpu_config` its MgpuScoreConfig, None for the default; with `interpret` it
+    runs in the Mosaic GPU interpreter). Other arguments as `index_topk`.
     """
     from dsv4.topk import top_k
 
@@ -723,11 +727,23 @@ def index_topk_two_pass(
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
         return jnp.moveaxis(x.reshape(b, n_chunks, chunk, *x.shape[2:]), 1, 0)
 
+    if scores_impl not in ("triton", "mgpu"):
+        raise ValueError(f"scores_impl={scores_impl!r} must be 'triton' or 'mgpu'")
+
     def one_chunk(args):
         qc, wc, pc, qsc = args
-        scores = index_scores(qc, keys, wc, pc, rate=rate, softmax_scale=softmax_scale,
-                              q_scale=qsc if per_token_q_scale else q_scale, k_scale=k_scale, blocks=blocks,
-                              interpret=interpret)  # fmt: skip
+        qsc = qsc if per_token_q_scale else q_scale
+        if scores_impl == "mgpu":
+            from dsv4.pallas.indexer_mgpu import MgpuScoreConfig, index_scores_mgpu
+
+            if interpret:
+                from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+            scores = index_scores_mgpu(qc, keys, wc, pc, rate=rate, softmax_scale=softmax_scale, q_scale=qsc,
+                                       k_scale=k_scale, config=mgpu_config or MgpuScoreConfig(),
+                                       interpret=InterpretGPUParams() if interpret else None)  # fmt: skip
+        else:
+            scores = index_scores(qc, keys, wc, pc, rate=rate, softmax_scale=softmax_scale, q_scale=qsc,
+                                  k_scale=k_scale, blocks=blocks, interpret=interpret)  # fmt: skip
         select = functools.partial(top_k, group=group)
         return _topk_of_scores(scores, _visible(pc, rate, c), k, lambda x, kk: select(x, kk))
 

@@ -1,0 +1,251 @@
+"""The lightning indexer's scores in FP8 as a Mosaic GPU (Hopper) Pallas kernel: wgmma on e4m3 operands, a TMA
+ring of key tiles, a producer warpgroup and two consumer warpgroups.
+
+Same contract as `dsv4.pallas.indexer.index_scores` for FP8 q and keys (its Triton kernel's FP8 dot ran slower than
+its bf16 one, docs/KERNEL_NOTES.md IX7):
+
+    scores[b, s, c] = k_scale[b, c] · Σ_h w'[b, s, h] · ReLU(q8[b, s, h] · k8[b, c])        (c < n_vis[b, s])
+                    = -inf                                                                  (c >= n_vis[b, s])
+
+with w' = weights · softmax_scale · q_scale (`indexer._fold_scales`: every scale of a whole (token, head) row folds
+into the head weight, since ReLU commutes with a positive factor), n_vis = min((p + 1) // rate, C), and -0.0
+written as +0.0. The products accumulate in float32 in the tensor core; the head sum runs in float32 registers.
+
+Design:
+- One CTA = `tokens` queries × `span` keys, grid (S / tokens, ceil(C / span), B). Keys stream through a ring of
+  `num_slots` TMA slots, 64 keys × Di (8 KiB in e4m3) plus their 64 float32 scales per slot. Tiles at or past the
+  CTA's largest visible count are not loaded: they are written as -inf.
+- Warpgroup 2 (the producer) issues the key TMAs. Consumer warpgroup w owns half of the CTA's queries: its q rows
+  (tokens / 2 × 64 heads × Di, e4m3) and weights sit in SMEM for the whole CTA.
+- Per key tile and query j: `acc[64 keys, 64 heads] = K_tile · Q_jᵀ`, one wgmma m64 n64 k=Di with both operands
+  K-major in SMEM (e4m3 wgmma needs that; Q_j is [heads, Di] as stored, passed transposed). Then
+  ReLU(acc) · w'_j broadcast along the rows (WGMMA column layout) summed over the heads within each warp, times the
+  keys' scales, masked, and written as one row of a [tokens / 2, 64] float32 staging tile, which a TMA stores.
+  The two consumers' wgmmas and epilogues interleave on the SM.
+- The consumers release a slot (2 arrivals) after their last wgmma on it; the producer refills it.
+
+Restrictions: Hi = 64 (the wgmma N), Di a multiple of 32 up to 256 (e4m3 wgmma K steps of 32; the SMEM tile is
+128 bytes wide), both q and keys float8_e4m3fn, `tokens` even and dividing the padded query count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dsv4.pallas.indexer import FP8, _check_inputs, _fold_scales, _visible
+
+__all__ = ["MgpuScoreConfig", "index_scores_mgpu"]
+
+F32 = jnp.float32
+KEYS_PER_TILE = 64  # M of the wgmma
+HEADS = 64  # N of the wgmma (V4's index_n_heads)
+_SMEM_LIMIT = 227 * 1024
+_GRID_DIM_MAX = 65535
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuScoreConfig:
+    """Tunables of `index_scores_mgpu`.
+
+    tokens:    queries per CTA, split evenly between the two consumer warpgroups (even, >= 2).
+    span:      keys per CTA (a multiple of 64).
+    num_slots: key tiles in flight (TMA ring depth).
+    """
+
+    tokens: int = 8
+    span: int = 2048
+    num_slots: int = 4
+
+    def __post_init__(self):
+        if self.tokens < 2 or self.tokens % 2:
+            raise ValueError(f"MgpuScoreConfig.tokens={self.tokens} must be even and >= 2")
+        if self.span < KEYS_PER_TILE or self.span % KEYS_PER_TILE:
+            raise ValueError(f"MgpuScoreConfig.span={self.span} must be a positive multiple of {KEYS_PER_TILE}")
+        if self.num_slots < 1:
+            raise ValueError(f"MgpuScoreConfig.num_slots={self.num_slots} must be >= 1")
+
+    def smem_bytes(self, index_dim: int) -> int:
+        q = self.tokens * HEADS * index_dim
+        keys = self.num_slots * KEYS_PER_TILE * (index_dim + 4)
+        weights = self.tokens * HEADS * 4
+        staging = 2 * self.tokens * KEYS_PER_TILE * 4
+        return q + keys + weights + staging
+
+
+def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, interpret=None):
+    """q [B, S, 64, Di] e4m3 (S a multiple of config.tokens); keys [B, C, Di] e4m3 (C a multiple of 64);
+    k_scale [B, C] f32; weights [B, S, 64] f32 (folded); n_vis [B, S] int32. → f32 [B, S, C]."""
+    b, s, h, d = q.shape
+    c = keys.shape[1]
+    t, span, slots = config.tokens, config.span, config.num_slots
+    half = t // 2
+    n_spans = pl.cdiv(c, span)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)  # [64] per key (accumulator rows)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)  # [64] per head (accumulator columns)
+
+    def body(q_ref, k_ref, ks_ref, w_ref, nvis_ref, o_ref, q_smem, k_smem, ks_smem, w_smem, o_smem, q_bar, k_bar,
+             ks_bar, consumed):  # fmt: skip
+        ti, ci, bi = lax.axis_index("t"), lax.axis_index("c"), lax.axis_index("b")
+        wg = lax.axis_index("wg")
+        t0 = ti * t
+        c_begin = ci * span
+        n_tiles = lax.div(jnp.minimum(c - c_begin, span) + (KEYS_PER_TILE - 1), KEYS_PER_TILE)
+        most = nvis_ref[bi, t0]
+        for j in range(1, t):
+            most = jnp.maximum(most, nvis_ref[bi, t0 + j])
+        n_live = jnp.clip(lax.div(most - c_begin + (KEYS_PER_TILE - 1), KEYS_PER_TILE), 0, n_tiles)
+
+        def consumer(w):
+            first = t0 + w * half
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(first, half)], q_smem.at[w], q_bar.at[w])
+            plgpu.copy_gmem_to_smem(w_ref.at[bi, pl.ds(first, half)], w_smem.at[w], q_bar.at[2 + w])
+            plgpu.barrier_wait(q_bar.at[w])
+            plgpu.barrier_wait(q_bar.at[2 + w])
+            vis = [nvis_ref[bi, first + j] for j in range(half)]
+
+            @pl.loop(0, n_tiles)
+            def _(i):
+                c0 = c_begin + i * KEYS_PER_TILE
+                buf = o_smem.at[w, lax.rem(i, 2)]
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from two tiles ago has read buf
+                key = plgpu.broadcasted_iota(jnp.int32, (KEYS_PER_TILE,), 0, layout=row_layout) + c0
+
+                @pl.when(i < n_live)
+                def _():
+                    slot = lax.rem(i, jnp.int32(slots))
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.barrier_wait(ks_bar.at[slot])
+                    kscale = plgpu.load(ks_smem.at[slot], layout=row_layout)
+                    for j in range(half):
+                        def qk(acc_ref, j=j):
+                            plgpu.wgmma(acc_ref, k_smem.at[slot], q_smem.at[w, j].transpose((1, 0)))
+                            return acc_ref[...]
+
+                        acc = pl.run_scoped(qk, plgpu.ACC((KEYS_PER_TILE, HEADS), F32))  # [64 keys, 64 heads]
+                        wj = plgpu.load(w_smem.at[w, j], layout=col_layout)
+                        weighted = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(wj, acc.shape, [1])
+                        score = weighted.sum(axis=1) * kscale
+                        score = jnp.where(score == 0.0, 0.0, score)  # -0.0 → +0.0
+                        buf[j] = jnp.where(key < vis[j], score, -jnp.inf)
+                    plgpu.barrier_arrive(consumed.at[slot])
+
+                @pl.when(i >= n_live)
+                def _():
+                    for j in range(half):
+                        buf[j] = plgpu.layout_cast(jnp.full((KEYS_PER_TILE,), -jnp.inf, F32), row_layout)
+
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(buf, o_ref.at[bi, pl.ds(first, half), pl.ds(c0, KEYS_PER_TILE)])
+
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 0)
+        def _():
+            consumer(0)
+
+        @pl.when(wg == 1)
+        def _():
+            consumer(1)
+
+        @pl.when(wg == 2)
+        def _():
+            plgpu.set_max_registers(40, action="decrease")
+
+            @pl.loop(0, n_live)
+            def _(i):
+                slot = lax.rem(i, jnp.int32(slots))
+
+                @pl.when(i >= slots)
+                def _():
+                    plgpu.barrier_wait(consumed.at[slot])
+
+                rows = pl.ds(c_begin + i * KEYS_PER_TILE, KEYS_PER_TILE)
+                plgpu.copy_gmem_to_smem(k_ref.at[bi, rows], k_smem.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(ks_ref.at[bi, rows], ks_smem.at[slot], ks_bar.at[slot])
+
+            @pl.loop(jnp.maximum(n_live - slots, 0), n_live)  # every consumed phase is waited on
+            def _(i):
+                plgpu.barrier_wait(consumed.at[lax.rem(i, jnp.int32(slots))])
+
+    tiled = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))  # e4m3: 128 elements = 128 bytes a row
+    scratch = [
+        plgpu.SMEM((2, half, h, d), FP8, transforms=tiled),  # q rows of each consumer's queries
+        plgpu.SMEM((slots, KEYS_PER_TILE, d), FP8, transforms=tiled),  # key ring
+        plgpu.SMEM((slots, KEYS_PER_TILE), F32),  # key scales ring
+        plgpu.SMEM((2, half, h), F32),  # folded head weights
+        plgpu.SMEM((2, 2, half, KEYS_PER_TILE), F32),  # output staging, double-buffered per consumer
+        plgpu.Barrier(num_barriers=4),  # q, weights per consumer
+        plgpu.Barrier(num_barriers=slots),  # keys full
+        plgpu.Barrier(num_barriers=slots),  # key scales full
+        plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # slot consumed by both consumers
+    ]
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((b, s, c), F32),
+        scratch_types=scratch,
+        grid=(s // t, n_spans, b),
+        grid_names=("t", "c", "b"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(q, keys, k_scale, weights, n_vis)
+
+
+@functools.partial(jax.jit, static_argnames=("rate", "softmax_scale", "config", "interpret"))
+def index_scores_mgpu(
+    q: jax.Array,
+    keys: jax.Array,
+    weights: jax.Array,
+    positions: jax.Array,
+    *,
+    rate: int,
+    softmax_scale: float,
+    q_scale: jax.Array | None = None,
+    k_scale: jax.Array | None = None,
+    config: MgpuScoreConfig = MgpuScoreConfig(),
+    interpret=None,
+) -> jax.Array:
+    """`dsv4.pallas.indexer.index_scores` for e4m3 q [B, S, 64, Di] and keys [B, C, Di] (with their scales) on a
+    Hopper GPU. → float32 [B, S, C]: -inf where entry c is not visible (c >= (p + 1) // rate), -0.0 as +0.0.
+
+    interpret: passed to plgpu.kernel (an InterpretGPUParams for the CPU interpreter).
+    """
+    q_layout, k_layout = _check_inputs(q, keys, weights, positions, rate=rate, k=1, q_scale=q_scale,
+                                       k_scale=k_scale)  # fmt: skip
+    b, s, h, d = q.shape
+    c = keys.shape[1]
+    if q.dtype != FP8 or keys.dtype != FP8:
+        raise ValueError(f"index_scores_mgpu needs float8_e4m3fn q and keys, got {q.dtype} and {keys.dtype}")
+    if h != HEADS or d % 32 or not 32 <= d <= 256:
+        raise ValueError(f"q.shape={q.shape}: index_scores_mgpu needs Hi = {HEADS} and Di a multiple of 32 in "
+                         f"[32, 256]")  # fmt: skip
+    if config.smem_bytes(d) > _SMEM_LIMIT:
+        raise ValueError(f"{config} needs {config.smem_bytes(d)} B of shared memory at Di={d}; limit {_SMEM_LIMIT}")
+    weights, k_scale = _fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout)
+    weights = jnp.broadcast_to(weights, (b, s, h)).astype(F32)
+    k_scale = jnp.ones((b, c), F32) if k_scale is None else jnp.broadcast_to(k_scale, (b, c)).astype(F32)
+    n_vis = _visible(positions, rate, c).astype(jnp.int32)
+    # Pad queries to whole CTAs (padding sees nothing) and keys to whole tiles (never visible: n_vis <= C).
+    s_pad = -(-s // config.tokens) * config.tokens
+    c_pad = -(-c // KEYS_PER_TILE) * KEYS_PER_TILE
+    if s_pad // config.tokens > _GRID_DIM_MAX:
+        raise ValueError(f"{s} queries need {s_pad // config.tokens} CTAs along x; pass fewer queries per call")
+    if s_pad != s:
+        q = jnp.pad(q, ((0, 0), (0, s_pad - s), (0, 0), (0, 0)))
+        weights = jnp.pad(weights, ((0, 0), (0, s_pad - s), (0, 0)))
+        n_vis = jnp.pad(n_vis, ((0, 0), (0, s_pad - s)))
+    if c_pad != c:
+        keys = jnp.pad(keys, ((0, 0), (0, c_pad - c), (0, 0)))
+        k_scale = jnp.pad(k_scale, ((0, 0), (0, c_pad - c)))
+    out = _scores_call(q, keys, k_scale, weights, n_vis, config=config, interpret=interpret)
+    if s_pad != s or c_pad != c:
+        out = out[:, :s, :c]
+    return out
