@@ -15,6 +15,7 @@ a model picks one by name.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -418,13 +419,17 @@ class Indexer(Compressor):
         k = min(self.topk, n_keys)
         impl = resolve_indexer_impl(self.impl, q.dtype)
         kw = dict(rate=self.rate, k=k, softmax_scale=self.head_dim**-0.5)
-        if impl == "pallas":
+        if impl in ("pallas", "pallas-fp8"):
             from dsv4.pallas.indexer import index_topk_two_pass
             from dsv4.sharding.context_parallel import per_sequence_shard
 
+            interpret = jax.default_backend() != "gpu"
+            if impl == "pallas-fp8":
+                return per_sequence_shard(functools.partial(index_topk_fp8, **kw, interpret=interpret),
+                                          (q, weights, positions), (keys,), fill=(0, 0, -1))  # fmt: skip
+
             def local(q_, weights_, positions_, keys_):  # this shard's queries against all keys
-                return index_topk_two_pass(q_, keys_, weights_, positions_, **kw,
-                                           interpret=jax.default_backend() != "gpu")  # fmt: skip
+                return index_topk_two_pass(q_, keys_, weights_, positions_, **kw, interpret=interpret)
 
             return per_sequence_shard(local, (q, weights, positions), (keys,), fill=(0, 0, -1))
         if impl == "pallas-stream":
@@ -432,6 +437,29 @@ class Indexer(Compressor):
 
             return index_topk(q, keys, weights, positions, **kw, interpret=jax.default_backend() != "gpu")
         return index_topk_jnp(q, keys, weights, positions, **kw, query_chunk=query_chunk)
+
+
+def quantize_rows_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., Di] → (e4m3 [..., Di], float32 scale [...]): one scale per row, amax / 448 (all-zero rows: 1)."""
+    amax = jnp.max(jnp.abs(x.astype(F32)), axis=-1)
+    scale = jnp.where(amax > 0, amax / 448.0, 1.0)
+    return (x.astype(F32) / scale[..., None]).astype(jnp.float8_e4m3fn), scale
+
+
+def index_topk_fp8(q, weights, positions, keys, *, rate: int, k: int, softmax_scale: float, interpret: bool):
+    """The lightning indexer in FP8, as DeepSeek's reference runs it: q quantized per (token, head), keys per entry
+    (e4m3, amax scales), scores by the Mosaic FP8 kernel on a Hopper GPU (`index_scores_mgpu`) or the Triton kernel
+    elsewhere, then the exact grouped top-k. Arguments as `index_topk_jnp` (q, weights, positions first: the
+    per-shard function of `per_sequence_shard`). → [B, S, k] int32."""
+    from dsv4.pallas.indexer import index_topk_two_pass
+    from dsv4.pallas.indexer_mgpu import is_hopper
+
+    q8, q_scale = quantize_rows_e4m3(q)
+    k8, k_scale = quantize_rows_e4m3(keys)
+    mgpu = not interpret and is_hopper() and q.shape[2] == 64
+    return index_topk_two_pass(q8, k8, weights, positions, rate=rate, k=k, softmax_scale=softmax_scale,
+                               q_scale=q_scale, k_scale=k_scale, interpret=interpret,
+                               scores_impl="mgpu" if mgpu else "triton")  # fmt: skip
 
 
 def index_topk_jnp(q, keys, weights, positions, *, rate: int, k: int, softmax_scale: float, query_chunk: int = 512):
@@ -465,14 +493,16 @@ def index_topk_jnp(q, keys, weights, positions, *, rate: int, k: int, softmax_sc
     return jnp.moveaxis(out, 0, 1).reshape(b, n_chunks * chunk, k)[:, :s]
 
 
-INDEXER_IMPLS = ("auto", "jnp", "pallas", "pallas-stream")
+INDEXER_IMPLS = ("auto", "jnp", "pallas", "pallas-fp8", "pallas-stream")
 
 
 def resolve_indexer_impl(impl: str, dtype) -> str:
     """The indexer's top-k path. "jnp": XLA (einsum → ReLU → weighted sum → `lax.top_k`, [chunk, Hi, C] dots
     materialized); "pallas": two passes per query chunk (the Pallas scores kernel, then the exact grouped top-k of
-    `dsv4.topk`); "pallas-stream": the one-kernel streaming bitonic top-k; "auto": "pallas" for 16-bit / FP8
-    queries on a GPU, "jnp" otherwise (a float32 model keeps XLA's full-precision dots).
+    `dsv4.topk`); "pallas-fp8": the same with q and keys quantized to e4m3 (`index_topk_fp8`; the Mosaic FP8 scores
+    kernel on Hopper), opt-in since it changes the scores by FP8 rounding; "pallas-stream": the one-kernel
+    streaming bitonic top-k; "auto": "pallas" for 16-bit / FP8 queries on a GPU, "jnp" otherwise (a float32 model
+    keeps XLA's full-precision dots).
     On one H200 at 32K / 128K / 512K (docs/BENCHMARKS.md): jnp 90 / 1443 ms / ~22 s, pallas 15 / 143 / 1737 ms,
     pallas-stream 564 ms / - / -."""
     if impl not in INDEXER_IMPLS:

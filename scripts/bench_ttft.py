@@ -27,6 +27,8 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
                           kernels; TTFT = the sum of the chunk calls (cache of max_len = S, made before the clock)
     chunked-fp8      (5)  as (4) with the cache stored in fp8-channel and paged (256-token pages, one request
                           holding pages 1..n): the seed's "FP8 paged KV" step
+    chunked-fp8idx   (4f) as (4) with indexer_impl="pallas-fp8": q and keys of the lightning indexer in e4m3, the
+                          scores by the Mosaic FP8 kernel (`dsv4.pallas.indexer_mgpu`) on Hopper
     xla-cap          (1c) as (1) with a capacity-padded batched-einsum MoE (defined in this script, not in dsv4:
                           ANCHORS.md measured XLA's `lax.ragged_dot` asking 96 GiB at 8K tokens, so (1) is not
                           expected to fit at 32K+; (1c) is "what a straightforward XLA port gets"). Capacity
@@ -34,7 +36,7 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
                           the breakdown's routing check).
     pallas-attn-cap  (2c) as (2) with the capacity MoE.
 Order of work: every length's variants (in the order pallas, chunked, xla-cap, pallas-attn-cap, chunked-fp8, xla,
-pallas-attn), then the chunked variant's layer-split passes, then the breakdowns (largest length first), then the whole-model check;
+pallas-attn, chunked-fp8idx), then the chunked variant's layer-split passes, then the breakdowns (largest length first), then the whole-model check;
 the budget drops the tail. A variant that did not fit (OOM) or failed at a length is not tried at larger lengths; its
 row says how much XLA's buffer assignment asked for against what was free.
 
@@ -156,6 +158,7 @@ class Variant:
     attention: str
     moe: str
     kv: str | None = None  # chunked only: the cache's storage format, paged (None: dense, the model's dtype)
+    indexer: str | None = None  # indexer_impl (None: "jnp" under the jnp attention, "pallas" otherwise)
 
 
 VARIANTS = {v.key: v for v in [
@@ -164,11 +167,13 @@ VARIANTS = {v.key: v for v in [
     Variant("pallas", "(3)", "+ Pallas MoE", "full", "pallas", "pallas"),
     Variant("chunked", "(4)", "chunked prefill, both kernels", "chunked", "pallas", "pallas"),
     Variant("chunked-fp8", "(5)", "+ FP8 paged KV cache (fp8-channel)", "chunked", "pallas", "pallas", "fp8-channel"),
+    Variant("chunked-fp8idx", "(4f)", "(4) + FP8 indexer (Mosaic scores)", "chunked", "pallas", "pallas",
+            indexer="pallas-fp8"),
     Variant("xla-cap", "(1c)", "XLA, capacity MoE", "full", "jnp", "xla_cap"),
     Variant("pallas-attn-cap", "(2c)", "+ Pallas attn + idx, capacity MoE", "full", "pallas", "xla_cap"),
 ]}  # fmt: skip
-PRIORITY = ["pallas", "chunked", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn"]
-TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked", "chunked-fp8"]
+PRIORITY = ["pallas", "chunked", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn", "chunked-fp8idx"]
+TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked", "chunked-fp8idx", "chunked-fp8"]
 PAGE_TOKENS = 256  # (5)'s page size: a multiple of both compress rates
 
 
@@ -821,15 +826,16 @@ class Bench:
             return 2.0 * max(same)
         return work / (1e10 if self.smoke else 50e12)
 
-    def use_impls(self, attention: str, moe: str) -> DeepseekV4:
+    def use_impls(self, attention: str, moe: str, indexer: str | None = None) -> DeepseekV4:
         """self.model ← the model built with these impls (abstractly, so whatever the constructor derives from them,
         e.g. the CSA indexer running the Pallas top-k under attention_impl="pallas", is as in dsv4), on the same
-        weights (no copy)."""
-        key = (attention, moe)
+        weights (no copy). indexer None: it follows the attention impl, XLA's for the jnp baseline, the two-pass
+        Pallas path otherwise."""
+        indexer = indexer or ("jnp" if attention == "jnp" else "pallas")
+        key = (attention, moe, indexer)
         if key not in self.graphdefs:
-            # the indexer follows the attention impl: XLA's for the jnp baseline, the two-pass Pallas path otherwise
             make = lambda: DeepseekV4(self.cfg, rngs=nnx.Rngs(0), dtype=BF16, attention_impl=attention,  # noqa: E731
-                                      moe_impl=moe, indexer_impl="jnp" if attention == "jnp" else "pallas")  # fmt: skip
+                                      moe_impl=moe, indexer_impl=indexer)  # fmt: skip
             self.graphdefs[key] = nnx.split(nnx.eval_shape(make))[0]
         self.model = nnx.merge(self.graphdefs[key], self.state)
         return self.model
@@ -906,7 +912,7 @@ class Bench:
         if not self.budget.fits(where, n_compiles * self.budget.compile_est(kind) + 2 * t_pred):
             self.record(seq, vkey, status="skip", note="budget")
             return
-        self.use_impls(v.attention, v.moe)
+        self.use_impls(v.attention, v.moe, v.indexer)
         peak_before = peak_in_use()
         self._pending_mem = None
         try:
