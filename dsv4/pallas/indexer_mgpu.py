@@ -63,7 +63,6 @@ class MgpuScoreConfig:
     tokens:    queries per CTA, split evenly between the two consumer warpgroups (even, >= 2).
     span:      keys per CTA (a multiple of 64).
     num_slots: key tiles in flight (TMA ring depth).
-    pipeline:  overlap each query's wgmma with the previous query's epilogue within a consumer warpgroup.
 
     Defaults: the fastest of five configurations on one H200 (2048 queries × 32K keys, docs/KERNEL_NOTES.md IX9):
     16 tokens 630 TF/s; 8 tokens 525–558 (spans 1024–4096); 4 tokens 479.
@@ -72,7 +71,6 @@ class MgpuScoreConfig:
     tokens: int = 16
     span: int = 2048
     num_slots: int = 3
-    pipeline: bool = True  # issue query j + 1's wgmma before query j's epilogue (two accumulators)
 
     def __post_init__(self):
         if self.tokens < 2 or self.tokens % 2:
@@ -134,40 +132,17 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
                     plgpu.barrier_wait(k_bar.at[slot])
                     plgpu.barrier_wait(ks_bar.at[slot])
                     kscale = plgpu.load(ks_smem.at[slot], layout=row_layout)
+                    for j in range(half):
+                        def qk(acc_ref, j=j):
+                            plgpu.wgmma(acc_ref, k_smem.at[slot], q_smem.at[w, j].transpose((1, 0)))
+                            return acc_ref[...]
 
-                    def issue(acc_ref, j):  # acc_ref ← K_tile · Q_jᵀ (async)
-                        plgpu.wgmma(acc_ref, k_smem.at[slot], q_smem.at[w, j].transpose((1, 0)))
-
-                    def epilogue(acc, j):  # acc [64 keys, 64 heads] → row j of the staging tile
+                        acc = pl.run_scoped(qk, plgpu.ACC((KEYS_PER_TILE, HEADS), F32))  # [64 keys, 64 heads]
                         wj = plgpu.load(w_smem.at[w, j], layout=col_layout)
                         weighted = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(wj, acc.shape, [1])
                         score = weighted.sum(axis=1) * kscale
                         score = jnp.where(score == 0.0, 0.0, score)  # -0.0 → +0.0
                         buf[j] = jnp.where(key < vis[j], score, -jnp.inf)
-
-                    if config.pipeline:  # query j + 1's wgmma runs while query j's epilogue does
-                        def tile(acc0, acc1):
-                            accs = (acc0, acc1)
-                            issue(accs[0], 0)
-                            for j in range(half):
-                                if j + 1 < half:
-                                    nxt = accs[(j + 1) % 2]
-                                    if j >= 1:  # it held query j - 1's result, read already: restart from zero
-                                        nxt[...] = plgpu.layout_cast(jnp.zeros((KEYS_PER_TILE, HEADS), F32),
-                                                                     plgpu.Layout.WGMMA)  # fmt: skip
-                                    issue(nxt, j + 1)
-                                acc = plgpu.wgmma_accumulator_load(accs[j % 2], wait_n=1 if j + 1 < half else 0)
-                                epilogue(acc, j)
-
-                        pl.run_scoped(tile, plgpu.ACC((KEYS_PER_TILE, HEADS), F32),
-                                      plgpu.ACC((KEYS_PER_TILE, HEADS), F32))  # fmt: skip
-                    else:
-                        for j in range(half):
-                            def one(acc_ref, j=j):
-                                issue(acc_ref, j)
-                                return acc_ref[...]
-
-                            epilogue(pl.run_scoped(one, plgpu.ACC((KEYS_PER_TILE, HEADS), F32)), j)
                     plgpu.barrier_arrive(consumed.at[slot])
 
                 @pl.when(i >= n_live)
