@@ -195,6 +195,10 @@ def main():
     p.add_argument("--order", default="contiguous",
                    help="N devices, comma-separated: contiguous (the sequence split in order) and/or zigzag (shard i "
                         "holds blocks i and 2N-1-i; the ids permuted once at the input, SEQUENCE_PARALLEL_ZIGZAG)")
+    p.add_argument("--indexer", default="pallas",
+                   help="comma-separated indexer_impl values for the N-device runs: pallas (bf16 two-pass) and/or "
+                        "pallas-fp8 (e4m3 q and keys, the Mosaic scores kernel on Hopper); the first one also for "
+                        "the 1-device run")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-1dev-from", default="512k", help="no 1-device run at or above this length (OOM)")
     p.add_argument("--baseline", action="store_true",
@@ -222,10 +226,12 @@ def main():
                                                      moe_impl=moe))  # fmt: skip
         return nnx.split(abstract)[0]
 
-    gd = graphdef(args.attention)
+    indexers = [x.strip() for x in args.indexer.split(",") if x.strip()]
+    gds = {ix: graphdef(args.attention, indexer=ix) for ix in indexers}
+    gd = gds[indexers[0]]
     # The 1-device run: the same SP model without a mesh (its core falls back to jnp), or with --one-device
     # auto, the best 1-GPU full-sequence model (bench_ttft's (3): the Pallas / Mosaic attention kernels).
-    gd_one = gd if args.one_device == "same" else graphdef("auto")
+    gd_one = gd if args.one_device == "same" else graphdef("auto", indexer=indexers[0])
     del model
     print(f"  weights {info['param_bytes'] / 2**30:.1f} GiB, drawn in {info['init_s']:.0f} s", flush=True)
     mesh = make_mesh(n_dev) if n_dev > 1 else None
@@ -249,7 +255,9 @@ def main():
         if args.one_device != "none":
             measure("1dev", s, gd_one, state, token_ids(s), None, args.reps, rows[s], rows[s]["flops"])
     orders = args.order.split(",")
-    names = [many if order == "contiguous" else f"{many}-{order}" for order in orders]
+    runs = [(order, ix, (many if order == "contiguous" else f"{many}-{order}")
+             + ("" if ix == indexers[0] else f"-{ix}")) for order in orders for ix in indexers]  # fmt: skip
+    names = [name for _, _, name in runs]
     if mesh is not None:
         # split: the seed's layout (sequence and routed experts over the devices, the rest replicated);
         # replicated: every weight on every device, so the MoE runs data-parallel on each shard's tokens.
@@ -258,9 +266,9 @@ def main():
         del state
         for s in lengths:
             ids = jax.device_put(token_ids(s), NamedSharding(mesh, P(None, "sp")))
-            for order, name in zip(orders, names):  # the orders side by side, length by length
+            for order, ix, name in runs:  # the orders (and indexers) side by side, length by length
                 layout = dataclasses.replace(rules, seq_order=order)
-                measure(name, s, gd, placed, ids, mesh, args.reps, rows[s], rows[s]["flops"], layout)
+                measure(name, s, gds[ix], placed, ids, mesh, args.reps, rows[s], rows[s]["flops"], layout)
     for s, row in rows.items():
         one = row.get("1dev", {})
         for name in names:
