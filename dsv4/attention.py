@@ -447,10 +447,11 @@ def quantize_rows_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def index_topk_fp8(q, weights, positions, keys, *, rate: int, k: int, softmax_scale: float, interpret: bool):
-    """The lightning indexer in FP8, as DeepSeek's reference runs it: q quantized per (token, head), keys per entry
-    (e4m3, amax scales), scores by the Mosaic FP8 kernel on a Hopper GPU (`index_scores_mgpu`) or the Triton kernel
-    elsewhere, then the exact grouped top-k. Arguments as `index_topk_jnp` (q, weights, positions first: the
-    per-shard function of `per_sequence_shard`). → [B, S, k] int32."""
+    """The lightning indexer in FP8 (as DeepSeek-V3.2's inference code runs it; the transformers V4 spec uses bf16):
+    q quantized per (token, head), keys per entry (e4m3, amax scales), scores by the Mosaic FP8 kernel on a Hopper
+    GPU (`index_scores_mgpu`) or the Triton kernel elsewhere, then the exact grouped top-k. Arguments as
+    `index_topk_jnp` (q, weights, positions first: the per-shard function of `per_sequence_shard`).
+    → [B, S, k] int32."""
     from dsv4.pallas.indexer import index_topk_two_pass
     from dsv4.pallas.indexer_mgpu import is_hopper
 

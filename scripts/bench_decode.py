@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 # NOTE: bench_kernels sets the platform / memory-fraction environment (from --smoke) before importing jax.
 from bench_kernels import (  # noqa: E402, I001
-    GPU_SHAPES, SMOKE_SHAPES, decode_bytes, decode_entries, make_request_topk, parse_lengths, quantize_pages, randn,
+    GPU_SHAPES, SMOKE_SHAPES, decode_bytes, decode_entries, make_decode_pool, make_request_topk, parse_lengths, randn,
 )  # fmt: skip
 
 import jax  # noqa: E402
@@ -168,21 +168,10 @@ class Bench:
     def pool(self, dtype_name: str) -> dict:
         if dtype_name in self.pools:
             return self.pools[dtype_name]
-        sh = self.sh
-        ps, d = sh.page_size, sh.head_dim
-        ring_pages = max(4, sh.ring_pool_bytes // (ps * d * 2))
-        comp_pages = max(4, min(sh.compressed_pool_bytes // (ps * d * 2), (2**31 - 1) // (ps * d)))
-        k1, k2, k3 = jax.random.split(jax.random.key(self.args.seed + 4242), 3)
-        pool = dict(kv_pages=randn(k1, (ring_pages, ps, d), BF16),
-                    compressed_pages=randn(k2, (comp_pages, ps, d), BF16),
-                    sinks=jax.random.normal(k3, (sh.heads,), F32))  # fmt: skip
-        if dtype_name == "fp8":
-            pool["kv_pages"], pool["kv_scales"] = quantize_pages(pool["kv_pages"], layout=self.scales)
-            pool["compressed_pages"], pool["compressed_scales"] = quantize_pages(pool["compressed_pages"],
-                                                                                 layout=self.scales)  # fmt: skip
-        jax.block_until_ready(pool)
+        pool = make_decode_pool(self.sh, self.args.seed, dtype_name, self.scales)
         self.pools[dtype_name] = pool
-        self.log(f"pool {dtype_name}: ring {ring_pages} pages, compressed {comp_pages} pages of {ps} x {d} "
+        self.log(f"pool {dtype_name}: ring {pool['kv_pages'].shape[0]} pages, compressed "
+                 f"{pool['compressed_pages'].shape[0]} pages of {self.sh.page_size} x {self.sh.head_dim} "
                  f"({sum(a.nbytes for a in pool.values()) / GiB:.2f} GiB)")  # fmt: skip
         return pool
 

@@ -920,6 +920,23 @@ def make_request_topk(key, *, n_requests: int, count: int, k: int):
     return jnp.minimum(lo + jnp.floor(u * (hi - lo).astype(F32)).astype(jnp.int32), hi - 1)
 
 
+def make_decode_pool(sh: Shapes, seed: int, dtype_name: str, scales: str) -> dict:
+    """Physical page pools shared by every layer, context and batch: a window-ring pool and a compressed pool
+    (bf16, or fp8 with per-tile / per-channel scales), random normal, and the sinks. Block tables map each
+    request's pages to random pool pages (with replacement), so the pool only has to be much larger than L2, not
+    as large as what a batch reads (pools stay < 2^31 elements). Shared with scripts/bench_decode.py."""
+    ps, d = sh.page_size, sh.head_dim
+    ring_pages = max(4, sh.ring_pool_bytes // (ps * d * 2))
+    comp_pages = max(4, min(sh.compressed_pool_bytes // (ps * d * 2), (2**31 - 1) // (ps * d)))
+    k1, k2, k3 = jax.random.split(jax.random.key(seed + 4242), 3)
+    pool = dict(kv_pages=randn(k1, (ring_pages, ps, d), BF16), compressed_pages=randn(k2, (comp_pages, ps, d), BF16),
+                sinks=jax.random.normal(k3, (sh.heads,), F32))  # fmt: skip
+    if dtype_name == "fp8":
+        pool["kv_pages"], pool["kv_scales"] = quantize_pages(pool["kv_pages"], layout=scales)
+        pool["compressed_pages"], pool["compressed_scales"] = quantize_pages(pool["compressed_pages"], layout=scales)
+    return jax.block_until_ready(pool)
+
+
 @functools.partial(jax.jit, static_argnames=("layout",))
 def quantize_pages(pages, *, layout: str):
     """bf16 pages [P, ps, D] → (float8_e4m3fn pages, f32 scales): per channel [D] or per token and 64-channel tile
@@ -1888,25 +1905,9 @@ class Bench:
             self.rec.error("decode launch floor", exc)
 
     def decode_pool(self, dtype_name: str) -> dict:
-        """Physical page pools shared by every layer, context and batch: a window-ring pool and a compressed pool
-        (bf16, or fp8 with per-tile / per-channel scales), random normal. Block tables map each request's pages
-        to random pool pages (with replacement), so the pool only has to be much larger than L2, not as large as
-        what a batch reads (pools stay < 2^31 elements)."""
-        sh = self.sh
-        ps, d = sh.page_size, sh.head_dim
-        ring_pages = max(4, sh.ring_pool_bytes // (ps * d * 2))
-        comp_pages = max(4, min(sh.compressed_pool_bytes // (ps * d * 2), (2**31 - 1) // (ps * d)))
-        k1, k2, k3 = jax.random.split(jax.random.key(self.args.seed + 4242), 3)
-        pool = dict(kv_pages=randn(k1, (ring_pages, ps, d), BF16),
-                    compressed_pages=randn(k2, (comp_pages, ps, d), BF16),
-                    sinks=jax.random.normal(k3, (sh.heads,), F32))  # fmt: skip
-        if dtype_name == "fp8":
-            layout = self.decode_scales
-            pool["kv_pages"], pool["kv_scales"] = quantize_pages(pool["kv_pages"], layout=layout)
-            pool["compressed_pages"], pool["compressed_scales"] = quantize_pages(pool["compressed_pages"],
-                                                                                 layout=layout)  # fmt: skip
-        jax.block_until_ready(pool)
-        self.rec.log(f"decode pool {dtype_name}: ring {ring_pages} pages, compressed {comp_pages} pages of {ps} × {d} "
+        pool = make_decode_pool(self.sh, self.args.seed, dtype_name, self.decode_scales)
+        self.rec.log(f"decode pool {dtype_name}: ring {pool['kv_pages'].shape[0]} pages, compressed "
+                     f"{pool['compressed_pages'].shape[0]} pages of {self.sh.page_size} × {self.sh.head_dim} "
                      f"({sum(a.nbytes for a in pool.values()) / GiB:.2f} GiB)")  # fmt: skip
         return pool
 
