@@ -112,6 +112,14 @@ def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
     )
     e.add_argument("--no-chat-template", action="store_true",
                    help="encode --prompt as is, even if the tokenizer has a chat template")  # fmt: skip
+    k = p.add_argument_group("kernels", "which implementation runs each part (docs/BENCHMARKS.md compares them)")
+    k.add_argument("--attention-impl", default="auto", choices=["auto", "jnp", "pallas"],
+                   help="attention core (default auto: the Pallas kernels on a GPU, XLA elsewhere)")  # fmt: skip
+    k.add_argument("--moe-impl", default="jnp", choices=["jnp", "pallas"],
+                   help="routed experts: XLA's ragged_dot, or the Pallas grouped GEMMs (default jnp)")  # fmt: skip
+    k.add_argument("--indexer-impl", default="auto", choices=["auto", "jnp", "pallas", "pallas-fp8", "pallas-stream"],
+                   help="lightning indexer top-k (default auto: the two-pass Pallas path on a GPU); pallas-fp8 runs "
+                        "it in e4m3 (the Mosaic scores kernel on Hopper; FP8 rounding can swap near-tied picks)")
 
 
 def _make_llm(args, *, max_slots: int, max_model_len: int):
@@ -120,7 +128,9 @@ def _make_llm(args, *, max_slots: int, max_model_len: int):
     return LLM(args.model, max_slots=args.max_slots or max_slots, max_model_len=args.max_model_len or max_model_len,
                chunk_size=args.chunk_size, max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
                kv_cache_dtype=args.kv_dtype, seed=args.seed, dtype=args.dtype, width_buckets=args.buckets,
-               max_packed_width=args.max_packed_width, chat_template=not args.no_chat_template)  # fmt: skip
+               max_packed_width=args.max_packed_width, chat_template=not args.no_chat_template,
+               attention_impl=args.attention_impl, moe_impl=args.moe_impl,
+               indexer_impl=args.indexer_impl)  # fmt: skip
 
 
 def _max_position_embeddings(model: str) -> int:

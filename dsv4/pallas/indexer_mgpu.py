@@ -9,7 +9,8 @@ its bf16 one, docs/KERNEL_NOTES.md IX7):
 
 with w' = weights · softmax_scale · q_scale (`indexer._fold_scales`: every scale of a whole (token, head) row folds
 into the head weight, since ReLU commutes with a positive factor), n_vis = min((p + 1) // rate, C), and -0.0
-written as +0.0. The products accumulate in float32 in the tensor core; the head sum runs in float32 registers.
+written as +0.0. The products accumulate in the tensor core, whose e4m3 wgmma keeps fewer bits than float32 (about
+1e-3 of the largest score on full-range inputs, docs/KERNEL_NOTES.md IX10); the head sum runs in float32 registers.
 
 Design:
 - One CTA = `tokens` queries × `span` keys, grid (S / tokens, ceil(C / span), B). Keys stream through a ring of
@@ -24,8 +25,8 @@ Design:
   The two consumers' wgmmas and epilogues interleave on the SM.
 - The consumers release a slot (2 arrivals) after their last wgmma on it; the producer refills it.
 
-Restrictions: Hi = 64 (the wgmma N), Di a multiple of 32 up to 256 (e4m3 wgmma K steps of 32; the SMEM tile is
-128 bytes wide), both q and keys float8_e4m3fn, `tokens` even and dividing the padded query count.
+Restrictions: Hi = 64 (the wgmma N), Di = 128 or 256 (whole 128-byte swizzled SMEM rows; measured at 128, V4's
+index_head_dim), both q and keys float8_e4m3fn.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ class MgpuScoreConfig:
     span:      keys per CTA (a multiple of 64).
     num_slots: key tiles in flight (TMA ring depth).
 
-    Defaults: the fastest of five configurations on one H200 (2048 queries × 32K keys, docs/KERNEL_NOTES.md IX9):
-    16 tokens 630 TF/s; 8 tokens 525–558 (spans 1024–4096); 4 tokens 479.
+    Defaults: the fastest configuration on one H200 (2048 queries × 32K keys, docs/KERNEL_NOTES.md IX9, IX12):
+    16 tokens 572–630 TF/s in three calls; 8 tokens 515–558 (spans 1024–4096); 4 tokens 479.
     """
 
     tokens: int = 16
@@ -233,9 +234,8 @@ def index_scores_mgpu(
     c = keys.shape[1]
     if q.dtype != FP8 or keys.dtype != FP8:
         raise ValueError(f"index_scores_mgpu needs float8_e4m3fn q and keys, got {q.dtype} and {keys.dtype}")
-    if h != HEADS or d % 32 or not 32 <= d <= 256:
-        raise ValueError(f"q.shape={q.shape}: index_scores_mgpu needs Hi = {HEADS} and Di a multiple of 32 in "
-                         f"[32, 256]")  # fmt: skip
+    if h != HEADS or d not in (128, 256):
+        raise ValueError(f"q.shape={q.shape}: index_scores_mgpu needs Hi = {HEADS} and Di = 128 or 256")
     if config.smem_bytes(d) > _SMEM_LIMIT:
         raise ValueError(f"{config} needs {config.smem_bytes(d)} B of shared memory at Di={d}; limit {_SMEM_LIMIT}")
     weights, k_scale = _fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout)
@@ -246,7 +246,8 @@ def index_scores_mgpu(
     s_pad = -(-s // config.tokens) * config.tokens
     c_pad = -(-c // KEYS_PER_TILE) * KEYS_PER_TILE
     if s_pad // config.tokens > _GRID_DIM_MAX:
-        raise ValueError(f"{s} queries need {s_pad // config.tokens} CTAs along x; pass fewer queries per call")
+        raise ValueError(f"{s} queries need {s_pad // config.tokens} CTAs along the grid's first axis (at most "
+                         f"{_GRID_DIM_MAX}); pass fewer queries per call")  # fmt: skip
     if s_pad != s:
         q = jnp.pad(q, ((0, 0), (0, s_pad - s), (0, 0), (0, 0)))
         weights = jnp.pad(weights, ((0, 0), (0, s_pad - s), (0, 0)))
@@ -255,6 +256,8 @@ def index_scores_mgpu(
         keys = jnp.pad(keys, ((0, 0), (0, c_pad - c), (0, 0)))
         k_scale = jnp.pad(k_scale, ((0, 0), (0, c_pad - c)))
     out = _scores_call(q, keys, k_scale, weights, n_vis, config=config, interpret=interpret)
+    # NOTE: when C or S is not a whole number of tiles this slice copies the slab once more (not measured; the
+    # benchmarks' C are multiples of 64). Writing [B, S, C] directly needs TMA stores clipped at C.
     if s_pad != s or c_pad != c:
         out = out[:, :s, :c]
     return out
