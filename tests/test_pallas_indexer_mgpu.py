@@ -11,14 +11,12 @@ shape (so a recycled output buffer holds NaN where the kernel fails to write); t
 
 NOTE: the Mosaic GPU interpreter is not a CI test here. `python tests/test_pallas_indexer_mgpu.py` runs
 `_interpreter_case` (integer-valued e4m3 inputs with power-of-two scales, so scores must equal the reference bit for
-bit; 13 queries in CTAs of 4, 150 keys in spans of 128). It passed once (one CTA) and otherwise hung on the
-2-core CPU box with two warpgroup threads asleep in barrier waits and the third never scheduled, as the attention
-kernel's interpreter run did in KERNEL_NOTES SP5 (docs/KERNEL_NOTES.md IX10).
+bit; 13 queries in CTAs of 4, 150 keys in spans of 128). On the 2-core CPU box it hung, with two warpgroup threads
+asleep in barrier waits and the third inside an XLA call that never returned; a one-CTA case passed twice out of
+four (docs/KERNEL_NOTES.md IX11; the attention kernel's interpreter run hung the same way, SP5).
 """
 
 from __future__ import annotations
-
-import os
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +27,6 @@ from dsv4.pallas.indexer import index_scores_reference, index_topk_reference, in
 from dsv4.pallas.indexer_mgpu import MgpuScoreConfig, index_scores_mgpu
 
 FP8 = jnp.float8_e4m3fn
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 gpu = pytest.mark.gpu
 requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU (Mosaic GPU kernel)")
 
@@ -50,7 +47,7 @@ def integer_inputs(seed, *, batch=2, seq=13, entries=150, offsets=(0, 500), span
 
 
 def _interpreter_case() -> None:
-    """Run in a subprocess (see the module docstring): exact scores and exact top-k in the interpreter."""
+    """Run by hand (see the module docstring): exact scores and exact top-k in the Mosaic GPU interpreter."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     inputs = integer_inputs(0)
