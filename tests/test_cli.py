@@ -49,19 +49,24 @@ def test_generate_streams_the_reference_tokens(capsys):
     assert out.splitlines()[0] == " ".join(map(str, want)) and "TTFT" in out and "TPOT" in out
 
 
-def test_generate_with_the_pallas_kernels_and_the_fp8_indexer(capsys):
-    """The kernel flags reach the model: the Pallas attention, MoE and FP8 indexer (interpreted on CPU) generate the
-    default path's greedy tokens. 31 prompt tokens + 3 new: every query sees at most (33 + 1) // 4 = 8 CSA entries,
-    the fixture's index_topk, so the indexer keeps all of them and FP8 rounding cannot change the picks."""
-    ref = np.load(os.path.join(FIXTURES, "tiny_mixed", "reference.npz"))
-    ids = ",".join(map(str, ref["input_ids"][0, :31].tolist()))
-    run = ["generate", *ENGINE, "--token-ids", ids, "--max-new-tokens", "3", "--json"]
-    assert main(run) == 0
-    want = json.loads(capsys.readouterr().out)["token_ids"]
-    assert main([*run, "--attention-impl", "pallas", "--moe-impl", "pallas", "--indexer-impl", "pallas-fp8"]) == 0
-    assert json.loads(capsys.readouterr().out)["token_ids"] == want and len(want) == 3
+def test_kernel_flags_reach_the_model(monkeypatch, capsys):
+    """--attention-impl / --moe-impl / --indexer-impl are what the engine builds the model with."""
+    import dsv4.engine
+
+    seen = {}
+
+    def capture(model, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(dsv4.engine, "_resolve_model", capture)
+    flags = ["--attention-impl", "pallas", "--moe-impl", "pallas", "--indexer-impl", "pallas-stream"]
+    with pytest.raises(RuntimeError, match="stop here"):
+        main(["generate", *ENGINE, "--token-ids", "1,2,3", *flags])
+    assert (seen["attention_impl"], seen["moe_impl"], seen["indexer_impl"]) == ("pallas", "pallas", "pallas-stream")
     with pytest.raises(SystemExit):
-        main([*run, "--indexer-impl", "fp4"])
+        main(["generate", *ENGINE, "--token-ids", "1,2,3", "--indexer-impl", "fp4"])
+    capsys.readouterr()
 
 
 def test_generate_refuses_a_prompt_over_the_limit(capsys):

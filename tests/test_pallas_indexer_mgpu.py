@@ -4,7 +4,8 @@ CPU (not gpu-marked):
 - the kernel lowers for CUDA at V4 shapes (Hi = 64, Di = 128, 512 queries × 32K keys, per-row scales) inside an
   abstract H200 mesh (Pallas/Mosaic lowering, layouts and the SMEM budget; not miscompiles);
 - the model's FP8 indexer path (`dsv4.attention.index_topk_fp8`) on CPU, where its scores come from the Triton
-  kernel (whose FP8 path tests/test_pallas_indexer.py checks against the reference in the interpreter);
+  kernel (whose FP8 path tests/test_pallas_indexer.py checks against the reference in the interpreter), and its
+  plumbing through `Indexer.select` (indexer_impl="pallas-fp8" against "jnp");
 - input errors.
 GPU (`-m gpu`): Gaussian e4m3 inputs at full-range scales against the reference, after a NaN-input run of the same
 shape (so a recycled output buffer holds NaN where the kernel fails to write); the two-pass top-k with this kernel.
@@ -62,6 +63,35 @@ def _interpreter_case() -> None:
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(picks, np.asarray(index_topk_reference(**inputs, **kw, k=20)))
     print("interpreter case: OK")
+
+
+def test_model_indexer_with_pallas_fp8_keeps_what_jnp_keeps():
+    """The model's `Indexer.select` with impl "pallas-fp8" (the FP8 path inside `per_sequence_shard`) against "jnp",
+    on the tiny preset's indexer: positions 0..31 see at most 32 // 4 = 8 entries, its index_topk, so both keep
+    every visible entry (as sets, -1 padded) and FP8 rounding cannot change which."""
+    from flax import nnx
+
+    from dsv4.attention import Indexer
+    from dsv4.config import Config
+    from dsv4.layers import Rope
+
+    cfg = Config.preset("tiny")
+    indexer = Indexer(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    rope = Rope.build(cfg.rope_compress, cfg.qk_rope_head_dim)
+    rng = np.random.default_rng(2)
+    b, s = 2, 32
+    x = jnp.asarray(rng.standard_normal((b, s, cfg.hidden_size)), jnp.float32)
+    q_residual = jnp.asarray(rng.standard_normal((b, s, cfg.q_lora_rank)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((b, s // 4, cfg.index_head_dim)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    assert cfg.index_topk >= s // 4
+    picks = {}
+    for impl in ("jnp", "pallas-fp8"):
+        indexer.impl = impl
+        picks[impl] = np.asarray(indexer.select(x, q_residual, positions, keys, rope))
+    for row_jnp, row_fp8 in zip(picks["jnp"].reshape(b * s, -1), picks["pallas-fp8"].reshape(b * s, -1)):
+        assert set(row_jnp) == set(row_fp8)
+    assert (picks["jnp"] >= 0).any() and (picks["jnp"] == -1).any()
 
 
 def _abstract_gpu_mesh(kind="NVIDIA H200", cores=132):
