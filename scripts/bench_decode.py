@@ -335,9 +335,8 @@ def main():
     args = parse_args()
     bench = Bench(args)
     bench.log(f"jax {jax.__version__}, {jax.devices()[0].device_kind} ({bench.sm_count} SMs), {len(jax.devices())} "
-              f"device(s); calls per "
-              f"step {args.calls}; contexts {args.contexts}, batches {args.batches}, layers {args.layers}, dtypes "
-              f"{args.dtypes}, fp8 scales {bench.scales}")  # fmt: skip
+              f"device(s); calls per step {args.calls}; contexts {args.contexts}, batches {args.batches}, layers "
+              f"{args.layers}, dtypes {args.dtypes}, fp8 scales {bench.scales}")  # fmt: skip
     bench.copy_ceiling()
     variants = parse_variants(args.variants)
     for layer, ctx, batch in args.variant_items:  # the sweep first: it decides the defaults
