@@ -424,13 +424,12 @@ class Indexer(Compressor):
             from dsv4.sharding.context_parallel import per_sequence_shard
 
             interpret = jax.default_backend() != "gpu"
-            if impl == "pallas-fp8":
-                return per_sequence_shard(functools.partial(index_topk_fp8, **kw, interpret=interpret),
-                                          (q, weights, positions), (keys,), fill=(0, 0, -1))  # fmt: skip
 
             def local(q_, weights_, positions_, keys_):  # this shard's queries against all keys
                 return index_topk_two_pass(q_, keys_, weights_, positions_, **kw, interpret=interpret)
 
+            if impl == "pallas-fp8":
+                local = functools.partial(index_topk_fp8, **kw, interpret=interpret)
             return per_sequence_shard(local, (q, weights, positions), (keys,), fill=(0, 0, -1))
         if impl == "pallas-stream":
             from dsv4.pallas.indexer import index_topk

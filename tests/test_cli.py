@@ -64,6 +64,15 @@ def test_kernel_flags_reach_the_model(monkeypatch, capsys):
     with pytest.raises(RuntimeError, match="stop here"):
         main(["generate", *ENGINE, "--token-ids", "1,2,3", *flags])
     assert (seen["attention_impl"], seen["moe_impl"], seen["indexer_impl"]) == ("pallas", "pallas", "pallas-stream")
+    from dsv4.attention import INDEXER_IMPLS
+    from dsv4.moe import MOE_IMPLS
+
+    # the CLI's choices are written out (it imports no jax at start-up): every impl the model takes is accepted
+    for flag, names in (("--indexer-impl", INDEXER_IMPLS), ("--moe-impl", MOE_IMPLS)):
+        for name in names:
+            with pytest.raises(RuntimeError, match="stop here"):
+                main(["generate", *ENGINE, "--token-ids", "1,2,3", flag, name])
+            assert seen[flag[2:].replace("-", "_")] == name
     with pytest.raises(SystemExit):
         main(["generate", *ENGINE, "--token-ids", "1,2,3", "--indexer-impl", "fp4"])
     capsys.readouterr()
