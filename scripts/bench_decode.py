@@ -21,7 +21,12 @@ item's first call is checked against `paged_decode_attention_reference` (relativ
 (--check-max-bytes).
 
 Variants (`--variants`, applied to the items named by `--variant-items`): `name:kv=64,s=3,w=8,h=32,sp=4,spx=2`
-(block_kv, num_stages, num_warps, block_h, num_splits, and spx = a multiple of the default split count).
+(block_kv, num_stages, num_warps, block_h, num_splits, and spx = a multiple of the default split count), and
+`impl=mgpu`: `dsv4.pallas.decode_mgpu.paged_decode_attention_mgpu` (the Mosaic GPU kernel; window and HCA layers,
+bf16 pages; sp / spx set its split count, sl its num_slots, stream=1 / compute=1 its
+"stream_only" / "compute_only" debug forms (the load path / the consumers alone: fail the check); the Triton keys
+do not apply).
+`--impl mgpu` runs the main sweep on it too.
 """
 
 from __future__ import annotations
@@ -48,13 +53,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import dsv4.pallas.decode as dc  # noqa: E402
+import dsv4.pallas.decode_mgpu as dcm  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 GiB = 1 << 30
 VARIANT_KEYS = {"kv": "block_kv", "s": "num_stages", "w": "num_warps", "h": "block_h", "sp": "num_splits"}
 # kv64 at 4 stages would need 256 KiB of shared memory for bf16 keys (64 KiB a stage): over the H200's 227 KiB.
-GPU_VARIANTS = "default;s3:s=3;kv32-s3:kv=32,s=3;kv32-s4:kv=32,s=4;h32:h=32;w4-h32:h=32,w=4;spx2:spx=2"
+GPU_VARIANTS = "default;mgpu:impl=mgpu;mgpu-stream:impl=mgpu,stream=1;mgpu-compute:impl=mgpu,compute=1"
 SMOKE_VARIANTS = "default;kv16:kv=16;spx2:spx=2"
+IMPLS = ("triton", "mgpu")
+MGPU_KEYS = {"sl": "num_slots"}
 
 
 def parse_args():
@@ -70,6 +78,7 @@ def parse_args():
     p.add_argument("--variants", default=None, help=f"BlockSizes variants (GPU default {GPU_VARIANTS!r})")
     p.add_argument("--variant-items", default="hca:512k:32,sweep:512k:1,sweep:512k:32",
                    help="layer:context:batch items the variants run on (both dtypes)")
+    p.add_argument("--impl", choices=IMPLS, default="triton", help="kernel of the main sweep (variants name theirs)")
     p.add_argument("--per-call", action="store_true", help="also time the first item one call per dispatch")
     p.add_argument("--check-max-bytes", type=float, default=8e9, help="skip the reference check above this")
     p.add_argument("--reps", type=int, default=7)
@@ -99,6 +108,8 @@ class Variant:
     name: str = "default"
     block_sizes: dc.BlockSizes = dc.BlockSizes()
     split_factor: int = 1  # num_splits = this × the default split count (when block_sizes.num_splits is None)
+    impl: str = "triton"  # "mgpu": the Mosaic GPU kernel (dsv4/pallas/decode_mgpu.py)
+    mgpu: tuple = ()  # (field, value) pairs of its MgpuDecodeConfig
 
 
 def parse_variants(text: str) -> list[Variant]:
@@ -112,6 +123,14 @@ def parse_variants(text: str) -> list[Variant]:
             k = k.strip()
             if k == "spx":
                 extra["split_factor"] = int(v)
+            elif k in ("stream", "compute"):  # the Mosaic kernel's load path / consumers alone (its config.debug)
+                extra["mgpu"] = extra.get("mgpu", ()) + (("debug", (f"{k}_only",)),)
+            elif k in MGPU_KEYS:
+                extra["mgpu"] = extra.get("mgpu", ()) + ((MGPU_KEYS[k], int(v)),)
+            elif k == "impl":
+                if v not in IMPLS:
+                    raise ValueError(f"variant {name!r}: impl={v!r} must be one of {IMPLS}")
+                extra["impl"] = v
             else:
                 fields[VARIANT_KEYS[k]] = int(v)
         out.append(Variant(name.strip(), dc.BlockSizes(**fields), **extra))
@@ -197,38 +216,54 @@ class Bench:
         lens = (jnp.full((batch,), ctx, jnp.int32), jnp.full((batch,), count, jnp.int32))
         return dict(count=count, topk=topk), (q, ring, comp, picks, *lens)
 
-    def build(self, pool, block_sizes):
+    def build(self, pool, block_sizes, impl="triton", mgpu=()):
         """The jitted step: --calls decode calls, each on its own q and tables (a Python loop: one kernel launch
         per call in the compiled program, as the model's layers would be)."""
         sh, interpret = self.sh, self.interpret
-        static = dict(sliding_window=sh.window, scale=sh.head_dim**-0.5, block_sizes=block_sizes, interpret=interpret)
+        static = dict(sliding_window=sh.window, scale=sh.head_dim**-0.5)
+        if impl == "mgpu":
+            config = dcm.MgpuDecodeConfig(num_splits=block_sizes.num_splits, **dict(mgpu))
+
+            def one(q, kv_pages, ring, seq_lens, sinks, topk_indices, **kw):
+                assert topk_indices is None
+                return dcm.paged_decode_attention_mgpu(q, kv_pages, ring, seq_lens, sinks, config=config, **kw)
+        else:
+            def one(*args, **kw):
+                return dc.paged_decode_attention(*args, block_sizes=block_sizes, interpret=interpret, impl="triton",
+                                                 **kw)
         extra = {k: pool[k] for k in ("kv_scales", "compressed_scales") if k in pool}
 
         def step(kv_pages, compressed_pages, sinks, extra, q, ring, comp, picks, seq_lens, compressed_lens):
             outs = []
             for i in range(q.shape[0]):
-                outs.append(dc.paged_decode_attention(
-                    q[i], kv_pages, ring[i], seq_lens, sinks, compressed_pages=compressed_pages,
-                    compressed_block_tables=comp[i], compressed_lens=compressed_lens,
-                    topk_indices=None if picks is None else picks[i], **extra, **static))  # fmt: skip
+                outs.append(one(q[i], kv_pages, ring[i], seq_lens, sinks, compressed_pages=compressed_pages,
+                                compressed_block_tables=comp[i], compressed_lens=compressed_lens,
+                                topk_indices=None if picks is None else picks[i], **extra, **static))  # fmt: skip
             return jnp.stack(outs)
 
         fixed = (pool["kv_pages"], pool["compressed_pages"], pool["sinks"], extra)
         return step, fixed, static
 
-    def splits(self, layer, ctx, batch, bs: dc.BlockSizes) -> int:
-        """The split count the kernel's heuristic picks for this item (mirrors paged_decode_attention)."""
+    def splits(self, layer, ctx, batch, bs: dc.BlockSizes, impl="triton") -> int:
+        """The split count the kernel's heuristic picks for this item (mirrors paged_decode_attention and
+        paged_decode_attention_mgpu)."""
         count, topk, _ = decode_entries(layer, ctx, self.sh)
         items = topk or -(-count // self.sh.page_size) * self.sh.page_size  # the kernel's max_items
+        if impl == "mgpu":  # 64-row tiles; the window may start anywhere in its first tile
+            tiles = -(-(self.sh.window + dcm.TILE - 1) // dcm.TILE) + -(-items // dcm.TILE)
+            return dc.default_num_splits(batch * (self.sh.heads // dcm.HEADS_PER_CTA), tiles, self.sm_count)
         programs = batch * (self.sh.heads // min(bs.block_h, self.sh.heads))
         return dc.default_num_splits(programs, -(-self.sh.window // bs.block_kv) + -(-items // bs.block_kv),
                                      self.sm_count)  # fmt: skip
 
     def item(self, layer, ctx, batch, dtype_name, variant=Variant()):
-        name, bs = variant.name, variant.block_sizes
+        name, bs, impl = variant.name, variant.block_sizes, variant.impl
         if bs.num_splits is None and variant.split_factor != 1:
-            bs = dataclasses.replace(bs, num_splits=variant.split_factor * self.splits(layer, ctx, batch, bs))
+            bs = dataclasses.replace(bs, num_splits=variant.split_factor * self.splits(layer, ctx, batch, bs, impl))
         where = f"{layer} ctx={ctx} B={batch} {dtype_name} {name}"
+        if impl == "mgpu" and (layer == "csa" or dtype_name != "bf16" or self.interpret):
+            self.log(f"SKIP {where}: the Mosaic kernel takes window / HCA layers with bf16 pages, on a GPU")
+            return
         nbytes = decode_bytes(layer, ctx, batch, self.sh, dtype_name, self.scales)
         if self.left() < 5:
             self.log(f"SKIP {where}: budget spent")
@@ -236,7 +271,7 @@ class Bench:
         try:
             pool = self.pool(dtype_name)
             meta, arrays = self.step_inputs(pool, layer, ctx, batch, self.args.seed * 1000 + ctx % 9973 + batch)
-            step, fixed, static = self.build(pool, bs)
+            step, fixed, static = self.build(pool, bs, impl, variant.mgpu)
             t0 = time.perf_counter()
             compiled = jax.jit(step).lower(*fixed, *arrays).compile()
             compile_s = time.perf_counter() - t0
@@ -252,8 +287,8 @@ class Bench:
             return
         per_call = t["s"] / self.args.calls
         tbps = nbytes / per_call / 1e12
-        splits = bs.num_splits or self.splits(layer, ctx, batch, bs)
-        row = dict(layer=layer, ctx=ctx, batch=batch, dtype=dtype_name, variant=name, block_kv=bs.block_kv,
+        splits = bs.num_splits or self.splits(layer, ctx, batch, bs, impl)
+        row = dict(layer=layer, ctx=ctx, batch=batch, dtype=dtype_name, variant=name, impl=impl, block_kv=bs.block_kv,
                    num_stages=bs.num_stages, num_warps=bs.num_warps, block_h=bs.block_h, splits=splits,
                    us_per_call=per_call * 1e6, mbytes=nbytes / 1e6, tbps=tbps,
                    pct_copy=100 * tbps / self.copy_tbps if self.copy_tbps else None, spread=t["spread"],
@@ -297,7 +332,7 @@ class Bench:
                                              compressed_pages=pool["compressed_pages"], compressed_block_tables=comp,
                                              compressed_lens=clens, topk_indices=picks, **extra,
                                              sliding_window=sh.window, scale=sh.head_dim**-0.5,
-                                             interpret=self.interpret)  # fmt: skip
+                                             interpret=self.interpret, impl="triton")  # fmt: skip
 
         fn = jax.jit(one)
         sets = [(q[i], ring[i], comp[i], None if picks is None else picks[i]) for i in range(q.shape[0])]
@@ -339,6 +374,7 @@ def main():
               f"{args.layers}, dtypes {args.dtypes}, fp8 scales {bench.scales}")  # fmt: skip
     bench.copy_ceiling()
     variants = parse_variants(args.variants)
+    main_variant = Variant("default" if args.impl == "triton" else args.impl, impl=args.impl)
     for layer, ctx, batch in args.variant_items:  # the sweep first: it decides the defaults
         if layer in args.layers:
             for dtype_name in args.dtypes:
@@ -353,7 +389,7 @@ def main():
             for batch in args.batches:
                 for dtype_name in args.dtypes:
                     if (layer, ctx, batch) not in args.variant_items:
-                        bench.item(layer, ctx, batch, dtype_name)
+                        bench.item(layer, ctx, batch, dtype_name, main_variant)
     bench.table()
     bench.write()
 

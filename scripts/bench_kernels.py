@@ -50,7 +50,8 @@ indexer    ``dsv4.pallas.indexer.index_topk_two_pass`` (Pallas, the primary path
            and of its fp8 output vs index_topk_jnp on the dequantized float32 inputs (HIGHEST precision); near-tie
            swaps are allowed: the fraction of differing picks and the worst relative score deficit of a differing
            pick against the other list's 512th score are reported.
-decode     ``dsv4.pallas.decode.paged_decode_attention`` (flash-decoding over paged caches), H=64, D=512, window ring
+decode     ``dsv4.pallas.decode.paged_decode_attention`` (flash-decoding over paged caches; impl="auto": on Hopper the
+           Mosaic kernel for bf16 hca / sweep items, Triton otherwise), H=64, D=512, window ring
            128, 64 entries per page, at batch 1 and 32 (``--decode-batches``) and contexts 32K, 128K, 512K
            (``--decode-contexts``), bf16 and fp8 pages (``--decode-fp8-scales``: per token and 64-channel tile, or
            per channel). Layer types: hca (ring + all C = ctx/128 entries), csa (ring + 512 distinct random picks

@@ -10,7 +10,9 @@ the one KV head that is both K and V. Layout of this file (see dsv4/pallas/READM
 - `paged_decode_attention_kernel`    one program = one (request, head block, key split); writes a partial
                                      softmax state (max, sum, acc) for its share of the keys.
 - `paged_decode_attention`           the public jitted entry: checks shapes/dtypes, computes per-request bounds,
-                                     calls `pl.pallas_call`, and combines the splits exactly in jnp.
+                                     calls `pl.pallas_call`, and combines the splits exactly in jnp. On Hopper,
+                                     window and HCA layers with bf16 pages go to `dsv4.pallas.decode_mgpu` (the
+                                     Mosaic GPU kernel, same contract) unless impl="triton".
 - `paged_decode_attention_reference` the spec in plain jnp (gathers every key, materialized mask), for tests.
 
 Cache layout (the cache subsystem adapts to this; dsv4/cache/README.md sizes the page groups):
@@ -93,6 +95,12 @@ def default_num_splits(programs: int, max_blocks: int, sm_count: int | None = No
 
 def _is_power_of_2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
+
+
+def _is_hopper() -> bool:
+    from dsv4.pallas.indexer_mgpu import is_hopper
+
+    return is_hopper()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,7 +394,8 @@ def _combine_splits(acc, row_max, row_sum, sinks, dtype):
     return out.astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "ring_size", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "ring_size", "block_sizes", "interpret",
+                                             "impl"))  # fmt: skip
 def paged_decode_attention(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -406,6 +415,7 @@ def paged_decode_attention(
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool = False,
     out_init: float | jax.Array | None = None,
+    impl: str = "auto",
 ) -> jax.Array:
     """Decode attention for a ragged batch over paged caches (layout: module docstring). → [B, H, D] in q.dtype.
 
@@ -422,6 +432,10 @@ def paged_decode_attention(
     block_sizes:  tiles, split count and launch parameters; interpret: run in the Pallas interpreter (CPU).
     out_init:     testing hook; the kernel's partial buffers (acc, max, sum per split) start filled with this value
                   (aliased), so anything the kernel fails to write reaches the output (pass NaN to poison).
+    impl:         "triton" (this file's kernel), "mgpu" (`dsv4.pallas.decode_mgpu`, the Mosaic GPU kernel: Hopper,
+                  window / HCA layers, bf16 or f16 pages; ValueError otherwise) or "auto": mgpu where it runs (a
+                  Hopper GPU, not interpret, no out_init, inputs it takes; block_sizes.num_splits carries over),
+                  else triton.
 
     Grid (B, H // block_h, num_splits); the splits are combined in jnp (O(B · num_splits · H · D)).
     """
@@ -431,6 +445,23 @@ def paged_decode_attention(
         compressed_lens=compressed_lens, topk_indices=topk_indices, kv_scales=kv_scales,
         compressed_scales=compressed_scales,
     )  # fmt: skip
+    if impl not in ("auto", "triton", "mgpu"):
+        raise ValueError(f"impl={impl!r} must be 'auto', 'triton' or 'mgpu'")
+    if impl != "triton":
+        from dsv4.pallas import decode_mgpu as dm  # local: decode_mgpu imports this module
+
+        config = dm.MgpuDecodeConfig(num_splits=block_sizes.num_splits)
+        why = dm.unsupported_reason(q, kv_pages, sliding_window=sliding_window, ring_size=ring_size,
+                                    compressed_pages=compressed_pages, topk_indices=topk_indices, kv_scales=kv_scales,
+                                    compressed_scales=compressed_scales, config=config)  # fmt: skip
+        if impl == "mgpu" and why:
+            raise ValueError(f"paged_decode_attention(impl='mgpu'): {why}")
+        if impl == "mgpu" or (not why and not interpret and out_init is None and _is_hopper()):
+            return dm.paged_decode_attention_mgpu(q, kv_pages, block_tables, seq_lens, sinks,
+                                                  sliding_window=sliding_window, scale=scale, ring_size=ring_size,
+                                                  compressed_pages=compressed_pages,
+                                                  compressed_block_tables=compressed_block_tables,
+                                                  compressed_lens=compressed_lens, config=config)  # fmt: skip
     b, h, d = q.shape
     page_size = kv_pages.shape[1]
     if not _is_power_of_2(d) or d < _MIN_DOT_DIM:

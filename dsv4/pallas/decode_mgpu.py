@@ -1,0 +1,451 @@
+"""DeepSeek-V4 paged decode attention (window ring + HCA entries) as a Mosaic GPU (Hopper) Pallas kernel: wgmma,
+TMA, warp specialization. Same semantics, cache layout and split/combine contract as
+`dsv4.pallas.decode.paged_decode_attention` (read its module docstring first); this file only changes how one split
+is computed. CSA (top-k row gathers: Hopper's TMA cannot gather rows) and FP8 pages stay on the Triton kernel.
+
+Why a second kernel: a decode step is 64 heads × 512 channels against each 1 KiB KV row, 128 FLOP per byte of bf16
+KV. Reading at 70% of an H200's copy bandwidth therefore needs ≈ 380 TFLOP/s of tensor work with the loads hidden
+under it; the Triton kernel reaches ≈ 160 (docs/KERNEL_NOTES.md, DC5). This kernel is the prefill kernel's plan
+(`attention_mgpu.py`) with the query fixed and the keys streamed from pages.
+
+Design (docs/KERNEL_NOTES.md, "Paged decode attention", decode next step 1):
+- One CTA = one request × 64 heads × one split of its key tiles; grid (B · H / 64, num_splits).
+- A key tile is 64 rows of one page (page sizes must be multiples of 64), fetched by one TMA per half of D from
+  `pages[page, row0 : row0 + 64, half]`; the page id is read from the block table by the producer, per tile.
+- The tiles of a request, numbered window-first:
+    window visits k = 0 .. n_wt - 1: the window's slots form one run [s0, s0 + n_w) of "unwrapped" ring slots
+        (s0 = (L - n_w) mod R, n_w = min(L, W), R = ring_size); visit k covers unwrapped slots
+        [U, U + 64) with U = (s0 // 64 + k) · 64, i.e. ring tile (U mod R) / 64, and keeps the slots in
+        [s0, s0 + n_w). Counting by unwrapped slot keeps a ring tile that the window enters twice (wrap-around)
+        from being counted twice: each visit keeps a disjoint part of it.
+    compressed tiles k = 0 .. ceil(count / 64) - 1: entries [64k, 64k + 64), kept below count.
+  Split `sp` walks tiles [sp · per, min((sp + 1) · per, n)), per = ceil(n / num_splits), as the Triton kernel.
+- Warpgroups: 2 consumers split D (warpgroup w owns channels [w·D/2, (w+1)·D/2)); a third is the TMA producer.
+  S_w = Q_w·K_wᵀ, the partial logits exchanged through SMEM, the online softmax run by both (bit-identical), then
+  O_w += P·V_w with V_w the same SMEM half-tile as K_w (K = V). As `attention_mgpu.py`.
+- A tile with rows outside its kept range (the window's edges, the last compressed tile) has those rows zeroed in
+  SMEM by their consumer before the matmuls: cache rows nobody wrote may hold anything, NaN included, and a masked
+  logit alone does not stop 0 · NaN in P·V (decode.py's DC2).
+- The state starts empty (max -1e30 in the log2 domain, sum 0, acc 0), no sink; each CTA writes (acc [64, D] f32,
+  max [64], sum [64]) to its split's slot and `decode._combine_splits` adds the sink once. A split with no tiles
+  writes the empty state. After the loop the KV ring is dead, so the f32 accumulator is staged for its TMA store
+  in the ring's SMEM (a `RefUnion`), once both consumers are past their last P·V.
+
+SMEM at D = 512, 2 slots: Q 64 KiB + KV ring 128 KiB (= the f32 output staging) + exchange 32 KiB + stats 0.5 KiB.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dsv4.pallas.decode import _check_inputs, _combine_splits, default_num_splits
+
+__all__ = ["MgpuDecodeConfig", "mgpu_decode_supported", "paged_decode_attention_mgpu", "unsupported_reason"]
+
+F32 = jnp.float32
+LOG2E = math.log2(math.e)
+_M_FLOOR = -1e30  # the Triton kernel's empty-state max (decode.py / attention.py)
+HEADS_PER_CTA = 64  # M of every wgmma: one token × 64 heads
+TILE = 64  # key rows per step: a bf16 wgmma K (P·V) must be a multiple of 64
+_SMEM_LIMIT = 227 * 1024
+_PV_FORMS = ("run_state", "interpret")
+_DEBUG_FLAGS = ("stream_only", "compute_only")
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuDecodeConfig:
+    """Tunables of `paged_decode_attention_mgpu`.
+
+    num_slots:  key tiles in flight (SMEM ring depth), >= 1; 2 is what fits at D = 512.
+    num_splits: key-axis splits per (request, head block); None: `decode.default_num_splits` (one wave).
+    approx_math: Mosaic `approx_math` (fast exp2 / reciprocal).
+    pv_form:    "run_state" (P·V accumulated in place, the GPU form) or "interpret" (P through SMEM into a fresh
+                accumulator, then added: the only form the CPU Mosaic interpreter runs; not for the GPU).
+    debug:      measurement switches, a tuple of: "stream_only" (the consumers wait for each tile and release it,
+                no matmuls: the kernel's load path alone), "compute_only" (only the first `num_slots` tiles are
+                loaded; every later step computes on whatever its slot holds: the consumers alone). The output
+                of either is meaningless.
+    """
+
+    num_slots: int = 2
+    num_splits: int | None = None
+    approx_math: bool = True
+    pv_form: str = "run_state"
+    debug: tuple = ()
+
+    def __post_init__(self):
+        if self.num_slots < 1:
+            raise ValueError(f"MgpuDecodeConfig.num_slots={self.num_slots} must be >= 1")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"MgpuDecodeConfig.num_splits={self.num_splits} must be None or >= 1")
+        if self.pv_form not in _PV_FORMS:
+            raise ValueError(f"MgpuDecodeConfig.pv_form={self.pv_form!r} must be one of {_PV_FORMS}")
+        if not isinstance(self.debug, tuple) or any(f not in _DEBUG_FLAGS for f in self.debug):
+            raise ValueError(f"MgpuDecodeConfig.debug={self.debug!r} must be a tuple of flags from {_DEBUG_FLAGS}")
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        q = HEADS_PER_CTA * head_dim * itemsize
+        ring = max(self.num_slots * TILE * head_dim * itemsize, HEADS_PER_CTA * head_dim * 4)  # ∪ f32 staging
+        exchange = 2 * HEADS_PER_CTA * TILE * 4
+        p = 2 * HEADS_PER_CTA * TILE * itemsize if self.pv_form == "interpret" else 0
+        return q + ring + exchange + 2 * HEADS_PER_CTA * 4 + p
+
+
+def _unsupported(q, kv_pages, ring_size, compressed_pages, topk_indices, kv_scales, compressed_scales,
+                 config: MgpuDecodeConfig) -> str | None:  # fmt: skip
+    """Why this kernel cannot take these inputs (None: it can). Inputs already passed `decode._check_inputs`."""
+    b, h, d = q.shape
+    if jax.dtypes.canonicalize_dtype(q.dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"q.dtype={q.dtype} must be bfloat16 or float16 (wgmma operands)"
+    if kv_pages.dtype != q.dtype or kv_scales is not None or compressed_scales is not None:
+        return f"kv_pages.dtype={kv_pages.dtype} must equal q.dtype={q.dtype} (FP8 pages: use the Triton kernel)"
+    if compressed_pages is not None and compressed_pages.dtype != q.dtype:
+        return f"compressed_pages.dtype={compressed_pages.dtype} must equal q.dtype={q.dtype}"
+    if topk_indices is not None:
+        return "topk_indices (CSA) needs row gathers: use the Triton kernel"
+    if d % 128 or not 128 <= d <= 512:
+        return f"head dim D={d} must be 128, 256, 384 or 512 (two warpgroups × D/2 channels, D/2 <= 256)"
+    if h % HEADS_PER_CTA:
+        return f"num heads H={h} must be a multiple of {HEADS_PER_CTA} (one CTA = 64 heads of one request)"
+    if kv_pages.shape[1] % TILE:
+        return f"page_size={kv_pages.shape[1]} (kv_pages.shape={kv_pages.shape}) must be a multiple of {TILE}"
+    if ring_size % TILE:
+        return f"ring_size={ring_size} must be a multiple of {TILE}"
+    if compressed_pages is not None and compressed_pages.shape[1] % TILE:
+        return f"compressed page size {compressed_pages.shape[1]} (compressed_pages.shape={compressed_pages.shape}) " \
+               f"must be a multiple of {TILE}"  # fmt: skip
+    if config.smem_bytes(d) > _SMEM_LIMIT:
+        return f"{config} needs {config.smem_bytes(d)} B of shared memory at D={d}; limit {_SMEM_LIMIT}"
+    return None
+
+
+def unsupported_reason(q, kv_pages, *, sliding_window, ring_size=None, compressed_pages=None, topk_indices=None,
+                       kv_scales=None, compressed_scales=None, config=None) -> str | None:  # fmt: skip
+    """Why `paged_decode_attention_mgpu` cannot take these (static) shapes and dtypes; None when it can."""
+    ring_size = sliding_window if ring_size is None else ring_size
+    return _unsupported(q, kv_pages, ring_size, compressed_pages, topk_indices, kv_scales, compressed_scales,
+                        config or MgpuDecodeConfig())  # fmt: skip
+
+
+def mgpu_decode_supported(q, kv_pages, **kw) -> bool:
+    """True when `paged_decode_attention_mgpu` takes these shapes and dtypes (keywords as `unsupported_reason`)."""
+    return unsupported_reason(q, kv_pages, **kw) is None
+
+
+def _tiled(minor, itemsize):
+    return plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(minor * itemsize)
+
+
+def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_block_tables, *, scale, ring_size,
+                 num_splits, config: MgpuDecodeConfig, interpret):  # fmt: skip
+    """The raw kernel. meta [B, 4] int32 = (window visits n_wt, first unwrapped slot s0, window slots n_w, compressed
+    entries count). → (acc [B, splits, H, D] f32, max [B, splits, H] f32 (log2 domain), sum [B, splits, H] f32)."""
+    b, h, d = q.shape
+    hg = h // HEADS_PER_CTA
+    dh = d // 2
+    dtype = q.dtype
+    itemsize = jnp.dtype(dtype).itemsize
+    slots = config.num_slots
+    page_size = kv_pages.shape[1]
+    hca = compressed_pages is not None
+    cps = compressed_pages.shape[1] if hca else TILE
+    logit_scale = float(scale) * LOG2E
+    wgmma_layout = plgpu.Layout.WGMMA
+    interp_pv = config.pv_form == "interpret"
+    stream_only = "stream_only" in config.debug
+    compute_only = "compute_only" in config.debug
+
+    def body(q_ref, meta_ref, kv_ref, table_ref, comp_ref, ctable_ref, acc_out, max_out, sum_out, q_smem, union,
+             x_smem, stats_smem, p_smem, q_bar, kv_bar, consumed_bar, x_written, x_read, done_bar):  # fmt: skip
+        kv_smem, stage_smem = union
+        bh, sp, wg = lax.axis_index("bh"), lax.axis_index("sp"), lax.axis_index("wg")
+        bi = lax.div(bh, jnp.int32(hg))
+        h0 = lax.rem(bh, jnp.int32(hg)) * HEADS_PER_CTA
+        n_wt, s0, n_w, count = meta_ref[bi, 0], meta_ref[bi, 1], meta_ref[bi, 2], meta_ref[bi, 3]
+        n_tiles = n_wt + lax.div(count + (TILE - 1), jnp.int32(TILE))
+        per = lax.div(n_tiles + (num_splits - 1), jnp.int32(num_splits))
+        first = jnp.minimum(sp * per, n_tiles)
+        n_steps = jnp.minimum(first + per, n_tiles) - first
+        u0 = lax.div(s0, jnp.int32(TILE)) * TILE  # the first window visit's unwrapped slot
+
+        def tile_bounds(g):
+            """Tile g of the request → (is_window, first row id, kept [lo, hi)) in unwrapped slots / entry ids."""
+            is_win = g < n_wt
+            base = jnp.where(is_win, u0 + g * TILE, (g - n_wt) * TILE)
+            lo = jnp.where(is_win, s0, 0)
+            hi = jnp.where(is_win, s0 + n_w, count)
+            return is_win, base, lo, hi
+
+        def locate(step):
+            """→ (is_window, page id, first row) of step `step`'s tile, the page id read from a block table (a
+            global load: issue it early, use it late). Steps past the CTA's last are clamped to a real tile."""
+            g = jnp.clip(first + step, 0, jnp.maximum(n_tiles - 1, 0))
+            is_win, base, _, _ = tile_bounds(g)
+            ring_row = lax.rem(base, jnp.int32(ring_size))
+            page = table_ref[bi, lax.div(ring_row, jnp.int32(page_size))]
+            row0 = lax.rem(ring_row, jnp.int32(page_size))
+            if hca:
+                cpage = ctable_ref[bi, jnp.clip(lax.div(base, jnp.int32(cps)), 0, ctable_ref.shape[1] - 1)]
+                page = jnp.where(is_win, page, cpage)
+                row0 = jnp.where(is_win, row0, lax.rem(base, jnp.int32(cps)))
+            return is_win, page, row0
+
+        def on_tile(loc, half, op):
+            """op(GMEM view) of half `half` ([64 rows, D/2]) of the tile at loc = locate(step)."""
+            is_win, page, row0 = loc
+            cols = pl.ds(half * dh, dh)
+
+            @pl.when(is_win)
+            def _():
+                op(kv_ref.at[page, pl.ds(row0, TILE), cols])
+
+            if hca:
+                @pl.when(jnp.logical_not(is_win))
+                def _():
+                    op(comp_ref.at[page, pl.ds(row0, TILE), cols])
+
+        def issue(step, loc, half):
+            """TMA of step `step`'s tile half `half` (at loc) into its ring slot."""
+            slot = lax.rem(step, jnp.int32(slots))
+            on_tile(loc, half, lambda src: plgpu.copy_gmem_to_smem(src, kv_smem.at[slot * 2 + half],
+                                                                   kv_bar.at[slot * 2 + half]))  # fmt: skip
+
+        def consumer(w):
+            plgpu.set_max_registers(232, action="increase")
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(h0, HEADS_PER_CTA), pl.ds(w * dh, dh)], q_smem.at[w],
+                                    q_bar.at[w])  # fmt: skip
+            row_layout = wgmma_layout.reduce(1)
+            m_i = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_FLOOR, F32), row_layout)
+            l_i = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), F32), row_layout)
+            acc = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, dh), F32), wgmma_layout)
+            plgpu.barrier_wait(q_bar.at[w])
+
+            def step_fn(i, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(i, jnp.int32(slots))
+                kv_half = kv_smem.at[slot * 2 + w]
+                if compute_only:
+                    @pl.when(i < slots)
+                    def _():
+                        plgpu.barrier_wait(kv_bar.at[slot * 2 + w])
+                else:
+                    plgpu.barrier_wait(kv_bar.at[slot * 2 + w])
+                if stream_only:
+                    plgpu.barrier_arrive(consumed_bar.at[slot * 2 + w])
+                    return carry
+                _, base, lo, hi = tile_bounds(first + i)
+
+                @pl.when((base < lo) | (base + TILE > hi))
+                def _():  # rows outside [lo, hi) may hold anything (NaN): zero this warpgroup's half of them
+                    rows = plgpu.broadcasted_iota(jnp.int32, (TILE, dh), 0, layout=wgmma_layout) + base
+                    tile = plgpu.load(kv_half, layout=wgmma_layout)
+                    kv_half[...] = jnp.where((rows >= lo) & (rows < hi), tile, jnp.zeros_like(tile))
+                    plgpu.commit_smem()
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem.at[w], kv_half.transpose((1, 0)))
+                    return acc_ref[...]
+
+                s_part = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, TILE), F32))  # [64 heads, 64 keys]
+
+                @pl.when(i > 0)
+                def _():
+                    plgpu.barrier_wait(x_read)  # the other warpgroup has read our previous partial
+
+                x_smem[w] = s_part
+                plgpu.barrier_arrive(x_written)
+                plgpu.barrier_wait(x_written)
+                s_full = s_part + plgpu.load(x_smem.at[1 - w], layout=wgmma_layout)
+                plgpu.barrier_arrive(x_read)
+
+                col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, TILE), 1, layout=wgmma_layout) + base
+                logits = jnp.where((col >= lo) & (col < hi), s_full * logit_scale, -jnp.inf)
+                m_new = jnp.maximum(m_i, logits.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+                l_new = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dtype)
+                if interp_pv:
+                    p_smem[w] = p16
+                    plgpu.commit_smem()
+
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem.at[w], kv_half)
+                        return acc_ref[...]
+
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((HEADS_PER_CTA, dh), F32))
+                else:
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, kv_half)
+
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                if not compute_only:
+                    plgpu.barrier_arrive(consumed_bar.at[slot * 2 + w])
+                return acc, m_new, l_new
+
+            acc, m_i, l_i = lax.fori_loop(0, n_steps, step_fn, (acc, m_i, l_i))
+
+            if not stream_only:
+                @pl.when(n_steps > 0)
+                def _():
+                    plgpu.barrier_wait(x_read)  # observe the last exchange phase
+
+            # The ring becomes the output staging: wait until both consumers are past their last P·V.
+            plgpu.barrier_arrive(done_bar)
+            plgpu.barrier_wait(done_bar)
+            stage_smem[w] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(stage_smem.at[w],
+                                    acc_out.at[bi, sp, pl.ds(h0, HEADS_PER_CTA), pl.ds(w * dh, dh)])  # fmt: skip
+
+            @pl.when(w == 0)
+            def _():
+                stats_smem[0] = m_i
+                stats_smem[1] = l_i
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(stats_smem.at[0], max_out.at[bi, sp, pl.ds(h0, HEADS_PER_CTA)])
+                plgpu.copy_smem_to_gmem(stats_smem.at[1], sum_out.at[bi, sp, pl.ds(h0, HEADS_PER_CTA)])
+
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 0)
+        def _():
+            consumer(0)
+
+        @pl.when(wg == 1)
+        def _():
+            consumer(1)
+
+        @pl.when(wg == 2)
+        def _():
+            plgpu.set_max_registers(40, action="decrease")
+            # NOTE: each page id is read from its block table one iteration before it is used, so that the
+            # global load's latency overlaps a barrier wait instead of stalling the TMA issue.
+            def produce(i, loc):
+                slot = lax.rem(i, jnp.int32(slots))
+                loc_next = locate(i + 1)
+                for half in range(2):
+                    @pl.when(i >= slots)
+                    def _():
+                        plgpu.barrier_wait(consumed_bar.at[slot * 2 + half])
+
+                    issue(i, loc, half)
+                return loc_next
+
+            first_loc = locate(jnp.int32(0))
+            if compute_only:  # debug: the first tiles only, no releases to observe
+                lax.fori_loop(0, jnp.minimum(n_steps, slots), produce, first_loc)
+                return
+            lax.fori_loop(0, n_steps, produce, first_loc)
+
+            @pl.loop(jnp.maximum(n_steps - slots, 0), n_steps)  # observe the consumers' last releases
+            def _(i):
+                slot = lax.rem(i, jnp.int32(slots))
+                for half in range(2):
+                    plgpu.barrier_wait(consumed_bar.at[slot * 2 + half])
+
+    elems_128b = 128 // itemsize
+    scratch = [
+        plgpu.SMEM((2, HEADS_PER_CTA, dh), dtype, transforms=_tiled(elems_128b, itemsize)),  # Q halves
+        plgpu.RefUnion(  # KV ring [slot · 2 + half] ∪ f32 output staging [half] (disjoint lifetimes)
+            plgpu.SMEM((slots * 2, TILE, dh), dtype, transforms=_tiled(elems_128b, itemsize)),
+            plgpu.SMEM((2, HEADS_PER_CTA, dh), F32, transforms=_tiled(32, 4)),
+        ),
+        plgpu.SMEM((2, HEADS_PER_CTA, TILE), F32, transforms=_tiled(32, 4)),  # partial-logit exchange
+        plgpu.SMEM((2, HEADS_PER_CTA), F32),  # (max, sum) staging
+        plgpu.SMEM((2, HEADS_PER_CTA, TILE), dtype, transforms=_tiled(elems_128b, itemsize)) if interp_pv else None,
+        plgpu.Barrier(num_barriers=2),  # q halves
+        plgpu.Barrier(num_barriers=2 * slots),  # kv halves full
+        plgpu.Barrier(num_barriers=2 * slots),  # kv halves consumed
+        plgpu.Barrier(num_arrivals=2),  # exchange written
+        plgpu.Barrier(num_arrivals=2),  # exchange read
+        plgpu.Barrier(num_arrivals=2),  # both consumers done with the ring
+    ]
+    out_type = (jax.ShapeDtypeStruct((b, num_splits, h, d), F32), jax.ShapeDtypeStruct((b, num_splits, h), F32),
+                jax.ShapeDtypeStruct((b, num_splits, h), F32))  # fmt: skip
+    args = (q, meta, kv_pages, block_tables) + ((compressed_pages, compressed_block_tables) if hca else ())
+
+    def kernel_body(*refs):
+        q_ref, meta_ref, kv_ref, table_ref = refs[:4]
+        comp_ref, ctable_ref, rest = (refs[4], refs[5], refs[6:]) if hca else (None, None, refs[4:])
+        return body(q_ref, meta_ref, kv_ref, table_ref, comp_ref, ctable_ref, *rest)
+
+    return plgpu.kernel(
+        kernel_body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(b * hg, num_splits),
+        grid_names=("bh", "sp"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=config.approx_math, reduction_scratch_bytes=0,
+                                             lowering_semantics=plgpu.LoweringSemantics.Lane),  # fmt: skip
+        interpret=interpret,
+    )(*args)
+
+
+def decode_meta(seq_lens, *, sliding_window: int, ring_size: int, compressed_lens=None, capacity: int = 0):
+    """Per-request tile bounds → int32 [B, 4] = (window visits n_wt, first unwrapped ring slot s0, window slots n_w,
+    compressed entries count) (see the module docstring)."""
+    seq_lens = jnp.maximum(seq_lens.astype(jnp.int32), 0)
+    n_w = jnp.minimum(seq_lens, sliding_window)
+    s0 = lax.rem(seq_lens - n_w, jnp.int32(ring_size))
+    n_wt = jnp.where(n_w > 0, (lax.rem(s0, jnp.int32(TILE)) + n_w + TILE - 1) // TILE, 0)
+    count = jnp.zeros_like(seq_lens) if compressed_lens is None else jnp.clip(compressed_lens, 0, capacity)
+    return jnp.stack([n_wt, s0, n_w, count.astype(jnp.int32)], axis=1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "ring_size", "config", "interpret"))
+def paged_decode_attention_mgpu(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    sinks: jax.Array,
+    *,
+    sliding_window: int,
+    scale: float,
+    ring_size: int | None = None,
+    compressed_pages: jax.Array | None = None,
+    compressed_block_tables: jax.Array | None = None,
+    compressed_lens: jax.Array | None = None,
+    config: MgpuDecodeConfig = MgpuDecodeConfig(),
+    interpret=None,
+) -> jax.Array:
+    """`decode.paged_decode_attention` for window and HCA layers with bf16/f16 pages, on Hopper. → [B, H, D].
+
+    Arguments as `paged_decode_attention` (no topk_indices, no FP8 scales); page sizes and ring_size must be
+    multiples of 64, H a multiple of 64, D ∈ {128, 256, 384, 512}. config: MgpuDecodeConfig; interpret: an
+    InterpretGPUParams for the CPU Mosaic interpreter (with config.pv_form="interpret").
+    """
+    ring_size, _, _ = _check_inputs(
+        q, kv_pages, block_tables, seq_lens, sinks, sliding_window=sliding_window, ring_size=ring_size,
+        compressed_pages=compressed_pages, compressed_block_tables=compressed_block_tables,
+        compressed_lens=compressed_lens, topk_indices=None, kv_scales=None, compressed_scales=None,
+    )  # fmt: skip
+    why = _unsupported(q, kv_pages, ring_size, compressed_pages, None, None, None, config)
+    if why:
+        raise ValueError(f"paged_decode_attention_mgpu: {why}")
+    b, h, _ = q.shape
+    capacity = 0
+    if compressed_pages is not None:
+        capacity = compressed_block_tables.shape[1] * compressed_pages.shape[1]
+    meta = decode_meta(seq_lens, sliding_window=sliding_window, ring_size=ring_size, compressed_lens=compressed_lens,
+                       capacity=capacity)  # fmt: skip
+    num_splits = config.num_splits
+    if num_splits is None:
+        max_tiles = pl.cdiv(sliding_window + TILE - 1, TILE) + pl.cdiv(capacity, TILE)
+        num_splits = default_num_splits(b * (h // HEADS_PER_CTA), max_tiles)
+    acc, row_max, row_sum = _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_block_tables,
+                                         scale=scale, ring_size=ring_size, num_splits=num_splits, config=config,
+                                         interpret=interpret)  # fmt: skip
+    return _combine_splits(acc, row_max, row_sum, sinks, q.dtype)

@@ -1,0 +1,167 @@
+"""dsv4.pallas.decode_mgpu: the Mosaic GPU (Hopper) paged decode kernel against `paged_decode_attention_reference`.
+
+Caches come from tests/test_pallas_decode.py's `make_cache`: histories written token by token into rings, random
+page ids, NaN in every slot nobody wrote (unused pages, ring slots, the null page, compressed entries past the
+count). The kernel reads whole 64-row tiles, so it does load unwritten rows at a window's edges and in a request's
+last compressed tile; any of them reaching P·V turns the output NaN.
+
+CPU (not gpu-marked):
+- the tile bounds (`decode_meta`) against values worked out by hand, wrap-around included;
+- lowering for an abstract H200 at V4 shapes (window only and HCA);
+- the Mosaic GPU interpreter ("interpret" P·V form) on ragged batches: lengths 0, 1, page ± 1, past the window,
+  ring wrap-around with a ring larger than the window, more splits than tiles (empty splits);
+- unsupported inputs are refused with the reason.
+GPU-marked: V4 shapes (H = 64, D = 512, window 128, pages of 64) against the reference, after a NaN-filled run of
+the same shapes (so output buffers the kernel fails to write are likely to hold NaN).
+
+Tolerance: bfloat16 at 3e-2 absolute, as tests/test_pallas_decode.py (P is rounded to bf16 for P·V against
+different maxima, and the output is bf16).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_pallas_decode import make_cache
+
+from dsv4.pallas.decode import paged_decode_attention, paged_decode_attention_reference
+from dsv4.pallas.decode_mgpu import MgpuDecodeConfig, decode_meta, mgpu_decode_supported, paged_decode_attention_mgpu
+
+gpu = pytest.mark.gpu
+requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU (Mosaic GPU kernel)")
+TOL = 3e-2
+
+
+def _abstract_gpu_mesh(kind="NVIDIA H200", cores=132):
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    return jax.sharding.use_abstract_mesh(
+        AbstractMesh((), (), abstract_device=AbstractDevice(device_kind=kind, platform="gpu", num_cores=cores))
+    )
+
+
+def test_decode_meta_by_hand():
+    """(window visits, first unwrapped slot, window slots, entries) for W = 128, ring R = 192, 64-row tiles."""
+    lens = jnp.asarray([0, 1, 64, 65, 128, 500, 700], jnp.int32)
+    got = np.asarray(decode_meta(lens, sliding_window=128, ring_size=192,
+                                 compressed_lens=jnp.asarray([0, 0, 0, 1, 1, 125, 900]), capacity=640))  # fmt: skip
+    want = [
+        [0, 0, 0, 0],  # empty slot
+        [1, 0, 1, 0],  # token 0 in slot 0
+        [1, 0, 64, 0],  # slots 0..63: one whole tile
+        [2, 0, 65, 1],  # slots 0..64
+        [2, 0, 128, 1],  # slots 0..127
+        [3, 180, 128, 125],  # tokens 372..499 → slots 180..307 (unwrapped): tiles at 128, 192 (= ring 0), 256 (= 64)
+        [3, 188, 128, 640],  # tokens 572..699 → slots 188..315: tiles 128, 192 (= ring 0), 256 (= 64); count capped
+    ]
+    np.testing.assert_array_equal(got, np.asarray(want, np.int32))
+
+
+@pytest.mark.parametrize("hca", [False, True])
+def test_lowers_for_h200(hca):
+    b, h, d, ps = 8, 64, 512, 64
+    sds = jax.ShapeDtypeStruct
+    args = [sds((b, h, d), jnp.bfloat16), sds((400, ps, d), jnp.bfloat16), sds((b, 2), jnp.int32),
+            sds((b,), jnp.int32), sds((h,), jnp.float32)]  # fmt: skip
+    if hca:
+        args += [sds((900, ps, d), jnp.bfloat16), sds((b, 100), jnp.int32), sds((b,), jnp.int32)]
+
+    def f(q, kv, tables, lens, sinks, *compressed):
+        kw = dict(zip(("compressed_pages", "compressed_block_tables", "compressed_lens"), compressed))
+        return paged_decode_attention_mgpu(q, kv, tables, lens, sinks, sliding_window=128, scale=0.04, **kw)
+
+    with _abstract_gpu_mesh():
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def _run_interpreted(seq_lens, *, ring_size=None, num_splits=2, rate=4):
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    inputs, _ = make_cache(0, seq_lens, heads=64, head_dim=128, window=128, page_size=64, ring_size=ring_size,
+                           rate=rate, compressed_page_size=64, dtype=jnp.bfloat16)  # fmt: skip
+    kw = dict(sliding_window=128, scale=128**-0.5, ring_size=ring_size)
+    config = MgpuDecodeConfig(pv_form="interpret", num_splits=num_splits)
+    got = np.asarray(paged_decode_attention_mgpu(**inputs, **kw, config=config, interpret=InterpretGPUParams()),
+                     np.float32)  # fmt: skip
+    want = np.asarray(paged_decode_attention_reference(**inputs, **kw), np.float32)
+    assert not np.isnan(want).any()
+    assert not np.isnan(got).any(), "the kernel let an unwritten (NaN) cache row into the output"
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("seq_lens, ring_size, num_splits", [
+    ([0, 1, 65, 300], None, 5),  # empty slot, one token, page + 1, HCA; 5 splits > tiles: some splits are empty
+    ([127, 700, 1000], 192, 3),  # ring 192 > window: the window wraps inside a visit and across the ring's end
+])  # fmt: skip
+def test_interpreter_matches_reference(seq_lens, ring_size, num_splits):
+    _run_interpreted(seq_lens, ring_size=ring_size, num_splits=num_splits)
+
+
+def _small(heads=64, head_dim=128, page_size=64, dtype=jnp.bfloat16):
+    q = jnp.zeros((1, heads, head_dim), jnp.bfloat16)
+    return q, jnp.zeros((4, page_size, head_dim), dtype)
+
+
+@pytest.mark.parametrize("change, kw", [
+    ({}, dict(topk_indices=jnp.zeros((1, 8), jnp.int32))),  # CSA
+    (dict(dtype=jnp.float8_e4m3fn), dict(kv_scales=jnp.ones(128, jnp.float32))),  # FP8 pages
+    (dict(page_size=32), {}),
+    ({}, dict(ring_size=160)),
+])  # fmt: skip
+def test_supported_says_no(change, kw):
+    q, pages = _small(**change)
+    assert mgpu_decode_supported(*_small(), sliding_window=128)
+    assert not mgpu_decode_supported(q, pages, sliding_window=128, compressed_pages=_small()[1], **kw)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(page_size=32), "page_size=32"),
+    (dict(heads=32), "num heads H=32 must be a multiple of 64"),
+    (dict(head_dim=64), "head dim D=64"),
+])  # fmt: skip
+def test_refuses_what_it_cannot_run(change, match):
+    q, pages = _small(**change)
+    tables = jnp.ones((1, -(-128 // pages.shape[1])), jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        paged_decode_attention_mgpu(q, pages, tables, jnp.ones(1, jnp.int32), jnp.zeros(q.shape[1], jnp.float32),
+                                    sliding_window=128, scale=0.1)  # fmt: skip
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("hca, config", [(False, MgpuDecodeConfig()), (True, MgpuDecodeConfig()),
+                                         (True, MgpuDecodeConfig(num_splits=1))])  # fmt: skip
+def test_gpu_matches_reference_at_v4_shapes(hca, config):
+    seq_lens = [1, 63, 64, 65, 128, 129, 1000, 20_000, 0, 77_777]
+    inputs, _ = make_cache(1, seq_lens, heads=64, head_dim=512, window=128, page_size=64,
+                           rate=4 if hca else None, compressed_page_size=64, dtype=jnp.bfloat16)  # fmt: skip
+    kw = dict(sliding_window=128, scale=512**-0.5)
+    # A NaN-filled run of the same shapes first: its freed buffers are likely to be the kernel's outputs next.
+    poison = {k: (jnp.full_like(v, jnp.nan) if k == "q" else v) for k, v in inputs.items()}
+    jax.block_until_ready(paged_decode_attention_mgpu(**poison, **kw, config=config))
+    got = np.asarray(paged_decode_attention_mgpu(**inputs, **kw, config=config), np.float32)
+    want = np.asarray(paged_decode_attention_reference(**inputs, **kw), np.float32)
+    assert not np.isnan(want).any()
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+    if config == MgpuDecodeConfig():  # the public entry takes this kernel on Hopper by default
+        np.testing.assert_array_equal(np.asarray(paged_decode_attention(**inputs, **kw), np.float32), got)
+
+
+def test_public_entry_dispatch():
+    """`paged_decode_attention(impl=...)`: "mgpu" refuses what the Mosaic kernel cannot run, naming it; "auto" on
+    CPU (interpret) is the Triton kernel, bit for bit."""
+    inputs, _ = make_cache(2, [5, 70], heads=64, head_dim=128, window=128, page_size=64, rate=4,
+                           compressed_page_size=64, dtype=jnp.bfloat16)  # fmt: skip
+    kw = dict(sliding_window=128, scale=0.1)
+    with pytest.raises(ValueError, match="topk_indices"):
+        paged_decode_attention(**inputs, **kw, topk_indices=jnp.zeros((2, 8), jnp.int32), impl="mgpu")
+    with pytest.raises(ValueError, match="impl="):
+        paged_decode_attention(**inputs, **kw, impl="cuda")
+    if jax.default_backend() != "gpu":
+        auto = paged_decode_attention(**inputs, **kw, interpret=True)
+        triton = paged_decode_attention(**inputs, **kw, interpret=True, impl="triton")
+        np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(triton, np.float32))
