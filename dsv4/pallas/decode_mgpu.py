@@ -57,7 +57,7 @@ HEADS_PER_CTA = 64  # M of every wgmma: one token × 64 heads
 TILE = 64  # key rows per step: a bf16 wgmma K (P·V) must be a multiple of 64
 _SMEM_LIMIT = 227 * 1024
 _PV_FORMS = ("run_state", "interpret")
-_DEBUG_FLAGS = ("stream_only", "compute_only")
+_DEBUG_FLAGS = ("stream_only", "compute_only", "skip_exchange", "skip_softmax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +71,9 @@ class MgpuDecodeConfig:
                 accumulator, then added: the only form the CPU Mosaic interpreter runs; not for the GPU).
     debug:      measurement switches, a tuple of: "stream_only" (the consumers wait for each tile and release it,
                 no matmuls: the kernel's load path alone), "compute_only" (only the first `num_slots` tiles are
-                loaded; every later step computes on whatever its slot holds: the consumers alone). The output
-                of either is meaningless.
+                loaded; every later step computes on whatever its slot holds: the consumers alone),
+                "skip_exchange" (no partial-logit exchange: each warpgroup uses twice its own partial), "skip_softmax"
+                (P = the logits, no max / exp2 / sums / rescale). With any of them the output is meaningless.
     """
 
     num_slots: int = 2
@@ -162,6 +163,8 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
     interp_pv = config.pv_form == "interpret"
     stream_only = "stream_only" in config.debug
     compute_only = "compute_only" in config.debug
+    skip_exchange = "skip_exchange" in config.debug
+    skip_softmax = "skip_softmax" in config.debug
 
     def body(q_ref, meta_ref, kv_ref, table_ref, comp_ref, ctable_ref, acc_out, max_out, sum_out, q_smem, union,
              x_smem, stats_smem, p_smem, q_bar, kv_bar, consumed_bar, x_written, x_read, done_bar):  # fmt: skip
@@ -256,23 +259,29 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
 
                 s_part = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, TILE), F32))  # [64 heads, 64 keys]
 
-                @pl.when(i > 0)
-                def _():
-                    plgpu.barrier_wait(x_read)  # the other warpgroup has read our previous partial
+                if skip_exchange:  # debug
+                    s_full = s_part + s_part
+                else:
+                    @pl.when(i > 0)
+                    def _():
+                        plgpu.barrier_wait(x_read)  # the other warpgroup has read our previous partial
 
-                x_smem[w] = s_part
-                plgpu.barrier_arrive(x_written)
-                plgpu.barrier_wait(x_written)
-                s_full = s_part + plgpu.load(x_smem.at[1 - w], layout=wgmma_layout)
-                plgpu.barrier_arrive(x_read)
+                    x_smem[w] = s_part
+                    plgpu.barrier_arrive(x_written)
+                    plgpu.barrier_wait(x_written)
+                    s_full = s_part + plgpu.load(x_smem.at[1 - w], layout=wgmma_layout)
+                    plgpu.barrier_arrive(x_read)
 
-                col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, TILE), 1, layout=wgmma_layout) + base
-                logits = jnp.where((col >= lo) & (col < hi), s_full * logit_scale, -jnp.inf)
-                m_new = jnp.maximum(m_i, logits.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-                l_new = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if skip_softmax:  # debug
+                    p, m_new, l_new = s_full, m_i, l_i
+                else:
+                    col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, TILE), 1, layout=wgmma_layout) + base
+                    logits = jnp.where((col >= lo) & (col < hi), s_full * logit_scale, -jnp.inf)
+                    m_new = jnp.maximum(m_i, logits.max(axis=1))
+                    alpha = jnp.exp2(m_i - m_new)
+                    p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+                    l_new = l_i * alpha + p.sum(axis=1)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(dtype)
                 if interp_pv:
                     p_smem[w] = p16
@@ -294,7 +303,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
 
             acc, m_i, l_i = lax.fori_loop(0, n_steps, step_fn, (acc, m_i, l_i))
 
-            if not stream_only:
+            if not (stream_only or skip_exchange):
                 @pl.when(n_steps > 0)
                 def _():
                     plgpu.barrier_wait(x_read)  # observe the last exchange phase
