@@ -23,8 +23,8 @@ item's first call is checked against `paged_decode_attention_reference` (relativ
 Variants (`--variants`, applied to the items named by `--variant-items`): `name:kv=64,s=3,w=8,h=32,sp=4,spx=2`
 (block_kv, num_stages, num_warps, block_h, num_splits, and spx = a multiple of the default split count), and
 `impl=mgpu`: `dsv4.pallas.decode_mgpu.paged_decode_attention_mgpu` (the Mosaic GPU kernel; window and HCA layers,
-bf16 pages; sp / spx set its split count, sl its num_slots, sched=split_d|seesaw its schedule; stream=1,
-compute=1, noxchg=1, nosm=1 set its debug flags stream_only, compute_only, skip_exchange, skip_softmax (measurement
+bf16 pages; sp / spx set its split count, sl its num_slots; stream=1, compute=1,
+noxchg=1, nosm=1 set its debug flags stream_only, compute_only, skip_exchange, skip_softmax (measurement
 forms: they fail the check); the Triton keys do not apply).
 `--impl mgpu` runs the main sweep on it too.
 """
@@ -127,8 +127,6 @@ def parse_variants(text: str) -> list[Variant]:
             elif k in DEBUG_KEYS:  # the Mosaic kernel's measurement switches (MgpuDecodeConfig.debug)
                 flags = dict(extra.get("mgpu", ())).get("debug", ()) + (DEBUG_KEYS[k],)
                 extra["mgpu"] = tuple(kv for kv in extra.get("mgpu", ()) if kv[0] != "debug") + (("debug", flags),)
-            elif k == "sched":  # MgpuDecodeConfig.schedule: split_d / seesaw
-                extra["mgpu"] = extra.get("mgpu", ()) + (("schedule", v),)
             elif k in MGPU_KEYS:
                 extra["mgpu"] = extra.get("mgpu", ()) + ((MGPU_KEYS[k], int(v)),)
             elif k == "impl":

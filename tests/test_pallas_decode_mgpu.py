@@ -60,8 +60,7 @@ def test_decode_meta_by_hand():
 
 
 @pytest.mark.parametrize("hca", [False, True])
-@pytest.mark.parametrize("schedule", ["split_d", "seesaw"])
-def test_lowers_for_h200(hca, schedule):
+def test_lowers_for_h200(hca):
     b, h, d, ps = 8, 64, 512, 64
     sds = jax.ShapeDtypeStruct
     args = [sds((b, h, d), jnp.bfloat16), sds((400, ps, d), jnp.bfloat16), sds((b, 2), jnp.int32),
@@ -71,21 +70,20 @@ def test_lowers_for_h200(hca, schedule):
 
     def f(q, kv, tables, lens, sinks, *compressed):
         kw = dict(zip(("compressed_pages", "compressed_block_tables", "compressed_lens"), compressed))
-        return paged_decode_attention_mgpu(q, kv, tables, lens, sinks, sliding_window=128, scale=0.04,
-                                           config=MgpuDecodeConfig(schedule=schedule), **kw)
+        return paged_decode_attention_mgpu(q, kv, tables, lens, sinks, sliding_window=128, scale=0.04, **kw)
 
     with _abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
-def _run_interpreted(seq_lens, *, ring_size=None, num_splits=2, rate=4, schedule="split_d"):
+def _run_interpreted(seq_lens, *, ring_size=None, num_splits=2, rate=4):
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     inputs, _ = make_cache(0, seq_lens, heads=64, head_dim=128, window=128, page_size=64, ring_size=ring_size,
                            rate=rate, compressed_page_size=64, dtype=jnp.bfloat16)  # fmt: skip
     kw = dict(sliding_window=128, scale=128**-0.5, ring_size=ring_size)
-    config = MgpuDecodeConfig(pv_form="interpret", num_splits=num_splits, schedule=schedule)
+    config = MgpuDecodeConfig(pv_form="interpret", num_splits=num_splits)
     got = np.asarray(paged_decode_attention_mgpu(**inputs, **kw, config=config, interpret=InterpretGPUParams()),
                      np.float32)  # fmt: skip
     want = np.asarray(paged_decode_attention_reference(**inputs, **kw), np.float32)
@@ -94,14 +92,13 @@ def _run_interpreted(seq_lens, *, ring_size=None, num_splits=2, rate=4, schedule
     np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("schedule", ["split_d", "seesaw"])
 @pytest.mark.parametrize("seq_lens, ring_size, num_splits", [
     ([0, 1, 65, 300], None, 5),  # empty slot, one token, page + 1, HCA; 5 splits > tiles: some splits are empty
     ([127, 700, 1000], 192, 1),  # ring 192 > window: the window wraps inside a visit and across the ring's end;
-    #                              one split: up to 8 tiles per CTA (4 seesaw pairs, odd tails)
+    #                              one split: up to 8 tiles per CTA through the two-slot ring
 ])  # fmt: skip
-def test_interpreter_matches_reference(seq_lens, ring_size, num_splits, schedule):
-    _run_interpreted(seq_lens, ring_size=ring_size, num_splits=num_splits, schedule=schedule)
+def test_interpreter_matches_reference(seq_lens, ring_size, num_splits):
+    _run_interpreted(seq_lens, ring_size=ring_size, num_splits=num_splits)
 
 
 def _small(heads=64, head_dim=128, page_size=64, dtype=jnp.bfloat16):
@@ -138,8 +135,6 @@ def test_refuses_what_it_cannot_run(change, match):
 @requires_gpu
 @pytest.mark.parametrize("hca, config", [
     (False, MgpuDecodeConfig()), (True, MgpuDecodeConfig()), (True, MgpuDecodeConfig(num_splits=1)),
-    (False, MgpuDecodeConfig(schedule="seesaw")), (True, MgpuDecodeConfig(schedule="seesaw")),
-    (True, MgpuDecodeConfig(schedule="seesaw", num_splits=1)),
 ])  # fmt: skip
 def test_gpu_matches_reference_at_v4_shapes(hca, config):
     seq_lens = [1, 63, 64, 65, 128, 129, 1000, 20_000, 0, 77_777]

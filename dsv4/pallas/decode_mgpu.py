@@ -58,7 +58,6 @@ HEADS_PER_CTA = 64  # M of every wgmma: one token × 64 heads
 TILE = 64  # key rows per step: a bf16 wgmma K (P·V) must be a multiple of 64
 _SMEM_LIMIT = 227 * 1024
 _PV_FORMS = ("run_state", "interpret")
-_SCHEDULES = ("split_d", "seesaw")
 _DEBUG_FLAGS = ("stream_only", "compute_only", "skip_exchange", "skip_softmax")
 
 
@@ -68,11 +67,6 @@ class MgpuDecodeConfig:
 
     num_slots:  key tiles in flight (SMEM ring depth), >= 1; 2 is what fits at D = 512.
     num_splits: key-axis splits per (request, head block); None: `decode.default_num_splits` (one wave).
-    schedule:   "split_d" (a producer warpgroup + two consumers that split D and exchange partial logits, the
-                prefill kernel's scheme) or "seesaw" (two warpgroups take alternate tiles whole: each computes its
-                tile's logits and softmax and hands P (bf16) to the other through SMEM; each owns half of O's
-                columns; no producer: each loads its own tiles; see `_seesaw_call`). seesaw ignores num_slots
-                (two tiles, one per warpgroup) and debug.
     approx_math: Mosaic `approx_math` (fast exp2 / reciprocal).
     pv_form:    "run_state" (P·V accumulated in place, the GPU form) or "interpret" (P through SMEM into a fresh
                 accumulator, then added: the only form the CPU Mosaic interpreter runs; not for the GPU).
@@ -85,7 +79,6 @@ class MgpuDecodeConfig:
 
     num_slots: int = 2
     num_splits: int | None = None
-    schedule: str = "split_d"
     approx_math: bool = True
     pv_form: str = "run_state"
     debug: tuple = ()
@@ -93,8 +86,6 @@ class MgpuDecodeConfig:
     def __post_init__(self):
         if self.num_slots < 1:
             raise ValueError(f"MgpuDecodeConfig.num_slots={self.num_slots} must be >= 1")
-        if self.schedule not in _SCHEDULES:
-            raise ValueError(f"MgpuDecodeConfig.schedule={self.schedule!r} must be one of {_SCHEDULES}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"MgpuDecodeConfig.num_splits={self.num_splits} must be None or >= 1")
         if self.pv_form not in _PV_FORMS:
@@ -103,10 +94,6 @@ class MgpuDecodeConfig:
             raise ValueError(f"MgpuDecodeConfig.debug={self.debug!r} must be a tuple of flags from {_DEBUG_FLAGS}")
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        if self.schedule == "seesaw":  # Q, two tiles (∪ f32 staging), two P tiles, [64] vectors
-            tiles = max(2 * TILE * head_dim * itemsize, HEADS_PER_CTA * head_dim * 4)
-            return HEADS_PER_CTA * head_dim * itemsize + tiles + 2 * HEADS_PER_CTA * TILE * itemsize \
-                + 7 * HEADS_PER_CTA * 4  # fmt: skip
         q = HEADS_PER_CTA * head_dim * itemsize
         ring = max(self.num_slots * TILE * head_dim * itemsize, HEADS_PER_CTA * head_dim * 4)  # ∪ f32 staging
         exchange = 2 * HEADS_PER_CTA * TILE * 4
@@ -431,248 +418,6 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
     )(*args)
 
 
-def _seesaw_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_block_tables, *, scale, ring_size,
-                 num_splits, config: MgpuDecodeConfig, interpret):  # fmt: skip
-    """The "seesaw" schedule (the order FlashMLA's SM90 decode kernel uses; KERNEL_NOTES decode next step 1). Same
-    inputs and outputs as `_decode_call`.
-
-    Two warpgroups, no producer. The CTA's tiles pair up: tile 2t (slot 0) belongs to warpgroup 0, tile 2t + 1
-    (slot 1) to warpgroup 1; the owner loads its tile (both D halves), computes its logits over all of D and its
-    softmax, and hands the result to the other one. Warpgroup 0 owns O's left D half, warpgroup 1 the right one;
-    each O half is always relative to the latest running max it has absorbed. Per pair t (tiles a, b):
-
-      wg0: S_a = Q·K_aᵀ; m_a = max(m, rowmax S_a); α_a = 2^(m - m_a); P_a = 2^(S_a - m_a)
-           publish (m_a, α_a, P_a) → event A;  O_L = α_a·O_L + P_a·V_aL
-           [b] wait event B; refill slot 0 with tile a + 2; O_L = α_b·O_L + P_b·V_bL; → event C
-      wg1: [b] S_b = Q·K_bᵀ (before waiting: overlaps wg0's softmax)
-           wait event A; O_R = α_a·O_R + P_a·V_aR
-           [b] m_b = max(m_a, rowmax S_b), α_b, P_b; publish → event B; O_R = α_b·O_R + P_b·V_bR;
-               wait event C; refill slot 1 with tile b + 2
-
-    Event B also says wg1 is done with slot 0 (its P_a·V_aR came first) and with what wg0 published for pair t;
-    event C says wg0 is done with slot 1 and with what wg1 published. Row sums are kept per warpgroup for its own
-    tiles, rescaled the same way, and added at the end. A missing tile b (odd tail) skips the [b] parts
-    (`lax.cond`, which keeps register values).
-    """
-    b, h, d = q.shape
-    hg = h // HEADS_PER_CTA
-    dh = d // 2
-    dtype = q.dtype
-    itemsize = jnp.dtype(dtype).itemsize
-    page_size = kv_pages.shape[1]
-    hca = compressed_pages is not None
-    cps = compressed_pages.shape[1] if hca else TILE
-    logit_scale = float(scale) * LOG2E
-    wgmma_layout = plgpu.Layout.WGMMA
-    row_layout = wgmma_layout.reduce(1)
-    interp_pv = config.pv_form == "interpret"
-
-    def body(q_ref, meta_ref, kv_ref, table_ref, comp_ref, ctable_ref, acc_out, max_out, sum_out, q_smem, union,
-             p_smem, vec_smem, q_bar, kv_bar, a_bar, b_bar, c_bar, done_bar):  # fmt: skip
-        kv_smem, stage_smem = union  # kv_smem[slot · 2 + half]
-        bh, sp, wg = lax.axis_index("bh"), lax.axis_index("sp"), lax.axis_index("wg")
-        bi = lax.div(bh, jnp.int32(hg))
-        h0 = lax.rem(bh, jnp.int32(hg)) * HEADS_PER_CTA
-        ts = _TileStream(meta_ref, table_ref, ctable_ref, kv_ref, comp_ref, bi=bi, sp=sp, num_splits=num_splits,
-                         ring_size=ring_size, page_size=page_size, cps=cps, dh=dh)  # fmt: skip
-        n_steps = ts.n_steps
-        n_pairs = lax.div(n_steps + 1, jnp.int32(2))
-
-        def load(j, loc, slot):
-            for half in range(2):
-                ts.on_tile(loc, half, lambda src, half=half: plgpu.copy_gmem_to_smem(
-                    src, kv_smem.at[slot * 2 + half], kv_bar.at[slot * 2 + half]))  # fmt: skip
-
-        def own_logits(j, slot):
-            """Wait for tile j (in `slot`), zero its rows outside the kept range, → masked logits [64, 64] (log2)."""
-            for half in range(2):
-                plgpu.barrier_wait(kv_bar.at[slot * 2 + half])
-            _, base, lo, hi = ts.tile_bounds(ts.first + j)
-
-            @pl.when((base < lo) | (base + TILE > hi))
-            def _():  # unwritten cache rows may hold NaN: a masked logit alone does not stop 0 · NaN in P·V
-                rows = plgpu.broadcasted_iota(jnp.int32, (TILE, dh), 0, layout=wgmma_layout) + base
-                for half in range(2):
-                    tile = plgpu.load(kv_smem.at[slot * 2 + half], layout=wgmma_layout)
-                    kv_smem.at[slot * 2 + half][...] = jnp.where((rows >= lo) & (rows < hi), tile,
-                                                                 jnp.zeros_like(tile))  # fmt: skip
-                plgpu.commit_smem()
-
-            def qk(acc_ref):
-                for half in range(2):
-                    plgpu.wgmma(acc_ref, q_smem.at[half], kv_smem.at[slot * 2 + half].transpose((1, 0)))
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, TILE), F32))
-            col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, TILE), 1, layout=wgmma_layout) + base
-            return jnp.where((col >= lo) & (col < hi), s * logit_scale, -jnp.inf)
-
-        def softmax(logits, acc, m, lsum):
-            m_new = jnp.maximum(m, logits.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-            lsum = lsum * alpha + p.sum(axis=1)
-            return p.astype(dtype), acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m_new, alpha, lsum
-
-        def publish(w, p16, m_new, alpha, bar):
-            p_smem[w] = p16
-            vec_smem[2 * w] = m_new
-            vec_smem[2 * w + 1] = alpha
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(bar)
-
-        def absorb(w_from, bar, acc, lsum):
-            """Wait for the other warpgroup's tile: rescale to its max. → (acc, m, lsum)."""
-            plgpu.barrier_wait(bar)
-            m_new = plgpu.load(vec_smem.at[2 * w_from], layout=row_layout)
-            alpha = plgpu.load(vec_smem.at[2 * w_from + 1], layout=row_layout)
-            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m_new, lsum * alpha
-
-        def pv(acc, p16, w_p, v_ref):
-            """acc += P · V; P from registers (p16) or from p_smem[w_p] (p16 None; the interpreter always)."""
-            if interp_pv:
-                def f(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem.at[w_p], v_ref)
-                    return acc_ref[...]
-
-                return acc + pl.run_scoped(f, plgpu.ACC((HEADS_PER_CTA, dh), F32))
-
-            def g(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem.at[w_p] if p16 is None else p16, v_ref)
-
-            return pl.run_state(g)(plgpu.ACC.init(acc))
-
-        def warpgroup(w):
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(h0, HEADS_PER_CTA), pl.ds(w * dh, dh)], q_smem.at[w],
-                                    q_bar.at[w])  # fmt: skip
-
-            @pl.when(w < n_steps)
-            def _():
-                load(w, ts.locate(jnp.int32(w)), w)
-
-            acc = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, dh), F32), wgmma_layout)
-            m = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_FLOOR, F32), row_layout)
-            lsum = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), F32), row_layout)
-            for half in range(2):
-                plgpu.barrier_wait(q_bar.at[half])
-            v_a, v_b = kv_smem.at[0 * 2 + w], kv_smem.at[1 * 2 + w]  # this warpgroup's D half of each slot
-
-            def pair(t, carry):
-                acc, m, lsum = carry
-                ja, jb = 2 * t, 2 * t + 1
-                has_b = jb < n_steps
-                refill = ts.locate(2 * t + 2 + w)  # the page id of this warpgroup's next tile, read early
-                if w == 0:
-                    p16, acc, m, alpha, lsum = softmax(own_logits(ja, 0), acc, m, lsum)
-                    publish(0, p16, m, alpha, a_bar)
-                    acc = pv(acc, p16, 0, v_a)
-
-                    def with_b(acc, m, lsum):
-                        acc, m, lsum = absorb(1, b_bar, acc, lsum)
-
-                        @pl.when(ja + 2 < n_steps)
-                        def _():
-                            load(ja + 2, refill, 0)
-
-                        acc = pv(acc, None, 1, v_b)
-                        plgpu.barrier_arrive(c_bar)
-                        return acc, m, lsum
-
-                    return lax.cond(has_b, with_b, lambda acc, m, lsum: (acc, m, lsum), acc, m, lsum)
-
-                logits_b = lax.cond(has_b, lambda: own_logits(jb, 1),
-                                    lambda: plgpu.layout_cast(jnp.full((HEADS_PER_CTA, TILE), -jnp.inf, F32),
-                                                              wgmma_layout))  # fmt: skip
-                acc, m, lsum = absorb(0, a_bar, acc, lsum)
-                acc = pv(acc, None, 0, v_a)
-
-                def own_b(acc, m, lsum):
-                    p16, acc, m, alpha, lsum = softmax(logits_b, acc, m, lsum)
-                    publish(1, p16, m, alpha, b_bar)
-                    acc = pv(acc, p16, 1, v_b)
-                    plgpu.barrier_wait(c_bar)
-
-                    @pl.when(jb + 2 < n_steps)
-                    def _():
-                        load(jb + 2, refill, 1)
-
-                    return acc, m, lsum
-
-                return lax.cond(has_b, own_b, lambda acc, m, lsum: (acc, m, lsum), acc, m, lsum)
-
-            acc, m, lsum = lax.fori_loop(0, n_pairs, pair, (acc, m, lsum))
-
-            # The slots become the output staging once both warpgroups are past their last P·V; wg1's row sum
-            # goes through SMEM (written before the rendezvous).
-            @pl.when(w == 1)
-            def _():
-                vec_smem[4] = lsum
-
-            plgpu.barrier_arrive(done_bar)
-            plgpu.barrier_wait(done_bar)
-            stage_smem[w] = acc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(stage_smem.at[w],
-                                    acc_out.at[bi, sp, pl.ds(h0, HEADS_PER_CTA), pl.ds(w * dh, dh)])  # fmt: skip
-
-            @pl.when(w == 0)
-            def _():
-                vec_smem[5] = m
-                vec_smem[6] = lsum + plgpu.load(vec_smem.at[4], layout=row_layout)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(vec_smem.at[5], max_out.at[bi, sp, pl.ds(h0, HEADS_PER_CTA)])
-                plgpu.copy_smem_to_gmem(vec_smem.at[6], sum_out.at[bi, sp, pl.ds(h0, HEADS_PER_CTA)])
-
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(wg == 0)
-        def _():
-            warpgroup(0)
-
-        @pl.when(wg == 1)
-        def _():
-            warpgroup(1)
-
-    elems_128b = 128 // itemsize
-    scratch = [
-        plgpu.SMEM((2, HEADS_PER_CTA, dh), dtype, transforms=_tiled(elems_128b, itemsize)),  # Q halves
-        plgpu.RefUnion(  # two tiles [slot · 2 + half] ∪ f32 output staging [half] (disjoint lifetimes)
-            plgpu.SMEM((4, TILE, dh), dtype, transforms=_tiled(elems_128b, itemsize)),
-            plgpu.SMEM((2, HEADS_PER_CTA, dh), F32, transforms=_tiled(32, 4)),
-        ),
-        plgpu.SMEM((2, HEADS_PER_CTA, TILE), dtype, transforms=_tiled(elems_128b, itemsize)),  # P of each slot
-        # [64] vectors: (m, α) of slot 0, (m, α) of slot 1, wg1's row sum, final (max, sum)
-        plgpu.SMEM((7, HEADS_PER_CTA), F32),
-        plgpu.Barrier(num_barriers=2),  # q halves
-        plgpu.Barrier(num_barriers=4),  # tile halves loaded [slot · 2 + half]
-        plgpu.Barrier(num_barriers=1),  # event A: wg0 published its tile
-        plgpu.Barrier(num_barriers=1),  # event B: wg1 published its tile (and is done with slot 0)
-        plgpu.Barrier(num_barriers=1),  # event C: wg0 is done with slot 1
-        plgpu.Barrier(num_arrivals=2),  # both warpgroups done with the slots
-    ]
-    out_type = (jax.ShapeDtypeStruct((b, num_splits, h, d), F32), jax.ShapeDtypeStruct((b, num_splits, h), F32),
-                jax.ShapeDtypeStruct((b, num_splits, h), F32))  # fmt: skip
-    args = (q, meta, kv_pages, block_tables) + ((compressed_pages, compressed_block_tables) if hca else ())
-
-    def kernel_body(*refs):
-        q_ref, meta_ref, kv_ref, table_ref = refs[:4]
-        comp_ref, ctable_ref, rest = (refs[4], refs[5], refs[6:]) if hca else (None, None, refs[4:])
-        return body(q_ref, meta_ref, kv_ref, table_ref, comp_ref, ctable_ref, *rest)
-
-    return plgpu.kernel(
-        kernel_body,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(b * hg, num_splits),
-        grid_names=("bh", "sp"),
-        num_threads=2,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=config.approx_math, reduction_scratch_bytes=0,
-                                             lowering_semantics=plgpu.LoweringSemantics.Lane),  # fmt: skip
-        interpret=interpret,
-    )(*args)
-
-
 def decode_meta(seq_lens, *, sliding_window: int, ring_size: int, compressed_lens=None, capacity: int = 0):
     """Per-request tile bounds → int32 [B, 4] = (window visits n_wt, first unwrapped ring slot s0, window slots n_w,
     compressed entries count) (see the module docstring)."""
@@ -725,8 +470,7 @@ def paged_decode_attention_mgpu(
     if num_splits is None:
         max_tiles = pl.cdiv(sliding_window + TILE - 1, TILE) + pl.cdiv(capacity, TILE)
         num_splits = default_num_splits(b * (h // HEADS_PER_CTA), max_tiles)
-    call = _seesaw_call if config.schedule == "seesaw" else _decode_call
-    acc, row_max, row_sum = call(q, meta, kv_pages, block_tables, compressed_pages, compressed_block_tables,
-                                 scale=scale, ring_size=ring_size, num_splits=num_splits, config=config,
-                                 interpret=interpret)  # fmt: skip
+    acc, row_max, row_sum = _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_block_tables,
+                                         scale=scale, ring_size=ring_size, num_splits=num_splits, config=config,
+                                         interpret=interpret)  # fmt: skip
     return _combine_splits(acc, row_max, row_sum, sinks, q.dtype)
