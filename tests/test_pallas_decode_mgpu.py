@@ -95,7 +95,7 @@ def _run_interpreted(seq_lens, *, ring_size=None, num_splits=2, rate=4):
 @pytest.mark.parametrize("seq_lens, ring_size, num_splits", [
     ([0, 1, 65, 300], None, 5),  # empty slot, one token, page + 1, HCA; 5 splits > tiles: some splits are empty
     ([127, 700, 1000], 192, 1),  # ring 192 > window: the window wraps inside a visit and across the ring's end;
-    #                              one split: up to 8 tiles per CTA through the two-slot ring
+    #                              one split: 7 tiles in one CTA through the two-slot ring
 ])  # fmt: skip
 def test_interpreter_matches_reference(seq_lens, ring_size, num_splits):
     _run_interpreted(seq_lens, ring_size=ring_size, num_splits=num_splits)

@@ -55,6 +55,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dsv4.pallas._device import is_hopper as _is_hopper
+from dsv4.pallas._device import sm_count as _sm_count
+
 # NOTE: the dequantizing row loader and the online-softmax step are the prefill kernel's, shared on purpose: the
 # two kernels must round identically (FP8 → q.dtype, P → q.dtype for P·V, log2-domain exp2).
 from dsv4.pallas.attention import _M_FLOOR, SCALE_TILE, _load_values, _online_softmax_step
@@ -67,20 +70,6 @@ FP8 = jnp.float8_e4m3fn
 LOG2E = math.log2(math.e)
 # NOTE: `tl.dot` needs every matmul dimension >= 16, so compiled programs need block_h >= 16 and block_kv >= 16.
 _MIN_DOT_DIM = 16
-# SMs of an H200, used when the device does not say (CPU interpret runs).
-_DEFAULT_SM_COUNT = 132
-
-
-def _sm_count() -> int:
-    """SMs of the default device (GPU), else `_DEFAULT_SM_COUNT`."""
-    try:
-        device = jax.devices()[0]
-        return int(getattr(device, "core_count", 0) or _DEFAULT_SM_COUNT) if device.platform == "gpu" \
-            else _DEFAULT_SM_COUNT  # fmt: skip
-    except RuntimeError:
-        return _DEFAULT_SM_COUNT
-
-
 def default_num_splits(programs: int, max_blocks: int, sm_count: int | None = None) -> int:
     """Key-axis splits for `programs` (request, head-block) pairs with at most `max_blocks` key blocks each.
 
@@ -95,12 +84,6 @@ def default_num_splits(programs: int, max_blocks: int, sm_count: int | None = No
 
 def _is_power_of_2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
-
-
-def _is_hopper() -> bool:
-    from dsv4.pallas.indexer_mgpu import is_hopper
-
-    return is_hopper()
 
 
 @dataclasses.dataclass(frozen=True)

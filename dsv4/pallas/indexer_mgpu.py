@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from dsv4.pallas._device import is_hopper
 from dsv4.pallas.indexer import FP8, _check_inputs, _fold_scales, _visible
 
 __all__ = ["MgpuScoreConfig", "index_scores_mgpu", "is_hopper"]
@@ -49,12 +50,6 @@ KEYS_PER_TILE = 64  # M of the wgmma
 HEADS = 64  # N of the wgmma (V4's index_n_heads)
 _SMEM_LIMIT = 227 * 1024
 _GRID_DIM_MAX = 65535
-
-
-def is_hopper() -> bool:
-    """Whether the default device is a Hopper GPU (compute capability 9.x), where this kernel runs."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
 @dataclasses.dataclass(frozen=True)
