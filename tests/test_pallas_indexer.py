@@ -89,6 +89,17 @@ def exact_scores(inputs, softmax_scale, q_scale=None, k_scale=None):
     return np.einsum("bqhc,bqh->bqc", dots, np.asarray(inputs["weights"], np.float64))
 
 
+def assert_true_top_k(got, scores, visible, k, atol=1e-5):
+    """Every row of got [B, S, k] lists min(k, visible) distinct visible entries (-1 after them) whose scores are the
+    row's best (rounding may only swap near-ties). scores [B, S, C] float64, visible [B, S]."""
+    for bi, si in np.ndindex(*got.shape[:2]):
+        picks = got[bi, si][got[bi, si] >= 0]
+        n = min(k, visible[bi, si])
+        assert len(picks) == n and len(set(picks)) == n and (picks < visible[bi, si]).all()
+        best = np.sort(scores[bi, si, : visible[bi, si]])[::-1][:n]
+        np.testing.assert_allclose(np.sort(scores[bi, si, picks])[::-1], best, rtol=0, atol=atol)
+
+
 def visible_counts(positions, rate, entries):
     return np.clip((np.asarray(positions) + 1) // rate, 0, entries)
 
@@ -202,12 +213,7 @@ def test_gaussian_inputs_pick_a_true_top_k():
     got, want = run_both(inputs, rate=4, k=k, softmax_scale=d**-0.5, block_sizes=BlockSizes(block_q=4, block_c=32))
     assert (got != POISON).all()
     scores, visible = exact_scores(inputs, d**-0.5), visible_counts(inputs["positions"], 4, c)
-    for bi, si in np.ndindex(b, s):
-        picks = got[bi, si][got[bi, si] >= 0]
-        n = min(k, visible[bi, si])
-        assert len(picks) == n and len(set(picks)) == n and (picks < visible[bi, si]).all()
-        best = np.sort(scores[bi, si, : visible[bi, si]])[::-1][:n]
-        np.testing.assert_allclose(np.sort(scores[bi, si, picks])[::-1], best, rtol=0, atol=1e-5)
+    assert_true_top_k(got, scores, visible, k)
     assert (got == want).mean() > 0.95  # rounding may only swap near-ties
 
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_pallas_indexer import assert_true_top_k
 
 from dsv4.pallas.indexer import index_scores_reference, index_topk_reference, index_topk_two_pass
 from dsv4.pallas.indexer_mgpu import MgpuScoreConfig, index_scores_mgpu
@@ -123,12 +124,7 @@ def test_fp8_indexer_picks_a_true_top_k_of_the_quantized_inputs():
     scores = np.einsum("bqhc,bqh->bqc", np.maximum(np.einsum("bqhd,bcd->bqhc", qf, kf), 0) * d**-0.5,
                        np.asarray(weights, np.float64))  # fmt: skip
     visible = np.clip((np.asarray(positions) + 1) // 4, 0, c)
-    for bi, si in np.ndindex(b, s):
-        picks = got[bi, si][got[bi, si] >= 0]
-        n = min(k, visible[bi, si])
-        assert len(picks) == n and len(set(picks)) == n and (picks < visible[bi, si]).all()
-        best = np.sort(scores[bi, si, : visible[bi, si]])[::-1][:n]
-        np.testing.assert_allclose(np.sort(scores[bi, si, picks])[::-1], best, rtol=0, atol=1e-5)
+    assert_true_top_k(got, scores, visible, k)
 
 
 def test_lowers_for_h200():
