@@ -1,0 +1,407 @@
+"""Grouped expert GEMMs for Hopper: Mosaic GPU (wgmma, TMA ring, warp specialization), bf16 and W8A8.
+
+The same functions as `moe.py`'s Triton kernels (`grouped_gate_up`, `grouped_down`, `routed_experts`), laid out
+for the tensor core instead of for masked loads:
+
+    tokens ──sort by expert──▶ padded rows: each expert's rows start on a TILE_M boundary; tile t has one expert
+    x_pad [Mp, D] ──gate_up──▶ h [Mp, I] = silu(min(x·Wgᵀ, L)) · clip(x·Wuᵀ, ±L)      (SwiGLU fused)
+    h     [Mp, I] ──down─────▶ y [Mp, D] = h·Wdᵀ  (f32; the routing weight is applied in the combine)
+
+NOTE (padding in memory, unlike the Triton kernels): a TMA store writes whole boxes, so a CTA tile must not end
+inside another expert's rows. Each expert's group is padded to a multiple of TILE_M = 128 rows in the sorted
+layout (`padded_layout`): at most E · 127 extra rows, 8% at 64K tokens top-6 over 256 experts, and the same work
+the Triton kernel's tiles do anyway. Pad rows gather token 0 (finite values); their outputs are never read.
+
+One kernel body serves both GEMMs. A CTA tile is 128 rows × two 128-row "parts" of one expert's weight: gate and
+up (gate_up, columns c·128 of h), or the two halves of 256 output columns (down). Per K step one TMA brings the x
+tile [128, bk] and one each part [128, bk] (K-major, as the checkpoint stores them) into a ring slot:
+
+    producer warpgroup:  for each work item (m tile, n tile) of this CTA, for each K step: wait slot free → 3 TMAs
+    consumer wg w=0,1:   rows w·64..w·64+63: wgmma(acc_a, x, partAᵀ), wgmma(acc_b, x, partBᵀ) → release slot
+                         epilogue: registers → SMEM → TMA store (overlaps the producer's next tile)
+
+The grid is persistent: min(#SMs, items) CTAs walk the items c, c + G, c + 2G, ... in n-fastest order, so the CTAs
+of one wave share x tiles and one expert's weights in L2. Items whose m tile is past the used tiles are skipped
+by both sides (their expert id is -1).
+
+FP8 (W8A8, DeepSeek's format): x fp8 with per-token 128-group scales, weights fp8 with 128 × 128 block scales. bk =
+128 = one scale block: each K step's wgmma goes into a fresh accumulator that is promoted into the f32 total as
+`total += part · x_scale[row] · w_scale[block]` (DeepGEMM's promotion per 128 of K). The step's x scales travel
+with the x tile through the ring (one [128] f32 TMA); the weight scale is one scalar load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dsv4.pallas._device import sm_count
+from dsv4.pallas.moe import FP8, QUANT_BLOCK, quantize_per_token_group
+
+__all__ = [
+    "PART_N",
+    "TILE_M",
+    "MgpuMoeConfig",
+    "grouped_down_mgpu",
+    "grouped_gate_up_mgpu",
+    "mgpu_moe_unsupported",
+    "padded_layout",
+    "routed_experts_mgpu",
+]
+
+F32 = jnp.float32
+TILE_M = 128  # rows per CTA tile: two consumer warpgroups × 64 (one wgmma M)
+PART_N = 128  # weight rows per part; a CTA tile reads two parts
+_ACC_FORMS = ("in_place", "per_step")
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuMoeConfig:
+    """Launch parameters of the Mosaic grouped GEMMs.
+
+    num_slots: ring stages (each holds x [128, bk] and two weight parts [128, bk]: 48 KiB for bf16 at bk = 64 and
+               for fp8 at bk = 128). None: 4 for gate_up (bf16 h staging 32 KiB), 3 for down (f32 y staging 64 KiB).
+    num_ctas:  persistent CTAs (None: the device's SM count).
+    acc_form:  bf16 only. "in_place": the wgmma accumulates over all K steps in its accumulator (the GPU form);
+               "per_step": a fresh accumulator per step, added in registers (the form the CPU Mosaic interpreter
+               runs, and always the form of the fp8 path, which scales each step).
+    """
+
+    num_slots: int | None = None
+    num_ctas: int | None = None
+    acc_form: str = "in_place"
+
+    def __post_init__(self):
+        if self.num_slots is not None and not 2 <= self.num_slots <= 6:
+            raise ValueError(f"MgpuMoeConfig.num_slots={self.num_slots} must be in 2..6")
+        if self.num_ctas is not None and self.num_ctas < 1:
+            raise ValueError(f"MgpuMoeConfig.num_ctas={self.num_ctas} must be >= 1")
+        if self.acc_form not in _ACC_FORMS:
+            raise ValueError(f"MgpuMoeConfig.acc_form={self.acc_form!r} must be one of {_ACC_FORMS}")
+
+
+def _tiled(minor: int, itemsize: int):
+    return plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(minor * itemsize)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: expert groups padded to TILE_M rows.
+# ---------------------------------------------------------------------------------------------
+def padded_layout(flat_ids: jax.Array, num_experts: int, block_m: int = TILE_M):
+    """Pairs → padded sorted rows. flat_ids [P] int32 (ids outside [0, E) are dropped: no row).
+
+    → (src_pair [Mp] int32: the pair each padded row holds (pad rows: pair 0),
+       row_of_pair [P] int32: the padded row of each pair (Mp for a dropped pair),
+       tile_expert [T] int32: the expert of row tile t, -1 past the used tiles),
+    with T = (P + E · (block_m - 1)) // block_m static and Mp = T · block_m: sum_e ceil(g_e / bm) ≤ T.
+    """
+    p = flat_ids.shape[0]
+    e = num_experts
+    ids = jnp.where((flat_ids >= 0) & (flat_ids < e), flat_ids, e).astype(jnp.int32)
+    order = jnp.argsort(ids, stable=True).astype(jnp.int32)  # sorted row r holds pair order[r]
+    sorted_ids = ids[order]
+    sizes = jnp.bincount(ids, length=e).astype(jnp.int32)  # [E]; id E (dropped) is not counted
+    padded = (sizes + block_m - 1) // block_m * block_m
+    pad_end = jnp.cumsum(padded)
+    pad_start, start = pad_end - padded, jnp.cumsum(sizes) - sizes
+    num_tiles = (p + e * (block_m - 1)) // block_m
+    mp = num_tiles * block_m
+    ec = jnp.minimum(sorted_ids, e - 1)
+    prow = jnp.where(sorted_ids < e, pad_start[ec] + jnp.arange(p, dtype=jnp.int32) - start[ec], mp)  # [P] by row
+    src_pair = jnp.zeros((mp,), jnp.int32).at[prow].set(order, mode="drop")
+    row_of_pair = jnp.zeros((p,), jnp.int32).at[order].set(prow.astype(jnp.int32))
+    t0 = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
+    tile_expert = jnp.where(t0 < pad_end[-1], jnp.searchsorted(pad_end, t0, side="right"), -1).astype(jnp.int32)
+    return src_pair, row_of_pair, tile_expert
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel.
+# ---------------------------------------------------------------------------------------------
+def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, limit, out_dtype,
+                  config: MgpuMoeConfig, interpret):  # fmt: skip
+    """x [Mp, K] (bf16 / f16, or fp8 with x_scales_t [K // 128, Mp]); w [E, N_all, K] (x's dtype, or fp8 with
+    w_scales [E, N_all // 128, K // 128]); tile_expert [Mp // 128]. → [Mp, N_out] (gate_up: N_out = N_all / 2)."""
+    mp, k = x.shape
+    n_all = w.shape[1]
+    fp8 = x.dtype == FP8
+    itemsize = jnp.dtype(x.dtype).itemsize
+    bk = 128 // itemsize  # one 128-byte swizzle row: 64 bf16, 128 fp8 (= one scale block)
+    k_steps = k // bk
+    half_n = n_all // 2
+    n_out = half_n if gate_up else n_all
+    n_tiles = n_out // PART_N if gate_up else n_out // (2 * PART_N)
+    m_tiles = mp // TILE_M
+    items = m_tiles * n_tiles
+    num_ctas = max(1, min(config.num_ctas or sm_count(), items))
+    slots = config.num_slots or (4 if gate_up else 3)
+    per_step = fp8 or config.acc_form == "per_step"
+    out_itemsize = jnp.dtype(out_dtype).itemsize
+    half_rows = TILE_M // 2
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = wgmma_layout.reduce(1)
+
+    def part_rows(nt):
+        """First weight rows of part A and part B of n tile nt."""
+        if gate_up:
+            return nt * PART_N, half_n + nt * PART_N
+        return nt * 2 * PART_N, nt * 2 * PART_N + PART_N
+
+    def body(te_ref, x_ref, w_ref, xs_ref, ws_ref, out_ref, x_smem, a_smem, b_smem, xs_smem, o_smem, full_bar,
+             consumed_bar):  # fmt: skip
+        c, wg = lax.axis_index("c"), lax.axis_index("wg")
+        n_mine = lax.div(jnp.int32(items) - c + (num_ctas - 1), jnp.int32(num_ctas))
+
+        def item_at(j):
+            item = c + j * num_ctas
+            mt, nt = lax.div(item, jnp.int32(n_tiles)), lax.rem(item, jnp.int32(n_tiles))
+            return mt, nt, te_ref[mt]
+
+        def consumer(wi):
+            plgpu.set_max_registers(232, action="increase")
+            rows = pl.ds(wi * half_rows, half_rows)
+
+            def wait_step(s):
+                slot = lax.rem(s, jnp.int32(slots))
+                plgpu.barrier_wait(full_bar.at[slot])
+                return slot
+
+            def mma(slot, acc_a, acc_b):
+                xt = x_smem.at[slot].at[rows]
+                plgpu.wgmma(acc_a, xt, a_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_b, xt, b_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(consumed_bar.at[slot])
+
+            def fresh(slot, smem):
+                def run(acc_ref):
+                    plgpu.wgmma(acc_ref, x_smem.at[slot].at[rows], smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                return pl.run_scoped(run, plgpu.ACC((half_rows, PART_N), F32))
+
+            def tile_result(step, e, nt):
+                """The K loop of one item → (part A, part B) [64, 128] f32 in registers."""
+                if not per_step:
+                    def run(acc_a, acc_b):
+                        @pl.loop(0, k_steps)
+                        def _(ks):
+                            mma(wait_step(step + ks), acc_a, acc_b)
+
+                        return acc_a[...], acc_b[...]
+
+                    return pl.run_scoped(run, plgpu.ACC((half_rows, PART_N), F32),
+                                         plgpu.ACC((half_rows, PART_N), F32))  # fmt: skip
+                a0, b0 = part_rows(nt)
+
+                def k_body(ks, totals):
+                    tot_a, tot_b = totals
+                    slot = wait_step(step + ks)
+                    part_a = fresh(slot, a_smem)
+                    if fp8:
+                        xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)  # [64] this step's x scales
+                        xs = lax.broadcast_in_dim(xs, (half_rows, PART_N), [0])
+                        tot_a = tot_a + part_a * (xs * ws_ref[e, lax.div(a0, QUANT_BLOCK), ks])
+                    else:
+                        tot_a = tot_a + part_a
+                    part_b = fresh(slot, b_smem)
+                    plgpu.barrier_arrive(consumed_bar.at[slot])
+                    if fp8:
+                        tot_b = tot_b + part_b * (xs * ws_ref[e, lax.div(b0, QUANT_BLOCK), ks])
+                    else:
+                        tot_b = tot_b + part_b
+                    return tot_a, tot_b
+
+                zero = plgpu.layout_cast(jnp.zeros((half_rows, PART_N), F32), wgmma_layout)
+                return lax.fori_loop(0, k_steps, k_body, (zero, zero))
+
+            def store(value, mt, col):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem[wi]
+                o_smem[wi] = value.astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[wi],
+                                        out_ref.at[pl.ds(mt * TILE_M + wi * half_rows, half_rows), pl.ds(col, PART_N)])
+
+            def item_fn(j, step):
+                mt, nt, e = item_at(j)
+
+                @pl.when(e >= 0)
+                def _():
+                    part_a, part_b = tile_result(step, e, nt)
+                    if gate_up:
+                        g = jnp.minimum(part_a, limit)
+                        store(g / (1.0 + jnp.exp(-g)) * jnp.clip(part_b, -limit, limit), mt, nt * PART_N)
+                    else:
+                        store(part_a, mt, nt * 2 * PART_N)
+                        store(part_b, mt, nt * 2 * PART_N + PART_N)
+
+                return step + jnp.where(e >= 0, k_steps, 0)
+
+            lax.fori_loop(0, n_mine, item_fn, jnp.int32(0))
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 0)
+        def _():
+            consumer(0)
+
+        @pl.when(wg == 1)
+        def _():
+            consumer(1)
+
+        @pl.when(wg == 2)
+        def _():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def item_fn(j, step):
+                mt, nt, e = item_at(j)
+                a0, b0 = part_rows(nt)
+
+                @pl.when(e >= 0)
+                def _():
+                    @pl.loop(0, k_steps)
+                    def _(ks):
+                        s = step + ks
+                        slot = lax.rem(s, jnp.int32(slots))
+
+                        @pl.when(s >= slots)
+                        def _():
+                            plgpu.barrier_wait(consumed_bar.at[slot])
+
+                        cols = pl.ds(ks * bk, bk)
+                        bar = full_bar.at[slot]
+                        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(mt * TILE_M, TILE_M), cols], x_smem.at[slot], bar)
+                        plgpu.copy_gmem_to_smem(w_ref.at[e, pl.ds(a0, PART_N), cols], a_smem.at[slot], bar)
+                        plgpu.copy_gmem_to_smem(w_ref.at[e, pl.ds(b0, PART_N), cols], b_smem.at[slot], bar)
+                        if fp8:
+                            plgpu.copy_gmem_to_smem(xs_ref.at[ks, pl.ds(mt * TILE_M, TILE_M)], xs_smem.at[slot], bar)
+
+                return step + jnp.where(e >= 0, k_steps, 0)
+
+            total = lax.fori_loop(0, n_mine, item_fn, jnp.int32(0))
+
+            @pl.loop(jnp.maximum(total - slots, 0), total)  # observe the consumers' last releases
+            def _(s):
+                plgpu.barrier_wait(consumed_bar.at[lax.rem(s, jnp.int32(slots))])
+
+    tiled_in = _tiled(bk, itemsize)
+    out_minor = 128 // out_itemsize
+    copies = 4 if fp8 else 3
+    scratch = [
+        plgpu.SMEM((slots, TILE_M, bk), x.dtype, transforms=tiled_in),
+        plgpu.SMEM((slots, PART_N, bk), w.dtype, transforms=tiled_in),
+        plgpu.SMEM((slots, PART_N, bk), w.dtype, transforms=tiled_in),
+        plgpu.SMEM((slots, TILE_M), F32),  # x scales of the step (fp8; unused by bf16)
+        plgpu.SMEM((2, half_rows, PART_N), out_dtype, transforms=_tiled(out_minor, out_itemsize)),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # slot full: every TMA of the step has landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # slot consumed by both consumer warpgroups
+    ]
+
+    def kernel_body(te_ref, x_ref, w_ref, *rest):
+        if fp8:
+            xs_ref, ws_ref, out_ref, *scr = rest
+        else:
+            xs_ref, ws_ref, (out_ref, *scr) = None, None, rest
+        return body(te_ref, x_ref, w_ref, xs_ref, ws_ref, out_ref, *scr)
+
+    args = (tile_expert, x, w) + ((x_scales_t, w_scales) if fp8 else ())
+    return plgpu.kernel(
+        kernel_body,
+        out_type=jax.ShapeDtypeStruct((mp, n_out), out_dtype),
+        scratch_types=scratch,
+        grid=(num_ctas,),
+        grid_names=("c",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret,
+    )(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entries.
+# ---------------------------------------------------------------------------------------------
+def mgpu_moe_unsupported(d: int, i: int, *, w_dtype, x_dtype, fp8_activations: bool = True) -> str:
+    """Why the Mosaic path cannot run these shapes / dtypes ("" when it can)."""
+    if d % (2 * PART_N) or i % PART_N:
+        return f"hidden size D={d} must be a multiple of {2 * PART_N} and I={i} of {PART_N}"
+    if w_dtype == FP8:
+        if not fp8_activations:
+            return "FP8 weights with bf16 activations (W8A16) are Triton-only"
+        return ""
+    if w_dtype != x_dtype or w_dtype not in (jnp.bfloat16, jnp.float16):
+        return f"weights {jnp.dtype(w_dtype)} with activations {jnp.dtype(x_dtype)}: bf16 / f16 (same) or FP8 weights"
+    return ""
+
+
+def _check_weights(x, w, w_scales, name):
+    if x.ndim != 2 or w.ndim != 3 or w.shape[2] != x.shape[1]:
+        raise ValueError(f"{name}: expected x [Mp, K] and weights [E, N, K], got {x.shape} and {w.shape}")
+    if x.shape[0] % TILE_M:
+        raise ValueError(f"{name}: rows Mp={x.shape[0]} must be a multiple of {TILE_M} (padded_layout)")
+    if (x.dtype == FP8) != (w.dtype == FP8) or (w.dtype == FP8) != (w_scales is not None):
+        raise ValueError(f"{name}: FP8 needs fp8 x with x scales and fp8 weights with block scales, got x {x.dtype}, "
+                         f"weights {w.dtype}, scales {'given' if w_scales is not None else 'none'}")  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "config", "interpret"))
+def grouped_gate_up_mgpu(x_pad, gate_up, tile_expert, *, limit: float, x_scales=None, gate_up_scales=None,
+                         config: MgpuMoeConfig = MgpuMoeConfig(), interpret=None):  # fmt: skip
+    """h = silu(min(x·Wgᵀ, limit)) · clip(x·Wuᵀ, ±limit) per padded row tile's expert. → [Mp, I] bf16 (x's dtype).
+
+    x_pad [Mp, D] in `padded_layout` order (bf16 / f16, or fp8 with x_scales [Mp, D // 128] f32); gate_up
+    [E, 2I, D] (x's dtype, or fp8 with gate_up_scales [E, 2I // 128, D // 128]); tile_expert [Mp // 128] int32.
+    Rows of tiles whose expert is -1 are not written.
+    """
+    _check_weights(x_pad, gate_up, gate_up_scales, "grouped_gate_up_mgpu")
+    out_dtype = jnp.bfloat16 if x_pad.dtype == FP8 else x_pad.dtype
+    xs_t = None if x_scales is None else x_scales.T
+    return _grouped_call(x_pad, gate_up, tile_expert, xs_t, gate_up_scales, gate_up=True, limit=float(limit),
+                         out_dtype=out_dtype, config=config, interpret=interpret)  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def grouped_down_mgpu(h_pad, down, tile_expert, *, h_scales=None, down_scales=None,
+                      config: MgpuMoeConfig = MgpuMoeConfig(), interpret=None):  # fmt: skip
+    """y = h·Wdᵀ per padded row tile's expert, in float32. → [Mp, D]. Arguments as `grouped_gate_up_mgpu`."""
+    _check_weights(h_pad, down, down_scales, "grouped_down_mgpu")
+    xs_t = None if h_scales is None else h_scales.T
+    return _grouped_call(h_pad, down, tile_expert, xs_t, down_scales, gate_up=False, limit=None, out_dtype=F32,
+                         config=config, interpret=interpret)  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "config", "interpret", "out_dtype"))
+def routed_experts_mgpu(x, expert_ids, weights, gate_up, down, limit: float, *, gate_up_scales=None, down_scales=None,
+                        config: MgpuMoeConfig = MgpuMoeConfig(), interpret=None, out_dtype=None):  # fmt: skip
+    """`moe.routed_experts` on the Mosaic kernels (bf16 / f16, or W8A8 with FP8 weights). → [N, D].
+
+    Checks are `moe.routed_experts`'s (call that with impl="mgpu" for them); this is the composition:
+    padded_layout → gather (quantized per token first for W8A8) → gate_up → (quantize h) → down → combine. The
+    combine gathers each pair's row of y through row_of_pair, scales it by the routing weight in f32 and sums a
+    token's pairs; a dropped pair (id outside [0, E)) adds 0.
+    """
+    n, k = expert_ids.shape
+    d = x.shape[1]
+    flat_ids = expert_ids.reshape(-1)
+    src_pair, row_of_pair, tile_expert = padded_layout(flat_ids, gate_up.shape[0])
+    src_token = src_pair // k
+    w8a8 = gate_up.dtype == FP8
+    if w8a8:
+        xq, xs = quantize_per_token_group(x)
+        h = grouped_gate_up_mgpu(xq[src_token], gate_up, tile_expert, limit=limit, x_scales=xs[src_token],
+                                 gate_up_scales=gate_up_scales, config=config, interpret=interpret)  # fmt: skip
+        hq, hs = quantize_per_token_group(h)
+        y = grouped_down_mgpu(hq, down, tile_expert, h_scales=hs, down_scales=down_scales, config=config,
+                              interpret=interpret)  # fmt: skip
+    else:
+        h = grouped_gate_up_mgpu(x[src_token], gate_up, tile_expert, limit=limit, config=config, interpret=interpret)
+        y = grouped_down_mgpu(h, down, tile_expert, config=config, interpret=interpret)
+    kept = (flat_ids >= 0) & (flat_ids < gate_up.shape[0])
+    rows = y[jnp.minimum(row_of_pair, y.shape[0] - 1)]  # [P, D] f32
+    rows = jnp.where(kept[:, None], rows * weights.reshape(-1, 1).astype(F32), 0.0)
+    return rows.reshape(n, k, d).sum(1).astype(out_dtype or x.dtype)
