@@ -45,6 +45,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dsv4.pallas._device import is_hopper
+
 __all__ = [
     "FP8_MAX",
     "QUANT_BLOCK",
@@ -663,7 +665,8 @@ def grouped_down(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("limit", "fp8_activations", "block_sizes", "down_block_sizes", "interpret", "out_dtype")
+    jax.jit,
+    static_argnames=("limit", "fp8_activations", "block_sizes", "down_block_sizes", "interpret", "out_dtype", "impl"),
 )
 def routed_experts(
     x: jax.Array,
@@ -680,6 +683,7 @@ def routed_experts(
     down_block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     out_dtype=None,
+    impl: str = "auto",
 ) -> jax.Array:
     """Dropless routed experts: sort pairs by expert → grouped_gate_up → grouped_down → weighted combine. → [N, D].
 
@@ -693,7 +697,14 @@ def routed_experts(
 
     The combine is a gather (each token sums its K rows of y through the inverse permutation), not a scatter-add:
     deterministic and free of atomics. y stays float32 up to that sum, as in the reference.
+
+    impl: "triton" (this file's kernels), "mgpu" (`moe_mgpu.routed_experts_mgpu`, the Mosaic GPU kernels for Hopper:
+    bf16 / f16 or W8A8, D a multiple of 256 and I of 128; ValueError naming the reason otherwise; with interpret,
+    the CPU Mosaic interpreter), or "auto": "mgpu" on a Hopper GPU for what it takes, with the default block sizes
+    and not interpreted, else "triton".
     """
+    if impl not in ("auto", "triton", "mgpu"):
+        raise ValueError(f"routed_experts: impl={impl!r} must be 'auto', 'triton' or 'mgpu'")
     if x.ndim != 2 or expert_ids.ndim != 2 or weights.shape != expert_ids.shape or x.shape[0] != expert_ids.shape[0]:
         raise ValueError(f"routed_experts: expected x [N, D], expert_ids and weights [N, K], got x.shape={x.shape}, "
                          f"expert_ids.shape={expert_ids.shape}, weights.shape={weights.shape}")  # fmt: skip
@@ -708,6 +719,25 @@ def routed_experts(
                          f"gate_up.shape={gate_up.shape}")  # fmt: skip
     if n == 0:
         return jnp.zeros(x.shape, out_dtype or x.dtype)
+    if impl != "triton":
+        from dsv4.pallas import moe_mgpu  # noqa: PLC0415 (moe_mgpu imports this module)
+
+        why = moe_mgpu.mgpu_moe_unsupported(d, two_i // 2, w_dtype=gate_up.dtype, x_dtype=x.dtype,
+                                            fp8_activations=fp8_activations)  # fmt: skip
+        if impl == "mgpu" and why:
+            raise ValueError(f"routed_experts(impl='mgpu'): {why}")
+        defaults = block_sizes == BlockSizes() and down_block_sizes is None
+        if impl == "mgpu" or (not why and defaults and not interpret and is_hopper()):
+            if gate_up.dtype == FP8 and (gate_up_scales is None or down_scales is None):
+                raise ValueError("routed_experts: FP8 weights need gate_up_scales and down_scales")
+            params = None
+            if interpret:
+                from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
+
+                params = InterpretGPUParams()
+            return moe_mgpu.routed_experts_mgpu(x, expert_ids, weights, gate_up, down, limit,
+                                                gate_up_scales=gate_up_scales, down_scales=down_scales,
+                                                interpret=params, out_dtype=out_dtype)  # fmt: skip
     w8a8 = gate_up.dtype == FP8 and down.dtype == FP8 and fp8_activations
     flat_ids = expert_ids.reshape(-1)  # [N·K]
     # An id outside [0, E) sorts last, past every group, into the zero group: it contributes nothing.

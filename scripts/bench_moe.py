@@ -1,0 +1,230 @@
+"""Routed experts of one V4-Flash MoE layer: the Triton grouped GEMMs against the Mosaic GPU ones, side by side.
+
+    PYTHONPATH=. python3 scripts/bench_moe.py --out $OUT/moe                 # one H200 (~3 min)
+    PYTHONPATH=. python3 scripts/bench_moe.py --smoke                        # CPU: tiny shapes, Mosaic interpreter
+
+Shapes and routing are scripts/bench_kernels.py's MoE section's: D = 4096, I = 2048, E = 256, top-6, the shared
+expert excluded; random weights (bf16, and DeepSeek's fp8 with 128 × 128 block scales for w8a8); expert popularity
+∝ (rank + 1)^-0.3 (`--zipf`). Per token count (`--tokens`, default 8k,64k) and mode (`--modes` bf16,w8a8):
+
+    e2e      `moe.routed_experts(impl=...)` end to end: sort / layout, gather, both GEMMs, quantize (w8a8), combine
+    gate_up  the gate_up kernel alone, on inputs already in its layout (Triton: sorted rows; Mosaic: padded rows)
+    down     the down kernel alone, likewise
+
+Useful FLOPs = 2 · 3 · D · I · N · top-k for e2e (gate_up: 2/3 of it, down: 1/3), the same for every row.
+"% mm" is against the same run's matmul of that precision (bf16: `a @ b`; w8a8: e4m3 × e4m3 → f32), at 16384³.
+Medians of `--reps` synchronized calls after a warm-up call. The first call of each Mosaic e2e row is compared
+with the Triton e2e output of the same mode (relative L2; both dropless, independent code paths).
+
+Mosaic variants (`--variants`, applied to every mode): `name:sl=3,form=per_step,ctas=132` (num_slots, acc_form,
+num_ctas of `MgpuMoeConfig`). The first variant is the default config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+if "--smoke" in sys.argv:
+    import os
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_kernels import make_routing, parse_lengths, quantize_weight_blocks, randn  # noqa: E402
+
+import dsv4.pallas.moe as pm  # noqa: E402
+import dsv4.pallas.moe_mgpu as mm  # noqa: E402
+
+F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
+KEYS = {"sl": ("num_slots", int), "form": ("acc_form", str), "ctas": ("num_ctas", int)}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default=None, help="token counts (default 8k,64k; smoke 40)")
+    p.add_argument("--modes", default="bf16,w8a8")
+    p.add_argument("--variants", default="default", help="Mosaic variants, ';'-separated name:key=value,...")
+    p.add_argument("--zipf", type=float, default=0.3)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--no-triton", action="store_true", help="skip the Triton rows")
+    p.add_argument("--no-parts", action="store_true", help="skip the per-kernel rows")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, the Mosaic interpreter, Triton interpreted")
+    p.add_argument("--out", default=None, help="folder for moe.json")
+    a = p.parse_args()
+    a.tokens = parse_lengths(a.tokens or ("40" if a.smoke else "8k,64k"))
+    a.modes = [m for m in a.modes.split(",") if m]
+    a.variants = [parse_variant(v) for v in a.variants.split(";") if v]
+    return a
+
+
+def parse_variant(text: str):
+    name, _, rest = text.partition(":")
+    kw = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        field, cast = KEYS[key]
+        kw[field] = cast(value)
+    return name, kw
+
+
+def timed(fn, reps: int):
+    """→ (first output, median ms over reps synchronized calls after the first)."""
+    out = jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return out, statistics.median(times)
+
+
+def matmul_ceiling(dtype, n: int, reps: int) -> float:
+    k1, k2 = jax.random.split(jax.random.key(7))
+    a, b = randn(k1, (n, n), BF16).astype(dtype), randn(k2, (n, n), BF16).astype(dtype)
+    fn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=F32 if dtype == FP8 else BF16))
+    _, ms = timed(lambda: fn(a, b), reps)
+    return 2.0 * n**3 / (ms * 1e-3) / 1e12
+
+
+def rel_l2(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def main():
+    args = parse_args()
+    smoke = args.smoke
+    d, i, e, k = (256, 128, 4, 2) if smoke else (4096, 2048, 256, 6)
+    limit = 10.0
+    interp_t = True if smoke else False
+    interp_m = None
+    if smoke:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        interp_m = InterpretGPUParams()
+    rows, log = [], []
+
+    def say(text):
+        print(text, flush=True)
+        log.append(text)
+
+    dev = jax.devices()[0]
+    say(f"device {dev.device_kind}, jax {jax.__version__}, D={d} I={i} E={e} top-{k}, zipf {args.zipf}, "
+        f"tokens {args.tokens}, modes {args.modes}, variants {args.variants}")  # fmt: skip
+    ceil = {}
+    if not smoke:
+        ceil = {"bf16": matmul_ceiling(BF16, 16384, args.reps), "w8a8": matmul_ceiling(FP8, 16384, args.reps)}
+        say(f"same-run matmul 16384^3: bf16 {ceil['bf16']:.0f} TF/s, fp8 {ceil['w8a8']:.0f} TF/s")
+    k1, k2 = jax.random.split(jax.random.key(777))
+    weights = {"bf16": dict(gate_up=(randn(k1, (e, 2 * i, d), F32) * d**-0.5).astype(BF16),
+                            down=(randn(k2, (e, d, i), F32) * i**-0.5).astype(BF16))}  # fmt: skip
+    if "w8a8" in args.modes:
+        gu8, gus = quantize_weight_blocks(weights["bf16"]["gate_up"])
+        dn8, dns = quantize_weight_blocks(weights["bf16"]["down"])
+        weights["w8a8"] = dict(gate_up=gu8, down=dn8, gate_up_scales=gus, down_scales=dns)
+
+    def record(n, mode, impl, variant, part, ms, flops, note=""):
+        tf = flops / (ms * 1e-3) / 1e12
+        pct = 100 * tf / ceil[mode] if mode in ceil else float("nan")
+        rows.append(dict(tokens=n, mode=mode, impl=impl, variant=variant, part=part, ms=ms, tflops=tf, pct_mm=pct,
+                         note=note))  # fmt: skip
+        say(f"{n:>7} {mode:5} {impl:6} {variant:10} {part:8} {ms:9.3f} ms {tf:7.1f} TF/s {pct:5.1f}% mm  {note}")
+
+    for n in args.tokens:
+        kx, kr = jax.random.split(jax.random.key(1000 + n))
+        x = randn(kx, (n, d), BF16)
+        ids, w = make_routing(kr, tokens=n, experts=e, k=k, zipf=args.zipf)
+        counts = np.asarray(jnp.bincount(ids.reshape(-1), length=e))
+        say(f"N={n}: pairs/expert mean {n * k / e:.0f}, max {counts.max()}, min {counts.min()}")
+        flops = 2.0 * 3 * d * i * n * k
+        for mode in args.modes:
+            wts = weights[mode]
+            base = None
+            if not args.no_triton:
+                try:
+                    fn = jax.jit(lambda x, ids, w, wts: pm.routed_experts(x, ids, w, **wts, limit=limit, impl="triton",
+                                                                          interpret=interp_t))  # fmt: skip
+                    base, ms = timed(lambda: fn(x, ids, w, wts), args.reps)
+                    record(n, mode, "triton", "default", "e2e", ms, flops)
+                    if not args.no_parts:
+                        triton_parts(n, mode, x, ids, wts, limit, interp_t, args.reps, flops, record)
+                except Exception:
+                    say(f"ERROR triton {mode} N={n}:\n{traceback.format_exc()}")
+            for vname, vkw in args.variants:
+                config = mm.MgpuMoeConfig(**vkw)
+                try:
+                    fn = jax.jit(lambda x, ids, w, wts, config=config: mm.routed_experts_mgpu(
+                        x, ids, w, wts["gate_up"], wts["down"], limit, gate_up_scales=wts.get("gate_up_scales"),
+                        down_scales=wts.get("down_scales"), config=config, interpret=interp_m))  # fmt: skip
+                    out, ms = timed(lambda: fn(x, ids, w, wts), args.reps)
+                    note = "" if base is None else f"rel L2 vs triton {rel_l2(out, base):.2e}"
+                    note += " NaN!" if bool(jnp.isnan(out).any()) else ""
+                    record(n, mode, "mgpu", vname, "e2e", ms, flops, note)
+                    if not args.no_parts:
+                        mgpu_parts(n, mode, x, ids, wts, limit, config, interp_m, args.reps, flops, record, vname)
+                except Exception:
+                    say(f"ERROR mgpu {vname} {mode} N={n}:\n{traceback.format_exc()}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "moe.json").write_text(json.dumps(dict(device=dev.device_kind, jax=jax.__version__, ceilings=ceil,
+                                                      rows=rows, log=log), indent=1))  # fmt: skip
+
+
+def triton_parts(n, mode, x, ids, wts, limit, interpret, reps, flops, record):
+    """The Triton kernels alone on sorted rows (W8A8: quantized x and h, as routed_experts passes them)."""
+    e = wts["gate_up"].shape[0]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = x[order // ids.shape[1]]
+    kw, hkw = {}, {}
+    if mode == "w8a8":
+        xs, sc = pm.quantize_per_token_group(xs)
+        kw = dict(x_scales=sc, gate_up_scales=wts["gate_up_scales"])
+    gu = jax.jit(lambda xs, g, sizes, kw: pm.grouped_gate_up(xs, g, sizes, limit=limit, interpret=interpret, **kw))
+    h, ms = timed(lambda: gu(xs, wts["gate_up"], sizes, kw), reps)
+    record(n, mode, "triton", "default", "gate_up", ms, flops * 2 / 3)
+    if mode == "w8a8":
+        h, hs = pm.quantize_per_token_group(h)
+        hkw = dict(h_scales=hs, down_scales=wts["down_scales"])
+    dn = jax.jit(lambda h, dw, sizes, kw: pm.grouped_down(h, dw, sizes, out_dtype=F32, interpret=interpret, **kw))
+    _, ms = timed(lambda: dn(h, wts["down"], sizes, hkw), reps)
+    record(n, mode, "triton", "default", "down", ms, flops / 3)
+
+
+def mgpu_parts(n, mode, x, ids, wts, limit, config, interpret, reps, flops, record, vname):
+    """The Mosaic kernels alone on padded rows."""
+    e = wts["gate_up"].shape[0]
+    src, _, tiles = mm.padded_layout(ids.reshape(-1), e)
+    xp = x[src // ids.shape[1]]
+    kw, hkw = {}, {}
+    if mode == "w8a8":
+        xp, sc = pm.quantize_per_token_group(xp)
+        kw = dict(x_scales=sc, gate_up_scales=wts["gate_up_scales"])
+    gu = jax.jit(lambda xp, g, t, kw: mm.grouped_gate_up_mgpu(xp, g, t, limit=limit, config=config,
+                                                              interpret=interpret, **kw))  # fmt: skip
+    h, ms = timed(lambda: gu(xp, wts["gate_up"], tiles, kw), reps)
+    record(n, mode, "mgpu", vname, "gate_up", ms, flops * 2 / 3)
+    if mode == "w8a8":
+        h, hs = pm.quantize_per_token_group(h)
+        hkw = dict(h_scales=hs, down_scales=wts["down_scales"])
+    dn = jax.jit(lambda h, dw, t, kw: mm.grouped_down_mgpu(h, dw, t, config=config, interpret=interpret, **kw))
+    _, ms = timed(lambda: dn(h, wts["down"], tiles, hkw), reps)
+    record(n, mode, "mgpu", vname, "down", ms, flops / 3)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""dsv4.pallas.moe_mgpu: the Mosaic GPU (Hopper) grouped expert GEMMs against the jnp references.
+
+CPU (not gpu-marked):
+- `padded_layout` against values worked out by hand (empty experts, a group of exactly one tile, dropped ids);
+- lowering for an abstract H200 at V4-Flash shapes, bf16 and W8A8;
+- the Mosaic GPU interpreter, whose buffers start as NaN (InterpretGPUParams.uninitialized_memory = "nan"), so a
+  row the kernel fails to write stays NaN: both kernels on skewed loads (empty experts, one expert over several
+  tiles, a group of one row), three CTAs walking many items through a two-slot ring; bf16 in both accumulation
+  forms and W8A8; then `routed_experts(impl="mgpu")` end to end with dropped ids, against
+  `routed_experts_reference`;
+- refusals name the reason.
+GPU-marked: `routed_experts` with the default impl (the Mosaic kernels on Hopper) against the reference, bf16 and
+W8A8, at shapes with several column tiles and K steps.
+
+Tolerances are tests/test_pallas_moe.py's: bf16 outputs rtol 2^-7 + atol 1e-4 (f32 products of the same operands
+summed in another order, one bf16 rounding); float32 outputs (down) 1e-4 relative to the largest value.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_pallas_moe import LIMIT, make_routing, make_weights, quantize_weights
+
+from dsv4.pallas.moe import (
+    grouped_down_reference,
+    grouped_gate_up_reference,
+    quantize_per_token_group,
+    routed_experts,
+    routed_experts_reference,
+)
+from dsv4.pallas.moe_mgpu import (
+    TILE_M,
+    MgpuMoeConfig,
+    grouped_down_mgpu,
+    grouped_gate_up_mgpu,
+    padded_layout,
+)
+
+FP8 = jnp.float8_e4m3fn
+F32 = jnp.float32
+gpu = pytest.mark.gpu
+requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU (Mosaic GPU kernel)")
+
+
+def _interpret():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def test_padded_layout_by_hand():
+    """E = 4, tiles of 4 rows. Pairs (p: id): 0:2 1:0 2:2 3:-1 4:2 5:2 6:0 7:4 8:2 → expert 0 has pairs 1, 6; expert
+    1 none; expert 2 pairs 0, 2, 4, 5, 8 (two tiles); expert 3 none; -1 and 4 are dropped."""
+    ids = jnp.asarray([2, 0, 2, -1, 2, 2, 0, 4, 2], jnp.int32)
+    src, row_of_pair, tiles = (np.asarray(a) for a in padded_layout(ids, 4, block_m=4))
+    # T = (9 + 4·3) // 4 = 5 tiles, Mp = 20 rows: expert 0 in rows 0..3 (2 used), expert 2 in rows 4..11 (5 used)
+    assert tiles.tolist() == [0, 2, 2, -1, -1]
+    np.testing.assert_array_equal(src[[0, 1, 4, 5, 6, 7, 8]], [1, 6, 0, 2, 4, 5, 8])
+    np.testing.assert_array_equal(row_of_pair, [4, 0, 5, 20, 6, 7, 1, 20, 8])
+    assert src.shape == (20,) and (src[[2, 3, 9, 10, 11]] == 0).all()  # pad rows hold pair 0
+
+
+@pytest.mark.parametrize("w8a8", [False, True])
+def test_lowers_for_h200(w8a8):
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    n, k, e, d, i = 8192, 6, 256, 4096, 2048
+    sds = jax.ShapeDtypeStruct
+    wd = FP8 if w8a8 else jnp.bfloat16
+    args = [sds((n, d), jnp.bfloat16), sds((n, k), jnp.int32), sds((n, k), F32), sds((e, 2 * i, d), wd),
+            sds((e, d, i), wd)]  # fmt: skip
+    kw = {}
+    if w8a8:
+        kw = dict(gate_up_scales=sds((e, 2 * i // 128, d // 128), F32), down_scales=sds((e, d // 128, i // 128), F32))
+
+    def f(*a, **kw):
+        return routed_experts(*a, 7.0, impl="mgpu", **kw)
+
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
+                                                               num_cores=132))  # fmt: skip
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(f).trace(*args, **kw).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 2
+
+
+def _skewed_layout(experts, top_k=2):
+    """Routing with empty experts, one expert over several 128-row tiles and one expert with a single pair."""
+    tokens = 3 * TILE_M // 2 + 5
+    ids = np.zeros((tokens, top_k), np.int32)
+    ids[:, 0] = 1  # expert 1: every token (two tiles)
+    ids[:, 1] = 3  # expert 3: all but one token
+    ids[7, 1] = 0  # expert 0: one pair; expert 2 and the rest: none
+    return jnp.asarray(ids)
+
+
+@pytest.mark.parametrize("mode, form", [("bf16", "in_place"), ("bf16", "per_step"), ("w8a8", "per_step")])
+def test_kernels_interpreted(mode, form):
+    experts, hidden, inter = 5, 256, 256  # gate_up: 2 column tiles; down: 1; K steps: 4 (bf16) or 2 (fp8)
+    ids = _skewed_layout(experts)
+    src, _, tiles = padded_layout(ids.reshape(-1), experts)
+    used = np.asarray(tiles) >= 0
+    x = make_weights(3, (ids.shape[0], hidden), jnp.bfloat16, 1.0)[src // ids.shape[1]]
+    gate_up = make_weights(4, (experts, 2 * inter, hidden), F32, 0.1)
+    down = make_weights(5, (experts, hidden, inter), F32, 0.1)
+    # Per padded row tile: the reference over "groups" = the used tiles' rows (contiguous, in expert order)
+    sizes = jnp.bincount(jnp.where(tiles >= 0, tiles, experts), length=experts) * TILE_M
+    config = MgpuMoeConfig(acc_form=form, num_slots=2, num_ctas=3)
+    kw, ref_kw = {}, {}
+    if mode == "w8a8":
+        (gate_up, gs), (down, ds) = quantize_weights(gate_up), quantize_weights(down)
+        x, xs = quantize_per_token_group(x)
+        kw = dict(x_scales=xs, gate_up_scales=gs)
+        ref_kw = dict(x_scales=xs, gate_up_scales=gs)
+    else:
+        gate_up, down = gate_up.astype(jnp.bfloat16), down.astype(jnp.bfloat16)
+    h = grouped_gate_up_mgpu(x, gate_up, tiles, limit=LIMIT, config=config, interpret=_interpret(), **kw)
+    h = np.asarray(h, F32)
+    assert np.isnan(h[~np.repeat(used, TILE_M)]).all(), "the interpreter no longer poisons unwritten rows"
+    h_want = np.asarray(grouped_gate_up_reference(x, gate_up, sizes, limit=LIMIT, **ref_kw), F32)
+    rows = np.repeat(used, TILE_M)
+    assert not np.isnan(h[rows]).any(), "gate_up left rows of a used tile unwritten"
+    np.testing.assert_allclose(h[rows], h_want[rows], atol=1e-4, rtol=2**-7)
+
+    h_in = jnp.asarray(np.where(rows[:, None], h, 0.0), jnp.bfloat16)
+    dkw = {}
+    if mode == "w8a8":
+        h_in, hs = quantize_per_token_group(h_in)
+        dkw = dict(h_scales=hs, down_scales=ds)
+    y = np.asarray(grouped_down_mgpu(h_in, down, tiles, config=config, interpret=_interpret(), **dkw), F32)
+    y_want = np.asarray(grouped_down_reference(h_in, down, sizes, out_dtype=F32, **dkw), F32)
+    assert not np.isnan(y[rows]).any(), "down left rows of a used tile unwritten"
+    np.testing.assert_allclose(y[rows], y_want[rows], atol=1e-4 * np.abs(y_want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "w8a8"])
+def test_routed_experts_interpreted(mode):
+    experts, hidden, inter, tokens, top_k = 6, 256, 128, 50, 3
+    ids, weights = make_routing(11, tokens, top_k, experts)
+    ids = ids.at[3, 0].set(-1).at[9, 2].set(experts)  # another shard's experts: dropped
+    x = make_weights(12, (tokens, hidden), jnp.bfloat16, 1.0)
+    gate_up = make_weights(13, (experts, 2 * inter, hidden), F32, 0.1)
+    down = make_weights(14, (experts, hidden, inter), F32, 0.1)
+    kw = {}
+    if mode == "w8a8":
+        (gate_up, kw["gate_up_scales"]), (down, kw["down_scales"]) = quantize_weights(gate_up), quantize_weights(down)
+    else:
+        gate_up, down = gate_up.astype(jnp.bfloat16), down.astype(jnp.bfloat16)
+    got = np.asarray(routed_experts(x, ids, weights, gate_up, down, LIMIT, impl="mgpu", interpret=True, **kw), F32)
+    want = np.asarray(routed_experts_reference(x, ids, weights, gate_up, down, LIMIT, **kw), F32)
+    assert not np.isnan(got).any()
+    # h is rounded to bf16 (and to fp8 in W8A8) from f32 sums taken in another order; with this seed one h value of
+    # token 46 flips a bf16 step on both kernel paths (the Triton one too), moving its outputs by up to 0.06 of 11.
+    np.testing.assert_allclose(got, want, atol=2**-7 * np.abs(want).max(), rtol=2**-7)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(hidden=128), "D=128 must be a multiple of 256"),
+    (dict(inter=64), "I=64"),
+    (dict(fp8_activations=False), "W8A16"),
+    (dict(x_dtype=F32), "float32"),
+])  # fmt: skip
+def test_mgpu_refuses_what_it_cannot_run(change, match):
+    hidden, inter, experts = change.get("hidden", 256), change.get("inter", 128), 4
+    wd = FP8 if "fp8_activations" in change else change.get("x_dtype", jnp.bfloat16)
+    x = jnp.zeros((8, hidden), change.get("x_dtype", jnp.bfloat16))
+    ids, weights = jnp.zeros((8, 2), jnp.int32), jnp.ones((8, 2), F32)
+    kw = {}
+    if wd == FP8:
+        kw = dict(gate_up_scales=jnp.ones((experts, 2 * inter // 128, hidden // 128), F32),
+                  down_scales=jnp.ones((experts, hidden // 128, inter // 128), F32), fp8_activations=False)
+    with pytest.raises(ValueError, match=match):
+        routed_experts(x, ids, weights, jnp.zeros((experts, 2 * inter, hidden), wd),
+                       jnp.zeros((experts, hidden, inter), wd), LIMIT, impl="mgpu", **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        routed_experts(x, ids, weights, jnp.zeros((experts, 2 * inter, hidden), wd),
+                       jnp.zeros((experts, hidden, inter), wd), LIMIT, impl="cuda", **kw)  # fmt: skip
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("mode", ["bf16", "w8a8"])
+def test_gpu_routed_experts_default_impl(mode):
+    """On Hopper the default impl is the Mosaic path: 4 column tiles of gate_up, 2 of down, 16 / 8 K steps."""
+    experts, hidden, inter, tokens, top_k = 32, 1024, 512, 700, 6
+    ids, weights = make_routing(19, tokens, top_k, experts)
+    x = make_weights(19, (tokens, hidden), jnp.bfloat16, 1.0)
+    gate_up = make_weights(20, (experts, 2 * inter, hidden), F32, 0.05)
+    down = make_weights(21, (experts, hidden, inter), F32, 0.05)
+    kw = {}
+    if mode == "bf16":
+        gate_up, down = gate_up.astype(jnp.bfloat16), down.astype(jnp.bfloat16)
+    else:
+        (gate_up, kw["gate_up_scales"]), (down, kw["down_scales"]) = quantize_weights(gate_up), quantize_weights(down)
+    got = np.asarray(routed_experts(x, ids, weights, gate_up, down, LIMIT, **kw), F32)
+    mgpu = np.asarray(routed_experts(x, ids, weights, gate_up, down, LIMIT, impl="mgpu", **kw), F32)
+    np.testing.assert_array_equal(got, mgpu)
+    want = np.asarray(routed_experts_reference(x, ids, weights, gate_up, down, LIMIT, **kw), F32)
+    assert not np.isnan(got).any()
+    if mode == "w8a8":  # as tests/test_pallas_moe.py's GPU test: h re-quantized after another summation order
+        assert np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)) < 1e-2
+        assert np.mean(np.abs(got - want) > 2**-5 * np.abs(want).max()) < 1e-3
+    else:
+        np.testing.assert_allclose(got, want, atol=2**-5 * np.abs(want).max(), rtol=0)
