@@ -6,7 +6,8 @@ CPU (not gpu-marked):
 - the Mosaic GPU interpreter, whose buffers start as NaN (InterpretGPUParams.uninitialized_memory = "nan"), so a
   row the kernel fails to write stays NaN: both kernels on skewed loads (empty experts, one expert over several
   tiles, a group of one row), three CTAs walking many items through a two-slot ring; bf16 in both accumulation
-  forms and W8A8; then `routed_experts(impl="mgpu")` end to end with dropped ids, against
+  forms and W8A8 (whose gate_up epilogue quantizes h: bit for bit `quantize_per_token_group`); then
+  `routed_experts(impl="mgpu")` end to end with dropped ids, against
   `routed_experts_reference`;
 - refusals name the reason.
 GPU-marked: `routed_experts` with the default impl (the Mosaic kernels on Hopper) against the reference, bf16 and
@@ -129,6 +130,11 @@ def test_kernels_interpreted(mode, form):
     if mode == "w8a8":
         h_in, hs = quantize_per_token_group(h_in)
         dkw = dict(h_scales=hs, down_scales=ds)
+        # the epilogue's quantization of h: bit for bit quantize_per_token_group of the kernel's own bf16 h
+        hq, hqs = grouped_gate_up_mgpu(x, gate_up, tiles, limit=LIMIT, quantize_out=True, config=config,
+                                       interpret=_interpret(), **kw)  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(hq[rows], F32), np.asarray(h_in[rows], F32))
+        np.testing.assert_array_equal(np.asarray(hqs)[rows], np.asarray(hs)[rows])
     y = np.asarray(grouped_down_mgpu(h_in, down, tiles, config=config, interpret=_interpret(), **dkw), F32)
     y_want = np.asarray(grouped_down_reference(h_in, down, sizes, out_dtype=F32, **dkw), F32)
     assert not np.isnan(y[rows]).any(), "down left rows of a used tile unwritten"

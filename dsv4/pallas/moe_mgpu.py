@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsv4.pallas._device import sm_count
-from dsv4.pallas.moe import FP8, QUANT_BLOCK, quantize_per_token_group
+from dsv4.pallas.moe import _AMAX_FLOOR, FP8, FP8_MAX, QUANT_BLOCK, quantize_per_token_group
 
 __all__ = [
     "PART_N",
@@ -125,9 +125,11 @@ def padded_layout(flat_ids: jax.Array, num_experts: int, block_m: int = TILE_M):
 # The kernel.
 # ---------------------------------------------------------------------------------------------
 def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, limit, out_dtype,
-                  config: MgpuMoeConfig, interpret):  # fmt: skip
+                  config: MgpuMoeConfig, interpret, quantize_out: bool = False):  # fmt: skip
     """x [Mp, K] (bf16 / f16, or fp8 with x_scales_t [K // 128, Mp]); w [E, N_all, K] (x's dtype, or fp8 with
-    w_scales [E, N_all // 128, K // 128]); tile_expert [Mp // 128]. → [Mp, N_out] (gate_up: N_out = N_all / 2)."""
+    w_scales [E, N_all // 128, K // 128]); tile_expert [Mp // 128]. → [Mp, N_out] (gate_up: N_out = N_all / 2).
+    quantize_out (gate_up): → (fp8 [Mp, N_out], scales_t [N_out // 128, Mp] f32), quantized per row and 128-group
+    as `quantize_per_token_group` does to h rounded to out_dtype."""
     mp, k = x.shape
     n_all = w.shape[1]
     fp8 = x.dtype == FP8
@@ -142,7 +144,8 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
     num_ctas = max(1, min(config.num_ctas or sm_count(), items))
     slots = config.num_slots or (4 if gate_up else 3)
     per_step = fp8 or config.acc_form == "per_step"
-    out_itemsize = jnp.dtype(out_dtype).itemsize
+    store_dtype = FP8 if quantize_out else out_dtype
+    out_itemsize = jnp.dtype(store_dtype).itemsize
     half_rows = TILE_M // 2
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = wgmma_layout.reduce(1)
@@ -153,8 +156,8 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
             return nt * PART_N, half_n + nt * PART_N
         return nt * 2 * PART_N, nt * 2 * PART_N + PART_N
 
-    def body(te_ref, x_ref, w_ref, xs_ref, ws_ref, out_ref, x_smem, a_smem, b_smem, xs_smem, o_smem, full_bar,
-             consumed_bar):  # fmt: skip
+    def body(te_ref, x_ref, w_ref, xs_ref, ws_ref, out_ref, os_ref, x_smem, a_smem, b_smem, xs_smem, o_smem, os_smem,
+             full_bar, consumed_bar):  # fmt: skip
         c, wg = lax.axis_index("c"), lax.axis_index("wg")
         n_mine = lax.div(jnp.int32(items) - c + (num_ctas - 1), jnp.int32(num_ctas))
 
@@ -206,14 +209,18 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                     part_a = fresh(slot, a_smem)
                     if fp8:
                         xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)  # [64] this step's x scales
-                        xs = lax.broadcast_in_dim(xs, (half_rows, PART_N), [0])
-                        tot_a = tot_a + part_a * (xs * ws_ref[e, lax.div(a0, QUANT_BLOCK), ks])
+
+                        def promote(total, part, w_row0):
+                            row_scale = xs * ws_ref[e, lax.div(w_row0, QUANT_BLOCK), ks]  # [64]
+                            return total + part * lax.broadcast_in_dim(row_scale, (half_rows, PART_N), [0])
+
+                        tot_a = promote(tot_a, part_a, a0)
                     else:
                         tot_a = tot_a + part_a
                     part_b = fresh(slot, b_smem)
                     plgpu.barrier_arrive(consumed_bar.at[slot])
                     if fp8:
-                        tot_b = tot_b + part_b * (xs * ws_ref[e, lax.div(b0, QUANT_BLOCK), ks])
+                        tot_b = promote(tot_b, part_b, b0)
                     else:
                         tot_b = tot_b + part_b
                     return tot_a, tot_b
@@ -222,11 +229,19 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                 return lax.fori_loop(0, k_steps, k_body, (zero, zero))
 
             def store(value, mt, col):
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem[wi]
-                o_smem[wi] = value.astype(out_dtype)
+                """value [64, 128] f32 → out rows of this warpgroup, columns col.. (fp8 + scales if quantize_out)."""
+                out_rows = pl.ds(mt * TILE_M + wi * half_rows, half_rows)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous stores have read o_smem[wi]
+                if quantize_out:  # quantize_per_token_group of the out_dtype-rounded row group
+                    value = value.astype(out_dtype).astype(F32)
+                    scale = jnp.maximum(jnp.abs(value).max(axis=1), _AMAX_FLOOR) / FP8_MAX  # [64]
+                    value = value / lax.broadcast_in_dim(scale, value.shape, [0])
+                    os_smem[wi] = scale
+                o_smem[wi] = value.astype(store_dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wi],
-                                        out_ref.at[pl.ds(mt * TILE_M + wi * half_rows, half_rows), pl.ds(col, PART_N)])
+                plgpu.copy_smem_to_gmem(o_smem.at[wi], out_ref.at[out_rows, pl.ds(col, PART_N)])
+                if quantize_out:
+                    plgpu.copy_smem_to_gmem(os_smem.at[wi], os_ref.at[lax.div(col, PART_N), out_rows])
 
             def item_fn(j, step):
                 mt, nt, e = item_at(j)
@@ -296,29 +311,32 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
         plgpu.SMEM((slots, TILE_M, bk), x.dtype, transforms=tiled_in),
         plgpu.SMEM((slots, PART_N, bk), w.dtype, transforms=tiled_in),
         plgpu.SMEM((slots, PART_N, bk), w.dtype, transforms=tiled_in),
-        plgpu.SMEM((slots, TILE_M), F32),  # x scales of the step (fp8; unused by bf16)
-        plgpu.SMEM((2, half_rows, PART_N), out_dtype, transforms=_tiled(out_minor, out_itemsize)),
+        plgpu.SMEM((slots, TILE_M) if fp8 else (1, 8), F32),  # x scales of the step (fp8; else a stub)
+        plgpu.SMEM((2, half_rows, PART_N), store_dtype, transforms=_tiled(out_minor, out_itemsize)),
+        plgpu.SMEM((2, half_rows) if quantize_out else (1, 8), F32),  # quantized output's row scales (or a stub)
         plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # slot full: every TMA of the step has landed
         plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # slot consumed by both consumer warpgroups
     ]
 
     def kernel_body(te_ref, x_ref, w_ref, *rest):
-        if fp8:
-            xs_ref, ws_ref, out_ref, *scr = rest
-        else:
-            xs_ref, ws_ref, (out_ref, *scr) = None, None, rest
-        return body(te_ref, x_ref, w_ref, xs_ref, ws_ref, out_ref, *scr)
+        xs_ref, ws_ref, rest = (rest[0], rest[1], rest[2:]) if fp8 else (None, None, rest)
+        out_ref, os_ref, scr = (rest[0], rest[1], rest[2:]) if quantize_out else (rest[0], None, rest[1:])
+        return body(te_ref, x_ref, w_ref, xs_ref, ws_ref, out_ref, os_ref, *scr)
 
     args = (tile_expert, x, w) + ((x_scales_t, w_scales) if fp8 else ())
+    out_type = jax.ShapeDtypeStruct((mp, n_out), store_dtype)
+    if quantize_out:
+        out_type = (out_type, jax.ShapeDtypeStruct((n_out // QUANT_BLOCK, mp), F32))
     return plgpu.kernel(
         kernel_body,
-        out_type=jax.ShapeDtypeStruct((mp, n_out), out_dtype),
+        out_type=out_type,
         scratch_types=scratch,
         grid=(num_ctas,),
         grid_names=("c",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        # NOTE: exact math: the quantizing epilogue divides by the scale exactly as quantize_per_token_group does.
+        compiler_params=plgpu.CompilerParams(approx_math=False, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )(*args)
 
@@ -349,20 +367,23 @@ def _check_weights(x, w, w_scales, name):
                          f"weights {w.dtype}, scales {'given' if w_scales is not None else 'none'}")  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("limit", "quantize_out", "config", "interpret"))
 def grouped_gate_up_mgpu(x_pad, gate_up, tile_expert, *, limit: float, x_scales=None, gate_up_scales=None,
-                         config: MgpuMoeConfig = MgpuMoeConfig(), interpret=None):  # fmt: skip
+                         quantize_out: bool = False, config: MgpuMoeConfig = MgpuMoeConfig(),
+                         interpret=None):  # fmt: skip
     """h = silu(min(x·Wgᵀ, limit)) · clip(x·Wuᵀ, ±limit) per padded row tile's expert. → [Mp, I] bf16 (x's dtype).
 
     x_pad [Mp, D] in `padded_layout` order (bf16 / f16, or fp8 with x_scales [Mp, D // 128] f32); gate_up
     [E, 2I, D] (x's dtype, or fp8 with gate_up_scales [E, 2I // 128, D // 128]); tile_expert [Mp // 128] int32.
-    Rows of tiles whose expert is -1 are not written.
+    Rows of tiles whose expert is -1 are not written. quantize_out: → (float8_e4m3fn [Mp, I], f32 scales
+    [Mp, I // 128]) = `quantize_per_token_group` of that h, computed in the epilogue (W8A8's input to down).
     """
     _check_weights(x_pad, gate_up, gate_up_scales, "grouped_gate_up_mgpu")
     out_dtype = jnp.bfloat16 if x_pad.dtype == FP8 else x_pad.dtype
     xs_t = None if x_scales is None else x_scales.T
-    return _grouped_call(x_pad, gate_up, tile_expert, xs_t, gate_up_scales, gate_up=True, limit=float(limit),
-                         out_dtype=out_dtype, config=config, interpret=interpret)  # fmt: skip
+    out = _grouped_call(x_pad, gate_up, tile_expert, xs_t, gate_up_scales, gate_up=True, limit=float(limit),
+                        out_dtype=out_dtype, config=config, interpret=interpret, quantize_out=quantize_out)  # fmt: skip
+    return (out[0], out[1].T) if quantize_out else out
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -381,7 +402,8 @@ def routed_experts_mgpu(x, expert_ids, weights, gate_up, down, limit: float, *, 
     """`moe.routed_experts` on the Mosaic kernels (bf16 / f16, or W8A8 with FP8 weights). → [N, D].
 
     Checks are `moe.routed_experts`'s (call that with impl="mgpu" for them); this is the composition:
-    padded_layout → gather (quantized per token first for W8A8) → gate_up → (quantize h) → down → combine. The
+    padded_layout → gather (quantized per token first for W8A8) → gate_up (W8A8: h quantized in its epilogue) →
+    down → combine. The
     combine gathers each pair's row of y through row_of_pair, scales it by the routing weight in f32 and sums a
     token's pairs; a dropped pair (id outside [0, E)) adds 0.
     """
@@ -393,9 +415,9 @@ def routed_experts_mgpu(x, expert_ids, weights, gate_up, down, limit: float, *, 
     w8a8 = gate_up.dtype == FP8
     if w8a8:
         xq, xs = quantize_per_token_group(x)
-        h = grouped_gate_up_mgpu(xq[src_token], gate_up, tile_expert, limit=limit, x_scales=xs[src_token],
-                                 gate_up_scales=gate_up_scales, config=config, interpret=interpret)  # fmt: skip
-        hq, hs = quantize_per_token_group(h)
+        hq, hs = grouped_gate_up_mgpu(xq[src_token], gate_up, tile_expert, limit=limit, x_scales=xs[src_token],
+                                      gate_up_scales=gate_up_scales, quantize_out=True, config=config,
+                                      interpret=interpret)  # fmt: skip
         y = grouped_down_mgpu(hq, down, tile_expert, h_scales=hs, down_scales=down_scales, config=config,
                               interpret=interpret)  # fmt: skip
     else:
