@@ -99,6 +99,8 @@ class MoE(nnx.Module):
         self.scaling, self.norm_topk = config.routed_scaling_factor, config.norm_topk_prob
         # Under expert parallelism, tokens per ring step (bounds the per-step memory; dsv4/sharding/expert_parallel.py)
         self.ep_chunk_tokens = DEFAULT_CHUNK_TOKENS
+        # ... and the dtype the partial sums travel in (bfloat16 halves the combine bytes; BENCHMARKS.md, EP)
+        self.ep_combine_dtype = F32
 
     def route(self, x: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x: [N, D], token_ids: [N] → expert ids [N, K] int32, weights [N, K] float32."""
@@ -125,7 +127,8 @@ class MoE(nnx.Module):
             # Expert parallelism: each device keeps its slice of the experts and the tokens come round a ring.
             routed = routed_experts_ep(_ep_local_experts(self.moe_impl, self.limit), x, ids.reshape(b, s, -1),
                                        weights.reshape(b, s, -1), gate_up, down,
-                                       chunk_tokens=self.ep_chunk_tokens).reshape(b * s, d)  # fmt: skip
+                                       chunk_tokens=self.ep_chunk_tokens,
+                                       combine_dtype=self.ep_combine_dtype).reshape(b * s, d)  # fmt: skip
         elif self.moe_impl == "pallas":
             # A custom call: split it over the sequence shards by hand (experts gathered to every shard), else
             # XLA would gather the tokens and run every token's experts on every device.

@@ -211,15 +211,15 @@ def mgpu_parts(n, mode, x, ids, wts, limit, config, interpret, reps, flops, reco
     src, _, tiles = mm.padded_layout(ids.reshape(-1), e)
     xp = x[src // ids.shape[1]]
     kw, hkw = {}, {}
-    if mode == "w8a8":
+    if mode == "w8a8":  # as routed_experts_mgpu: gate_up quantizes h in its epilogue
         xp, sc = pm.quantize_per_token_group(xp)
         kw = dict(x_scales=sc, gate_up_scales=wts["gate_up_scales"])
-    gu = jax.jit(lambda xp, g, t, kw: mm.grouped_gate_up_mgpu(xp, g, t, limit=limit, config=config,
-                                                              interpret=interpret, **kw))  # fmt: skip
+    gu = jax.jit(lambda xp, g, t, kw: mm.grouped_gate_up_mgpu(xp, g, t, limit=limit, quantize_out=mode == "w8a8",
+                                                              config=config, interpret=interpret, **kw))  # fmt: skip
     h, ms = timed(lambda: gu(xp, wts["gate_up"], tiles, kw), reps)
     record(n, mode, "mgpu", vname, "gate_up", ms, flops * 2 / 3)
     if mode == "w8a8":
-        h, hs = pm.quantize_per_token_group(h)
+        h, hs = h
         hkw = dict(h_scales=hs, down_scales=wts["down_scales"])
     dn = jax.jit(lambda h, dw, t, kw: mm.grouped_down_mgpu(h, dw, t, config=config, interpret=interpret, **kw))
     _, ms = timed(lambda: dn(h, wts["down"], tiles, hkw), reps)
