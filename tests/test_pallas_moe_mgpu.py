@@ -62,6 +62,9 @@ def test_padded_layout_by_hand():
     np.testing.assert_array_equal(src[[0, 1, 4, 5, 6, 7, 8]], [1, 6, 0, 2, 4, 5, 8])
     np.testing.assert_array_equal(row_of_pair, [4, 0, 5, 20, 6, 7, 1, 20, 8])
     assert src.shape == (20,) and (src[[2, 3, 9, 10, 11]] == 0).all()  # pad rows hold pair 0
+    # Fewer pairs than experts: T = (3 + 3·3) // 4 = 3 tiles (not (3 + 4·3) // 4 = 3 + E-sized padding)
+    src, row_of_pair, tiles = (np.asarray(a) for a in padded_layout(jnp.asarray([3, 1, 3], jnp.int32), 4, 4))
+    assert tiles.tolist() == [1, 3, -1] and row_of_pair.tolist() == [4, 0, 5] and src[[0, 4, 5]].tolist() == [1, 0, 2]
 
 
 @pytest.mark.parametrize("w8a8", [False, True])

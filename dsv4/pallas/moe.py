@@ -1,5 +1,8 @@
 """Grouped expert GEMMs for DeepSeek-V4's routed experts (dropless), as Triton-lowered Pallas kernels, with references.
 
+On Hopper `routed_experts` hands bf16 / f16 and W8A8 to the Mosaic GPU kernels of `moe_mgpu.py` (impl="auto"); the
+kernels here are the CPU-testable path, W8A16's, and the fallback for shapes those do not take.
+
 Token-expert pairs are sorted by expert, so each expert owns one contiguous run of rows ("group") of the sorted
 activations. Two kernels then do the expert MLP, and `routed_experts` composes them with the sort and the combine:
 

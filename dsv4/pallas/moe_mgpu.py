@@ -9,8 +9,9 @@ for the tensor core instead of for masked loads:
 
 NOTE (padding in memory, unlike the Triton kernels): a TMA store writes whole boxes, so a CTA tile must not end
 inside another expert's rows. Each expert's group is padded to a multiple of TILE_M = 128 rows in the sorted
-layout (`padded_layout`): at most E · 127 extra rows, 8% at 64K tokens top-6 over 256 experts, and the same work
-the Triton kernel's tiles do anyway. Pad rows gather token 0 (finite values); their outputs are never read.
+layout (`padded_layout`): at most min(E, pairs) · 127 extra rows, 8% at 64K tokens top-6 over 256 experts, and the
+same work the Triton kernel's tiles do anyway. Pad rows gather token 0 (finite values); their outputs are never
+read.
 
 One kernel body serves both GEMMs. A CTA tile is 128 rows × two 128-row "parts" of one expert's weight: gate and
 up (gate_up, columns c·128 of h), or the two halves of 256 output columns (down). Per K step one TMA brings the x
@@ -99,7 +100,8 @@ def padded_layout(flat_ids: jax.Array, num_experts: int, block_m: int = TILE_M):
     → (src_pair [Mp] int32: the pair each padded row holds (pad rows: pair 0),
        row_of_pair [P] int32: the padded row of each pair (Mp for a dropped pair),
        tile_expert [T] int32: the expert of row tile t, -1 past the used tiles),
-    with T = (P + E · (block_m - 1)) // block_m static and Mp = T · block_m: sum_e ceil(g_e / bm) ≤ T.
+    with T = (P + min(E, P) · (block_m - 1)) // block_m static and Mp = T · block_m: at most min(E, P) groups are
+    non-empty, so sum_e ceil(g_e / bm) ≤ T (a decode step's 6 pairs take 6 tiles, not E).
     """
     p = flat_ids.shape[0]
     e = num_experts
@@ -110,7 +112,7 @@ def padded_layout(flat_ids: jax.Array, num_experts: int, block_m: int = TILE_M):
     padded = (sizes + block_m - 1) // block_m * block_m
     pad_end = jnp.cumsum(padded)
     pad_start, start = pad_end - padded, jnp.cumsum(sizes) - sizes
-    num_tiles = (p + e * (block_m - 1)) // block_m
+    num_tiles = (p + min(e, p) * (block_m - 1)) // block_m
     mp = num_tiles * block_m
     ec = jnp.minimum(sorted_ids, e - 1)
     prow = jnp.where(sorted_ids < e, pad_start[ec] + jnp.arange(p, dtype=jnp.int32) - start[ec], mp)  # [P] by row
