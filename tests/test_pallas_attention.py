@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gpu_mesh import abstract_gpu_mesh
 
 from dsv4.pallas.attention import SCALE_TILE, BlockSizes, v4_attention, v4_attention_reference
 
@@ -298,7 +299,6 @@ def test_input_validation_names_shapes():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["window", "hca", "csa-fp8-channel", "hca-fp8-tile"])
 def test_lowers_to_triton_at_real_shapes(mode, monkeypatch):
-    from jax._src import mesh as mesh_lib
     from jax._src.pallas.triton import lowering as triton_lowering
 
     modules = []
@@ -330,8 +330,7 @@ def test_lowers_to_triton_at_real_shapes(mode, monkeypatch):
     def fn(*arrays):
         return v4_attention(**dict(zip(names, arrays)), **static)
 
-    h200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((), (), abstract_device=h200)):
+    with abstract_gpu_mesh():
         hlo = jax.jit(fn).trace(*dynamic.values()).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in hlo
     [result] = modules

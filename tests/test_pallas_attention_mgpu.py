@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.mesh import AbstractDevice, AbstractMesh
+from gpu_mesh import abstract_gpu_mesh
 
 from dsv4.pallas.attention import v4_attention_reference
 from dsv4.pallas.attention_mgpu import MgpuConfig, v4_attention_mgpu, window_tiles
@@ -29,12 +29,6 @@ from dsv4.pallas.attention_mgpu import MgpuConfig, v4_attention_mgpu, window_til
 TOL = 3e-2
 gpu = pytest.mark.gpu
 requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU (Mosaic GPU kernel)")
-
-
-def _abstract_gpu_mesh(kind="NVIDIA H200", cores=132):
-    return jax.sharding.use_abstract_mesh(
-        AbstractMesh((), (), abstract_device=AbstractDevice(device_kind=kind, platform="gpu", num_cores=cores))
-    )
 
 
 def make_inputs(seed, *, batch=1, seq=37, heads=64, head_dim=512, rate=None, offset=0, dtype=jnp.bfloat16):
@@ -71,7 +65,7 @@ def test_lowers_for_cuda_at_real_shapes(variant, hca, s):
                                  compress_rate=128 if hca else None, config=MgpuConfig(variant=variant),
                                  check_positions=hca)  # fmt: skip  # HCA cases also lower the Triton fallback
 
-    with _abstract_gpu_mesh():
+    with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -90,7 +84,7 @@ def test_lowers_for_cuda_with_window_rows(hca):
                                  compress_rate=128 if hca else None, check_positions=False,
                                  window_rows=window_rows)  # fmt: skip
 
-    with _abstract_gpu_mesh():
+    with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -122,7 +116,7 @@ def test_interpreter_matches_reference(variant, fold, monkeypatch):
     window, rate, bk = 40, 4, 32  # window not a multiple of the block: 2 tiles, unaligned band starts
     q, kv, q_pos, sinks, compressed = make_inputs(1, seq=21, head_dim=128, rate=rate)
     config = MgpuConfig(variant=variant, block_kv=bk, pv_form="interpret")
-    with _abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
+    with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
         out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
                                 compress_rate=rate, config=config, check_positions=False,
                                 interpret=InterpretGPUParams())  # fmt: skip
@@ -142,7 +136,7 @@ def test_interpreter_with_a_halo_before_q(variant):
     kv = jnp.asarray(np.random.default_rng(3).standard_normal((1, off + seq, 128)), jnp.bfloat16)
     kv_pos = jnp.asarray(p0 - off + np.arange(off + seq, dtype=np.int32))[None]
     config = MgpuConfig(variant=variant, block_kv=bk, pv_form="interpret")
-    with _abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
+    with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
         out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
                                 compress_rate=rate, config=config, check_positions=False, kv_offset=off,
                                 interpret=InterpretGPUParams())  # fmt: skip
@@ -179,7 +173,7 @@ def test_interpreter_with_window_rows_for_two_blocks(first_halo_empty):
     lo = np.maximum(row - (window - 1), np.asarray(region)[t // rows])
     window_rows = (jnp.asarray(lo, jnp.int32)[None], jnp.asarray(row + 1, jnp.int32)[None])
     config = MgpuConfig(variant="ws", block_kv=bk, pv_form="interpret")
-    with _abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
+    with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
         out = v4_attention_mgpu(q, kv, jnp.asarray(q_pos), sinks, sliding_window=window, scale=128**-0.5,
                                 compressed=compressed, compress_rate=rate, config=config, check_positions=False,
                                 window_rows=window_rows, interpret=InterpretGPUParams())  # fmt: skip

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gpu_mesh import abstract_gpu_mesh
 
 from dsv4.pallas.attention import SCALE_TILE, v4_attention_reference
 from dsv4.pallas.decode import BlockSizes, default_num_splits, paged_decode_attention, paged_decode_attention_reference
@@ -280,7 +281,6 @@ def test_default_num_splits_fills_one_wave():
 
 @pytest.mark.parametrize("mode", ["window", "hca", "csa-fp8"])
 def test_lowers_to_triton_at_real_shapes(mode, monkeypatch):
-    from jax._src import mesh as mesh_lib
     from jax._src.pallas.triton import lowering as triton_lowering
 
     modules = []
@@ -314,8 +314,7 @@ def test_lowers_to_triton_at_real_shapes(mode, monkeypatch):
     def fn(*arrays):
         return paged_decode_attention(**dict(zip(names, arrays)), sliding_window=128, scale=d**-0.5)
 
-    h200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((), (), abstract_device=h200)):
+    with abstract_gpu_mesh():
         hlo = jax.jit(fn).trace(*dynamic.values()).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in hlo
     [result] = modules

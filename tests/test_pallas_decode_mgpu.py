@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gpu_mesh import abstract_gpu_mesh
 from test_pallas_decode import make_cache
 
 from dsv4.pallas.decode import paged_decode_attention, paged_decode_attention_reference
@@ -32,14 +33,6 @@ from dsv4.pallas.decode_mgpu import MgpuDecodeConfig, decode_meta, mgpu_decode_s
 gpu = pytest.mark.gpu
 requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a Hopper GPU (Mosaic GPU kernel)")
 TOL = 3e-2
-
-
-def _abstract_gpu_mesh(kind="NVIDIA H200", cores=132):
-    from jax._src.mesh import AbstractDevice, AbstractMesh
-
-    return jax.sharding.use_abstract_mesh(
-        AbstractMesh((), (), abstract_device=AbstractDevice(device_kind=kind, platform="gpu", num_cores=cores))
-    )
 
 
 def test_decode_meta_by_hand():
@@ -72,7 +65,7 @@ def test_lowers_for_h200(hca):
         kw = dict(zip(("compressed_pages", "compressed_block_tables", "compressed_lens"), compressed))
         return paged_decode_attention_mgpu(q, kv, tables, lens, sinks, sliding_window=128, scale=0.04, **kw)
 
-    with _abstract_gpu_mesh():
+    with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 

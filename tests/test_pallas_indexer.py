@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gpu_mesh import abstract_gpu_mesh
 
 from dsv4.pallas.indexer import (
     BlockSizes,
@@ -331,7 +332,6 @@ def test_input_validation_names_shapes():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype, k", [(jnp.bfloat16, 512), (jnp.float8_e4m3fn, 2048)])
 def test_lowers_to_triton_at_real_shapes(dtype, k, monkeypatch):
-    from jax._src import mesh as mesh_lib
     from jax._src.pallas.triton import lowering as triton_lowering
 
     modules = []
@@ -354,8 +354,7 @@ def test_lowers_to_triton_at_real_shapes(dtype, k, monkeypatch):
     def fn(*arrays):
         return index_topk(**dict(zip(names, arrays)), rate=4, k=k, softmax_scale=d**-0.5)
 
-    h200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((), (), abstract_device=h200)):
+    with abstract_gpu_mesh():
         hlo = jax.jit(fn).trace(*dynamic.values()).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in hlo
     [result] = modules

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gpu_mesh import abstract_gpu_mesh
 from test_pallas_indexer import assert_true_top_k
 
 from dsv4.pallas.indexer import index_scores_reference, index_topk_reference, index_topk_two_pass
@@ -55,7 +56,7 @@ def _interpreter_case() -> None:
     inputs = integer_inputs(0)
     kw = dict(rate=4, softmax_scale=0.25)
     config = MgpuScoreConfig(tokens=4, span=128, num_slots=2)
-    with _abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
+    with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
         got = np.asarray(index_scores_mgpu(**inputs, **kw, config=config, interpret=InterpretGPUParams()))
         picks = np.asarray(index_topk_two_pass(**inputs, **kw, k=20, interpret=True, scores_impl="mgpu",
                                                mgpu_config=config))  # fmt: skip
@@ -95,14 +96,6 @@ def test_model_indexer_with_pallas_fp8_keeps_what_jnp_keeps():
     assert (picks["jnp"] >= 0).any() and (picks["jnp"] == -1).any()
 
 
-def _abstract_gpu_mesh(kind="NVIDIA H200", cores=132):
-    from jax._src.mesh import AbstractDevice, AbstractMesh
-
-    return jax.sharding.use_abstract_mesh(
-        AbstractMesh((), (), abstract_device=AbstractDevice(device_kind=kind, platform="gpu", num_cores=cores))
-    )
-
-
 def test_fp8_indexer_picks_a_true_top_k_of_the_quantized_inputs():
     """`dsv4.attention.index_topk_fp8` (the model's indexer_impl="pallas-fp8"; on CPU its scores come from the
     Triton kernel, interpreted): q quantized per (token, head), keys per entry, and the picks are a true top-k of
@@ -137,7 +130,7 @@ def test_lowers_for_h200():
         return index_scores_mgpu(q, keys, weights, positions, rate=4, softmax_scale=0.1, q_scale=q_scale,
                                  k_scale=k_scale)  # fmt: skip
 
-    with _abstract_gpu_mesh():
+    with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 

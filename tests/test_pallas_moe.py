@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gpu_mesh import abstract_gpu_mesh
 
 from dsv4.pallas.moe import (
     QUANT_BLOCK,
@@ -392,7 +393,6 @@ def test_lowers_to_triton_at_v4_shapes(mode, monkeypatch):
     [256, 4096, 4096] is 2^32 elements in 2^32 bytes, which JAX's lowering addressed with i32 offsets (it switches
     to i64 only above 2^32 *bytes*), so experts >= 128 read below the array. "w8a8-long" (100K tokens) puts the fp8
     activations x [600K, 4096] past 2^31 elements too."""
-    from jax._src import mesh as mesh_lib
     from jax._src.pallas.triton import lowering as triton_lowering
 
     modules = []
@@ -421,14 +421,13 @@ def test_lowers_to_triton_at_v4_shapes(mode, monkeypatch):
     if mode == "w8a8":
         gate_up["x_scales"], down["h_scales"] = sds((rows, hidden // 128), F32), sds((rows, inter // 128), F32)
 
-    h200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     for entry, arrays, static in [(grouped_gate_up, gate_up, dict(limit=10.0)), (grouped_down, down, {})]:
         names = tuple(arrays)
 
         def fn(*values, entry=entry, names=names, static=static):
             return entry(**dict(zip(names, values)), **static, block_sizes=block_sizes)
 
-        with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((), (), abstract_device=h200)):
+        with abstract_gpu_mesh():
             hlo = jax.jit(fn).trace(*arrays.values()).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in hlo
     tiles = (rows + 63 * (experts + 1)) // 64  # the static tile bound at block_m = 64
@@ -458,7 +457,6 @@ def test_lowers_to_triton_at_v4_shapes(mode, monkeypatch):
 def test_fp8_fast_accum_only_on_this_files_fp8_dots(fast, monkeypatch):
     """BlockSizes.fp8_fast_accum sets maxNumImpreciseAcc = 2^30 on the W8A8 dot (Triton's sm90 default for
     `tl.dot`), False keeps Pallas's 0; other Pallas kernels (here a plain fp8 matmul) keep 0."""
-    from jax._src import mesh as mesh_lib
     from jax._src.pallas.triton import lowering as triton_lowering
     from jax.experimental import pallas as pl
 
@@ -485,8 +483,7 @@ def test_fp8_fast_accum_only_on_this_files_fp8_dots(fast, monkeypatch):
         other = pl.pallas_call(other_kernel, out_shape=sds((64, 64), F32), name="other")(h[:64, :64], h[64:, :64].T)
         return y, other
 
-    h200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((), (), abstract_device=h200)):
+    with abstract_gpu_mesh():
         jax.jit(fn).trace(*arrays.values()).lower(lowering_platforms=("cuda",))
     down_text = texts["grouped_down" if fast else "grouped_down_fp8_promote32"]
     assert down_text.count("xf8E4M3FN> * tensor") == 1

@@ -194,6 +194,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
             def tile_result(step, e, nt):
                 """The K loop of one item → (part A, part B) [64, 128] f32 in registers."""
                 if not per_step:
+
                     def run(acc_a, acc_b):
                         @pl.loop(0, k_steps)
                         def _(ks):
