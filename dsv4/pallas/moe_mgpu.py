@@ -72,14 +72,11 @@ class MgpuMoeConfig:
     acc_form:  bf16 only. "in_place": the wgmma accumulates over all K steps in its accumulator (the GPU form);
                "per_step": a fresh accumulator per step, added in registers (the form the CPU Mosaic interpreter
                runs, and always the form of the fp8 path, which scales each step).
-    prefetch_scales: fp8 only. True: each K step's two weight block scales (scalar global loads) are read one step
-               ahead, so their latency overlaps the step before; False: read where they are used (measurement).
     """
 
     num_slots: int | None = None
     num_ctas: int | None = None
     acc_form: str = "in_place"
-    prefetch_scales: bool = True
 
     def __post_init__(self):
         if self.num_slots is not None and not 2 <= self.num_slots <= 6:
@@ -209,42 +206,30 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                                          plgpu.ACC((half_rows, PART_N), F32))  # fmt: skip
                 a0, b0 = part_rows(nt)
 
-                def w_scales(ks):
-                    """The two weight block scales of K step ks (global loads; clamped past the last step)."""
-                    ks = jnp.minimum(ks, k_steps - 1)
-                    return (ws_ref[e, lax.div(a0, QUANT_BLOCK), ks], ws_ref[e, lax.div(b0, QUANT_BLOCK), ks])
-
-                def k_body(ks, carry):
-                    tot_a, tot_b, ws_now = carry
-                    ws_next = ws_now
-                    if fp8 and config.prefetch_scales:
-                        ws_next = w_scales(ks + 1)  # used next step: its latency hides behind this one
+                def k_body(ks, totals):
+                    tot_a, tot_b = totals
                     slot = wait_step(step + ks)
                     part_a = fresh(slot, a_smem)
-                    if fp8 and not config.prefetch_scales:
-                        ws_now = w_scales(ks)  # loaded where it is needed (the first version)
                     if fp8:
                         xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)  # [64] this step's x scales
 
-                        def promote(total, part, w_scale):
-                            row_scale = xs * w_scale  # [64]
+                        def promote(total, part, w_row0):
+                            row_scale = xs * ws_ref[e, lax.div(w_row0, QUANT_BLOCK), ks]  # [64]
                             return total + part * lax.broadcast_in_dim(row_scale, (half_rows, PART_N), [0])
 
-                        tot_a = promote(tot_a, part_a, ws_now[0])
+                        tot_a = promote(tot_a, part_a, a0)
                     else:
                         tot_a = tot_a + part_a
                     part_b = fresh(slot, b_smem)
                     plgpu.barrier_arrive(consumed_bar.at[slot])
                     if fp8:
-                        tot_b = promote(tot_b, part_b, ws_now[1])
+                        tot_b = promote(tot_b, part_b, b0)
                     else:
                         tot_b = tot_b + part_b
-                    return tot_a, tot_b, ws_next
+                    return tot_a, tot_b
 
                 zero = plgpu.layout_cast(jnp.zeros((half_rows, PART_N), F32), wgmma_layout)
-                ws0 = w_scales(jnp.int32(0)) if fp8 else (jnp.float32(1), jnp.float32(1))
-                tot_a, tot_b, _ = lax.fori_loop(0, k_steps, k_body, (zero, zero, ws0))
-                return tot_a, tot_b
+                return lax.fori_loop(0, k_steps, k_body, (zero, zero))
 
             def store(value, mt, col):
                 """value [64, 128] f32 → out rows of this warpgroup, columns col.. (fp8 + scales if quantize_out)."""
