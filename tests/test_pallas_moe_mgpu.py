@@ -181,6 +181,11 @@ def test_mgpu_refuses_what_it_cannot_run(change, match):
     with pytest.raises(ValueError, match=match):
         routed_experts(x, ids, weights, jnp.zeros((experts, 2 * inter, hidden), wd),
                        jnp.zeros((experts, hidden, inter), wd), LIMIT, impl="mgpu", **kw)  # fmt: skip
+    if wd == FP8:  # a wrong scale shape is named, not read out of bounds
+        kw = dict(kw, fp8_activations=True, down_scales=kw["down_scales"][:, :1])
+        with pytest.raises(ValueError, match="down_scales float32"):
+            routed_experts(x, ids, weights, jnp.zeros((experts, 2 * inter, hidden), wd),
+                           jnp.zeros((experts, hidden, inter), wd), LIMIT, impl="mgpu", **kw)  # fmt: skip
     with pytest.raises(ValueError, match="impl='cuda'"):
         routed_experts(x, ids, weights, jnp.zeros((experts, 2 * inter, hidden), wd),
                        jnp.zeros((experts, hidden, inter), wd), LIMIT, impl="cuda", **kw)  # fmt: skip

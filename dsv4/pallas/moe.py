@@ -731,8 +731,15 @@ def routed_experts(
             raise ValueError(f"routed_experts(impl='mgpu'): {why}")
         defaults = block_sizes == BlockSizes() and down_block_sizes is None
         if impl == "mgpu" or (not why and defaults and not interpret and is_hopper()):
-            if gate_up.dtype == FP8 and (gate_up_scales is None or down_scales is None):
-                raise ValueError("routed_experts: FP8 weights need gate_up_scales and down_scales")
+            if down.dtype != gate_up.dtype:
+                raise ValueError(f"routed_experts(impl='mgpu'): gate_up is {gate_up.dtype} but down is {down.dtype}")
+            if gate_up.dtype == FP8:
+                want = {"gate_up_scales": (e, two_i // QUANT_BLOCK, d // QUANT_BLOCK),
+                        "down_scales": (e, d // QUANT_BLOCK, two_i // 2 // QUANT_BLOCK)}  # fmt: skip
+                for name, scales in (("gate_up_scales", gate_up_scales), ("down_scales", down_scales)):
+                    if scales is None or scales.shape != want[name] or scales.dtype != F32:
+                        got = None if scales is None else f"{scales.dtype} {scales.shape}"
+                        raise ValueError(f"routed_experts: FP8 weights need {name} float32 {want[name]}, got {got}")
             params = None
             if interpret:
                 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
