@@ -478,8 +478,7 @@ def module_name(path: tuple) -> str:
 
 
 def declared_tensors(model: nnx.Module) -> Iterator[tuple[tuple, nnx.Variable]]:
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
-        yield path, var
+    yield from nnx.to_flat_state(nnx.state(model, nnx.Variable))  # (path, variable) pairs
 
 
 # ---------------------------------------------------------------------------------------------

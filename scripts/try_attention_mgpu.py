@@ -135,7 +135,7 @@ def main():
     t = bench(lambda: mm(a, a), max(args.iters, 5))
     mm_rate = 2 * 8192**3 / t / 1e12
     log(f"  matmul: {t * 1e3:.2f} ms  {mm_rate:.0f} TFLOP/s")
-    del a
+    a = None  # free the operand (a name, not `del`: the timed lambda closes over it)
 
     seqs = [int(x) for x in args.seqs.split(",")] if args.seqs else ([8192, 32768] if args.quick else
                                                                        [8192, 32768, 131072])  # fmt: skip
@@ -160,7 +160,7 @@ def main():
                         f"({100 * rate / mm_rate:5.1f}% of matmul)")  # fmt: skip
                 except Exception as e:  # noqa: BLE001
                     log(f"  S={seq} {mode} {name}: ERROR {type(e).__name__}: {str(e)[:400]}")
-            del data
+            data = None  # free the inputs before the next shape (the runners close over the name)
 
     log("== table (useful TFLOP/s; % of same-run bf16 matmul", f"{mm_rate:.0f} TFLOP/s) ==")
     print(f"{'S':>7} {'mode':6} {'variant':24} {'ms':>9} {'TFLOP/s':>8} {'%mm':>6}")
