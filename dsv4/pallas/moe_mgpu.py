@@ -69,9 +69,10 @@ class MgpuMoeConfig:
     num_slots: ring stages (each holds x [128, bk] and two weight parts [128, bk]: 48 KiB for bf16 at bk = 64 and
                for fp8 at bk = 128). None: 4 for gate_up (bf16 h staging 32 KiB), 3 for down (f32 y staging 64 KiB).
     num_ctas:  persistent CTAs (None: the device's SM count).
-    acc_form:  bf16 only. "in_place": the wgmma accumulates over all K steps in its accumulator (the GPU form);
-               "per_step": a fresh accumulator per step, added in registers (the form the CPU Mosaic interpreter
-               runs, and always the form of the fp8 path, which scales each step).
+    acc_form:  bf16 only. "in_place" (the default): the wgmma accumulates over all K steps in its accumulator;
+               "per_step": a fresh accumulator per step, added in registers: the form the fp8 path always uses
+               (it scales each step), kept for bf16 as a measured alternative (slower on H200: KERNEL_NOTES M12).
+               Both run in the CPU Mosaic interpreter.
     """
 
     num_slots: int | None = None
