@@ -233,7 +233,7 @@ def make_routing(seed, tokens, top_k, experts, kind="random"):
 
 def run_routed(x, ids, weights, gate_up, down, **kw):
     static = dict(limit=LIMIT, block_sizes=SMALL, interpret=True)
-    static.update({k: kw.pop(k) for k in ("block_sizes", "fp8_activations") if k in kw})
+    static.update({k: kw.pop(k) for k in ("block_sizes", "fp8_activations", "out_dtype") if k in kw})
     args = dict(x=x, expert_ids=ids, weights=weights, gate_up=gate_up, down=down, **kw)
     compiled = routed_experts.trace(**args, **static).lower().compile(compiler_options=FAST_CPU_COMPILE)
     return np.asarray(compiled(**args), np.float32)
@@ -283,6 +283,11 @@ def test_routed_experts_fp8(fp8_activations):
     want = np.asarray(routed_experts_reference(x, ids, weights, gate_up, down, LIMIT, **scales,
                                                fp8_activations=fp8_activations), np.float32)  # fmt: skip
     assert_close(got, want, jnp.bfloat16)
+    if fp8_activations:  # x quantized by the caller (expert parallelism sends it so): the same GEMM inputs
+        xq, xs = quantize_per_token_group(x)
+        pre = run_routed(xq, ids, weights, gate_up, down, **scales, x_scales=xs, block_sizes=FP8_BLOCKS,
+                         out_dtype=jnp.bfloat16)  # fmt: skip
+        np.testing.assert_array_equal(pre, got)
     # The reference compiled as XLA:GPU compiles it (float convert chains folded) must still round x and h as the
     # kernel path does: without the barriers in it, W8A8 is 4 % off here, as on H200 (the 4.48 % of M9).
     args = (x, ids, weights, gate_up, down)
@@ -361,6 +366,15 @@ def test_input_validation_names_shapes():
         grouped_down(jnp.zeros((10, 64), F32), jnp.zeros((2, 48, 64), F32), sizes, interpret=True)
     with pytest.raises(ValueError, match=r"down.shape=\(2, 64, 16\) must be \(E, D, I\) = \(2, 64, 32\)"):
         routed_experts(x, jnp.zeros((10, 2), jnp.int32), jnp.ones((10, 2)), gate_up, jnp.zeros((2, 64, 16)), 1.0)
+    ids2, w2 = jnp.zeros((10, 2), jnp.int32), jnp.ones((10, 2))
+    xq, gq, dq = jnp.zeros((10, 128), FP8), jnp.zeros((2, 256, 128), FP8), jnp.zeros((2, 128, 128), FP8)
+    fp8 = dict(gate_up_scales=jnp.ones((2, 2, 1)), down_scales=jnp.ones((2, 1, 1)), out_dtype=F32)
+    with pytest.raises(ValueError, match=r"pre-quantized x needs x_scales float32 \(10, 1\), got None"):
+        routed_experts(xq, ids2, w2, gq, dq, 1.0, **fp8)
+    with pytest.raises(ValueError, match=r"only W8A8 takes .* fp8_activations=False"):
+        routed_experts(xq, ids2, w2, gq, dq, 1.0, **fp8, x_scales=jnp.ones((10, 1)), fp8_activations=False)
+    with pytest.raises(ValueError, match="x_scales given but x is bfloat16"):
+        routed_experts(xq.astype(jnp.bfloat16), ids2, w2, gq, dq, 1.0, **fp8, x_scales=jnp.ones((10, 1)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -682,6 +682,7 @@ def routed_experts(
     gate_up_scales: jax.Array | None = None,
     down_scales: jax.Array | None = None,
     fp8_activations: bool = True,
+    x_scales: jax.Array | None = None,
     block_sizes: BlockSizes = BlockSizes(),
     down_block_sizes: BlockSizes | None = None,
     interpret: bool = False,
@@ -695,6 +696,9 @@ def routed_experts(
     and down_scales [E, D // 128, I // 128]. Same result as dsv4.moe.routed_experts_jnp.
     fp8_activations (FP8 weights only): quantize x and h per token per 128-group and multiply in fp8 (W8A8, as
     DeepSeek does); False keeps activations in x's dtype and upcasts weight tiles (W8A16).
+    x_scales: x already quantized for W8A8 (x float8_e4m3fn, x_scales float32 [N, D // 128], as
+    `quantize_per_token_group` gives): expert parallelism quantizes a token once where it lives and sends 1-byte
+    values. The SwiGLU output h is then rounded to bf16 before its own quantization; out_dtype must be given.
     out_dtype: the result's dtype (default x's); expert parallelism asks for float32 partial sums.
     A pair whose id is outside [0, E) contributes nothing and costs no FLOPs (it sorts into the empty group).
 
@@ -713,19 +717,33 @@ def routed_experts(
                          f"expert_ids.shape={expert_ids.shape}, weights.shape={weights.shape}")  # fmt: skip
     if expert_ids.dtype != jnp.int32:
         raise ValueError(f"routed_experts: expert_ids must be int32, got {expert_ids.dtype}")
-    if x.dtype not in _ACTIVATION_DTYPES:
-        raise ValueError(f"routed_experts: x.dtype={x.dtype} must be bfloat16, float16 or float32")
     n, k = expert_ids.shape
     e, two_i, d = gate_up.shape
+    prequantized = x.dtype == FP8
+    if prequantized:
+        if gate_up.dtype != FP8 or not fp8_activations:
+            raise ValueError("routed_experts: x is float8_e4m3fn (pre-quantized), which only W8A8 takes (FP8 weights, "
+                             f"fp8_activations=True); got weights {gate_up.dtype}, fp8_activations={fp8_activations}")
+        if x_scales is None or x_scales.shape != (n, d // QUANT_BLOCK) or x_scales.dtype != F32:
+            got = None if x_scales is None else f"{x_scales.dtype} {x_scales.shape}"
+            raise ValueError(f"routed_experts: pre-quantized x needs x_scales float32 {(n, d // QUANT_BLOCK)}, got {got}")
+        if out_dtype is None:
+            raise ValueError("routed_experts: pre-quantized x needs out_dtype (x's own dtype is float8)")
+    elif x_scales is not None:
+        raise ValueError(f"routed_experts: x_scales given but x is {x.dtype}; x_scales go with float8_e4m3fn x")
+    elif x.dtype not in _ACTIVATION_DTYPES:
+        raise ValueError(f"routed_experts: x.dtype={x.dtype} must be bfloat16, float16 or float32 (or float8_e4m3fn "
+                         "with x_scales)")  # fmt: skip
     if down.shape != (e, d, two_i // 2):
         raise ValueError(f"routed_experts: down.shape={down.shape} must be (E, D, I) = {(e, d, two_i // 2)} for "
                          f"gate_up.shape={gate_up.shape}")  # fmt: skip
     if n == 0:
         return jnp.zeros(x.shape, out_dtype or x.dtype)
+    h_dtype = jnp.bfloat16 if prequantized else x.dtype  # the dtype h is rounded to (before quantizing, for W8A8)
     if impl != "triton":
         from dsv4.pallas import moe_mgpu  # noqa: PLC0415 (moe_mgpu imports this module)
 
-        why = moe_mgpu.mgpu_moe_unsupported(d, two_i // 2, w_dtype=gate_up.dtype, x_dtype=x.dtype,
+        why = moe_mgpu.mgpu_moe_unsupported(d, two_i // 2, w_dtype=gate_up.dtype, x_dtype=h_dtype,
                                             fp8_activations=fp8_activations)  # fmt: skip
         if impl == "mgpu" and why:
             raise ValueError(f"routed_experts(impl='mgpu'): {why}")
@@ -747,7 +765,7 @@ def routed_experts(
                 params = InterpretGPUParams()
             return moe_mgpu.routed_experts_mgpu(x, expert_ids, weights, gate_up, down, limit,
                                                 gate_up_scales=gate_up_scales, down_scales=down_scales,
-                                                interpret=params, out_dtype=out_dtype)  # fmt: skip
+                                                x_scales=x_scales, interpret=params, out_dtype=out_dtype)  # fmt: skip
     w8a8 = gate_up.dtype == FP8 and down.dtype == FP8 and fp8_activations
     flat_ids = expert_ids.reshape(-1)  # [N·K]
     # An id outside [0, E) sorts last, past every group, into the zero group: it contributes nothing.
@@ -756,12 +774,12 @@ def routed_experts(
     token_of_row = order // k  # [M = N·K]
     group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)  # [E]
     if w8a8:  # quantize the N tokens once, then gather fp8 rows (half the bytes of a bf16 gather)
-        xq, xs = quantize_per_token_group(x)
+        xq, xs = (x, x_scales) if prequantized else quantize_per_token_group(x)
         x_sorted, x_scales = xq[token_of_row], xs[token_of_row]  # [M, D], [M, D // 128]
     else:
         x_sorted, x_scales = x[token_of_row], None  # [M, D]
     h = grouped_gate_up(x_sorted, gate_up, group_sizes, limit=limit, x_scales=x_scales, gate_up_scales=gate_up_scales,
-                        out_dtype=x.dtype, block_sizes=block_sizes, interpret=interpret)  # fmt: skip  # [M, I]
+                        out_dtype=h_dtype, block_sizes=block_sizes, interpret=interpret)  # fmt: skip  # [M, I]
     h_scales = None
     if w8a8:
         h, h_scales = quantize_per_token_group(h)  # NOTE: could move into gate_up's epilogue (block_n = 128)

@@ -402,14 +402,15 @@ def grouped_down_mgpu(h_pad, down, tile_expert, *, h_scales=None, down_scales=No
 
 @functools.partial(jax.jit, static_argnames=("limit", "config", "interpret", "out_dtype"))
 def routed_experts_mgpu(x, expert_ids, weights, gate_up, down, limit: float, *, gate_up_scales=None, down_scales=None,
-                        config: MgpuMoeConfig = MgpuMoeConfig(), interpret=None, out_dtype=None):  # fmt: skip
+                        x_scales=None, config: MgpuMoeConfig = MgpuMoeConfig(), interpret=None,
+                        out_dtype=None):  # fmt: skip
     """`moe.routed_experts` on the Mosaic kernels (bf16 / f16, or W8A8 with FP8 weights). → [N, D].
 
     Checks are `moe.routed_experts`'s (call that with impl="mgpu" for them); this is the composition:
-    padded_layout → gather (quantized per token first for W8A8) → gate_up (W8A8: h quantized in its epilogue) →
-    down → combine. The
-    combine gathers each pair's row of y through row_of_pair, scales it by the routing weight in f32 and sums a
-    token's pairs; a dropped pair (id outside [0, E)) adds 0.
+    padded_layout → gather (quantized per token first for W8A8, unless x comes quantized with x_scales) → gate_up
+    (W8A8: h quantized in its epilogue) → down → combine. The combine gathers each pair's row of y through
+    row_of_pair, scales it by the routing weight in f32 and sums a token's pairs; a dropped pair (id outside [0, E))
+    adds 0.
     """
     n, k = expert_ids.shape
     d = x.shape[1]
@@ -418,7 +419,7 @@ def routed_experts_mgpu(x, expert_ids, weights, gate_up, down, limit: float, *, 
     src_token = src_pair // k
     w8a8 = gate_up.dtype == FP8
     if w8a8:
-        xq, xs = quantize_per_token_group(x)
+        xq, xs = (x, x_scales) if x_scales is not None else quantize_per_token_group(x)
         hq, hs = grouped_gate_up_mgpu(xq[src_token], gate_up, tile_expert, limit=limit, x_scales=xs[src_token],
                                       gate_up_scales=gate_up_scales, quantize_out=True, config=config,
                                       interpret=interpret)  # fmt: skip
