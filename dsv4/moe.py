@@ -10,6 +10,7 @@ from flax import nnx
 
 from dsv4.config import Config
 from dsv4.layers import F32, Buffer, linear, param
+from dsv4.quantization import BlockQuantized
 from dsv4.sharding.context_parallel import per_sequence_shard
 from dsv4.sharding.expert_parallel import DEFAULT_CHUNK_TOKENS, ep_layout, routed_experts_ep
 
@@ -49,25 +50,34 @@ def routed_experts_jnp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, 
     return jnp.zeros((n, x.shape[1]), F32).at[token_of_pair].add(y).astype(out_dtype or x.dtype)
 
 
-def routed_experts_pallas(x, expert_ids, weights, gate_up, down, limit, out_dtype=None):
-    """The grouped-GEMM Pallas kernels (`dsv4/pallas/moe.py`); interpreted off-GPU."""
+def routed_experts_pallas(x, expert_ids, weights, gate_up, down, limit, out_dtype=None, **fp8):
+    """The grouped-GEMM Pallas kernels (`dsv4/pallas/moe.py`); interpreted off-GPU. fp8: FP8 weights' block
+    scales (gate_up_scales, down_scales), fp8_activations, pre-quantized tokens' x_scales."""
     from dsv4.pallas.moe import routed_experts
 
     return routed_experts(x, expert_ids, weights, gate_up, down, limit, out_dtype=out_dtype,
-                          interpret=jax.default_backend() != "gpu")  # fmt: skip
+                          interpret=jax.default_backend() != "gpu", **fp8)  # fmt: skip
 
 
 MOE_IMPLS = {"jnp": routed_experts_jnp, "pallas": routed_experts_pallas}
 
 
 @functools.cache
-def _ep_local_experts(impl: str, limit: float):
-    """One function object per (impl, limit): the expert-parallel program is cached on it."""
+def _ep_local_experts(impl: str, limit: float, fp8_activations: bool | None = None):
+    """One function object per (impl, limit, W8A8 or W8A16 for FP8 weights): the expert-parallel program is cached
+    on it."""
+    extra = {} if fp8_activations is None else {"fp8_activations": fp8_activations}
 
-    def local_experts(x, ids, weights, gate_up, down):
-        return MOE_IMPLS[impl](x, ids, weights, gate_up, down, limit, out_dtype=F32)
+    def local_experts(x, ids, weights, gate_up, down, **fp8):
+        return MOE_IMPLS[impl](x, ids, weights, gate_up, down, limit, out_dtype=F32, **fp8, **extra)
 
     return local_experts
+
+
+def kernel_ready_fp8(w) -> bool:
+    """A kept-quantized weight the FP8 expert kernels take as it is: e4m3 values in DeepSeek's 128 × 128 blocks."""
+    return (isinstance(w, BlockQuantized) and w.fmt == "fp8" and tuple(w.block) == (128, 128)
+            and w.shape[-1] % 128 == 0 and w.shape[-2] % 128 == 0)  # fmt: skip
 
 
 class MoE(nnx.Module):
@@ -99,8 +109,24 @@ class MoE(nnx.Module):
         self.scaling, self.norm_topk = config.routed_scaling_factor, config.norm_topk_prob
         # Under expert parallelism, tokens per ring step (bounds the per-step memory; dsv4/sharding/expert_parallel.py)
         self.ep_chunk_tokens = DEFAULT_CHUNK_TOKENS
-        # ... and the dtype the partial sums travel in (bfloat16 halves the combine bytes; BENCHMARKS.md, EP)
+        # ... the dtype the partial results travel in (float32: exact; bfloat16 halves those bytes), and the
+        # schedule ("direct": each partial result straight home, or "ring"); BENCHMARKS.md, "Expert parallelism"
         self.ep_combine_dtype = F32
+        self.ep_schedule = "direct"
+        # Experts loaded FP8 (`dsv4.load(keep_quantized=True)`, 128 × 128 blocks) with moe_impl "pallas" run on the
+        # FP8 kernels: W8A8 (activations quantized per token and 128-group, as DeepSeek does) or, with False,
+        # W8A16. Other weights, and the jnp path, read them dequantized.
+        self.fp8_activations = True
+
+    def expert_weights(self) -> tuple[jax.Array, jax.Array, dict]:
+        """(gate_up, down, scales): FP8 values and {"gate_up_scales", "down_scales"} when the experts are kept
+        FP8 in 128 × 128 blocks and the Pallas kernels run them; else the weights in the model's dtype
+        (dequantized if kept quantized) and {}."""
+        gu_var, dn_var = self.experts["gate_up_proj"], self.experts["down_proj"]
+        gu, dn = gu_var.get_value(), dn_var.get_value()
+        if self.moe_impl == "pallas" and kernel_ready_fp8(gu) and kernel_ready_fp8(dn):
+            return gu.q, dn.q, {"gate_up_scales": gu.scale, "down_scales": dn.scale}
+        return gu_var[...], dn_var[...], {}
 
     def route(self, x: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x: [N, D], token_ids: [N] → expert ids [N, K] int32, weights [N, K] float32."""
@@ -121,26 +147,36 @@ class MoE(nnx.Module):
         b, s, d = x.shape
         flat = x.reshape(b * s, d)
         ids, weights = self.route(flat, token_ids.reshape(-1))
-        gate_up, down = self.experts["gate_up_proj"][...], self.experts["down_proj"][...]
+        gate_up, down, scales = self.expert_weights()
         impl = MOE_IMPLS[self.moe_impl]
+        fp8 = dict(scales, fp8_activations=self.fp8_activations) if scales else {}
         if ep_layout(gate_up.shape[0]) is not None:
-            # Expert parallelism: each device keeps its slice of the experts and the tokens come round a ring.
-            routed = routed_experts_ep(_ep_local_experts(self.moe_impl, self.limit), x, ids.reshape(b, s, -1),
-                                       weights.reshape(b, s, -1), gate_up, down,
-                                       chunk_tokens=self.ep_chunk_tokens,
+            # Expert parallelism: each device keeps its slice of the experts and the tokens are sent to them.
+            tokens = {"x": x}
+            if scales and self.fp8_activations:  # W8A8: quantized where the token lives, sent as 1-byte values
+                from dsv4.pallas.moe import quantize_per_token_group
+
+                xq, xs = quantize_per_token_group(flat)
+                tokens = {"x": xq.reshape(b, s, d), "x_scales": xs.reshape(b, s, -1)}
+            local = _ep_local_experts(self.moe_impl, self.limit, self.fp8_activations if scales else None)
+            routed = routed_experts_ep(local, tokens.pop("x"), ids.reshape(b, s, -1), weights.reshape(b, s, -1),
+                                       gate_up, down, **tokens, **scales, out_dtype=x.dtype,
+                                       chunk_tokens=self.ep_chunk_tokens, schedule=self.ep_schedule,
                                        combine_dtype=self.ep_combine_dtype).reshape(b * s, d)  # fmt: skip
         elif self.moe_impl == "pallas":
             # A custom call: split it over the sequence shards by hand (experts gathered to every shard), else
             # XLA would gather the tokens and run every token's experts on every device.
-            def local(x_, ids_, weights_, gate_up_, down_):
+            def local(x_, ids_, weights_, gate_up_, down_, *scales_):
                 n = x_.shape[0] * x_.shape[1]
-                out = impl(x_.reshape(n, d), ids_.reshape(n, -1), weights_.reshape(n, -1), gate_up_, down_, self.limit)
+                kw = dict(zip(scales, scales_), fp8_activations=self.fp8_activations) if scales_ else {}
+                out = impl(x_.reshape(n, d), ids_.reshape(n, -1), weights_.reshape(n, -1), gate_up_, down_, self.limit,
+                           **kw)  # fmt: skip
                 return out.reshape(x_.shape)
 
-            routed = per_sequence_shard(local, (x, ids.reshape(b, s, -1), weights.reshape(b, s, -1)), (gate_up, down),
-                                        fill=(0, 0, 0.0)).reshape(b * s, d)  # fmt: skip
+            routed = per_sequence_shard(local, (x, ids.reshape(b, s, -1), weights.reshape(b, s, -1)),
+                                        (gate_up, down, *scales.values()), fill=(0, 0, 0.0)).reshape(b * s, d)  # fmt: skip
         else:
-            routed = impl(flat, ids, weights, gate_up, down, self.limit)
+            routed = impl(flat, ids, weights, gate_up, down, self.limit, **fp8)
         sh = self.shared_experts
         shared = linear(swiglu(linear(flat, sh["gate_proj"]["weight"][...]), linear(flat, sh["up_proj"]["weight"][...]),
                                self.limit), sh["down_proj"]["weight"][...])  # fmt: skip

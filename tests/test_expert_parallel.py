@@ -46,10 +46,12 @@ EP_SCRIPT = """
         dn = jax.random.normal(k[4], (E, D, I), jnp.float32) * 0.2
         return x, ids.astype(jnp.int32), w, gu, dn
 
-    # (devices, local kernels, tokens, chunk, routing, unroll the chunks?)
-    for n, impl, s, chunk, routing, unroll in [
-        (2, "jnp", 37, 5, "uniform", False), (4, "jnp", 50, 1000, "skewed", None), (8, "jnp", 3, 4, "uniform", True),
-        (2, "pallas", 29, 8, "skewed", True), (8, "pallas", 41, 3, "uniform", False),
+    # (devices, local kernels, tokens, chunk, routing, unroll the chunks?, schedule)
+    for n, impl, s, chunk, routing, unroll, schedule in [
+        (2, "jnp", 37, 5, "uniform", False, "direct"), (4, "jnp", 50, 1000, "skewed", None, "ring"),
+        (4, "jnp", 50, 7, "skewed", None, "direct"), (8, "jnp", 3, 4, "uniform", True, "direct"),
+        (8, "jnp", 19, 4, "uniform", True, "ring"), (2, "pallas", 29, 8, "skewed", True, "direct"),
+        (8, "pallas", 41, 3, "uniform", False, "ring"),
     ]:
         x, ids, w, gu, dn = inputs(n * 100 + s, s, routing)
         want = routed_experts_reference(x[0], ids[0], w[0], gu, dn, LIMIT)
@@ -60,20 +62,21 @@ EP_SCRIPT = """
             args = (x, ids, w, put(gu, P("sp")), put(dn, P("sp")))
             for comm in ("ppermute", "local"):
                 fn = jax.jit(lambda *a, comm=comm: routed_experts_ep(local, *a, chunk_tokens=chunk, comm=comm,
-                                                                     unroll=unroll))
+                                                                     unroll=unroll, schedule=schedule))
                 got = fn(*args)[0]
                 if comm == "ppermute":
                     hlo = fn.lower(*args).compile().as_text()
                 err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
-                print("case", n, impl, s, chunk, routing, comm, err)
+                print("case", n, impl, s, chunk, routing, schedule, comm, err)
         gathered = [l for l in hlo.splitlines() if "all-gather(" in l and f"[{E}," in l.split("all-gather(")[0]]
-        print("hlo", n, impl, hlo.count("collective-permute("), len(gathered))
-    with use_mesh(make_mesh(4)):  # partial sums travelling in bfloat16: each hop rounds them
+        print("hlo", n, impl, schedule, hlo.count("collective-permute("), len(gathered))
+    with use_mesh(make_mesh(4)):  # partial results travelling in bfloat16: rounded (each hop of the ring's sum)
         x, ids, w, gu, dn = inputs(7, 45, "uniform")
         want = routed_experts_reference(x[0], ids[0], w[0], gu, dn, LIMIT)
-        got = routed_experts_ep(lambda *a: routed_experts_jnp(*a, LIMIT, out_dtype=jnp.float32), x, ids, w, gu, dn,
-                                chunk_tokens=16, combine_dtype=jnp.bfloat16)[0]
-        print("bf16-combine", float(jnp.abs(got - want).max() / jnp.abs(want).max()))
+        for schedule in ("direct", "ring"):
+            got = routed_experts_ep(lambda *a: routed_experts_jnp(*a, LIMIT, out_dtype=jnp.float32), x, ids, w, gu, dn,
+                                    chunk_tokens=16, combine_dtype=jnp.bfloat16, schedule=schedule)[0]
+            print("bf16-combine", schedule, float(jnp.abs(got - want).max() / jnp.abs(want).max()))
 """
 
 
@@ -82,18 +85,20 @@ def test_expert_parallel_ring_matches_dense_reference():
     chunk sizes that do not divide the shard) sum exactly to the reference; no expert weight is gathered."""
     rows = [line.split() for line in _run(EP_SCRIPT).strip().splitlines()]
     cases = [r for r in rows if r[0] == "case"]
-    assert len(cases) == 10
-    for _, n, impl, s, chunk, routing, comm, err in cases:
+    assert len(cases) == 14
+    for _, n, impl, s, chunk, routing, schedule, comm, err in cases:
         if comm == "ppermute":
-            assert float(err) < 1e-5, (n, impl, s, chunk, routing, err)
+            assert float(err) < 1e-5, (n, impl, s, chunk, routing, schedule, err)
         else:  # transfers replaced by rolled local copies: the sums must come out wrong (the link matters)
-            assert float(err) > 1e-2, (n, impl, s, chunk, routing, err)
-    for _, n, impl, permutes, gathered in (r for r in rows if r[0] == "hlo"):
-        # per ring: N - 1 hops of (x, ids, weights) and N hops of the accumulator, inside the scan over chunks
-        assert int(permutes) >= 3 * (int(n) - 1) + int(n), (n, impl, permutes)
+            assert float(err) > 1e-2, (n, impl, s, chunk, routing, schedule, err)
+    for _, n, impl, schedule, permutes, gathered in (r for r in rows if r[0] == "hlo"):
+        # per chunk: N - 1 transfers of (x, ids, weights); the ring's accumulator makes N hops, "direct" sends
+        # N - 1 parts home
+        n = int(n)
+        assert int(permutes) >= 3 * (n - 1) + (n if schedule == "ring" else n - 1), (n, impl, schedule, permutes)
         assert int(gathered) == 0, f"an expert weight was all-gathered (n={n}, {impl})"
-    (bf16,) = [float(r[1]) for r in rows if r[0] == "bf16-combine"]
-    assert 1e-5 < bf16 < 1e-2, bf16  # rounded (so not exact), but only by bfloat16's precision
+    bf16 = {r[1]: float(r[2]) for r in rows if r[0] == "bf16-combine"}
+    assert all(1e-5 < v < 1e-2 for v in bf16.values()), bf16  # rounded (so not exact), only by bfloat16's precision
 
 
 MODEL_SCRIPT = """
@@ -174,3 +179,90 @@ def test_gpu_ring_with_the_pallas_kernels_matches_one_device():
                                 jax.device_put(dn, split), chunk_tokens=700)[0].astype(jnp.float32)  # fmt: skip
     rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
     assert rel < 1e-2, rel
+
+
+FP8_SCRIPT = """
+    import numpy as np, jax, jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from dsv4.config import Config
+    from dsv4.layers import linear
+    from dsv4.moe import MoE, routed_experts_pallas, swiglu
+    from dsv4.pallas.moe import quantize_per_token_group, routed_experts_reference
+    from dsv4.quantization import BlockQuantized, quantize_fp8
+    from dsv4.sharding import make_mesh, use_mesh
+    from dsv4.sharding.expert_parallel import routed_experts_ep
+
+    D, I, E, K, LIMIT, S = 256, 128, 8, 3, 7.0, 23
+    rng = np.random.default_rng(0)
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (S, D), jnp.bfloat16)
+    ids = jax.vmap(lambda kk: jax.random.permutation(kk, E)[:K])(jax.random.split(k[1], S)).astype(jnp.int32)
+    w = jax.random.uniform(k[2], (S, K), jnp.float32)
+    gq, gs = map(jnp.asarray, quantize_fp8(rng.normal(0, 0.1, (E, 2 * I, D)), (128, 128), None))
+    dq, ds = map(jnp.asarray, quantize_fp8(rng.normal(0, 0.1, (E, D, I)), (128, 128), None))
+    scales = dict(gate_up_scales=gs, down_scales=ds)
+    one = routed_experts_pallas(x, ids, w, gq, dq, LIMIT, out_dtype=jnp.float32, **scales)
+    ref = routed_experts_reference(x, ids, w, gq, dq, LIMIT, **scales).astype(jnp.float32)
+    rel = lambda a, b: float(jnp.abs(a - b).max() / jnp.abs(b).max())
+    print("one-vs-ref", rel(one, ref))
+
+    # The function: tokens quantized where they live, fp8 on the wire, each shard's scales with its experts.
+    xq, xs = quantize_per_token_group(x)
+    local = lambda *a, **kw: routed_experts_pallas(*a, LIMIT, out_dtype=jnp.float32, **kw)
+    for n in (2, 4):
+        mesh = make_mesh(n)
+        split = lambda a: jax.device_put(a, NamedSharding(mesh, P("sp")))
+        with use_mesh(mesh):
+            fn = jax.jit(lambda *a: routed_experts_ep(local, *a[:5], x_scales=a[5], gate_up_scales=a[6],
+                                                      down_scales=a[7], out_dtype=jnp.float32, chunk_tokens=4))
+            args = (xq[None], ids[None], w[None], split(gq), split(dq), xs[None], split(gs), split(ds))
+            got = fn(*args)[0]
+            # what the program sends (XLA:CPU then widens fp8 collectives to f16; XLA:GPU sends fp8 as it is)
+            permutes = [l for l in fn.lower(*args).as_text().splitlines() if "collective_permute" in l]
+        fp8_sent = sum(f"4x{D}xf8E4M3FN" in l for l in permutes)
+        bf16_tokens = sum(f"4x{D}xbf16" in l for l in permutes)
+        print("ep", n, rel(got, one), fp8_sent, bf16_tokens)
+
+    # The model's MoE with FP8 experts kept quantized: no mesh (one call), then expert-parallel on 2 devices.
+    cfg = Config.preset("tiny").replace(hidden_size=D, moe_intermediate_size=I, n_routed_experts=E,
+                                        num_experts_per_tok=K, swiglu_limit=LIMIT)
+    moe = MoE(cfg, "moe", rngs=nnx.Rngs(1), dtype=jnp.bfloat16, moe_impl="pallas")
+    moe.experts["gate_up_proj"].set_value(BlockQuantized(gq, gs, "fp8", (128, 128), gq.shape, "bfloat16"))
+    moe.experts["down_proj"].set_value(BlockQuantized(dq, ds, "fp8", (128, 128), dq.shape, "bfloat16"))
+    xm = jax.random.normal(jax.random.key(5), (1, S, D), jnp.bfloat16)
+    tok = jnp.arange(S, dtype=jnp.int32)[None]
+    flat = xm[0]
+    r_ids, r_w = moe.route(flat, tok[0])
+    sh = moe.shared_experts
+    shared = linear(swiglu(linear(flat, sh["gate_proj"]["weight"][...]), linear(flat, sh["up_proj"]["weight"][...]),
+                           LIMIT), sh["down_proj"]["weight"][...])
+    for acts in (True, False):
+        moe.fp8_activations = acts
+        want = routed_experts_reference(flat, r_ids, r_w, gq, dq, LIMIT, **scales, fp8_activations=acts) + shared
+        got = moe(xm, tok)[0]
+        print("moe", acts, "single", rel(got.astype(jnp.float32), want.astype(jnp.float32)))
+        with use_mesh(make_mesh(2)):
+            got_ep = moe(xm, tok)[0]
+        print("moe", acts, "ep", rel(got_ep.astype(jnp.float32), want.astype(jnp.float32)))
+"""
+
+
+def test_fp8_experts_run_w8a8_and_send_fp8_tokens():
+    """FP8 expert weights (DeepSeek's 128 × 128 blocks): under expert parallelism the tokens travel as fp8 values
+    with their scales (no bf16 token is sent) and the result equals one device's W8A8 run; the model's MoE with
+    experts kept quantized runs the FP8 kernels (W8A8, or W8A16 with fp8_activations False), alone and
+    expert-parallel, against the jnp reference that quantizes the same way."""
+    rows = [line.split() for line in _run(FP8_SCRIPT, devices=4).strip().splitlines()]
+    (one_vs_ref,) = [float(r[1]) for r in rows if r[0] == "one-vs-ref"]
+    assert one_vs_ref < 2**-6, one_vs_ref  # bf16 output of the reference vs float32: rounding only
+    eps = [r for r in rows if r[0] == "ep"]
+    assert len(eps) == 2
+    for _, n, err, fp8_sent, bf16_tokens in eps:
+        assert float(err) < 1e-5, (n, err)  # same quantized inputs, same kernels; f32 summation order only
+        assert int(fp8_sent) >= int(n) - 1 and int(bf16_tokens) == 0, (n, fp8_sent, bf16_tokens)
+    moes = {(r[1], r[2]): float(r[3]) for r in rows if r[0] == "moe"}
+    assert len(moes) == 4
+    for key, err in moes.items():
+        # bf16 outputs (and, expert-parallel, bf16 remote parts) against the reference's own bf16 rounding
+        assert err < 2**-6, (key, err)

@@ -1,37 +1,40 @@
-"""Expert parallelism for the routed experts: experts split over the sequence-parallel devices, tokens passed round
-a ring, dropless, with every transfer overlapped with expert compute.
+"""Expert parallelism for the routed experts: experts split over the sequence-parallel devices, tokens sent to them
+by collective-permutes, dropless, with every transfer overlapped with expert compute.
 
 Layout (the `SEQUENCE_PARALLEL` rules): the tokens are split over the mesh axis "sp" (shard i holds the tokens of
 sequence block i) and so are the routed experts (shard i holds experts [i · E/N, (i + 1) · E/N)). A token's K experts
 can live anywhere, so its hidden state has to reach every shard that owns one of them and the weighted expert
 outputs have to come back.
 
-Dispatch and combine as a ring (`routed_experts_ep`): shard i's tokens, in chunks of at most `chunk_tokens`, travel
-i → i + 1 → … → i − 1 together with a float32 accumulator of their routed output. At ring step t, shard i holds
-chunk c = (i − t) mod N with the sum of what shards c … i − 1 computed for it; it runs its own experts on the
-pairs of that chunk routed to them (the rest are sent to the kernel's empty group and cost no FLOPs), adds the
-result, and passes both on. After N steps every accumulator is back at its owner, complete:
+Dispatch and combine (`routed_experts_ep`), per chunk of at most `chunk_tokens` of each shard's tokens:
 
-    step t:  send (x, ids, weights) of the chunk in hand to i + 1   ─┐ independent of ─┐
-             y_in_hand += my_experts(chunk in hand)                  ◀┘                  │
-             send y_in_hand to i + 1     (needed there only after its own step-t+1 compute)  ◀┘
+    schedule "direct" (the default), on shard i:
+        send my chunk (x [, x_scales], ids, weights) to i + 1, …, i + N − 1     (all at once, before any compute)
+        y = my_experts(my chunk)                                               (float32)
+        for t = 1 … N − 1:  part = my_experts(chunk received from i − t)       (its pairs on my experts)
+                            send part (combine_dtype) back to i − t;  y += part received from i + t
+    schedule "ring": the chunk travels i → i + 1 → … → i − 1 with one accumulator of its routed output; at step t
+        shard i adds its experts' part for chunk (i − t) mod N and passes both on; after N steps it is home.
 
-Each token's sum is therefore complete and exact (no token dropped, no capacity), and both transfers of a step are
-independent of that step's expert GEMMs, so XLA's asynchronous collective-permutes can overlap them. (How much
-they do is XLA's scheduler's choice: on 2 H200s at 512K tokens 8.3% of the layer time stayed exposed, and the
-compiled schedule had hoisted the token sends to the start; docs/BENCHMARKS.md, "Expert parallelism".)
-Chunks run one after another, which bounds the per-step memory
-(sorted rows, SwiGLU activations, float32 outputs) by `chunk_tokens` instead of the shard's tokens: unrolled into
-one program when there are few (so a chunk's last hop can overlap the next chunk's compute), else a `lax.scan`.
+Either way every token's sum is complete and exact (no token dropped, no capacity: a pair on another shard's
+expert is sent to the kernel's empty group and costs no FLOPs), and every transfer is independent of the expert
+GEMMs it can overlap with. "direct" moves fewer bytes: each remote part goes home in one transfer (N − 1 of them)
+instead of riding an accumulator round all N hops, and each token copy leaves from its owner, so nothing waits for
+a forward. Chunks run one after another, which bounds the per-step memory (sorted rows, SwiGLU activations,
+float32 outputs) by `chunk_tokens` instead of the shard's tokens: unrolled into one program when there are few
+(so a chunk's last transfer can overlap the next chunk's compute), else a `lax.scan`.
 
-Why a ring and not a ragged all-to-all. Bytes each device sends per layer, N_l tokens of D values:
-    ring:          (N − 1) · N_l · D · 2 B (tokens, bf16) + N · N_l · D · 4 B (float32 accumulators)
-    all-to-all:    K · (N − 1)/N · N_l · D · 2 B out and the same back (K = 6 copies, no deduplication)
-In bytes per N_l · D: at N = 2 the ring sends 10 (6 with bfloat16 accumulators) against the all-to-all's 12; at
-N = 8, 46 against 21. So at 8 devices and past a node the all-to-all (`jax.lax.ragged_all_to_all`, whose exact
-split is data dependent) is the better transport. The ring
-needs no per-step sizes, has static shapes, runs on every backend (XLA:CPU has no ragged all-to-all, so the CPU
-tests could not check that one), and its transfers are plain collective-permutes that overlap with compute.
+Bytes each device sends per layer, N_l tokens of D values, in units of N_l · D bytes (tokens bf16 = 2, or fp8 with
+one float32 scale per 128 = 1.03; partial results bf16 = 2 or float32 = 4):
+    direct:        (N − 1) · (token + part)     N = 2: 6 (bf16 tokens, f32 parts), 5.03 (fp8 tokens), 4 (bf16 parts)
+    ring:          (N − 1) · token + N · part   N = 2: 10 (f32 accumulator), 6 (bf16)
+    all-to-all:    2 · K · (N − 1) / N · 2 (K = 6 copies out, as many back, no deduplication)   N = 2: 12
+At N = 8 "direct" sends 42 (28 with bf16 parts) against the all-to-all's 21: past 2–4 devices a ragged all-to-all
+(`jax.lax.ragged_all_to_all`, whose split is data dependent) becomes the better transport. The permutes need no
+per-step sizes, have static shapes, run on every backend (XLA:CPU has no ragged all-to-all, so the CPU tests could
+not check that one), and overlap with compute. Tokens in FP8: with FP8 expert weights run W8A8, the activations are
+quantized per token and 128-group before the first GEMM anyway, so quantizing where the token lives and sending
+the fp8 values with their scales gives bit for bit the same GEMM inputs for half the dispatch bytes.
 Imbalance: each shard computes the pairs routed to its own experts, whatever shard the tokens came from, so the
 load per shard is the routing's load per expert group, as with any dropless EP.
 
@@ -53,8 +56,7 @@ from dsv4.sharding.context_parallel import local_stand_in
 from dsv4.sharding.rules import active
 
 F32 = jnp.float32
-# Tokens per ring step: ≈ 5 TFLOP of expert GEMMs per shard at V4-Flash widths and N = 2, ~6 GiB of temporaries.
-# On 2 H200s at 512K tokens 32K left 8.3% of the layer time in exposed communication, 16K 10.6% (BENCHMARKS.md).
+# Tokens per step: ≈ 5 TFLOP of expert GEMMs per shard at V4-Flash widths and N = 2, ~6 GiB of temporaries.
 DEFAULT_CHUNK_TOKENS = 32768
 MAX_UNROLLED_CHUNKS = 16
 
@@ -81,7 +83,8 @@ def ep_layout(num_experts: int, mesh: Mesh | None = None, axis: str | None = Non
 
 
 # local_experts(x [n, D], expert_ids [n, K] (ids outside [0, E_l) contribute nothing), weights [n, K],
-#               gate_up [E_l, 2I, D], down [E_l, D, I]) → float32 [n, D]
+#               gate_up [E_l, 2I, D], down [E_l, D, I], **fp8) → float32 [n, D]; fp8 holds x_scales [n, D // 128]
+#               when the tokens come quantized, and gate_up_scales / down_scales when the weights are FP8.
 LocalExperts = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
@@ -93,63 +96,92 @@ def routed_experts_ep(
     gate_up: jax.Array,
     down: jax.Array,
     *,
+    x_scales: jax.Array | None = None,
+    gate_up_scales: jax.Array | None = None,
+    down_scales: jax.Array | None = None,
+    out_dtype=None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    schedule: str = "direct",
     comm: str = "ppermute",
     unroll: bool | None = None,
     combine_dtype=F32,
     mesh: Mesh | None = None,
     axis: str | None = None,
 ) -> jax.Array:
-    """Dropless expert-parallel routed experts over the ring (module docstring). → [B, S, D] in x's dtype.
+    """Dropless expert-parallel routed experts (module docstring). → [B, S, D] in out_dtype (default x's).
 
     x: [B, S, D] and expert_ids [B, S, K] int32 (global expert ids), weights [B, S, K] f32, all split over the
     sequence axis; gate_up [E, 2I, D], down [E, D, I] split over the expert axis (the same mesh axis).
     S need not divide by N: padded tokens route nowhere (id -1) and are cut from the result.
-    chunk_tokens: tokens per ring step per device. unroll: one straight-line program over the chunks (default when
-    there are at most MAX_UNROLLED_CHUNKS) or a `lax.scan` over them. combine_dtype: the dtype the partial sums
-    travel in (float32 by default; bfloat16 halves the combine bytes and rounds each hop's partial sum).
+    FP8: gate_up_scales / down_scales (split like the weights) go to local_experts with them; x may come quantized
+    (float8_e4m3fn with x_scales [B, S, D // 128] f32, W8A8's own quantization): the tokens then travel as 1-byte
+    values, the dispatch's bytes halved at no cost in accuracy. out_dtype is then required.
+    chunk_tokens: tokens per step per device. schedule: "direct" (each step's partial result goes straight home) or
+    "ring" (one accumulator passed round the ring). unroll: one straight-line program over the chunks (default when
+    there are at most MAX_UNROLLED_CHUNKS) or a `lax.scan` over them. combine_dtype: the dtype partial results
+    travel in; default the output's (a bf16 model's remote parts are rounded to bf16 once each, then summed in
+    float32 at home: an error of the order of the output's own rounding, for half the bytes of float32).
     """
     if comm not in ("ppermute", "local"):
         raise ValueError(f"comm={comm!r}; expected 'ppermute' or 'local'")
+    if schedule not in ("direct", "ring"):
+        raise ValueError(f"schedule={schedule!r}; expected 'direct' or 'ring'")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+    if (x_scales is not None) != (x.dtype == jnp.float8_e4m3fn):
+        raise ValueError(f"routed_experts_ep: x is {x.dtype} and x_scales {'given' if x_scales is not None else 'none'}"
+                         "; quantized tokens (float8_e4m3fn) need their scales, and only they")  # fmt: skip
+    if x_scales is not None and out_dtype is None:
+        raise ValueError("routed_experts_ep: quantized x needs out_dtype")
+    if (gate_up_scales is None) != (down_scales is None):
+        raise ValueError("routed_experts_ep: give both gate_up_scales and down_scales, or neither")
     e = gate_up.shape[0]
     layout = ep_layout(e, mesh, axis)
     if layout is None:
         raise ValueError(f"routed_experts_ep: no mesh axis splits both the sequence and the {e} experts")
     mesh, axis, n = layout
     b, s, d = x.shape
+    tokens = (x,) if x_scales is None else (x, x_scales)
+    experts = (gate_up, down) if gate_up_scales is None else (gate_up, down, gate_up_scales, down_scales)
     pad = -s % n
     if pad:
-        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
+        tokens = tuple(jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in tokens)
         expert_ids = jnp.pad(expert_ids, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
         weights = jnp.pad(weights, ((0, 0), (0, pad), (0, 0)))
-    program = _ring_program(local_experts, mesh, axis, n, chunk_tokens, comm, unroll, jnp.dtype(combine_dtype))
-    out = program(x, expert_ids, weights.astype(F32), gate_up, down)
-    return out[:, :s] if pad else out
+    combine = jnp.dtype(combine_dtype or out_dtype or x.dtype)  # None: the output's dtype
+    program = _ring_program(local_experts, mesh, axis, n, len(tokens), len(experts), chunk_tokens, schedule, comm,
+                            unroll, combine)  # fmt: skip
+    out = program(*tokens, expert_ids, weights.astype(F32), *experts)
+    out = out[:, :s] if pad else out
+    return out.astype(out_dtype or x.dtype)
 
 
 @functools.lru_cache(maxsize=64)
-def _ring_program(local_experts, mesh, axis, n, chunk_tokens, comm, unroll, combine_dtype):
+def _ring_program(local_experts, mesh, axis, n, n_tokens, n_experts, chunk_tokens, schedule, comm, unroll,
+                  combine_dtype):  # fmt: skip
     """The jitted shard_map, cached: inside an outer jit it is inlined; called eagerly (the model's
     `prefill_chunk` / `decode` outside jit) it is compiled once instead of dispatched op by op, which took minutes
     per call. Pass the same `local_experts` object for the same math (dsv4.moe does) to hit the cache."""
-    body = functools.partial(_ring_body, local_experts, axis=axis, n=n, chunk_tokens=chunk_tokens, comm=comm,
-                             unroll=unroll, combine_dtype=combine_dtype)  # fmt: skip
+    body = functools.partial(_ring_body, local_experts, axis=axis, n=n, n_tokens=n_tokens, chunk_tokens=chunk_tokens,
+                             schedule=schedule, comm=comm, unroll=unroll, combine_dtype=combine_dtype)  # fmt: skip
     seq = P(None, axis)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(seq, seq, seq, P(axis), P(axis)), out_specs=seq,
-                                 check_vma=False))  # fmt: skip
+    specs = (seq,) * (n_tokens + 2) + (P(axis),) * n_experts
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=seq, check_vma=False))
 
 
-def _ring_body(local_experts, x, expert_ids, weights, gate_up, down, *, axis, n, chunk_tokens, comm, unroll,
-               combine_dtype):  # fmt: skip
-    b, s_l, d = x.shape
-    e_l = gate_up.shape[0]
+def _ring_body(local_experts, *arrays, axis, n, n_tokens, chunk_tokens, schedule, comm, unroll, combine_dtype):
+    """One shard: arrays = token pieces (x [, x_scales]), expert_ids, weights, expert pieces (gate_up, down [,
+    their scales]), all local slices. → float32 [B, S_l, D], this shard's tokens' routed output."""
+    tok, (expert_ids, weights), experts = arrays[:n_tokens], arrays[n_tokens : n_tokens + 2], arrays[n_tokens + 2 :]
+    b, s_l, d = tok[0].shape
+    e_l = experts[0].shape[0]
     first = jax.lax.axis_index(axis) * e_l  # this shard's experts are [first, first + e_l)
     tokens = b * s_l
     size = min(tokens, chunk_tokens)
     chunks = -(-tokens // size)
     extra = chunks * size - tokens
+    names = ("gate_up_scales", "down_scales")
+    fp8 = dict(zip(names, experts[2:]))  # the weights' block scales, if FP8
 
     def flat(a, fill):
         a = a.reshape(tokens, *a.shape[2:])
@@ -157,38 +189,50 @@ def _ring_body(local_experts, x, expert_ids, weights, gate_up, down, *, axis, n,
             a = jnp.pad(a, [(0, extra)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
         return a.reshape(chunks, size, *a.shape[1:])
 
-    xs, ids, ws = flat(x, 0), flat(expert_ids, -1), flat(weights, 0)
-    forward = [(j, (j + 1) % n) for j in range(n)]
+    pieces = tuple(flat(a, 0) for a in tok) + (flat(expert_ids, -1), flat(weights, 0))
 
-    def send(a):
+    def shift(a, by):
+        """to shard i + by (mod N) from every shard i."""
         if comm == "local":  # same shape and bytes, no transfer: for measuring exposed communication only
             return local_stand_in(a)
-        return jax.lax.ppermute(a, axis, forward)
+        return jax.lax.ppermute(a, axis, [(j, (j + by) % n) for j in range(n)])
 
-    def mine(x_c, ids_c, w_c):
+    def mine(chunk):
+        x_c, ids_c, w_c = chunk[0], chunk[n_tokens], chunk[n_tokens + 1]
         local = ids_c - first
         local = jnp.where((local >= 0) & (local < e_l), local, -1)  # another shard's expert (or padding): skipped
-        return local_experts(x_c, local, w_c, gate_up, down)
+        scales = {"x_scales": chunk[1]} if n_tokens == 2 else {}
+        return local_experts(x_c, local, w_c, experts[0], experts[1], **scales, **fp8)
+
+    def direct(chunk):
+        # Every copy of the chunk leaves first (independent of any compute): shard i + t gets it at step t.
+        arrived = [None] + [tuple(shift(a, t) for a in chunk) for t in range(1, n)]
+        y = mine(chunk).astype(F32)  # own tokens, own experts
+        for t in range(1, n):  # the chunk of shard i − t: its pairs on my experts, sent straight back
+            part = mine(arrived[t]).astype(combine_dtype)
+            y = y + shift(part, -t).astype(F32)
+        return y
 
     def ring(chunk):
-        in_hand = chunk  # (x, ids, weights) of the chunk at this step: own at t = 0
+        in_hand = chunk  # the chunk at this step: own at t = 0
         y = None
         for t in range(n):
             if t < n - 1:
-                nxt = tuple(send(a) for a in in_hand)  # issued before the compute it overlaps with
-            part = mine(*in_hand)
+                nxt = tuple(shift(a, 1) for a in in_hand)  # issued before the compute it overlaps with
+            part = mine(in_hand)
             y = part if y is None else y.astype(F32) + part
             # to i + 1, who adds to it after its own next step; at t = N − 1 this is the way home
-            y = send(y.astype(combine_dtype))
+            y = shift(y.astype(combine_dtype), 1)
             if t < n - 1:
                 in_hand = nxt
-        return y
+        return y.astype(F32)
 
+    step = direct if schedule == "direct" else ring
     if unroll is None:
         unroll = chunks <= MAX_UNROLLED_CHUNKS
-    if unroll:  # one program: a chunk's last hop home can overlap the next chunk's compute
-        ys = jnp.stack([ring((xs[j], ids[j], ws[j])) for j in range(chunks)])
-    else:  # bounded program size; each chunk's last hop is exposed
-        _, ys = jax.lax.scan(lambda _, c: (None, ring(c)), None, (xs, ids, ws))
+    if unroll:  # one program: a chunk's last transfer home can overlap the next chunk's compute
+        ys = jnp.stack([step(tuple(p[j] for p in pieces)) for j in range(chunks)])
+    else:  # bounded program size; each chunk's last transfer is exposed
+        _, ys = jax.lax.scan(lambda _, c: (None, step(c)), None, pieces)
     ys = ys.reshape(chunks * size, d)[:tokens]
-    return ys.reshape(b, s_l, d).astype(x.dtype)
+    return ys.reshape(b, s_l, d)
