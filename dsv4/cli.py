@@ -117,6 +117,9 @@ def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
                    help="attention core (default auto: the Pallas kernels on a GPU, XLA elsewhere)")  # fmt: skip
     k.add_argument("--moe-impl", default="jnp", choices=["jnp", "pallas"],
                    help="routed experts: XLA's ragged_dot, or the Pallas grouped GEMMs (default jnp)")  # fmt: skip
+    k.add_argument("--keep-quantized", action="store_true",
+                   help="keep a checkpoint's FP8 / FP4 weights quantized on the devices; with --moe-impl pallas, FP8 "
+                        "experts in 128x128 blocks run on the FP8 kernels (W8A8) instead of being dequantized")
     k.add_argument("--indexer-impl", default="auto", choices=["auto", "jnp", "pallas", "pallas-fp8", "pallas-stream"],
                    help="lightning indexer top-k (default auto: the two-pass Pallas path on a GPU); pallas-fp8 runs "
                         "it in e4m3 (the Mosaic scores kernel on Hopper; FP8 rounding can swap near-tied picks)")
@@ -129,8 +132,8 @@ def _make_llm(args, *, max_slots: int, max_model_len: int):
                chunk_size=args.chunk_size, max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
                kv_cache_dtype=args.kv_dtype, seed=args.seed, dtype=args.dtype, width_buckets=args.buckets,
                max_packed_width=args.max_packed_width, chat_template=not args.no_chat_template,
-               attention_impl=args.attention_impl, moe_impl=args.moe_impl,
-               indexer_impl=args.indexer_impl)  # fmt: skip
+               attention_impl=args.attention_impl, moe_impl=args.moe_impl, indexer_impl=args.indexer_impl,
+               keep_quantized=args.keep_quantized)  # fmt: skip
 
 
 def _max_position_embeddings(model: str) -> int:
@@ -393,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "over --devices: weights (routed experts split over the devices, the rest replicated), the KV "
                     "cache as dsv4.cache.layout lays it out (each device's share of the compressed entries, plus "
                     "every layer's ring and open windows, plus FP8 scale state), one layer's all-gathered "
-                    "compressed KV, one chunk's activations and the MoE all-to-all buffers; then applies 1.2x "
+                    "compressed KV, one chunk's activations and the MoE exchange buffers; then applies 1.2x "
                     "headroom. Exits 1 if it does not fit the device, naming the changes that would make it fit.",
         epilog="examples:\n  dsv4 plan --model v4-flash --context 512k --devices 8 --weights fp8\n"
                "  dsv4 plan --model v4-pro --context 512k --devices 8 --device h200 --weights fp4-experts",

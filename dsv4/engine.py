@@ -124,8 +124,8 @@ class _Live:
     output: RequestOutput
 
 
-def _resolve_model(model, *, dtype, seed: int, attention_impl: str, moe_impl: str,
-                   indexer_impl: str = "auto") -> tuple[DeepseekV4, str | None]:  # fmt: skip
+def _resolve_model(model, *, dtype, seed: int, attention_impl: str, moe_impl: str, indexer_impl: str = "auto",
+                   keep_quantized: bool = False) -> tuple[DeepseekV4, str | None]:  # fmt: skip
     """A model instance, a checkpoint directory or a preset name → (model, directory or None)."""
     import dsv4
 
@@ -134,7 +134,10 @@ def _resolve_model(model, *, dtype, seed: int, attention_impl: str, moe_impl: st
     name = os.fspath(model)
     if os.path.isdir(name):
         return dsv4.load(name, dtype=jnp.dtype(dtype or "bfloat16"), attention_impl=attention_impl,
-                         moe_impl=moe_impl, indexer_impl=indexer_impl), name  # fmt: skip
+                         moe_impl=moe_impl, indexer_impl=indexer_impl, keep_quantized=keep_quantized), name  # fmt: skip
+    if keep_quantized:
+        raise ValueError(f"keep_quantized: {name!r} is a preset (random weights, nothing quantized); it applies to a "
+                         "checkpoint directory with FP8 / FP4 weights")  # fmt: skip
     dtype = dtype or ("float32" if name == "tiny" else "bfloat16")
     return dsv4.init_random(name, seed, dtype=jnp.dtype(dtype), attention_impl=attention_impl, moe_impl=moe_impl,
                             indexer_impl=indexer_impl), None  # fmt: skip
@@ -169,6 +172,9 @@ class LLM:
         host accounting only), e.g. for comparisons; the default True pages it.
     tokenizer: a `TextTokenizer`; default: the checkpoint directory's tokenizer.json, if any (else token
         ids only). chat_template: wrap str prompts in the tokenizer's chat template when it has one.
+    attention_impl / moe_impl / indexer_impl: as `dsv4.load`. keep_quantized (a checkpoint directory only): keep
+        FP8 / FP4 weights quantized on the device (`dsv4.load`); with moe_impl "pallas", FP8 experts in 128 × 128
+        blocks run on the FP8 expert kernels (W8A8).
     """
 
     def __init__(
@@ -193,9 +199,11 @@ class LLM:
         attention_impl: str = "auto",
         moe_impl: str = "jnp",
         indexer_impl: str = "auto",
+        keep_quantized: bool = False,
     ) -> None:
         self.model, model_dir = _resolve_model(model, dtype=dtype, seed=seed, attention_impl=attention_impl,
-                                               moe_impl=moe_impl, indexer_impl=indexer_impl)  # fmt: skip
+                                               moe_impl=moe_impl, indexer_impl=indexer_impl,
+                                               keep_quantized=keep_quantized)  # fmt: skip
         config = self.config = self.model.config
         if max_model_len is None:
             max_model_len = min(config.max_position_embeddings, 32768)

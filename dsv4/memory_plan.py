@@ -16,8 +16,11 @@ milliseconds. The layout it assumes is the one the seed article describes for 51
     fp4-experts  as fp8, but the routed experts in e2m1, two per byte, plus one scale per row and 32 columns,
                  held in float32 on the device (a release ships them as 1-byte e8m0; the loader widens them).
   Embeddings and the LM head stay bf16 (fp32 with fp32 weights); norms, sinks, mHC weights and the
-  hash-routing tables are float32 / int32. The model has no FP8 matmul yet (`param[...]` dequantizes), so a
-  quantized plan also holds one layer's local experts dequantized to bf16 (transient).
+  hash-routing tables are float32 / int32. FP8 routed experts in 128 × 128 blocks (hidden and expert widths
+  multiples of 128, as V4's) run on the FP8 expert kernels as stored (`moe_impl="pallas"`, W8A8); otherwise
+  (FP4 experts, other widths) the model dequantizes where it reads them (`param[...]`), so the plan also holds one
+  layer's local experts dequantized to bf16 (transient). The dense FP8 matrices are dequantized one at a time
+  where read (not counted: the largest, wq_b, is 64 MiB in bf16 at V4-Flash widths).
 - KV cache: bytes from `dsv4.cache.layout.CacheLayout` (the one definition, checked against
   `DeepseekV4.init_cache` in tests/test_cache_layout.py), for the chosen `KVFormat` (`FORMAT_NAMES`).
   Sequence parallelism: the prompt is split evenly, ceil(context / N) tokens per device, and each device
@@ -27,7 +30,10 @@ milliseconds. The layout it assumes is the one the seed article describes for 51
   the same scales to read gathered entries).
 - Communication: each layer's compressed KV (entries + indexer keys of the whole context) is all-gathered
   before that layer's attention and dropped after: one layer's gathered buffer, double-buffered so the gather
-  of the next layer overlaps this one; the MoE all-to-all's dispatch and combine buffers (send + receive).
+  of the next layer overlaps this one; the MoE's expert-parallel exchange (`dsv4.sharding.expert_parallel`,
+  schedule "direct"): per step of at most `EP_STEP_TOKENS` of this device's tokens, the copies received
+  from the N − 1 other devices (bf16, or fp8 + one float32 scale per 128 values with FP8 experts) and the N − 1
+  float32 partial results sent back and received.
 - Activations: one layer's temporaries for one chunk (layers run one after another), for the chunk's share of
   tokens on each device (ceil(chunk / N): the chunk's sequence axis is split too). The big ones: the lightning
   indexer's float32 scores slab, one query chunk of the share against every compressed key of the context (the
@@ -51,6 +57,7 @@ MIB = 1 << 20
 FP8_BLOCK = 128  # fp8 weights: one float32 scale per 128 × 128 block
 FP4_GROUP = 32  # fp4 experts: one scale per row and 32 columns (dsv4.quantization.FP4_GROUP)
 SCALE_BYTES = 4  # weight scales are float32 on the device (BlockQuantized.scale)
+EP_STEP_TOKENS = 32768  # = dsv4.sharding.expert_parallel.DEFAULT_CHUNK_TOKENS (that module imports JAX; a test checks)
 ACT_BYTES = 2  # activations, open-window state and dequantized weights in bf16 (the compute dtype)
 # The two-pass indexer's float32 scores slab per step: queries per step = clip(pow2_floor(INDEX_SLAB_BYTES /
 # (4 · keys)), 128, 4096) (`index_slab_rows`, which dsv4.pallas.indexer.default_query_chunk calls).
@@ -225,6 +232,11 @@ def device_gib(device: str) -> float:
     return DEVICE_MIB[device] * MIB / GIB
 
 
+def fp8_expert_kernels(config: Config, weights: str) -> bool:
+    """The routed experts run on the FP8 kernels as stored: fp8 weights in 128 × 128 blocks (`dsv4.moe`)."""
+    return weights == "fp8" and config.hidden_size % FP8_BLOCK == 0 and config.moe_intermediate_size % FP8_BLOCK == 0
+
+
 def _weights_lines(config: Config, c: ParamCounts, weights: str, devices: int) -> list[LedgerLine]:
     e = config.n_routed_experts
     local = _ceil_div(e, devices)  # experts on the device that holds the most
@@ -246,8 +258,12 @@ def _weights_lines(config: Config, c: ParamCounts, weights: str, devices: int) -
         dense_how = (f"{c.dense_linear_fp8 / 1e9:.2f}B fp8 (+ block scales: wq_a, wq_b, wkv, wo_b, indexer wq_b, "
                      f"shared experts) + {bf16_dense / 1e9:.2f}B bf16 (wo_a, compressors, router)")  # fmt: skip
         layer_experts = 3 * config.moe_intermediate_size * config.hidden_size  # gate, up, down of one expert
-        dequant = local * layer_experts * ACT_BYTES
-        dequant_how = f"one layer's {local} local experts dequantized to bf16 (no FP8 matmul yet), transient"
+        if fp8_expert_kernels(config, weights):
+            dequant, dequant_how = 0, "none: the FP8 expert kernels read e4m3 + block scales as stored (moe_impl pallas)"
+        else:
+            dequant = local * layer_experts * ACT_BYTES
+            why = "no FP4 kernel" if weights == "fp4-experts" else "widths not multiples of 128: no FP8 kernel"
+            dequant_how = f"one layer's {local} local experts dequantized to bf16 ({why}), transient"
     routed = local * routed_all // e  # every expert of every layer has the same shape
     embed_bytes = 4 if weights == "fp32" else 2
     small = c.embeddings * embed_bytes + (c.small_fp32 + c.buffers) * 4
@@ -364,14 +380,21 @@ def plan_memory(
     index_scores = min(t, slab_rows) * csa_keys * 4
     activations = t * per_token + index_scores + config.vocab_size * 4
 
-    all_to_all = 4 * t * k * d * ACT_BYTES if devices > 1 else 0
+    # Expert parallelism ("direct"): the other devices' copies of one step's tokens, and the float32 partial
+    # results for them, sent back and received.
+    step = min(t, EP_STEP_TOKENS)
+    token_bytes = d + d // FP8_BLOCK * SCALE_BYTES if fp8_expert_kernels(config, weights) else d * ACT_BYTES
+    token_how = f"{d} B fp8 + {d // FP8_BLOCK} × 4 B scales" if fp8_expert_kernels(config, weights) else \
+        f"{d} × {ACT_BYTES} B"
+    exchange = (devices - 1) * step * (token_bytes + 2 * d * 4)
     lines += [
         LedgerLine("activations: one chunk", activations,
                    f"{t} tokens (of a {chunk_size}-token chunk) × {per_token} B, one layer; indexer scores "
                    f"{min(t, slab_rows)} × {csa_keys} × 4 B; last-token logits"),
         LedgerLine("communication: KV all-gather", gathered, gathered_how),
-        LedgerLine("communication: MoE all-to-all", all_to_all,
-                   f"dispatch + combine, send + receive: 4 × {t} tokens × top-{k} × {d} × {ACT_BYTES} B"),
+        LedgerLine("communication: MoE exchange", exchange,
+                   f"{devices - 1} other devices × {step} tokens × ({token_how} in + 2 × {d} × 4 B partial "
+                   "results out and back)"),
     ]  # fmt: skip
     return MemoryPlan(config, context, devices, kv_format, weights, chunk_size, device_memory_gib, headroom,
                       tuple(lines), device, layout.bytes_per_request(context) / context)  # fmt: skip

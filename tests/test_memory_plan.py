@@ -11,7 +11,7 @@ import pytest
 from dsv4.cache.layout import FORMAT_NAMES, CacheLayout, KVFormat
 from dsv4.cli import main
 from dsv4.config import CSA, HCA, SLIDING, Config
-from dsv4.memory_plan import DEVICE_MIB, GIB, MIB, count_params, plan_memory, suggestions
+from dsv4.memory_plan import DEVICE_MIB, EP_STEP_TOKENS, GIB, MIB, count_params, plan_memory, suggestions
 
 N = 524288  # 512K tokens
 FLASH = Config.preset("v4-flash")  # 2 sliding + 21 CSA + 20 HCA layers; head_dim 512 (64 RoPE), index_head_dim 128
@@ -95,18 +95,20 @@ def test_v4_flash_fp8_weights_fit_8_h20_at_512k_bf16_do_not():
             = 8,010,625,536 B (7.46 GiB)
       bf16: 6,212,026,368 weights × 2                      = 12,424,052,736 B (11.57 GiB)
     Embedding + LM head 2 × 129280 × 4096 × 2 B = 2,118,123,520 B; norms, mHC, sinks, hash tables 152,355,164 B.
-    fp8 only: one layer's 32 local experts dequantized to bf16: 32 × 25,165,824 × 2 = 1,610,612,736 B.
+    fp8: no dequantized layer (4096 and 2048 are multiples of 128: the FP8 expert kernels read the experts as stored).
     KV (65,536 tokens per device, fp8-channel): 21 × 12,692,992 + 20 × 631,296 + 2 × 74,240 + 311,808 scales
       = 279,639,040 B. All-gather: 2 × 131072 × (576 + 192) = 201,326,592 B.
     Activations, 1024 tokens (8192 / 8): 1024 × 502,784 B + indexer scores 512 × 131072 × 4 (the two-pass
       indexer's slab: 2^28 / (4 × 131072) = 512 queries per step) + logits 129280 × 4 = 783,803,392 B.
-      MoE all-to-all: 4 × 1024 × 6 × 4096 × 2 = 201,326,592 B.
-    fp8:  44,917,732,188 + 1,610,612,736 + 279,639,040 + 783,803,392 + 2 × 201,326,592 = 47,994,440,540 B
-          (44.70 GiB) × 1.2 = 57,593,328,648 B (53.64 GiB)  ≤  102,625,181,696 B: fits, 41.9 GiB spare.
-    bf16: 83,950,879,068 + 279,639,040 + 783,803,392 + 2 × 201,326,592 = 85,416,974,684 B (79.55 GiB)
-          × 1.2 = 102,500,369,621 B (95.46 GiB)  ≤  102,625,181,696 B: fits by 0.12 GiB. The bf16 weights alone
-          take 78.19 GiB (93.82 with headroom): bf16 fits narrowly, fp8 with a wide margin. On a 95 GiB device
-          bf16 misses (by 0.46 GiB) and the advice names FP8 weights first.
+      MoE exchange (1024 tokens in one step, 7 other devices): 7 × 1024 × (tokens in + 2 × 4096 × 4 B partial
+      results out and back); tokens fp8 + scales (4096 + 32 × 4 B) → 265,158,656 B, bf16 (4096 × 2 B) →
+      293,601,280 B.
+    fp8:  44,917,732,188 + 279,639,040 + 783,803,392 + 201,326,592 + 265,158,656 = 46,447,659,868 B
+          (43.26 GiB) × 1.2 = 55,737,191,842 B (51.91 GiB)  ≤  102,625,181,696 B: fits, 43.67 GiB spare.
+    bf16: 83,950,879,068 + 279,639,040 + 783,803,392 + 201,326,592 + 293,601,280 = 85,509,249,372 B (79.64 GiB)
+          × 1.2 = 102,611,099,247 B (95.56 GiB)  ≤  102,625,181,696 B: fits by 0.013 GiB. The bf16 weights alone
+          take 78.19 GiB (93.82 with headroom): bf16 fits barely, fp8 with a wide margin. On a 95 GiB device
+          bf16 misses (by 0.56 GiB) and the advice names FP8 weights first.
     """
     fp8 = plan_memory(FLASH, context=N, devices=8, weights="fp8", device="h20")
     bf16 = plan_memory(FLASH, context=N, devices=8, weights="bf16", device="h20")
@@ -115,17 +117,19 @@ def test_v4_flash_fp8_weights_fit_8_h20_at_512k_bf16_do_not():
     assert w["weights: routed experts"] == 32 * 43 * (25_165_824 + 1536 * 4) == 34_636_627_968
     assert w["weights: dense (replicated)"] == 4_414_504_960 + 1_077_760 + 3_595_042_816 == 8_010_625_536
     assert w["weights: embeddings, norms (replicated)"] == 2_118_123_520 + 152_355_164
-    assert w["weights: dequantized layer (transient)"] == 32 * 25_165_824 * 2
+    assert w["weights: dequantized layer (transient)"] == 0
     assert sum(kv_by_type(fp8).values()) + w["KV cache: scale state (replicated)"] == 279_639_040
-    assert w["communication: KV all-gather"] == w["communication: MoE all-to-all"] == 201_326_592
+    assert w["communication: KV all-gather"] == 201_326_592
+    assert w["communication: MoE exchange"] == 7 * 1024 * ((4096 + 32 * 4) + 2 * 4096 * 4) == 265_158_656
     assert w["activations: one chunk"] == 783_803_392
-    assert fp8.total_bytes == 47_994_440_540 and fp8.required_bytes == 57_593_328_648 and fp8.fits
+    assert fp8.total_bytes == 46_447_659_868 and fp8.required_bytes == 55_737_191_842 and fp8.fits
 
     assert bf16.line("weights: routed experts").bytes_per_device == 69_256_347_648
     assert bf16.line("weights: dense (replicated)").bytes_per_device == 12_424_052_736
-    assert bf16.total_bytes == 85_416_974_684 and bf16.required_bytes == 102_500_369_621 and bf16.fits
+    assert bf16.line("communication: MoE exchange").bytes_per_device == 7 * 1024 * (4096 * 2 + 2 * 4096 * 4)
+    assert bf16.total_bytes == 85_509_249_372 and bf16.required_bytes == 102_611_099_247 and bf16.fits
     tips = suggestions(plan_memory(FLASH, context=N, devices=8, weights="bf16", device_memory_gib=95.0))
-    assert tips[0].startswith("--weights fp8: needs 53.6 GiB")
+    assert tips[0].startswith("--weights fp8: needs 51.9 GiB")
 
     # fp4 experts: ½ B per weight + one float32 scale per row and 32 columns (786,432 per expert).
     fp4 = plan_memory(FLASH, context=N, devices=8, weights="fp4-experts")
@@ -138,10 +142,10 @@ def test_cli_prints_the_ledger_and_verdict(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "8 h20 device(s)" in out and "4139.5 B/token" in out and "KV cache: CSA layers" in out
-    assert "fits: 41.94 GiB per device to spare" in out and "of 95.58 GiB per h20 device" in out
+    assert "fits: 43.67 GiB per device to spare" in out and "of 95.58 GiB per h20 device" in out
     assert main([*argv[:-1], "bf16", "--device-memory-gib", "95"]) == 1
     out = capsys.readouterr().out
-    assert "DOES NOT FIT: 0.46 GiB per device over" in out and "--weights fp8: needs 53.6 GiB" in out
+    assert "DOES NOT FIT: 0.56 GiB per device over" in out and "--weights fp8: needs 51.9 GiB" in out
     # The old flags still work and mean the same plan.
     assert main([*argv, "--json"]) == 0
     new = json.loads(capsys.readouterr().out)
@@ -184,3 +188,17 @@ def test_index_slab_rows_by_hand_and_the_indexer_uses_them(keys, batch, rows):
     from dsv4.pallas.indexer import default_query_chunk
 
     assert index_slab_rows(keys, batch) == rows == default_query_chunk(keys, batch)
+
+
+def test_the_plan_steps_the_expert_exchange_as_the_code_does():
+    from dsv4.sharding.expert_parallel import DEFAULT_CHUNK_TOKENS
+
+    assert EP_STEP_TOKENS == DEFAULT_CHUNK_TOKENS
+    # Prefill chunks larger than one exchange step: the buffers are one step's, not the whole share's.
+    big = plan_memory(FLASH, context=N, devices=2, weights="fp8", chunk_size=N)
+    step = big.line("communication: MoE exchange").bytes_per_device
+    assert step == 1 * EP_STEP_TOKENS * ((4096 + 32 * 4) + 2 * 4096 * 4)
+    # FP4 experts have no kernel: dequantized per layer, and their tokens travel in bf16.
+    fp4 = plan_memory(FLASH, context=N, devices=8, weights="fp4-experts")
+    assert fp4.line("weights: dequantized layer (transient)").bytes_per_device == 32 * 25_165_824 * 2
+    assert fp4.line("communication: MoE exchange").bytes_per_device == 293_601_280

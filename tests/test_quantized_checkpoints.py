@@ -317,3 +317,15 @@ def test_truncated_quantized_file(tmp_path):
     file = path / "model.safetensors"
     os.truncate(file, os.path.getsize(file) - 10)
     _fails_before_devices(path, r"tensor .* in .*model\.safetensors: file truncated")
+
+
+def test_engine_keeps_a_checkpoint_quantized_and_refuses_it_for_a_preset():
+    from dsv4.engine import _resolve_model
+
+    path = os.path.join(FIXTURES, "tiny_mixed_fp8")
+    model, where = _resolve_model(path, dtype="float32", seed=0, attention_impl="jnp", moe_impl="jnp",
+                                  keep_quantized=True)  # fmt: skip
+    assert where == path
+    assert isinstance(model.layers[1].mlp.experts["gate_up_proj"].get_value(), BlockQuantized)
+    with pytest.raises(ValueError, match="'tiny' is a preset"):
+        _resolve_model("tiny", dtype=None, seed=0, attention_impl="jnp", moe_impl="jnp", keep_quantized=True)
