@@ -12,14 +12,18 @@ Rows, per token count N (all in one process, same inputs):
   1gpu          `dsv4.pallas.moe.routed_experts` on device 0, over token chunks of --one-chunk (lax.map; the whole
                 512K at once needs ~84 GiB of temporaries), all 256 experts local.
   ep-c<C>       `dsv4.sharding.expert_parallel.routed_experts_ep` on all N devices: tokens split over the devices,
-                experts split over the same devices (E / N each), ring dispatch/combine in chunks of C tokens
-                (--variants: "-scan" runs the chunks in a lax.scan instead of one unrolled program, "-bf16" sends
-                the partial sums in bf16 instead of float32).
+                experts split over the same devices (E / N each), dispatch/combine in chunks of C tokens per device
+                with the library's defaults (schedule "direct", partial results in the activations' dtype, bf16).
+                --variants add: "-scan" (the chunks in a lax.scan instead of one unrolled program), "-ring" (the
+                ring schedule), "-f32" / "-bf16" (partial results in that dtype), "-w8a8" (FP8 expert weights in
+                128 × 128 blocks, W8A8 kernels, tokens quantized before they are sent: fp8 on the wire; compared
+                with a 1gpu-w8a8 row), "-ctas<K>" (the Mosaic kernels on K persistent CTAs instead of one per SM).
   ep-…-local    the same program with every transfer replaced by a local copy of the same shape (comm="local":
                 the array rolled by one row; wrong values, identical compute). exposed = t(ep) − t(ep-local): the
                 communication time the ring fails to hide; the bar (issue 10) asks for ≤ 10% of the MoE time.
-  ep-…-comm-only the first variant's ring with the expert GEMMs replaced by an elementwise op: the transfers'
-                own time. The first variant's compiled HLO (its schedule) is written to --out at the largest N.
+  ep-…-comm-only the first variant's program with the expert GEMMs replaced by an elementwise op: the transfers'
+                own time. The compiled HLO (the schedule) of the first variant and of the W8A8 ones is written to
+                --out at the largest N.
 --trace: one more call of the first variant at the largest N under `jax.profiler.trace` (Perfetto JSON in
 --out/trace); scripts/trace_overlap.py reports per GPU how much of the NCCL kernels' time ran alongside compute.
 Useful FLOPs = 2 · 3 · D · I · N · K (gate, up, down per token-expert pair), the same count for every row; %mm is
@@ -52,24 +56,33 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_kernels import make_routing  # noqa: E402
+from bench_kernels import make_routing, quantize_weight_blocks  # noqa: E402
+from bench_ttft_sp import parse_ep_variant as parse_variant  # noqa: E402
 from bench_ttft_sp import parse_len  # noqa: E402
 from trace_overlap import profile  # noqa: E402
 
 from dsv4.config import Config  # noqa: E402
 from dsv4.moe import routed_experts_pallas  # noqa: E402
+from dsv4.pallas.moe import quantize_per_token_group  # noqa: E402
+from dsv4.pallas.moe_mgpu import MgpuMoeConfig, routed_experts_mgpu  # noqa: E402
 from dsv4.sharding import make_mesh, use_mesh  # noqa: E402
 from dsv4.sharding.expert_parallel import routed_experts_ep  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
-def parse_variant(v: str) -> tuple[int, bool | None, object]:
-    """"c32k-scan-bf16" → (32768, False, bfloat16): chunk tokens, unroll (None: the library's default), combine."""
-    parts = v.split("-")
-    if not parts[0].startswith("c") or any(x not in ("scan", "bf16") for x in parts[1:]):
-        raise SystemExit(f"bad variant {v!r}: expected c<tokens>[-scan][-bf16]")
-    return parse_len(parts[0][1:]), (False if "scan" in parts else None), (BF16 if "bf16" in parts else F32)
+def ep_call(local_experts, a, v: dict, kind: str):
+    """routed_experts_ep on the bench's arguments: (x, ids, w, gate_up, down) or, W8A8, (xq, x_scales, ids, w,
+    gate_up, down, gate_up_scales, down_scales)."""
+    kw = dict(chunk_tokens=v["chunk"], unroll=v["unroll"], schedule=v["schedule"],
+              comm="local" if kind == "local" else "ppermute")  # fmt: skip
+    if v["combine"] is not None:  # else the library's default
+        kw["combine_dtype"] = v["combine"]
+    if v["w8a8"]:
+        xq, xs, ids, w, gq, dq, gs, ds = a
+        return routed_experts_ep(local_experts, xq, ids, w, gq, dq, x_scales=xs, gate_up_scales=gs, down_scales=ds,
+                                 out_dtype=BF16, **kw)  # fmt: skip
+    return routed_experts_ep(local_experts, *a, **kw)
 
 
 def timed(compiled, args, reps: int) -> dict:
@@ -85,9 +98,8 @@ def timed(compiled, args, reps: int) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="64k,512k")
-    p.add_argument("--variants", default="c32k,c16k,c32k-scan,c32k-bf16",
-                   help="EP variants: c<chunk tokens per ring step>[-scan (lax.scan over chunks, else unrolled)]"
-                        "[-bf16 (partial sums travel in bf16, else f32)]")
+    p.add_argument("--variants", default="c32k,c32k-ring-f32,c64k,c32k-w8a8",
+                   help="EP variants: c<chunk tokens per step>[-scan][-ring][-f32|-bf16][-w8a8][-ctas<K>] (above)")
     p.add_argument("--one-chunk", default="64k", help="token chunk of the 1-GPU row")
     p.add_argument("--zipf", type=float, default=0.3)
     p.add_argument("--reps", type=int, default=5)
@@ -95,13 +107,15 @@ def main():
     p.add_argument("--trace", action="store_true",
                    help="profile one call of the first variant at the largest N into --out/trace and report, per GPU, "
                         "how much of the communication kernels' time overlaps compute (scripts/trace_overlap.py)")
-    p.add_argument("--smoke", action="store_true", help="CPU: the tiny preset's widths, 2 host devices")
+    p.add_argument("--smoke", action="store_true", help="CPU: the tiny preset (D 256, I 128), 2 host devices")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    cfg = Config.preset("tiny" if args.smoke else "v4-flash")
+    # smoke: the tiny preset at the smallest widths the FP8 blocks take
+    cfg = Config.preset("tiny").replace(hidden_size=256, moe_intermediate_size=128) if args.smoke else \
+        Config.preset("v4-flash")
     d, inter, e, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
     tokens = [24, 40] if args.smoke else [parse_len(x) for x in args.tokens.split(",")]
-    variants = ["c8", "c8-scan-bf16"] if args.smoke else args.variants.split(",")
+    variants = ["c8", "c8-scan-ring-f32", "c8-w8a8"] if args.smoke else args.variants.split(",")
     one_chunk = 16 if args.smoke else parse_len(args.one_chunk)
     n_dev = len(jax.devices())
     if n_dev < 2:
@@ -130,23 +144,36 @@ def main():
     gu_ep, dn_ep = jax.jit(lambda kk: (jax.random.normal(kk[0], (e, 2 * inter, d), BF16) * scale,
                                        jax.random.normal(kk[1], (e, d, inter), BF16) * scale),
                            out_shardings=(split, split))(kw)  # fmt: skip
-    gu_1, dn_1 = jax.device_put((gu_ep, dn_ep), dev0)
+    experts = {"bf16": (gu_ep, dn_ep)}
+    if any(parse_variant(v)["w8a8"] for v in variants):  # DeepSeek's format: fp8 values, one scale per 128 × 128
+        (gq, gs), (dq, ds) = jax.jit(lambda a, b: (quantize_weight_blocks(a), quantize_weight_blocks(b)),
+                                     out_shardings=((split, split), (split, split)))(gu_ep, dn_ep)  # fmt: skip
+        experts["w8a8"] = (gq, dq, gs, ds)
+    experts_1 = {mode: jax.device_put(ws, dev0) for mode, ws in experts.items()}
 
-    def one_gpu(x, ids, w, gu, dn):
+    def one_gpu(x, ids, w, gu, dn, *scales):
         n = x.shape[0]
         c = min(one_chunk, n)
         pad = -n % c
         xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, c, d)
         ids_ = jnp.pad(ids, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, c, k)
         ws = jnp.pad(w, ((0, pad), (0, 0))).reshape(-1, c, k)
-        y = jax.lax.map(lambda t: routed_experts_pallas(*t, gu, dn, limit), (xs, ids_, ws))
+        fp8 = dict(zip(("gate_up_scales", "down_scales"), scales))
+        y = jax.lax.map(lambda t: routed_experts_pallas(*t, gu, dn, limit, **fp8), (xs, ids_, ws))
         return y.reshape(-1, d)[:n]
 
-    def local_experts(x_, ids_, w_, gu_, dn_):
-        return routed_experts_pallas(x_, ids_, w_, gu_, dn_, limit, out_dtype=F32)
+    def local_experts_for(ctas):
+        if ctas is None:
+            return lambda x_, ids_, w_, gu_, dn_, **kw: routed_experts_pallas(x_, ids_, w_, gu_, dn_, limit,
+                                                                              out_dtype=F32, **kw)  # fmt: skip
+        cfg = MgpuMoeConfig(num_ctas=ctas)
+        return lambda x_, ids_, w_, gu_, dn_, **kw: routed_experts_mgpu(x_, ids_, w_, gu_, dn_, limit, config=cfg,
+                                                                        out_dtype=F32, **kw)  # fmt: skip
 
-    def comm_only(x_, ids_, w_, gu_, dn_):  # no expert GEMMs: the ring's transfers (and an elementwise op) alone
+    def comm_only(x_, ids_, w_, gu_, dn_, **kw):  # no expert GEMMs: the transfers (and an elementwise op) alone
         return x_.astype(F32) * w_[:, :1]
+
+    quantize_tokens = jax.jit(lambda x: tuple(a.reshape(1, x.shape[1], -1) for a in quantize_per_token_group(x[0])))
 
     seq = NamedSharding(mesh, P(None, "sp"))
     for n in tokens:
@@ -157,47 +184,50 @@ def main():
         per_dev = jnp.bincount(ids.reshape(-1) // (e // n_dev), length=n_dev)
         load = float(per_dev.max() / per_dev.mean())
         row = dict(tokens=n, flops=flops, load_max_over_mean=load, mm_bf16_tflops=mm_tf)
-        try:
-            args1 = jax.device_put((x, ids, w, gu_1, dn_1), dev0)
-            exe = jax.jit(one_gpu).lower(*args1).compile()
-            r, y1 = timed(exe, args1, args.reps)
-            row["1gpu"] = r
-            y1 = jax.device_get(y1).astype("float32")
-            print(f"  N={n} 1gpu: {r['ms']:8.2f} ms  {flops / r['ms'] / 1e9:6.0f} TF/s  "
-                  f"{flops / r['ms'] / 1e9 / mm_tf:4.0%} mm", flush=True)  # fmt: skip
-            del args1, exe
-        except Exception as exc:  # noqa: BLE001
-            row["1gpu"] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
-            y1 = None
-            print(f"  N={n} 1gpu: FAILED {row['1gpu']['error']}", flush=True)
+        y1 = {}
+        for mode, ws in experts_1.items():
+            name = "1gpu" if mode == "bf16" else f"1gpu-{mode}"
+            try:
+                args1 = jax.device_put((x, ids, w), dev0) + ws
+                exe = jax.jit(one_gpu).lower(*args1).compile()
+                r, y = timed(exe, args1, args.reps)
+                row[name] = r
+                y1[mode] = jax.device_get(y).astype("float32")
+                print(f"  N={n} {name}: {r['ms']:8.2f} ms  {flops / r['ms'] / 1e9:6.0f} TF/s  "
+                      f"{flops / r['ms'] / 1e9 / mm_tf:4.0%} mm", flush=True)  # fmt: skip
+                del args1, exe, y
+            except Exception as exc:  # noqa: BLE001
+                row[name] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                print(f"  N={n} {name}: FAILED {row[name]['error']}", flush=True)
         xs = jax.device_put(x[None], seq)
         ids_s, w_s = jax.device_put(ids[None], seq), jax.device_put(w[None], seq)
+        xq = quantize_tokens(xs) if "w8a8" in experts else None
         del x, ids, w
         for vi, variant in enumerate(variants):
-            c, unroll, combine = parse_variant(variant)
+            v = parse_variant(variant)
+            mode = "w8a8" if v["w8a8"] else "bf16"
+            ep_args = (*(xq if v["w8a8"] else (xs,)), ids_s, w_s, *experts[mode])
             kinds = ("ppermute", "local", "comm-only") if vi == 0 else ("ppermute", "local")
             for kind in kinds:
                 name = f"ep-{variant}" + ("" if kind == "ppermute" else f"-{kind}")
-                fn_local = comm_only if kind == "comm-only" else local_experts
+                fn_local = comm_only if kind == "comm-only" else local_experts_for(v["ctas"])
                 try:
                     with use_mesh(mesh):
-                        fn = jax.jit(lambda *a, c=c, u=unroll, cd=combine, f=fn_local, k=kind: routed_experts_ep(
-                            f, *a, chunk_tokens=c, unroll=u, combine_dtype=cd,
-                            comm="local" if k == "local" else "ppermute"))  # fmt: skip
+                        fn = jax.jit(lambda *a, v=v, f=fn_local, k=kind: ep_call(f, a, v, k))
                         t0 = time.perf_counter()
-                        exe = fn.lower(xs, ids_s, w_s, gu_ep, dn_ep).compile()
+                        exe = fn.lower(*ep_args).compile()
                         cs = time.perf_counter() - t0
-                    if vi == 0 and kind == "ppermute" and n == tokens[-1] and args.out:
+                    if kind == "ppermute" and n == tokens[-1] and args.out and (vi == 0 or v["w8a8"]):
                         os.makedirs(args.out, exist_ok=True)
                         with open(os.path.join(args.out, f"hlo_ep-{variant}_{n}.txt"), "w") as f:
                             f.write(exe.as_text())
-                    r, y = timed(exe, (xs, ids_s, w_s, gu_ep, dn_ep), args.reps)
+                    r, y = timed(exe, ep_args, args.reps)
                     r["compile_s"] = cs
                     if args.trace and args.out and vi == 0 and kind == "ppermute" and n == tokens[-1]:
-                        r["trace"] = profile(exe, (xs, ids_s, w_s, gu_ep, dn_ep), os.path.join(args.out, "trace"))
-                    if kind == "ppermute" and y1 is not None:
-                        yn = jax.device_get(y)[0].astype("float32")
-                        r["rel_l2_vs_1gpu"] = float(((yn - y1) ** 2).sum() ** 0.5 / max((y1**2).sum() ** 0.5, 1e-30))
+                        r["trace"] = profile(exe, ep_args, os.path.join(args.out, "trace"))
+                    if kind == "ppermute" and mode in y1:
+                        yn, ref = jax.device_get(y)[0].astype("float32"), y1[mode]
+                        r["rel_l2_vs_1gpu"] = float(((yn - ref) ** 2).sum() ** 0.5 / max((ref**2).sum() ** 0.5, 1e-30))
                     row[name] = r
                     note = f"  rel L2 vs 1gpu {r['rel_l2_vs_1gpu']:.1e}" if "rel_l2_vs_1gpu" in r else ""
                     print(f"  N={n} {name}: {r['ms']:8.2f} ms  {flops / r['ms'] / 1e9:6.0f} TF/s  "
@@ -210,12 +240,13 @@ def main():
             if "ms" in ep and "ms" in loc:
                 exposed = max(ep["ms"] - loc["ms"], 0.0)
                 ep["exposed_ms"], ep["exposed_frac"] = exposed, exposed / ep["ms"]
-                if "ms" in row.get("1gpu", {}):
-                    ep["scaling"] = row["1gpu"]["ms"] / (n_dev * ep["ms"])
+                one = row.get("1gpu" if mode == "bf16" else f"1gpu-{mode}", {})
+                if "ms" in one:
+                    ep["scaling"] = one["ms"] / (n_dev * ep["ms"])
                 print(f"  N={n} ep-{variant}: exposed comm {exposed:.2f} ms = {exposed / ep['ms']:.1%} of the layer; "
                       f"scaling {ep.get('scaling', float('nan')):.2f}; busiest device {load:.2f}x the mean pairs",
                       flush=True)  # fmt: skip
-        del xs, ids_s, w_s
+        del xs, ids_s, w_s, xq
         rows.append(row)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

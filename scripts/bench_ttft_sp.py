@@ -66,6 +66,22 @@ def parse_len(x: str) -> int:
     return int(x[:-1]) * 1024 if x.endswith("k") else int(x)
 
 
+def parse_ep_variant(v: str) -> dict:
+    """bench_moe_ep.py's variants: "c32k-scan-ring-f32-w8a8-ctas120" → dict(chunk=32768, unroll=False,
+    schedule="ring", combine=float32, w8a8=True, ctas=120); unset parts take the library's defaults (unroll /
+    combine None, schedule "direct")."""
+    parts = v.split("-")
+    flags = {"scan", "ring", "f32", "bf16", "w8a8"}
+    bad = [x for x in parts[1:] if x not in flags and not (x.startswith("ctas") and x[4:].isdigit())]
+    if not parts[0].startswith("c") or bad:
+        raise SystemExit(f"bad variant {v!r}: expected c<tokens>[-scan][-ring][-f32|-bf16][-w8a8][-ctas<K>]")
+    ctas = [int(x[4:]) for x in parts[1:] if x.startswith("ctas")]
+    return dict(chunk=parse_len(parts[0][1:]), unroll=False if "scan" in parts else None,
+                schedule="ring" if "ring" in parts else "direct",
+                combine=F32 if "f32" in parts else BF16 if "bf16" in parts else None, w8a8="w8a8" in parts,
+                ctas=ctas[0] if ctas else None)  # fmt: skip
+
+
 def peak_gib() -> list[float]:
     out = []
     for d in jax.local_devices():
@@ -199,6 +215,9 @@ def main():
                    help="comma-separated indexer_impl values for the N-device runs: pallas (bf16 two-pass) and/or "
                         "pallas-fp8 (e4m3 q and keys, the Mosaic scores kernel on Hopper); the first one also for "
                         "the 1-device run")
+    p.add_argument("--ep", default="default",
+                   help="expert-parallel settings to compare, comma-separated: 'default' (the library's) or "
+                        "c<chunk tokens>[-ring][-f32|-bf16] as in bench_moe_ep.py (set on every MoE layer)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-1dev-from", default="512k", help="no 1-device run at or above this length (OOM)")
     p.add_argument("--baseline", action="store_true",
@@ -220,15 +239,23 @@ def main():
           f"{args.experts}, order {args.order}", flush=True)  # fmt: skip
     model, info = build_model_on_device(cfg, args.seed, F32 if args.smoke else BF16)
     _, state = nnx.split(model)
-    def graphdef(attention, indexer="pallas", moe="pallas"):
+    def graphdef(attention, indexer="pallas", moe="pallas", ep="default"):
         abstract = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=F32 if args.smoke else BF16,
                                                      attention_impl=attention, indexer_impl=indexer,
                                                      moe_impl=moe))  # fmt: skip
+        if ep != "default":
+            v = parse_ep_variant(ep)
+            for layer in abstract.layers:
+                mlp = layer.mlp
+                mlp.ep_chunk_tokens, mlp.ep_schedule = v["chunk"], v["schedule"]
+                if v["combine"] is not None:  # else the model's default
+                    mlp.ep_combine_dtype = v["combine"]
         return nnx.split(abstract)[0]
 
     indexers = [x.strip() for x in args.indexer.split(",") if x.strip()]
-    gds = {ix: graphdef(args.attention, indexer=ix) for ix in indexers}
-    gd = gds[indexers[0]]
+    eps = [x.strip() for x in args.ep.split(",") if x.strip()]
+    gds = {(ix, ep): graphdef(args.attention, indexer=ix, ep=ep) for ix in indexers for ep in eps}
+    gd = gds[indexers[0], eps[0]]
     # The 1-device run: the same SP model without a mesh (its core falls back to jnp), or with --one-device
     # auto, the best 1-GPU full-sequence model (bench_ttft's (3): the Pallas / Mosaic attention kernels).
     gd_one = gd if args.one_device == "same" else graphdef("auto", indexer=indexers[0])
@@ -255,9 +282,10 @@ def main():
         if args.one_device != "none":
             measure("1dev", s, gd_one, state, token_ids(s), None, args.reps, rows[s], rows[s]["flops"])
     orders = args.order.split(",")
-    runs = [(order, ix, (many if order == "contiguous" else f"{many}-{order}")
-             + ("" if ix == indexers[0] else f"-{ix}")) for order in orders for ix in indexers]  # fmt: skip
-    names = [name for _, _, name in runs]
+    runs = [(order, ix, ep, (many if order == "contiguous" else f"{many}-{order}")
+             + ("" if ix == indexers[0] else f"-{ix}") + ("" if ep == eps[0] else f"-ep:{ep}"))
+            for order in orders for ix in indexers for ep in eps]  # fmt: skip
+    names = [name for *_, name in runs]
     if mesh is not None:
         # split: the seed's layout (sequence and routed experts over the devices, the rest replicated);
         # replicated: every weight on every device, so the MoE runs data-parallel on each shard's tokens.
@@ -266,9 +294,9 @@ def main():
         del state
         for s in lengths:
             ids = jax.device_put(token_ids(s), NamedSharding(mesh, P(None, "sp")))
-            for order, ix, name in runs:  # the orders (and indexers) side by side, length by length
+            for order, ix, ep, name in runs:  # the orders (indexers, EP settings) side by side, length by length
                 layout = dataclasses.replace(rules, seq_order=order)
-                measure(name, s, gds[ix], placed, ids, mesh, args.reps, rows[s], rows[s]["flops"], layout)
+                measure(name, s, gds[ix, ep], placed, ids, mesh, args.reps, rows[s], rows[s]["flops"], layout)
     for s, row in rows.items():
         one = row.get("1dev", {})
         for name in names:
@@ -280,6 +308,13 @@ def main():
                           logits_rel_l2=rel)  # fmt: skip
                 print(f"  S={s}: {name} speed-up {nd['speedup']:.2f}x, efficiency {nd['efficiency']:.2f}, last-token "
                       f"logits rel. L2 {rel:.2e} ({n_dev} devices vs 1)", flush=True)  # fmt: skip
+        first = names[0] if names else None
+        for name in names[1:]:  # the N-device runs against the first (where no 1-device run fits)
+            if first + "_logits" in row and name + "_logits" in row:
+                a, b = row[first + "_logits"], row[name + "_logits"]
+                rel = float(((a - b) ** 2).sum() ** 0.5 / max(((a**2).sum()) ** 0.5, 1e-30))
+                row[name][f"logits_rel_l2_vs_{first}"] = rel
+                print(f"  S={s}: {name} last-token logits rel. L2 {rel:.2e} against {first}", flush=True)
         base = row.get("baseline", {})
         if "ttft_s" in base:
             for name in ("1dev", *names):
