@@ -6,7 +6,9 @@ Start one copy per process (per host, or per GPU), all with the same coordinator
     python scripts/launch.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0 --model DIR --prompt-len 131072
     python scripts/launch.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 1 --model DIR --prompt-len 131072
 
-On one machine without GPUs, `--cpu-devices 4` fakes host devices (how CI tests this). Process 0 prints
+On one machine without GPUs, `--cpu-devices 4` fakes host devices (how CI tests this). A checkpoint is streamed
+onto the mesh (each device receives only its slice: the routed experts split, the rest replicated), so no single
+device ever holds the whole model; with `--keep-quantized` its FP8 / FP4 weights stay quantized. Process 0 prints
 the TTFT and a checksum of the last position's logits; `--save-logits FILE` writes them (.npy).
 """
 
@@ -30,6 +32,14 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="auto", choices=["auto", "sp", "sp-pallas"],
                    help="the sequence-parallel attention core: sp (jnp per shard, ring-passed entries), sp-pallas "
                         "(the Pallas kernels per shard), auto: sp-pallas on GPUs, sp elsewhere")
+    p.add_argument("--moe-impl", default="auto", choices=["auto", "jnp", "pallas"],
+                   help="routed experts (default auto: the Pallas grouped GEMMs on GPUs, expert-parallel over the mesh; "
+                        "XLA elsewhere)")
+    p.add_argument("--indexer-impl", default="auto", choices=["auto", "jnp", "pallas", "pallas-fp8"],
+                   help="lightning indexer (default auto: the two-pass Pallas indexer on GPUs)")
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="keep a checkpoint's FP8 / FP4 weights quantized (FP8 experts then run W8A8 and their tokens "
+                        "travel in FP8; needs --moe-impl pallas or auto on GPUs)")
     p.add_argument("--order", default="zigzag", choices=["zigzag", "contiguous"],
                    help="token order over the sequence shards (zigzag balances the causal work)")
     p.add_argument("--seed", type=int, default=0)
@@ -57,11 +67,16 @@ def main(argv=None) -> int:
     if attention == "auto":
         attention = "sp-pallas" if jax.default_backend() == "gpu" else "sp"
     rules = dataclasses.replace(SEQUENCE_PARALLEL, seq_order=args.order)
-    if os.path.isdir(args.model):
-        model = dsv4.load(args.model, dtype=dtype, attention_impl=attention)
+    moe = args.moe_impl if args.moe_impl != "auto" else ("pallas" if jax.default_backend() == "gpu" else "jnp")
+    kernels = dict(attention_impl=attention, moe_impl=moe, indexer_impl=args.indexer_impl)
+    if os.path.isdir(args.model):  # streamed: each device reads and receives only its slice of each tensor
+        model = dsv4.load(args.model, dtype=dtype, mesh=mesh, shardings=SEQUENCE_PARALLEL,
+                          keep_quantized=args.keep_quantized, **kernels)  # fmt: skip
     else:
-        model = dsv4.init_random(args.model, args.seed, dtype=dtype, attention_impl=attention)
-    shard_model(model, mesh)
+        if args.keep_quantized:
+            p.error(f"--keep-quantized: {args.model!r} is a preset (random weights); give a checkpoint directory")
+        model = dsv4.init_random(args.model, args.seed, dtype=dtype, **kernels)
+        shard_model(model, mesh)
     if args.token_ids_file:
         ids = np.load(args.token_ids_file)
     else:
@@ -75,8 +90,8 @@ def main(argv=None) -> int:
         ttft = time.perf_counter() - start
     last = np.asarray(multihost_utils.process_allgather(logits[:, -1], tiled=True))
     if jax.process_index() == 0:
-        print(f"{jax.process_count()} processes, {len(jax.devices())} devices, attention {attention}, order "
-              f"{args.order}, prompt {ids.shape}: "
+        print(f"{jax.process_count()} processes, {len(jax.devices())} devices, attention {attention}, experts {moe}, "
+              f"order {args.order}, prompt {ids.shape}: "
               f"prefill {ttft * 1e3:.1f} ms; logits checksum {float(np.abs(last).sum()):.6f}")  # fmt: skip
         if args.save_logits:
             np.save(args.save_logits, last)
