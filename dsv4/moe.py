@@ -107,7 +107,7 @@ class MoE(nnx.Module):
         )
         self.top_k, self.scoring_func, self.limit = config.num_experts_per_tok, config.scoring_func, config.swiglu_limit
         self.scaling, self.norm_topk = config.routed_scaling_factor, config.norm_topk_prob
-        # Under expert parallelism, tokens per ring step (bounds the per-step memory; dsv4/sharding/expert_parallel.py)
+        # Under expert parallelism, tokens per step (bounds the per-step memory; dsv4/sharding/expert_parallel.py)
         self.ep_chunk_tokens = DEFAULT_CHUNK_TOKENS
         # ... the dtype the partial results travel in (float32: exact; bfloat16 halves those bytes), and the
         # schedule ("direct": each partial result straight home, or "ring"); BENCHMARKS.md, "Expert parallelism"
@@ -149,18 +149,17 @@ class MoE(nnx.Module):
         ids, weights = self.route(flat, token_ids.reshape(-1))
         gate_up, down, scales = self.expert_weights()
         impl = MOE_IMPLS[self.moe_impl]
-        fp8 = dict(scales, fp8_activations=self.fp8_activations) if scales else {}
         if ep_layout(gate_up.shape[0]) is not None:
             # Expert parallelism: each device keeps its slice of the experts and the tokens are sent to them.
-            tokens = {"x": x}
+            x_sent, x_scales = x, None
             if scales and self.fp8_activations:  # W8A8: quantized where the token lives, sent as 1-byte values
                 from dsv4.pallas.moe import quantize_per_token_group
 
                 xq, xs = quantize_per_token_group(flat)
-                tokens = {"x": xq.reshape(b, s, d), "x_scales": xs.reshape(b, s, -1)}
+                x_sent, x_scales = xq.reshape(b, s, d), xs.reshape(b, s, -1)
             local = _ep_local_experts(self.moe_impl, self.limit, self.fp8_activations if scales else None)
-            routed = routed_experts_ep(local, tokens.pop("x"), ids.reshape(b, s, -1), weights.reshape(b, s, -1),
-                                       gate_up, down, **tokens, **scales, out_dtype=x.dtype,
+            routed = routed_experts_ep(local, x_sent, ids.reshape(b, s, -1), weights.reshape(b, s, -1), gate_up, down,
+                                       x_scales=x_scales, **scales, out_dtype=x.dtype,
                                        chunk_tokens=self.ep_chunk_tokens, schedule=self.ep_schedule,
                                        combine_dtype=self.ep_combine_dtype).reshape(b * s, d)  # fmt: skip
         elif self.moe_impl == "pallas":
@@ -176,7 +175,7 @@ class MoE(nnx.Module):
             routed = per_sequence_shard(local, (x, ids.reshape(b, s, -1), weights.reshape(b, s, -1)),
                                         (gate_up, down, *scales.values()), fill=(0, 0, 0.0)).reshape(b * s, d)  # fmt: skip
         else:
-            routed = impl(flat, ids, weights, gate_up, down, self.limit, **fp8)
+            routed = impl(flat, ids, weights, gate_up, down, self.limit)  # the jnp path: FP8 experts read dequantized
         sh = self.shared_experts
         shared = linear(swiglu(linear(flat, sh["gate_proj"]["weight"][...]), linear(flat, sh["up_proj"]["weight"][...]),
                                self.limit), sh["down_proj"]["weight"][...])  # fmt: skip

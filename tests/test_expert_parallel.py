@@ -150,7 +150,7 @@ def test_model_under_a_mesh_runs_its_experts_expert_parallel():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(len(jax.devices("gpu") if jax.default_backend() == "gpu" else []) < 2,
-                    reason="needs 2 GPUs (the ring between real devices)")  # fmt: skip
+                    reason="needs 2 GPUs (the exchange between real devices)")  # fmt: skip
 def test_gpu_ring_with_the_pallas_kernels_matches_one_device():
     """On 2+ GPUs with the compiled grouped-GEMM kernels, V4-Flash's widths and a skewed load: the expert-parallel
     result equals one device's `routed_experts` up to float32 summation order (bf16 output)."""
@@ -266,3 +266,45 @@ def test_fp8_experts_run_w8a8_and_send_fp8_tokens():
     for key, err in moes.items():
         # bf16 outputs (and, expert-parallel, bf16 remote parts) against the reference's own bf16 rounding
         assert err < 2**-6, (key, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(len(jax.devices("gpu") if jax.default_backend() == "gpu" else []) < 2,
+                    reason="needs 2 GPUs (the exchange between real devices)")  # fmt: skip
+def test_gpu_w8a8_with_fp8_tokens_matches_one_device():
+    """On 2+ GPUs at V4-Flash's widths: FP8 expert weights (128 × 128 blocks), tokens quantized where they live and
+    sent as e4m3 + scales; the result equals one device's W8A8 `routed_experts` up to float32 summation order."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from dsv4.moe import routed_experts_pallas
+    from dsv4.pallas.moe import quantize_per_token_group
+    from dsv4.sharding import make_mesh, use_mesh
+    from dsv4.sharding.expert_parallel import routed_experts_ep
+
+    n_tok, d, inter, e, k = 3000, 4096, 2048, 16, 6
+    keys = jax.random.split(jax.random.key(1), 5)
+    x = jax.random.normal(keys[0], (n_tok, d), jnp.bfloat16)
+    popularity = -0.5 * jnp.log1p(jnp.arange(e, dtype=jnp.float32))
+    _, ids = jax.lax.top_k(popularity + jax.random.gumbel(keys[1], (n_tok, e)), k)
+    ids = ids.astype(jnp.int32)
+    w = jax.random.uniform(keys[2], (n_tok, k), jnp.float32)
+
+    def fp8_blocks(key, shape):  # DeepSeek's format: e4m3 values, one float32 scale per 128 × 128 block
+        v = jax.random.normal(key, shape, jnp.float32) * 0.02
+        blocks = v.reshape(shape[0], shape[1] // 128, 128, shape[2] // 128, 128)
+        scale = jnp.abs(blocks).max(axis=(2, 4)) / 448.0
+        return (blocks / scale[:, :, None, :, None]).astype(jnp.float8_e4m3fn).reshape(shape), scale
+
+    (gq, gs), (dq, ds) = fp8_blocks(keys[3], (e, 2 * inter, d)), fp8_blocks(keys[4], (e, d, inter))
+    want = routed_experts_pallas(x, ids, w, gq, dq, 7.0, out_dtype=jnp.float32, gate_up_scales=gs, down_scales=ds)
+    xq, xs = quantize_per_token_group(x)
+    mesh = make_mesh(len(jax.devices()))
+    split = lambda a: jax.device_put(a, NamedSharding(mesh, P("sp")))  # noqa: E731
+    with use_mesh(mesh):
+        got = routed_experts_ep(lambda *a, **kw: routed_experts_pallas(*a, 7.0, out_dtype=jnp.float32, **kw), xq[None],
+                                ids[None], w[None], split(gq), split(dq), x_scales=xs[None], gate_up_scales=split(gs),
+                                down_scales=split(ds), out_dtype=jnp.float32, chunk_tokens=700)[0]  # fmt: skip
+    rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    assert rel < 1e-4, rel

@@ -119,8 +119,10 @@ def routed_experts_ep(
     chunk_tokens: tokens per step per device. schedule: "direct" (each step's partial result goes straight home) or
     "ring" (one accumulator passed round the ring). unroll: one straight-line program over the chunks (default when
     there are at most MAX_UNROLLED_CHUNKS) or a `lax.scan` over them. combine_dtype: the dtype partial results
-    travel in; default the output's (a bf16 model's remote parts are rounded to bf16 once each, then summed in
-    float32 at home: an error of the order of the output's own rounding, for half the bytes of float32).
+    travel in: float32 (the default) keeps each token's sum as one device computes it; bfloat16 halves those bytes
+    and rounds each remote part once before the float32 sum at home (a V4-Flash MoE output moves by 2e-3 rel. L2,
+    a 3-layer model's last-token logits moved by 3e-2: BENCHMARKS.md, "The direct schedule and FP8 dispatch");
+    None: the output's dtype.
     """
     if comm not in ("ppermute", "local"):
         raise ValueError(f"comm={comm!r}; expected 'ppermute' or 'local'")
@@ -149,7 +151,7 @@ def routed_experts_ep(
         expert_ids = jnp.pad(expert_ids, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
         weights = jnp.pad(weights, ((0, 0), (0, pad), (0, 0)))
     combine = jnp.dtype(combine_dtype or out_dtype or x.dtype)  # None: the output's dtype
-    program = _ring_program(local_experts, mesh, axis, n, len(tokens), len(experts), chunk_tokens, schedule, comm,
+    program = _ep_program(local_experts, mesh, axis, n, len(tokens), len(experts), chunk_tokens, schedule, comm,
                             unroll, combine)  # fmt: skip
     out = program(*tokens, expert_ids, weights.astype(F32), *experts)
     out = out[:, :s] if pad else out
@@ -157,19 +159,19 @@ def routed_experts_ep(
 
 
 @functools.lru_cache(maxsize=64)
-def _ring_program(local_experts, mesh, axis, n, n_tokens, n_experts, chunk_tokens, schedule, comm, unroll,
+def _ep_program(local_experts, mesh, axis, n, n_tokens, n_experts, chunk_tokens, schedule, comm, unroll,
                   combine_dtype):  # fmt: skip
     """The jitted shard_map, cached: inside an outer jit it is inlined; called eagerly (the model's
     `prefill_chunk` / `decode` outside jit) it is compiled once instead of dispatched op by op, which took minutes
     per call. Pass the same `local_experts` object for the same math (dsv4.moe does) to hit the cache."""
-    body = functools.partial(_ring_body, local_experts, axis=axis, n=n, n_tokens=n_tokens, chunk_tokens=chunk_tokens,
+    body = functools.partial(_ep_body, local_experts, axis=axis, n=n, n_tokens=n_tokens, chunk_tokens=chunk_tokens,
                              schedule=schedule, comm=comm, unroll=unroll, combine_dtype=combine_dtype)  # fmt: skip
     seq = P(None, axis)
     specs = (seq,) * (n_tokens + 2) + (P(axis),) * n_experts
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=seq, check_vma=False))
 
 
-def _ring_body(local_experts, *arrays, axis, n, n_tokens, chunk_tokens, schedule, comm, unroll, combine_dtype):
+def _ep_body(local_experts, *arrays, axis, n, n_tokens, chunk_tokens, schedule, comm, unroll, combine_dtype):
     """One shard: arrays = token pieces (x [, x_scales]), expert_ids, weights, expert pieces (gate_up, down [,
     their scales]), all local slices. → float32 [B, S_l, D], this shard's tokens' routed output."""
     tok, (expert_ids, weights), experts = arrays[:n_tokens], arrays[n_tokens : n_tokens + 2], arrays[n_tokens + 2 :]
