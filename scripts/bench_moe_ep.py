@@ -13,14 +13,14 @@ Rows, per token count N (all in one process, same inputs):
                 512K at once needs ~84 GiB of temporaries), all 256 experts local.
   ep-c<C>       `dsv4.sharding.expert_parallel.routed_experts_ep` on all N devices: tokens split over the devices,
                 experts split over the same devices (E / N each), dispatch/combine in chunks of C tokens per device
-                with the library's defaults (schedule "direct", partial results in the activations' dtype, bf16).
+                with the library's defaults (schedule "direct", float32 partial results).
                 --variants add: "-scan" (the chunks in a lax.scan instead of one unrolled program), "-ring" (the
                 ring schedule), "-f32" / "-bf16" (partial results in that dtype), "-w8a8" (FP8 expert weights in
                 128 × 128 blocks, W8A8 kernels, tokens quantized before they are sent: fp8 on the wire; compared
                 with a 1gpu-w8a8 row), "-ctas<K>" (the Mosaic kernels on K persistent CTAs instead of one per SM).
   ep-…-local    the same program with every transfer replaced by a local copy of the same shape (comm="local":
                 the array rolled by one row; wrong values, identical compute). exposed = t(ep) − t(ep-local): the
-                communication time the ring fails to hide; the bar (issue 10) asks for ≤ 10% of the MoE time.
+                communication time the program fails to hide; the bar (issue 10) asks for ≤ 10% of the MoE time.
   ep-…-comm-only the first variant's program with the expert GEMMs replaced by an elementwise op: the transfers'
                 own time. The compiled HLO (the schedule) of the first variant and of the W8A8 ones is written to
                 --out at the largest N.
