@@ -133,7 +133,7 @@ def test_plan_ledger_by_hand():
     assert b["KV cache: scale state (replicated)"] == 0
     assert b["communication: KV all-gather"] == 2 * (256 * 64 + 256 * 32) == 49152  # one CSA layer, whole context
     t = 1024 // 2  # this device's share of the (whole-prompt) chunk
-    # the 511 other tokens' copies in (bf16) and their float32 partial results out and back, in one step
+    # the other device's 512 tokens in (bf16, one step) and their float32 partial results out and back
     assert b["communication: MoE exchange"] == 1 * t * (64 * 2 + 2 * 64 * 4) == 327680
     per_token = (2 * 4 * 64 + 32 + 2 * 4 * 32 + 32 + 4 * 16) * 2  # streams, q, out, kv, indexer q: 1792 B
     per_token += 2 * (64 * 2 + 2 * 32 * 4 + 32 * 2 + 64 * 4) + 64 * 4  # MoE pairs (top-2) + combine: 1664 B
