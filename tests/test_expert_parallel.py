@@ -50,8 +50,7 @@ EP_SCRIPT = """
     for n, impl, s, chunk, routing, unroll, schedule in [
         (2, "jnp", 37, 5, "uniform", False, "direct"), (4, "jnp", 50, 1000, "skewed", None, "ring"),
         (4, "jnp", 50, 7, "skewed", None, "direct"), (8, "jnp", 3, 4, "uniform", True, "direct"),
-        (8, "jnp", 19, 4, "uniform", True, "ring"), (2, "pallas", 29, 8, "skewed", True, "direct"),
-        (8, "pallas", 41, 3, "uniform", False, "ring"),
+        (2, "pallas", 29, 8, "skewed", True, "direct"), (8, "pallas", 41, 3, "uniform", False, "ring"),
     ]:
         x, ids, w, gu, dn = inputs(n * 100 + s, s, routing)
         want = routed_experts_reference(x[0], ids[0], w[0], gu, dn, LIMIT)
@@ -85,7 +84,7 @@ def test_expert_parallel_ring_matches_dense_reference():
     chunk sizes that do not divide the shard) sum exactly to the reference; no expert weight is gathered."""
     rows = [line.split() for line in _run(EP_SCRIPT).strip().splitlines()]
     cases = [r for r in rows if r[0] == "case"]
-    assert len(cases) == 14
+    assert len(cases) == 12
     for _, n, impl, s, chunk, routing, schedule, comm, err in cases:
         if comm == "ppermute":
             assert float(err) < 1e-5, (n, impl, s, chunk, routing, schedule, err)
