@@ -198,18 +198,24 @@ def section_full(args, rows_out):
         inp8 = make_inputs(s, c, fp8=True)
         static = dict(rate=RATE, k=args.k, softmax_scale=DI**-0.5)
         results = {}
+        mgpu = parse_mgpu_configs(args.mgpu_configs)
+        mgpu_runs = [(f"two-pass fp8 mgpu {cname} b{bands}" if (len(mgpu), len(args.bands)) != (1, 1) else
+                      "two-pass fp8 mgpu",
+                      functools.partial(index_topk_two_pass, **static, group=args.group, interpret=INTERPRET,
+                                        scores_impl="mgpu", mgpu_config=config, width_bands=bands), inp8)
+                     for cname, config in mgpu[: args.full_mgpu] for bands in args.bands]  # fmt: skip
         for name, fn, inp in (
             ("two-pass fp8", functools.partial(index_topk_two_pass, **static, blocks=blocks, group=args.group,
-                                                interpret=INTERPRET), inp8),
-            ("two-pass fp8 mgpu", functools.partial(index_topk_two_pass, **static, group=args.group,
-                                                    interpret=INTERPRET, scores_impl="mgpu",
-                                                    mgpu_config=parse_mgpu_configs(args.mgpu_configs)[0][1]), inp8),
+                                                interpret=INTERPRET, width_bands=args.bands[0]), inp8),
+            *mgpu_runs,
             ("two-pass bf16", functools.partial(index_topk_two_pass, **static, blocks=blocks, group=args.group,
                                                  interpret=INTERPRET), "bf16"),
             ("xla bf16", functools.partial(index_topk_jnp, rate=RATE, k=args.k, softmax_scale=DI**-0.5,
                                            query_chunk=1024), "bf16"),
             ("stream fp8", functools.partial(index_topk, **static, interpret=INTERPRET), inp8),
         ):
+            if args.full_names and not any(name.startswith(x) for x in args.full_names.split(",")):
+                continue
             if name.startswith("xla") and s > args.xla_max:
                 print(f"  full S={s} {name}: skipped (S > --xla-max {args.xla_max})", flush=True)
                 continue
@@ -222,6 +228,8 @@ def section_full(args, rows_out):
                 f = jax.jit(fn)
                 first, t = timed(lambda: f(**inp), reps=args.reps if s < 262144 else max(1, args.reps // 2))
                 results[name] = np.asarray(f(**inp)) if s == min(args.lengths) else None
+                if name.startswith("two-pass fp8 mgpu") and results[name] is not None:
+                    results.setdefault("two-pass fp8 mgpu", results[name])
                 print(f"  full S={s} {name:14s} {t * 1e3:9.1f} ms {flops / t / 1e12:7.1f} TF/s (first {first:.1f} s)",
                       flush=True)  # fmt: skip
                 rows_out.append(dict(section="full", s=s, name=name, ms=t * 1e3, tflops=flops / t / 1e12,
@@ -260,11 +268,15 @@ def main():
     p.add_argument("--triton-tilings", type=int, default=13, help="the first N Triton tilings of the scores section")
     p.add_argument("--mgpu-configs", default="t8-s2048:tokens=8,span=2048,slots=4",
                    help="Mosaic FP8 scores configs 'name:tokens=,span=,slots=;...' (the first is used by full)")
+    p.add_argument("--bands", default="4", help="full: index_topk_two_pass width_bands values to time (mgpu)")
+    p.add_argument("--full-mgpu", type=int, default=1, help="full: time the first N --mgpu-configs")
+    p.add_argument("--full-names", default="", help="full: only runs whose names start with one of these (comma)")
     p.add_argument("--xla-max", type=int, default=131072)
     p.add_argument("--stream-max", type=int, default=32768)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.bands = [int(x) for x in args.bands.split(",")]
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     rows = []
     try:

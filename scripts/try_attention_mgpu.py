@@ -40,6 +40,7 @@ VARIANTS = {
     "mgpu-prefetch-kv64x2": MgpuConfig(variant="prefetch", block_kv=64, num_slots=2),
     "mgpu-ws-kv64x1": MgpuConfig(variant="ws", block_kv=64, num_slots=1),
     "mgpu-ws-kv64x2-store": MgpuConfig(variant="ws", block_kv=64, num_slots=2, pv_form="store"),
+    "mgpu-persistent": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True),
 }
 
 

@@ -43,6 +43,14 @@ def make_inputs(seed, *, batch=1, seq=37, heads=64, head_dim=512, rate=None, off
     return q, kv, q_pos, sinks, compressed
 
 
+def _config(variant, **kw):
+    """"ws" (persistent: one CTA per SM looping over tokens, the default), "ws-per-token" (one CTA per token),
+    "prefetch"."""
+    if variant == "ws-per-token":
+        return MgpuConfig(variant="ws", persistent=False, **kw)
+    return MgpuConfig(variant=variant, **kw)
+
+
 def _reference(q, kv, q_pos, sinks, compressed, *, window, scale, rate):
     return v4_attention_reference(q, kv, q_pos, q_pos, sinks, sliding_window=window, scale=scale,
                                   compressed=compressed, compress_rate=rate)  # fmt: skip
@@ -51,7 +59,7 @@ def _reference(q, kv, q_pos, sinks, compressed, *, window, scale, rate):
 # ---------------------------------------------------------------------------------------------
 # CPU
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["ws", "prefetch"])
+@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch"])
 @pytest.mark.parametrize("hca", [False, True])
 @pytest.mark.parametrize("s", [1024, 301])  # 301: T % 8 != 0 (the TMA's GMEM view tiles rows by 8: padded)
 def test_lowers_for_cuda_at_real_shapes(variant, hca, s):
@@ -62,7 +70,7 @@ def test_lowers_for_cuda_at_real_shapes(variant, hca, s):
 
     def f(q, kv, q_pos, sinks, compressed):
         return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=128, scale=d**-0.5, compressed=compressed,
-                                 compress_rate=128 if hca else None, config=MgpuConfig(variant=variant),
+                                 compress_rate=128 if hca else None, config=_config(variant),
                                  check_positions=hca)  # fmt: skip  # HCA cases also lower the Triton fallback
 
     with abstract_gpu_mesh():
@@ -125,6 +133,26 @@ def test_interpreter_matches_reference(variant, fold, monkeypatch):
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("batch, heads, num_ctas, seq", [(1, 64, 3, 80), (2, 128, 5, 21)])
+def test_interpreter_persistent(batch, heads, num_ctas, seq):
+    """Persistent CTAs: each runs several items (token × 64 heads) back to back, the KV ring carrying over between
+    them, the next item's Q loaded under the current item's last step, O staged in the last KV tile. 80 tokens at
+    rate 1: up to 2 HCA tiles + 2 window tiles per item; the second case has 2 batch rows × 2 head groups (items
+    cross batch rows and head groups inside a CTA)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    window, rate, bk = 40, 1, 64
+    q, kv, q_pos, sinks, compressed = make_inputs(4, batch=batch, heads=heads, seq=seq, head_dim=128, rate=rate)
+    config = MgpuConfig(variant="ws", block_kv=bk, pv_form="interpret", persistent=True, num_ctas=num_ctas)
+    with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
+        out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
+                                compress_rate=rate, config=config, check_positions=False,
+                                interpret=InterpretGPUParams())  # fmt: skip
+        out = np.asarray(jax.block_until_ready(out), np.float32)
+    ref = np.asarray(_reference(q, kv, q_pos, sinks, compressed, window=window, scale=128**-0.5, rate=rate), np.float32)
+    np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
+
+
 @pytest.mark.parametrize("variant", ["prefetch", "ws"])
 def test_interpreter_with_a_halo_before_q(variant):
     """kv_offset: kv holds 13 rows (positions 37..49, a sequence shard's halo; 13 is not a multiple of the 8-row TMA
@@ -148,14 +176,15 @@ def test_interpreter_with_a_halo_before_q(variant):
         v4_attention_mgpu(q, kv[:, :-1], q_pos, sinks, sliding_window=window, scale=1.0, kv_offset=off)
 
 
-@pytest.mark.parametrize("first_halo_empty", [False, True])
-def test_interpreter_with_window_rows_for_two_blocks(first_halo_empty):
+@pytest.mark.parametrize("first_halo_empty, bk, num_ctas", [(False, 32, 0), (True, 32, 0), (True, 64, 3)])
+def test_interpreter_with_window_rows_for_two_blocks(first_halo_empty, bk, num_ctas):
     """window_rows: a zigzag shard's layout, kv = [halo A ‖ block A ‖ halo B ‖ block B] (8-row halos = W - 1, 10-row
     blocks at positions 38.. and 78..) and q = [A ‖ B], in one call; each token's window rows given. first_halo_empty:
-    shard 0, whose block A starts the sequence (its halo rows hold nothing: position -1, never in a window)."""
+    shard 0, whose block A starts the sequence (its halo rows hold nothing: position -1, never in a window).
+    bk = 64: the persistent launch (3 CTAs, about 7 tokens each)."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-    window, rate, bk, halo, rows = 9, 4, 32, 8, 10
+    window, rate, halo, rows = 9, 4, 8, 10
     starts = (38, 78)
     q_pos = np.concatenate([np.arange(p, p + rows) for p in starts]).astype(np.int32)[None]
     kv_pos = np.concatenate([np.arange(p - halo, p + rows) for p in starts]).astype(np.int32)[None]
@@ -172,7 +201,8 @@ def test_interpreter_with_window_rows_for_two_blocks(first_halo_empty):
     row = (t // rows) * (rows + halo) + halo + t % rows
     lo = np.maximum(row - (window - 1), np.asarray(region)[t // rows])
     window_rows = (jnp.asarray(lo, jnp.int32)[None], jnp.asarray(row + 1, jnp.int32)[None])
-    config = MgpuConfig(variant="ws", block_kv=bk, pv_form="interpret")
+    config = MgpuConfig(variant="ws", block_kv=bk, pv_form="interpret", num_ctas=num_ctas)
+    assert config.is_persistent == (bk == 64)
     with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
         out = v4_attention_mgpu(q, kv, jnp.asarray(q_pos), sinks, sliding_window=window, scale=128**-0.5,
                                 compressed=compressed, compress_rate=rate, config=config, check_positions=False,
@@ -200,6 +230,12 @@ def test_rejects_bad_config():
         MgpuConfig(block_kv=32)  # the P·V wgmma needs K % 64 == 0
     with pytest.raises(ValueError, match="variant"):
         MgpuConfig(variant="x")
+    with pytest.raises(ValueError, match="persistent needs"):
+        MgpuConfig(variant="prefetch", persistent=True)
+    assert MgpuConfig().is_persistent and not MgpuConfig(variant="prefetch").is_persistent
+    assert not MgpuConfig(block_kv=32, pv_form="interpret").is_persistent  # O is staged in a 64-row KV tile
+    with pytest.raises(ValueError, match="num_ctas"):
+        MgpuConfig(num_ctas=-1)
     with pytest.raises(ValueError, match="shared memory"):
         v4_attention_mgpu(jnp.zeros((1, 8, 64, 512), jnp.bfloat16), jnp.zeros((1, 8, 512), jnp.bfloat16),
                           jnp.zeros((1, 8), jnp.int32), jnp.zeros((64,), jnp.float32), sliding_window=128, scale=1.0,
@@ -211,14 +247,27 @@ def test_rejects_bad_config():
 # ---------------------------------------------------------------------------------------------
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("variant", ["ws", "prefetch"])
+@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch"])
 @pytest.mark.parametrize("hca", [False, True])
 @pytest.mark.parametrize("seq", [37, 301])
 def test_gpu_matches_reference(variant, hca, seq):
+    _check_on_gpu(_config(variant), hca, seq)
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("num_ctas", [0, 7])
+def test_gpu_persistent_batches_and_head_groups(num_ctas):
+    """Persistent CTAs over 2 batch rows × 2 head groups × 301 tokens: one CTA per SM (0), or 7 CTAs running
+    about 170 items each."""
+    _check_on_gpu(_config("ws", num_ctas=num_ctas), True, 301, batch=2, heads=128)
+
+
+def _check_on_gpu(config, hca, seq, **shape):
     rate = 4 if hca else None  # small rate so that short sequences see several HCA tiles
     window, d = 128, 512
-    kwargs = dict(sliding_window=window, scale=d**-0.5, compress_rate=rate, config=MgpuConfig(variant=variant))
-    q, kv, q_pos, sinks, compressed = make_inputs(seq, seq=seq, rate=rate)
+    kwargs = dict(sliding_window=window, scale=d**-0.5, compress_rate=rate, config=config)
+    q, kv, q_pos, sinks, compressed = make_inputs(seq, seq=seq, rate=rate, **shape)
     poison = jax.block_until_ready(v4_attention_mgpu(jnp.full_like(q, jnp.nan), kv, q_pos, sinks,
                                                      compressed=compressed, **kwargs))  # fmt: skip
     del poison
@@ -234,13 +283,13 @@ def test_gpu_matches_reference(variant, hca, seq):
 def test_gpu_with_a_halo_before_q(check_positions):
     """A sequence shard as `context_parallel` hands it over: 127 halo rows (W - 1) before q's 301, q at global
     positions 1000.. (HCA entries visible by global position). check_positions=True compiles the Triton fallback
-    too (its kv positions must include the halo's)."""
+    too (its kv positions must include the halo's) and runs the persistent form, False one CTA per token."""
     window, rate, off, p0, seq, d = 128, 4, 127, 1000, 301, 512
     q, _, q_pos, sinks, compressed = make_inputs(7, seq=seq, rate=rate, offset=p0)
     kv = jnp.asarray(np.random.default_rng(8).standard_normal((1, off + seq, d)), jnp.bfloat16)
     kv_pos = jnp.asarray(p0 - off + np.arange(off + seq, dtype=np.int32))[None]
     kwargs = dict(sliding_window=window, scale=d**-0.5, compressed=compressed, compress_rate=rate, kv_offset=off,
-                  check_positions=check_positions)  # fmt: skip
+                  check_positions=check_positions, config=_config("ws" if check_positions else "ws-per-token"))
     jax.block_until_ready(v4_attention_mgpu(jnp.full_like(q, jnp.nan), kv, q_pos, sinks, **kwargs))  # poison
     out = np.asarray(v4_attention_mgpu(q, kv, q_pos, sinks, **kwargs), np.float32)
     ref = v4_attention_reference(q, kv, q_pos, kv_pos, sinks, sliding_window=window, scale=d**-0.5,

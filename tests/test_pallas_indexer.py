@@ -14,6 +14,8 @@ there a near-tie at the k-th place may legitimately fall either way.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,7 @@ from gpu_mesh import abstract_gpu_mesh
 from dsv4.pallas.indexer import (
     BlockSizes,
     ScoreBlocks,
+    band_widths,
     index_scores,
     index_scores_reference,
     index_topk,
@@ -264,6 +267,32 @@ def test_two_pass_matches_reference(k, chunk, group):
     np.testing.assert_array_equal(got, np.asarray(index_topk_reference(**inputs, **kw)))
     visible = visible_counts(inputs["positions"], 4, 70)
     assert ((got >= 0).sum(-1) == np.minimum(visible, k)).all()
+
+
+def test_two_pass_width_bands():
+    """Chunks scored over only the keys they can see (4 bands of C = 300: widths 128, 192, 256, 300): queries 30
+    positions apart, so the 8-query chunks need widths from 64 up to all 300 and take four different branches;
+    per-row k scales are cut with the keys. The same index rows as the reference, and as one band."""
+    rng = np.random.default_rng(14)
+    inputs = make_inputs(14, seq=37, entries=300, span=8, dtype=jnp.float8_e4m3fn)
+    inputs["positions"] = jnp.asarray(np.arange(37, dtype=np.int32)[None] * 30 + np.array([[0], [13]], np.int32))
+    kw = dict(rate=4, k=24, softmax_scale=0.25, q_scale=jnp.float32(0.5),
+              k_scale=jnp.asarray(2.0 ** rng.integers(-2, 3, (2, 300)), jnp.float32))  # fmt: skip
+    assert band_widths(300, 4) == (128, 192, 256, 300)
+    run = functools.partial(index_topk_two_pass, **inputs, **kw, query_chunk=8, group=2, blocks=SCORE_TILINGS[1],
+                            interpret=True)  # fmt: skip
+    got = np.asarray(run(width_bands=4))
+    np.testing.assert_array_equal(got, np.asarray(index_topk_reference(**inputs, **kw)))
+    np.testing.assert_array_equal(got, np.asarray(run(width_bands=1)))
+    with pytest.raises(ValueError, match="width_bands=0"):
+        run(width_bands=0)
+
+
+def test_band_widths():
+    assert band_widths(131072, 4) == (32768, 65536, 98304, 131072)
+    assert band_widths(1000, 3) == (384, 704, 1000)  # rounded up to 64-key tiles
+    assert band_widths(100, 4) == (64, 100)  # repeats dropped
+    assert band_widths(70, 1) == (70,)
 
 
 def test_two_pass_fp8_per_token_scales():

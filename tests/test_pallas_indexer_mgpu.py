@@ -120,7 +120,8 @@ def test_fp8_indexer_picks_a_true_top_k_of_the_quantized_inputs():
     assert_true_top_k(got, scores, visible, k)
 
 
-def test_lowers_for_h200():
+@pytest.mark.parametrize("queries_per_mma", [1, 2, 4])
+def test_lowers_for_h200(queries_per_mma):
     b, s, c = 1, 512, 32768
     sds = jax.ShapeDtypeStruct
     args = (sds((b, s, 64, 128), FP8), sds((b, c, 128), FP8), sds((b, s, 64), jnp.float32), sds((b, s), jnp.int32),
@@ -128,7 +129,7 @@ def test_lowers_for_h200():
 
     def f(q, keys, weights, positions, q_scale, k_scale):
         return index_scores_mgpu(q, keys, weights, positions, rate=4, softmax_scale=0.1, q_scale=q_scale,
-                                 k_scale=k_scale)  # fmt: skip
+                                 k_scale=k_scale, config=MgpuScoreConfig(queries_per_mma=queries_per_mma))
 
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -154,12 +155,15 @@ def test_config_errors():
         MgpuScoreConfig(tokens=3)
     with pytest.raises(ValueError, match="span=100"):
         MgpuScoreConfig(span=100)
+    with pytest.raises(ValueError, match="queries_per_mma=4"):
+        MgpuScoreConfig(tokens=4, queries_per_mma=4)  # 2 queries per consumer
 
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("seq, entries, offset", [(300, 4100, 16000), (77, 1000, 0)])
-def test_gpu_matches_reference(seq, entries, offset):
+@pytest.mark.parametrize("seq, entries, offset, queries_per_mma", [(300, 4100, 16000, 1), (77, 1000, 0, 1),
+                                                                   (300, 4100, 16000, 2), (77, 1000, 0, 4)])
+def test_gpu_matches_reference(seq, entries, offset, queries_per_mma):
     keys_ = jax.random.split(jax.random.key(seq), 4)
     q = jax.random.normal(keys_[0], (1, seq, 64, 128), jnp.float32)
     kv = jax.random.normal(keys_[1], (1, entries, 128), jnp.float32)
@@ -170,8 +174,10 @@ def test_gpu_matches_reference(seq, entries, offset):
                   positions=(offset + jnp.arange(seq, dtype=jnp.int32) * 13)[None], q_scale=q_scale,
                   k_scale=k_scale)  # fmt: skip
     kw = dict(rate=4, softmax_scale=128**-0.5)
-    jax.block_until_ready(index_scores_mgpu(**dict(inputs, weights=jnp.full_like(inputs["weights"], jnp.nan)), **kw))
-    got = np.asarray(index_scores_mgpu(**inputs, **kw))
+    config = MgpuScoreConfig(queries_per_mma=queries_per_mma)
+    jax.block_until_ready(index_scores_mgpu(**dict(inputs, weights=jnp.full_like(inputs["weights"], jnp.nan)), **kw,
+                                            config=config))  # fmt: skip
+    got = np.asarray(index_scores_mgpu(**inputs, **kw, config=config))
     want = np.asarray(index_scores_reference(**inputs, **kw))
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
     finite = np.isfinite(want)

@@ -10,9 +10,14 @@ exactly kv rows max(0, s - W + 1) .. s, found by index alone. `v4_attention_mgpu
 back to the Triton kernel (`lax.cond`) when it does not hold (or statically when `kv_pos` is passed).
 
 Design (docs/KERNEL_NOTES.md §2, "option B"):
-- One CTA = one token × 64 heads (M = 64), grid (S, B · H // 64), tokens fastest so neighbouring tokens, which
-  share most of their KV tiles, run at the same time (L2 reuse). Past 65535 tokens (CUDA's grid limit) S is folded
-  into (32768, S / 32768) and q padded.
+- One item = one token × 64 heads (M = 64). Persistent launch (the default for "ws"): one CTA per SM, CTA c runs
+  items c, c + #CTAs, ... back to back, item = (b · H/64 + head group) · S + token, so neighbouring tokens, which
+  share most of their KV tiles, run at the same time (L2 reuse). Between items nothing waits: the KV ring runs on
+  (the producer is already loading the next item's tiles), each consumer loads the next item's Q half as soon as
+  its last Q·Kᵀ of the current item is done, and stages O in the item's last KV tile half (same shape and swizzle
+  as a Q half), releasing that slot once the TMA store has read it. Without it (`persistent=False`, and
+  "prefetch"): one CTA per item, grid (S, B · H // 64); past 65535 tokens (CUDA's grid limit) S is folded into
+  (32768, S / 32768) and q padded.
 - Two consumer warpgroups split the head dim D: warpgroup w owns channels [w·D/2, (w+1)·D/2). Its Q half and the
   matching half of every KV tile live in their own SMEM buffers (TMA loads the halves separately), so each
   warpgroup touches only its half:
@@ -39,12 +44,13 @@ Design (docs/KERNEL_NOTES.md §2, "option B"):
     "prefetch": 2 warpgroups, no producer; each consumer issues the TMA for its own half `num_slots` steps ahead
                 right after its P·V on that slot has completed (no consumed barriers are needed since the loader is
                 the only reader). Simpler, no register rebalancing (each thread may use up to 255 registers).
-- Epilogue: O_w / l → bf16 into the Q_w buffer (Q is dead by then) → TMA store.
+- Epilogue: O_w / l → bf16 into the last KV tile half (persistent) or the Q_w buffer (Q is dead by then) → TMA
+  store.
 
 SMEM at the defaults (D = 512, block_kv = 64, 2 slots): Q 64 KiB + KV 2 × 64 KiB + exchange 2 × 16 KiB + sinks
-= 224.3 KiB (+ 2 KiB Pallas reduction scratch), just under the 227 KiB per-block limit. One CTA per SM (registers
-cap it anyway), so a CTA's Q load and O store are not overlapped with another CTA's matmuls: expect the window-only
-mode (2 steps per CTA) to be latency-bound; a persistent, multi-token CTA is the next step if it is.
+= 224.5 KiB (+ 2 KiB Pallas reduction scratch), just under the 227 KiB per-block limit. One CTA per SM (registers
+cap it anyway), so one CTA per item cannot overlap its Q load and O store with another CTA's matmuls; the
+persistent launch overlaps them within the CTA (window layers 13–16% faster, docs/KERNEL_NOTES.md E11).
 """
 
 from __future__ import annotations
@@ -52,12 +58,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dsv4.pallas._device import sm_count
 
 __all__ = ["MgpuConfig", "v4_attention_mgpu", "v4_attention_mgpu_kernel_call", "positions_are_aligned", "window_tiles"]
 
@@ -84,6 +93,13 @@ class MgpuConfig:
     num_slots:  KV tiles in flight (SMEM ring depth), >= 1.
     variant:    "ws" (producer warpgroup + 2 consumers) or "prefetch" (2 consumers that prefetch their own halves).
     approx_math: Mosaic `approx_math` (fast exp2 / reciprocal).
+    persistent: one CTA per SM (`num_ctas`; 0 = the device's SM count), each running items (token × 64 heads)
+                cta, cta + num_ctas, ... back to back: the KV ring runs on across items, the next item's Q loads
+                during the last step of the current one, and O is staged in the last KV tile half. Needs "ws" and
+                block_kv >= 64. False: one CTA per item (its Q load, first tiles and O store are not overlapped
+                with compute). None (default): persistent where it applies ("ws", block_kv >= 64, no debug flag):
+                on one H200 it made window layers 13–16% faster at 32K–512K tokens and HCA layers 0–7%
+                (docs/KERNEL_NOTES.md E11).
     """
 
     block_kv: int = 64
@@ -108,6 +124,8 @@ class MgpuConfig:
     #   "dump": a second output [B, S, 2 (wg), 2 (S unscaled, P f32), H, block_kv] f32 with the last step's tiles
     #           (call v4_attention_mgpu_kernel_call directly; +32 KiB SMEM at block_kv 64).
     debug: tuple = ()
+    persistent: bool | None = None
+    num_ctas: int = 0
 
     def __post_init__(self):
         # NOTE: P·V reduces over block_kv; a bf16 wgmma K must be a multiple of 64 (found by lowering, block_kv=32
@@ -127,6 +145,20 @@ class MgpuConfig:
             raise ValueError("MgpuConfig.debug 'no_exchange' needs variant='ws' (consumed barriers guard both halves)")
         if self.variant not in _VARIANTS:
             raise ValueError(f"MgpuConfig.variant={self.variant!r} must be one of {_VARIANTS}")
+        if self.num_ctas < 0:
+            raise ValueError(f"MgpuConfig.num_ctas={self.num_ctas} must be >= 0 (0: one per SM)")
+        if self.persistent and not self._persistent_applies():
+            raise ValueError(f"MgpuConfig.persistent needs variant='ws', block_kv >= {HEADS_PER_CTA} (O is staged in a "
+                             f"KV tile) and neither 'no_exchange' nor 'dump' in debug; got variant={self.variant!r}, "
+                             f"block_kv={self.block_kv}, debug={self.debug!r}")  # fmt: skip
+
+    def _persistent_applies(self) -> bool:
+        return self.variant == "ws" and self.block_kv >= HEADS_PER_CTA and not {"no_exchange", "dump"} & set(self.debug)
+
+    @property
+    def is_persistent(self) -> bool:
+        """Whether the launch is persistent (`persistent`, with None resolved)."""
+        return self._persistent_applies() if self.persistent is None else self.persistent
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         q = HEADS_PER_CTA * head_dim * itemsize
@@ -134,7 +166,22 @@ class MgpuConfig:
         exchange = 2 * HEADS_PER_CTA * self.block_kv * 4
         p = 2 * HEADS_PER_CTA * self.block_kv * itemsize if self.pv_form in ("p_smem", "interpret") else 0
         dump = 4 * HEADS_PER_CTA * self.block_kv * 4 if "dump" in self.debug else 0
-        return q + kv + exchange + HEADS_PER_CTA * 4 + p + dump
+        return q + kv + exchange + 2 * HEADS_PER_CTA * 4 + p + dump
+
+
+class _Item(NamedTuple):
+    """One unit of a CTA's work: token `tok` of batch row `bi`, heads h0 .. h0 + 63, and its step stream."""
+
+    tok: jax.Array
+    bi: jax.Array
+    h0: jax.Array
+    n_vis: jax.Array  # visible HCA entries
+    n_hca_tiles: jax.Array  # steps 0 .. n_hca_tiles - 1 are HCA tiles, the rest window tiles
+    row: jax.Array | None  # the token's own kv row (no window_rows)
+    win_lo: jax.Array | None  # window_rows: the window is kv rows [win_lo, win_hi)
+    win_hi: jax.Array | None
+    win_start: jax.Array  # first window tile's row (a multiple of 8)
+    n_steps: jax.Array
 
 
 def _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config: MgpuConfig, kv_offset=0):
@@ -225,7 +272,8 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     b, s_real, h, d = q.shape
     # NOTE: CUDA grid dims y and z stop at 65535, and a long prompt has more tokens than that: the token axis is
     # folded into (s_inner, s_outer) and q padded to whole inner blocks; padded tokens' outputs are cut off.
-    s_inner = s_real if s_real <= _GRID_DIM_MAX else _TOKEN_BLOCK
+    # A persistent launch has one grid axis of at most an SM count's CTAs: nothing to fold.
+    s_inner = s_real if s_real <= _GRID_DIM_MAX or config.is_persistent else _TOKEN_BLOCK
     s_outer = pl.cdiv(s_real, s_inner)
     s = s_inner * s_outer
     if s != s_real:
@@ -258,180 +306,232 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     p_via_smem = config.pv_form in ("interpret", "p_smem")
 
+    persistent = config.is_persistent
+    n_items_total = b * hg * s_real
+    n_ctas = min(config.num_ctas or sm_count(), n_items_total) if persistent else 0
+
     def body(q_ref, kv_ref, comp_ref, nvis_ref, lo_ref, hi_ref, sinks_ref, o_ref, dbg_ref, q_smem, kv_smem, x_smem,
              sink_smem, q_bar, sink_bar, kv_bar, consumed_bar, x_written, x_read, p_smem, dump_smem):  # fmt: skip
-        tok = lax.axis_index("so") * s_inner + lax.axis_index("s")
-        bi = lax.div(lax.axis_index("bh"), jnp.int32(hg))
-        h0 = lax.rem(lax.axis_index("bh"), jnp.int32(hg)) * HEADS_PER_CTA
         wg = lax.axis_index("wg")
-        n_vis = nvis_ref[bi, tok] if hca else jnp.int32(0)
-        n_hca_tiles = lax.div(n_vis + (bk - 1), jnp.int32(bk))
-        if lo_ref is None:
-            row = tok + kv_offset  # this token's own kv row
-            win_start, n_win = window_tiles(row, sliding_window, bk, aligned=not unaligned)
-        else:  # the caller's rows; at least one (masked) tile, so that every barrier phase happens
-            win_lo, win_hi = lo_ref[bi, tok], hi_ref[bi, tok]
-            win_start = win_lo - lax.rem(win_lo, jnp.int32(_ROW_TILE))
-            n_win = jnp.maximum(lax.div(win_hi - 1 - win_start, jnp.int32(bk)) + 1, 1)
-        n_steps = n_hca_tiles + n_win
+        if persistent:  # this CTA's items: cta, cta + n_ctas, ... (item = (b · hg + head group) · S + token)
+            cta = lax.axis_index("cta")
+            n_items = lax.div(n_items_total - cta + (n_ctas - 1), jnp.int32(n_ctas))  # >= 1: n_ctas <= total
 
-        def issue(step, half):
-            """TMA of step `step`'s tile half `half` into its ring slot."""
-            slot = lax.rem(step, jnp.int32(slots))
+            def item_at(j):
+                item = cta + j * n_ctas
+                return lax.rem(item, jnp.int32(s_real)), lax.div(item, jnp.int32(s_real))
+        else:  # one item: the grid position
+            n_items = 1
+
+            def item_at(j):
+                del j
+                return lax.axis_index("so") * s_inner + lax.axis_index("s"), lax.axis_index("bh")
+
+        def plan(j) -> _Item:
+            """The j-th item of this CTA: which token and heads, and its step stream (HCA tiles, then window)."""
+            tok, bh = item_at(j)
+            bi = lax.div(bh, jnp.int32(hg))
+            h0 = lax.rem(bh, jnp.int32(hg)) * HEADS_PER_CTA
+            n_vis = nvis_ref[bi, tok] if hca else jnp.int32(0)
+            n_hca_tiles = lax.div(n_vis + (bk - 1), jnp.int32(bk))
+            if lo_ref is None:
+                row = tok + kv_offset  # this token's own kv row
+                win_start, n_win = window_tiles(row, sliding_window, bk, aligned=not unaligned)
+                win_lo = win_hi = None
+            else:  # the caller's rows; at least one (masked) tile, so that every barrier phase happens
+                row = None
+                win_lo, win_hi = lo_ref[bi, tok], hi_ref[bi, tok]
+                win_start = win_lo - lax.rem(win_lo, jnp.int32(_ROW_TILE))
+                n_win = jnp.maximum(lax.div(win_hi - 1 - win_start, jnp.int32(bk)) + 1, 1)
+            return _Item(tok, bi, h0, n_vis, n_hca_tiles, row, win_lo, win_hi, win_start, n_hca_tiles + n_win)
+
+        def issue(it: _Item, step, slot, half):
+            """TMA of item `it`'s step `step`, tile half `half`, into ring slot `slot`."""
             dst = kv_smem.at[slot * 2 + half]
             bar = kv_bar.at[slot * 2 + half]
             cols = pl.ds(half * dh, dh)
             if hca:
-                @pl.when(step < n_hca_tiles)
+                @pl.when(step < it.n_hca_tiles)
                 def _():
-                    plgpu.copy_gmem_to_smem(comp_ref.at[bi, pl.ds(step * bk, bk), cols], dst, bar)
+                    plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(step * bk, bk), cols], dst, bar)
 
-                @pl.when(step >= n_hca_tiles)
+                @pl.when(step >= it.n_hca_tiles)
                 def _():
-                    start = win_start + (step - n_hca_tiles) * bk
-                    plgpu.copy_gmem_to_smem(kv_ref.at[bi, pl.ds(start, bk), cols], dst, bar)
+                    start = it.win_start + (step - it.n_hca_tiles) * bk
+                    plgpu.copy_gmem_to_smem(kv_ref.at[it.bi, pl.ds(start, bk), cols], dst, bar)
             else:
-                plgpu.copy_gmem_to_smem(kv_ref.at[bi, pl.ds(win_start + step * bk, bk), cols], dst, bar)
+                plgpu.copy_gmem_to_smem(kv_ref.at[it.bi, pl.ds(it.win_start + step * bk, bk), cols], dst, bar)
 
         def consumer(w):
             if ws:
                 plgpu.set_max_registers(232, action="increase")
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, tok, pl.ds(h0, HEADS_PER_CTA), pl.ds(w * dh, dh)], q_smem.at[w],
-                                    q_bar.at[w])  # fmt: skip
 
-            @pl.when(w == 0)
-            def _():
-                plgpu.copy_gmem_to_smem(sinks_ref.at[pl.ds(h0, HEADS_PER_CTA)], sink_smem, sink_bar.at[0])
+            def load_q(it: _Item):  # this warpgroup's Q half and its own copy of the sinks
+                plgpu.copy_gmem_to_smem(q_ref.at[it.bi, it.tok, pl.ds(it.h0, HEADS_PER_CTA), pl.ds(w * dh, dh)],
+                                        q_smem.at[w], q_bar.at[w])  # fmt: skip
+                plgpu.copy_gmem_to_smem(sinks_ref.at[pl.ds(it.h0, HEADS_PER_CTA)], sink_smem.at[w], sink_bar.at[w])
 
+            first = plan(0)
+            load_q(first)
             if not ws:
                 for i in range(slots):
-                    @pl.when(i < n_steps)
+                    @pl.when(i < first.n_steps)
                     def _():
-                        issue(jnp.int32(i), w)
+                        issue(first, jnp.int32(i), jnp.int32(i), w)
 
-            plgpu.barrier_wait(sink_bar.at[0])
-            sink = plgpu.load(sink_smem, layout=row_layout)  # [64] log2 domain
-            m_i = jnp.maximum(sink, _M_FLOOR)
-            l_i = jnp.exp2(sink - m_i)
-            acc = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, dh), F32), wgmma_layout)
-            plgpu.barrier_wait(q_bar.at[w])
-            if no_exchange:
-                plgpu.barrier_wait(q_bar.at[1 - w])
+            def run_item(j, it: _Item, g0):
+                """Item `it`, whose first step is this CTA's step g0 (ring slot (g0 + i) % slots). → g0 + steps."""
+                plgpu.barrier_wait(sink_bar.at[w])
+                sink = plgpu.load(sink_smem.at[w], layout=row_layout)  # [64] log2 domain
+                m_i = jnp.maximum(sink, _M_FLOOR)
+                l_i = jnp.exp2(sink - m_i)
+                acc = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, dh), F32), wgmma_layout)
+                plgpu.barrier_wait(q_bar.at[w])
+                if no_exchange:
+                    plgpu.barrier_wait(q_bar.at[1 - w])
 
-            def step_fn(i, carry):
-                acc, m_i, l_i = carry
-                slot = lax.rem(i, jnp.int32(slots))
-                kv_half = kv_smem.at[slot * 2 + w]
-                plgpu.barrier_wait(kv_bar.at[slot * 2 + w])
+                def step_fn(i, carry):
+                    acc, m_i, l_i = carry
+                    slot = lax.rem(g0 + i, jnp.int32(slots))
+                    kv_half = kv_smem.at[slot * 2 + w]
+                    plgpu.barrier_wait(kv_bar.at[slot * 2 + w])
 
-                if no_exchange:  # debug: S from both halves in this warpgroup, no SMEM exchange
-                    plgpu.barrier_wait(kv_bar.at[slot * 2 + 1 - w])
+                    if no_exchange:  # debug: S from both halves in this warpgroup, no SMEM exchange
+                        plgpu.barrier_wait(kv_bar.at[slot * 2 + 1 - w])
 
-                    def qk_full(acc_ref):
-                        plgpu.wgmma(acc_ref, q_smem.at[0], kv_smem.at[slot * 2].transpose((1, 0)))
-                        plgpu.wgmma(acc_ref, q_smem.at[1], kv_smem.at[slot * 2 + 1].transpose((1, 0)))
-                        return acc_ref[...]
+                        def qk_full(acc_ref):
+                            plgpu.wgmma(acc_ref, q_smem.at[0], kv_smem.at[slot * 2].transpose((1, 0)))
+                            plgpu.wgmma(acc_ref, q_smem.at[1], kv_smem.at[slot * 2 + 1].transpose((1, 0)))
+                            return acc_ref[...]
 
-                    s_full = pl.run_scoped(qk_full, plgpu.ACC((HEADS_PER_CTA, bk), F32))
-                else:
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_smem.at[w], kv_half.transpose((1, 0)))
-                        return acc_ref[...]
+                        s_full = pl.run_scoped(qk_full, plgpu.ACC((HEADS_PER_CTA, bk), F32))
+                    else:
+                        def qk(acc_ref):
+                            plgpu.wgmma(acc_ref, q_smem.at[w], kv_half.transpose((1, 0)))
+                            return acc_ref[...]
 
-                    s_part = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, bk), F32))  # [64, bk]
+                        s_part = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, bk), F32))  # [64, bk]
 
-                    # Exchange the partial logits with the other warpgroup.
-                    @pl.when(i > 0)
-                    def _():
-                        plgpu.barrier_wait(x_read)  # the other wg has read our previous partial
+                        if persistent:  # the item's last Q·Kᵀ is done: fetch the next item's Q half now, so
+                            # that its load runs under this step's softmax, P·V and the epilogue
+                            @pl.when((i == it.n_steps - 1) & (j + 1 < n_items))
+                            def _():
+                                load_q(plan(j + 1))
 
-                    x_smem[w] = s_part
+                        # Exchange the partial logits with the other warpgroup.
+                        @pl.when(i > 0)
+                        def _():
+                            plgpu.barrier_wait(x_read)  # the other wg has read our previous partial
+
+                        x_smem[w] = s_part
+                        plgpu.barrier_arrive(x_written)
+                        plgpu.barrier_wait(x_written)
+                        other = plgpu.load(x_smem.at[1 - w], layout=wgmma_layout, optimized=not plain_exchange)
+                        s_full = s_part + other
+                        plgpu.barrier_arrive(x_read)
+
+                    # Column mask: HCA steps see entries [0, n_vis); window steps rows [win_lo, win_hi).
+                    is_hca = i < it.n_hca_tiles
+                    base = jnp.where(is_hca, i * bk, it.win_start + (i - it.n_hca_tiles) * bk)
+                    if lo_ref is None:  # NOTE: computed here, not hoisted: hoisted, the CPU interpreter's ws run hung
+                        lo = jnp.where(is_hca, 0, it.row - (sliding_window - 1))
+                        hi = jnp.where(is_hca, it.n_vis, it.row + 1)
+                    else:
+                        lo = jnp.where(is_hca, 0, it.win_lo)
+                        hi = jnp.where(is_hca, it.n_vis, it.win_hi)
+                    col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
+                    logits = jnp.where((col >= lo) & (col < hi), s_full * logit_scale, -jnp.inf)
+
+                    m_new = jnp.maximum(m_i, logits.max(axis=1))
+                    alpha = jnp.exp2(m_i - m_new)
+                    p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+                    l_new = l_i * alpha + p.sum(axis=1)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    p16 = p.astype(dtype)
+
+                    if dump:  # debug: the last step's S (unscaled, both halves summed) and P (f32) of this warpgroup
+                        @pl.when(i == it.n_steps - 1)
+                        def _():
+                            dump_smem[w, 0] = s_full
+                            dump_smem[w, 1] = p
+                            plgpu.commit_smem()
+                            for k in range(2):
+                                plgpu.copy_smem_to_gmem(dump_smem.at[w, k],
+                                                        dbg_ref.at[it.bi, it.tok, w, k, pl.ds(it.h0, HEADS_PER_CTA)])
+
+                    if config.pv_form == "run_state":  # accumulate into acc in place (the bundled FA3 form)
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, kv_half)
+
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    elif config.pv_form == "store":
+                        def pv(acc_ref):
+                            acc_ref[...] = acc
+                            plgpu.wgmma(acc_ref, p16, kv_half)
+                            return acc_ref[...]
+
+                        acc = pl.run_scoped(pv, plgpu.ACC((HEADS_PER_CTA, dh), F32))
+                    elif config.pv_form == "p_smem":  # P through SMEM (A operand from SMEM), in-place accumulate
+                        p_smem[w] = p16
+                        plgpu.commit_smem()
+
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p_smem.at[w], kv_half)
+
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    else:  # "interpret": P through SMEM, zero accumulator + add (the CPU interpreter's wgmma needs
+                        # SMEM operands and a fresh accumulator; twice O's registers, so not a GPU configuration)
+                        p_smem[w] = p16
+                        plgpu.commit_smem()
+
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p_smem.at[w], kv_half)
+                            return acc_ref[...]
+
+                        acc = acc + pl.run_scoped(pv, plgpu.ACC((HEADS_PER_CTA, dh), F32))
+                    if persistent:  # the item's last slot is released after the epilogue has staged O in it
+                        @pl.when(i < it.n_steps - 1)
+                        def _():
+                            plgpu.barrier_arrive(consumed_bar.at[slot * 2 + w])
+                    elif ws:
+                        plgpu.barrier_arrive(consumed_bar.at[slot * 2 + w])
+                        if no_exchange:
+                            plgpu.barrier_arrive(consumed_bar.at[slot * 2 + 1 - w])
+                    else:
+                        @pl.when(i + slots < it.n_steps)
+                        def _():
+                            issue(it, i + slots, slot, w)
+                    return acc, m_new, l_new
+
+                acc, m_i, l_i = lax.fori_loop(0, it.n_steps, step_fn, (acc, m_i, l_i))
+                if no_exchange:  # the other warpgroup may still read our Q half: rendezvous before overwriting it
                     plgpu.barrier_arrive(x_written)
                     plgpu.barrier_wait(x_written)
-                    other = plgpu.load(x_smem.at[1 - w], layout=wgmma_layout, optimized=not plain_exchange)
-                    s_full = s_part + other
-                    plgpu.barrier_arrive(x_read)
-
-                # Column mask: HCA steps see entries [0, n_vis); window steps rows [win_lo, win_hi).
-                is_hca = i < n_hca_tiles
-                base = jnp.where(is_hca, i * bk, win_start + (i - n_hca_tiles) * bk)
-                if lo_ref is None:  # NOTE: computed here, not hoisted: hoisted, the CPU interpreter's ws run hung
-                    lo = jnp.where(is_hca, 0, row - (sliding_window - 1))
-                    hi = jnp.where(is_hca, n_vis, row + 1)
                 else:
-                    lo = jnp.where(is_hca, 0, win_lo)
-                    hi = jnp.where(is_hca, n_vis, win_hi)
-                col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
-                logits = jnp.where((col >= lo) & (col < hi), s_full * logit_scale, -jnp.inf)
-
-                m_new = jnp.maximum(m_i, logits.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-                l_new = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(dtype)
-
-                if dump:  # debug: the last step's S (unscaled, both halves summed) and P (f32) of this warpgroup
-                    @pl.when(i == n_steps - 1)
-                    def _():
-                        dump_smem[w, 0] = s_full
-                        dump_smem[w, 1] = p
-                        plgpu.commit_smem()
-                        for k in range(2):
-                            plgpu.copy_smem_to_gmem(dump_smem.at[w, k],
-                                                    dbg_ref.at[bi, tok, w, k, pl.ds(h0, HEADS_PER_CTA)])  # fmt: skip
-
-                if config.pv_form == "run_state":  # accumulate into acc in place (the bundled FA3 form)
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, kv_half)
-
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                elif config.pv_form == "store":
-                    def pv(acc_ref):
-                        acc_ref[...] = acc
-                        plgpu.wgmma(acc_ref, p16, kv_half)
-                        return acc_ref[...]
-
-                    acc = pl.run_scoped(pv, plgpu.ACC((HEADS_PER_CTA, dh), F32))
-                elif config.pv_form == "p_smem":  # P through SMEM (A operand from SMEM), in-place accumulate
-                    p_smem[w] = p16
+                    plgpu.barrier_wait(x_read)  # observe the last exchange phase (barrier discipline; nearly free)
+                inv = jnp.where(l_i > 0, 1.0 / l_i, 0.0)
+                out = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+                dst = o_ref.at[it.bi, it.tok, pl.ds(it.h0, HEADS_PER_CTA), pl.ds(w * dh, dh)]
+                if persistent:
+                    # O is staged in the item's last KV tile half (same shape and transforms as a Q half): Q already
+                    # holds the next item's rows. The slot goes back to the producer once the store has read it.
+                    last = lax.rem(g0 + it.n_steps - 1, jnp.int32(slots)) * 2 + w
+                    stage = kv_smem.at[last] if bk == HEADS_PER_CTA else kv_smem.at[last, pl.ds(0, HEADS_PER_CTA)]
+                    stage[...] = out
                     plgpu.commit_smem()
-
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p_smem.at[w], kv_half)
-
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                else:  # "interpret": P through SMEM, zero accumulator + add (the CPU interpreter's wgmma needs
-                    # SMEM operands and a fresh accumulator; twice O's registers, so not a GPU configuration)
-                    p_smem[w] = p16
+                    plgpu.copy_smem_to_gmem(stage, dst)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    plgpu.barrier_arrive(consumed_bar.at[last])
+                else:  # O in the Q buffer (Q is dead by now)
+                    q_smem[w] = out
                     plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(q_smem.at[w], dst)
+                return g0 + it.n_steps
 
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p_smem.at[w], kv_half)
-                        return acc_ref[...]
-
-                    acc = acc + pl.run_scoped(pv, plgpu.ACC((HEADS_PER_CTA, dh), F32))
-                if ws:
-                    plgpu.barrier_arrive(consumed_bar.at[slot * 2 + w])
-                    if no_exchange:
-                        plgpu.barrier_arrive(consumed_bar.at[slot * 2 + 1 - w])
-                else:
-                    @pl.when(i + slots < n_steps)
-                    def _():
-                        issue(i + slots, w)
-                return acc, m_new, l_new
-
-            acc, m_i, l_i = lax.fori_loop(0, n_steps, step_fn, (acc, m_i, l_i))
-            if no_exchange:  # the other warpgroup may still read our Q half: rendezvous before overwriting it
-                plgpu.barrier_arrive(x_written)
-                plgpu.barrier_wait(x_written)
+            if persistent:
+                lax.fori_loop(0, n_items, lambda j, g0: run_item(j, plan(j), g0), jnp.int32(0))
             else:
-                plgpu.barrier_wait(x_read)  # observe the last exchange phase (barrier discipline; nearly free)
-            inv = jnp.where(l_i > 0, 1.0 / l_i, 0.0)
-            out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            q_smem[w] = out.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[w], o_ref.at[bi, tok, pl.ds(h0, HEADS_PER_CTA), pl.ds(w * dh, dh)])
+                run_item(0, first, 0)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 0)
@@ -447,20 +547,28 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
             def _():
                 plgpu.set_max_registers(40, action="decrease")
 
-                @pl.loop(0, n_steps)
-                def _(i):
-                    slot = lax.rem(i, jnp.int32(slots))
-                    for half in range(2):
-                        @pl.when(i >= slots)
-                        def _():
-                            plgpu.barrier_wait(consumed_bar.at[slot * 2 + half])
+                def produce(j, g0):
+                    it = plan(j)
 
-                        issue(i, half)
+                    @pl.loop(0, it.n_steps)
+                    def _(i):
+                        g = g0 + i
+                        slot = lax.rem(g, jnp.int32(slots))
+                        for half in range(2):
+                            @pl.when(g >= slots)
+                            def _():
+                                plgpu.barrier_wait(consumed_bar.at[slot * 2 + half])
+
+                            issue(it, i, slot, half)
+
+                    return g0 + it.n_steps
+
+                total = lax.fori_loop(0, n_items, produce, jnp.int32(0)) if persistent else produce(0, 0)
 
                 # Drain: observe the consumers' last releases, so every barrier phase is waited on.
-                @pl.loop(jnp.maximum(n_steps - slots, 0), n_steps)
-                def _(i):
-                    slot = lax.rem(i, jnp.int32(slots))
+                @pl.loop(jnp.maximum(total - slots, 0), total)
+                def _(g):
+                    slot = lax.rem(g, jnp.int32(slots))
                     for half in range(2):
                         plgpu.barrier_wait(consumed_bar.at[slot * 2 + half])
 
@@ -473,9 +581,9 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         plgpu.SMEM((slots * 2, bk, dh), dtype, transforms=tiled(elems_128b)),  # KV ring: [slot · 2 + half]
         # partial-logit exchange
         plgpu.SMEM((2, HEADS_PER_CTA, bk), F32, transforms=() if plain_exchange else tiled(32, 4)),
-        plgpu.SMEM((HEADS_PER_CTA,), F32),  # sinks (log2 domain)
+        plgpu.SMEM((2, HEADS_PER_CTA), F32),  # sinks (log2 domain), one copy per consumer
         plgpu.Barrier(num_barriers=2),  # q halves
-        plgpu.Barrier(num_barriers=1),  # sinks
+        plgpu.Barrier(num_barriers=2),  # sinks
         plgpu.Barrier(num_barriers=2 * slots),  # kv halves full
         # kv halves consumed (ws only; both consumers read both halves in the no_exchange debug form)
         plgpu.Barrier(num_arrivals=2 if no_exchange else 1, num_barriers=2 * slots) if ws else None,
@@ -504,8 +612,8 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         kernel_body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(s_inner, s_outer, b * hg),
-        grid_names=("s", "so", "bh"),
+        grid=(n_ctas,) if persistent else (s_inner, s_outer, b * hg),
+        grid_names=("cta",) if persistent else ("s", "so", "bh"),
         num_threads=3 if ws else 2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=config.approx_math,

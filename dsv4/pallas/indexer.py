@@ -683,8 +683,16 @@ def default_query_chunk(num_entries: int, batch: int = 1) -> int:
     return index_slab_rows(num_entries, batch)
 
 
+def band_widths(num_entries: int, bands: int, align: int = 64) -> tuple[int, ...]:
+    """The static slab widths of `index_topk_two_pass`: C · j / bands for j = 1 .. bands, rounded up to `align`
+    (the scores kernels' key tile) and capped at C, without repeats. The last is always C."""
+    ceil = lambda x, m: -(-x // m)  # noqa: E731
+    return tuple(sorted({min(ceil(ceil(num_entries * j, bands), align) * align, num_entries)
+                         for j in range(1, bands + 1)}))  # fmt: skip
+
+
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "query_chunk", "blocks", "group",
-                                             "interpret", "scores_impl", "mgpu_config"))  # fmt: skip
+                                             "interpret", "scores_impl", "mgpu_config", "width_bands"))  # fmt: skip
 def index_topk_two_pass(
     q: jax.Array,
     keys: jax.Array,
@@ -702,6 +710,7 @@ def index_topk_two_pass(
     interpret: bool = False,
     scores_impl: str = "triton",
     mgpu_config=None,
+    width_bands: int = 1,
 ) -> jax.Array:
     """`index_topk` in two passes per chunk of queries: the scores kernel writes a [B, chunk, C] float32 slab
     (never the whole [S, C]), then `dsv4.topk.top_k` picks exactly what `lax.top_k` would while sorting only about
@@ -712,6 +721,13 @@ def index_topk_two_pass(
     size. scores_impl: "triton" (`index_scores`, any dtype) or "mgpu" (`dsv4.pallas.indexer_mgpu.index_scores_mgpu`:
     e4m3 q and keys, Hi = 64, Hopper; `mgpu_config` its MgpuScoreConfig, None for the default; with `interpret` it
     runs in the Mosaic GPU interpreter). Other arguments as `index_topk`.
+
+    width_bands: a chunk whose queries see at most n entries is scored and searched over only the first W keys,
+    the narrowest of `band_widths(C, width_bands)` that holds n (a `lax.switch` over the bands' programs). Causal
+    chunks early in a prompt then skip the invisible columns: with 4 bands the slabs average 5/8 of C instead of
+    all of it. Off (1) by default: on one H200 4 bands took a 128K-token prompt's FP8 indexer from 114.9 to
+    106.6 ms, but the 512K run did not finish within the time it was given, for a reason not yet found
+    (docs/KERNEL_NOTES.md IX13).
     """
     from dsv4.topk import top_k
 
@@ -730,22 +746,38 @@ def index_topk_two_pass(
     if scores_impl not in ("triton", "mgpu"):
         raise ValueError(f"scores_impl={scores_impl!r} must be 'triton' or 'mgpu'")
 
-    def one_chunk(args):
-        qc, wc, pc, qsc = args
-        qsc = qsc if per_token_q_scale else q_scale
+    if width_bands < 1:
+        raise ValueError(f"width_bands={width_bands} must be >= 1")
+    widths = band_widths(c, width_bands)
+    row_k_scale = k_scale is not None and k_scale.ndim == 2
+
+    def chunk_at_width(width, qc, wc, pc, qsc):
+        """Top-k of one chunk over the first `width` keys (its queries see no further)."""
+        keys_w = keys[:, :width]
+        k_scale_w = k_scale[:, :width] if row_k_scale else k_scale
         if scores_impl == "mgpu":
             from dsv4.pallas.indexer_mgpu import MgpuScoreConfig, index_scores_mgpu
 
             if interpret:
                 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-            scores = index_scores_mgpu(qc, keys, wc, pc, rate=rate, softmax_scale=softmax_scale, q_scale=qsc,
-                                       k_scale=k_scale, config=mgpu_config or MgpuScoreConfig(),
+            scores = index_scores_mgpu(qc, keys_w, wc, pc, rate=rate, softmax_scale=softmax_scale, q_scale=qsc,
+                                       k_scale=k_scale_w, config=mgpu_config or MgpuScoreConfig(),
                                        interpret=InterpretGPUParams() if interpret else None)  # fmt: skip
         else:
-            scores = index_scores(qc, keys, wc, pc, rate=rate, softmax_scale=softmax_scale, q_scale=qsc,
-                                  k_scale=k_scale, blocks=blocks, interpret=interpret)  # fmt: skip
+            scores = index_scores(qc, keys_w, wc, pc, rate=rate, softmax_scale=softmax_scale, q_scale=qsc,
+                                  k_scale=k_scale_w, blocks=blocks, interpret=interpret)  # fmt: skip
         select = functools.partial(top_k, group=group)
-        return _topk_of_scores(scores, _visible(pc, rate, c), k, lambda x, kk: select(x, kk))
+        return _topk_of_scores(scores, _visible(pc, rate, width), k, lambda x, kk: select(x, kk))
+
+    def one_chunk(args):
+        qc, wc, pc, qsc = args
+        qsc = qsc if per_token_q_scale else q_scale
+        if len(widths) == 1:
+            return chunk_at_width(c, qc, wc, pc, qsc)
+        need = jnp.max(_visible(pc, rate, c))  # entries the chunk's furthest query sees
+        band = jnp.searchsorted(jnp.asarray(widths, jnp.int32), need)  # narrowest width >= need
+        branches = [functools.partial(chunk_at_width, w) for w in widths]
+        return lax.switch(band, branches, qc, wc, pc, qsc)
 
     xs = (split(q, 0), split(weights, 0), split(positions, -1),
           split(q_scale, 1) if per_token_q_scale else jnp.zeros((n_chunks,), F32))  # fmt: skip

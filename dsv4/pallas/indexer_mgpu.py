@@ -59,6 +59,10 @@ class MgpuScoreConfig:
     tokens:    queries per CTA, split evenly between the two consumer warpgroups (even, >= 2).
     span:      keys per CTA (a multiple of 64).
     num_slots: key tiles in flight (TMA ring depth).
+    queries_per_mma: queries sharing one wgmma (N = 64 · queries_per_mma: their q rows are contiguous in SMEM),
+               dividing tokens / 2. Each key tile is read from SMEM once per wgmma, so a wider N reads it less.
+               Correct on the H200 (the GPU tests), but its speed is unmeasured: the one benchmark of 2 did not
+               finish within its time (docs/KERNEL_NOTES.md IX14); 1 stays the default.
 
     Defaults: the fastest configuration on one H200 (2048 queries × 32K keys, docs/KERNEL_NOTES.md IX9, IX12):
     16 tokens 572–630 TF/s in three calls; 8 tokens 515–558 (spans 1024–4096); 4 tokens 479.
@@ -67,6 +71,7 @@ class MgpuScoreConfig:
     tokens: int = 16
     span: int = 2048
     num_slots: int = 3
+    queries_per_mma: int = 1
 
     def __post_init__(self):
         if self.tokens < 2 or self.tokens % 2:
@@ -75,6 +80,9 @@ class MgpuScoreConfig:
             raise ValueError(f"MgpuScoreConfig.span={self.span} must be a positive multiple of {KEYS_PER_TILE}")
         if self.num_slots < 1:
             raise ValueError(f"MgpuScoreConfig.num_slots={self.num_slots} must be >= 1")
+        if self.queries_per_mma not in (1, 2, 4) or (self.tokens // 2) % self.queries_per_mma:
+            raise ValueError(f"MgpuScoreConfig.queries_per_mma={self.queries_per_mma} must be 1, 2 or 4 and divide "
+                             f"tokens / 2 = {self.tokens // 2}")  # fmt: skip
 
     def smem_bytes(self, index_dim: int) -> int:
         q = self.tokens * HEADS * index_dim
@@ -89,8 +97,9 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
     k_scale [B, C] f32; weights [B, S, 64] f32 (folded); n_vis [B, S] int32. → f32 [B, S, C]."""
     b, s, h, d = q.shape
     c = keys.shape[1]
-    t, span, slots = config.tokens, config.span, config.num_slots
+    t, span, slots, g = config.tokens, config.span, config.num_slots, config.queries_per_mma
     half = t // 2
+    q = q.reshape(b, s * h, d)  # a query's 64 head rows, then the next query's: g queries = one [64 g, Di] operand
     n_spans = pl.cdiv(c, span)
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # [64] per key (accumulator rows)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # [64] per head (accumulator columns)
@@ -109,7 +118,7 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
 
         def consumer(w):
             first = t0 + w * half
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(first, half)], q_smem.at[w], q_bar.at[w])
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(first * h, half * h)], q_smem.at[w], q_bar.at[w])
             plgpu.copy_gmem_to_smem(w_ref.at[bi, pl.ds(first, half)], w_smem.at[w], q_bar.at[2 + w])
             plgpu.barrier_wait(q_bar.at[w])
             plgpu.barrier_wait(q_bar.at[2 + w])
@@ -128,17 +137,20 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
                     plgpu.barrier_wait(k_bar.at[slot])
                     plgpu.barrier_wait(ks_bar.at[slot])
                     kscale = plgpu.load(ks_smem.at[slot], layout=row_layout)
-                    for j in range(half):
-                        def qk(acc_ref, j=j):
-                            plgpu.wgmma(acc_ref, k_smem.at[slot], q_smem.at[w, j].transpose((1, 0)))
+                    for j0 in range(0, half, g):
+                        def qk(acc_ref, j0=j0):
+                            q_rows = q_smem.at[w, pl.ds(j0 * HEADS, g * HEADS)]  # [64 g, Di]
+                            plgpu.wgmma(acc_ref, k_smem.at[slot], q_rows.transpose((1, 0)))
                             return acc_ref[...]
 
-                        acc = pl.run_scoped(qk, plgpu.ACC((KEYS_PER_TILE, HEADS), F32))  # [64 keys, 64 heads]
-                        wj = plgpu.load(w_smem.at[w, j], layout=col_layout)
-                        weighted = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(wj, acc.shape, [1])
-                        score = weighted.sum(axis=1) * kscale
-                        score = jnp.where(score == 0.0, 0.0, score)  # -0.0 → +0.0
-                        buf[j] = jnp.where(key < vis[j], score, -jnp.inf)
+                        acc_g = pl.run_scoped(qk, plgpu.ACC((KEYS_PER_TILE, g * HEADS), F32))  # [64 keys, 64 g]
+                        for j in range(j0, j0 + g):
+                            acc = acc_g if g == 1 else acc_g[:, (j - j0) * HEADS : (j - j0 + 1) * HEADS]
+                            wj = plgpu.load(w_smem.at[w, j], layout=col_layout)
+                            weighted = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(wj, acc.shape, [1])
+                            score = weighted.sum(axis=1) * kscale
+                            score = jnp.where(score == 0.0, 0.0, score)  # -0.0 → +0.0
+                            buf[j] = jnp.where(key < vis[j], score, -jnp.inf)
                     plgpu.barrier_arrive(consumed.at[slot])
 
                 @pl.when(i >= n_live)
@@ -181,7 +193,7 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
 
     tiled = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))  # e4m3: 128 elements = 128 bytes a row
     scratch = [
-        plgpu.SMEM((2, half, h, d), FP8, transforms=tiled),  # q rows of each consumer's queries
+        plgpu.SMEM((2, half * h, d), FP8, transforms=tiled),  # q rows of each consumer's queries
         plgpu.SMEM((slots, KEYS_PER_TILE, d), FP8, transforms=tiled),  # key ring
         plgpu.SMEM((slots, KEYS_PER_TILE), F32),  # key scales ring
         plgpu.SMEM((2, half, h), F32),  # folded head weights
