@@ -17,7 +17,8 @@ from dsv4.weights import CheckpointError, load_into
 log = logging.getLogger("dsv4")
 
 
-def _build(config: Config, *, dtype, attention_impl: str, moe_impl: str, rngs, indexer_impl: str = "auto") -> DeepseekV4:
+def _build(config: Config, *, dtype, attention_impl: str, moe_impl: str, rngs,
+           indexer_impl: str = "auto") -> DeepseekV4:  # fmt: skip
     return DeepseekV4(config, rngs=rngs, dtype=dtype, attention_impl=attention_impl, moe_impl=moe_impl,
                       indexer_impl=indexer_impl)
 

@@ -150,7 +150,8 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
 def mosaic_applies(q, kv, compressed, kv_aligned) -> bool:
     """Whether the Mosaic GPU kernel (dsv4/pallas/attention_mgpu.py) takes this call: on Hopper-class GPUs, for
     the kv-aligned prefill of window and HCA layers in bf16/f16 with 64-head groups and D in 128..512."""
-    if jax.default_backend() != "gpu" or not kv_aligned or (compressed is not None and compressed.topk_indices is not None):
+    csa = compressed is not None and compressed.topk_indices is not None
+    if jax.default_backend() != "gpu" or not kv_aligned or csa:
         return False
     if "H100" not in jax.devices()[0].device_kind and "H200" not in jax.devices()[0].device_kind:
         return False
@@ -207,7 +208,8 @@ def get_attention_impl(name: str) -> AttentionFn:
 # Compressors: pool `rate` tokens into one entry with a softmax gate per channel.
 # ---------------------------------------------------------------------------------------------
 def pool_windows(kv: jax.Array, gate: jax.Array, position_bias: jax.Array, rate: int, *, overlap: bool,
-                 head_dim: int, prev_kv: jax.Array | None = None, prev_gate: jax.Array | None = None) -> jax.Array:  # fmt: skip
+                 head_dim: int, prev_kv: jax.Array | None = None,
+                 prev_gate: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """Softmax-gated pooling of complete windows.
 
     kv, gate: [B, S, W] with W = head_dim (no overlap) or 2·head_dim (overlap); only the first
@@ -381,7 +383,8 @@ class Compressor(nnx.Module):
         if self.overlap:
             last = jnp.maximum(closed - 1, 0)
             has_closed = (closed > 0)[:, None, None]
-            ca_gate = pick(windows_gate, last)[..., : self.head_dim].astype(F32) + self.position_bias[...][:, : self.head_dim]
+            bias = self.position_bias[...][:, : self.head_dim]
+            ca_gate = pick(windows_gate, last)[..., : self.head_dim].astype(F32) + bias
             new["prev_kv"] = jnp.where(has_closed, pick(windows_kv, last)[..., : self.head_dim], state["prev_kv"])
             new["prev_gate"] = jnp.where(has_closed, ca_gate, state["prev_gate"])
         return new
@@ -541,7 +544,8 @@ class Attention(nnx.Module):
             resolve_indexer_impl(indexer_impl, dtype)  # validates the name
             self.compressor.indexer.impl = indexer_impl
         self.layer_type = layer_type
-        self.rope = Rope.build(config.rope_main if layer_type == SLIDING else config.rope_compress, config.qk_rope_head_dim)
+        rope = config.rope_main if layer_type == SLIDING else config.rope_compress
+        self.rope = Rope.build(rope, config.qk_rope_head_dim)
         self.n_heads, self.head_dim, self.o_groups = h, hd, g
         self.sliding_window, self.eps = config.sliding_window, config.rms_norm_eps
         get_attention_impl(attention_impl)  # an unknown name fails here, not mid-trace

@@ -288,7 +288,8 @@ class Config:
             main, compress = dict(rp["main"]), dict(rp["compress"])
         else:
             # Flat form: the scaling (YaRN) applies to the compress rope only, as in the reference.
-            scaling = {k: v for k, v in {**(raw.get("rope_scaling") or {}), **rp}.items() if k not in ("main", "compress")}
+            merged = {**(raw.get("rope_scaling") or {}), **rp}
+            scaling = {k: v for k, v in merged.items() if k not in ("main", "compress")}
             scaling.pop("rope_theta", None)
             scaling.pop("partial_rotary_factor", None)
             main = {"rope_type": "default", "rope_theta": raw.get("rope_theta", cls.rope_theta)}
@@ -321,7 +322,8 @@ class Config:
         """The config.json transformers would write for this model (round-trips through from_hf)."""
         out: dict[str, Any] = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"]}
         for f in dataclasses.fields(self):
-            if f.name in ("rope_main", "rope_compress", "compress_rates", "qk_rope_head_dim", "quantization_config_json"):
+            if f.name in ("rope_main", "rope_compress", "compress_rates", "qk_rope_head_dim",
+                          "quantization_config_json"):  # fmt: skip
                 continue
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value

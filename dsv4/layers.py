@@ -163,7 +163,8 @@ class HyperConnection(nnx.Module):
         self.fn = param(rngs, (n_out, hc * d), ("hc_out", "hc_embed"), dtype=F32)
         self.base = param(rngs, (n_out,), ("hc_out",), dtype=F32, init="zeros")
         self.scale = param(rngs, (3,), (None,), dtype=F32, init="ones")
-        self.hc_mult, self.iters, self.hc_eps, self.norm_eps = hc, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+        self.hc_mult, self.iters = hc, config.hc_sinkhorn_iters
+        self.hc_eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
 
     def __call__(self, streams: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """streams: [B, S, hc, D] → post [B, S, hc], comb [B, S, hc, hc] (float32), collapsed [B, S, D]."""

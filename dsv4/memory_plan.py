@@ -259,7 +259,8 @@ def _weights_lines(config: Config, c: ParamCounts, weights: str, devices: int) -
                      f"shared experts) + {bf16_dense / 1e9:.2f}B bf16 (wo_a, compressors, router)")  # fmt: skip
         layer_experts = 3 * config.moe_intermediate_size * config.hidden_size  # gate, up, down of one expert
         if fp8_expert_kernels(config, weights):
-            dequant, dequant_how = 0, "none: the FP8 expert kernels read e4m3 + block scales as stored (moe_impl pallas)"
+            dequant = 0
+            dequant_how = "none: the FP8 expert kernels read e4m3 + block scales as stored (moe_impl pallas)"
         else:
             dequant = local * layer_experts * ACT_BYTES
             why = "no FP4 kernel" if weights == "fp4-experts" else "widths not multiples of 128: no FP8 kernel"

@@ -173,7 +173,8 @@ class MoE(nnx.Module):
                 return out.reshape(x_.shape)
 
             routed = per_sequence_shard(local, (x, ids.reshape(b, s, -1), weights.reshape(b, s, -1)),
-                                        (gate_up, down, *scales.values()), fill=(0, 0, 0.0)).reshape(b * s, d)  # fmt: skip
+                                        (gate_up, down, *scales.values()), fill=(0, 0, 0.0))  # fmt: skip
+            routed = routed.reshape(b * s, d)
         else:
             routed = impl(flat, ids, weights, gate_up, down, self.limit)  # the jnp path: FP8 experts read dequantized
         sh = self.shared_experts

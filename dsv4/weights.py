@@ -113,7 +113,8 @@ def read_safetensors_header(path: str) -> dict[str, TensorEntry]:
         if end - start != expected:
             raise CheckpointError(f"tensor {name} in {path}: {end - start} bytes for {dtype}{list(shape)}")
         if base + end > size:
-            raise CheckpointError(f"tensor {name} in {path}: file truncated ({size} bytes, tensor ends at {base + end})")
+            raise CheckpointError(f"tensor {name} in {path}: file truncated ({size} bytes, tensor ends at "
+                                  f"{base + end})")  # fmt: skip
         entries[name] = TensorEntry(name, path, dtype, shape, base + start, base + end)
     return entries
 
@@ -317,7 +318,8 @@ def _piece(weight: TensorEntry, scale: TensorEntry | None, quant: QuantSpec) -> 
 _DEEPSEEK_RENAMES = [
     (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
     (r"^embed\.weight$", "embed_tokens.weight"), (r"^head\.weight$", "lm_head.weight"),
-    (r"^hc_head_fn$", "hc_head.hc_fn"), (r"^hc_head_base$", "hc_head.hc_base"), (r"^hc_head_scale$", "hc_head.hc_scale"),
+    (r"^hc_head_fn$", "hc_head.hc_fn"), (r"^hc_head_base$", "hc_head.hc_base"),
+    (r"^hc_head_scale$", "hc_head.hc_scale"),
     (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
     (r"\.hc_attn_fn$", ".attn_hc.fn"), (r"\.hc_attn_base$", ".attn_hc.base"), (r"\.hc_attn_scale$", ".attn_hc.scale"),
     (r"\.hc_ffn_fn$", ".ffn_hc.fn"), (r"\.hc_ffn_base$", ".ffn_hc.base"), (r"\.hc_ffn_scale$", ".ffn_hc.scale"),
@@ -328,7 +330,8 @@ _DEEPSEEK_RENAMES = [
     (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."),
     (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."),
     (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
-    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."), (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
     (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
 ]  # fmt: skip
 _EXPERT_RE = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
@@ -462,7 +465,8 @@ def canonical_sources(entries: dict[str, TensorEntry], quant: QuantSpec | None =
         out[f"{prefix}.gate_up_proj"] = Source(
             f"{prefix}.gate_up_proj", tuple((by_expert[e]["w1"], by_expert[e]["w3"]) for e in ids), stacked=True
         )
-        out[f"{prefix}.down_proj"] = Source(f"{prefix}.down_proj", tuple((by_expert[e]["w2"],) for e in ids), stacked=True)
+        down = tuple((by_expert[e]["w2"],) for e in ids)
+        out[f"{prefix}.down_proj"] = Source(f"{prefix}.down_proj", down, stacked=True)
         for e in ids:  # every expert's pieces must agree, or the stacked tensor is nonsense
             for w, ref in (("w1", by_expert[0]["w1"]), ("w2", by_expert[0]["w2"]), ("w3", by_expert[0]["w1"])):
                 if by_expert[e][w].shape != ref.shape:
@@ -706,7 +710,8 @@ _TO_DEEPSEEK = [
     (r"\.compressor\.indexer\.q_b_proj\.", ".indexer.wq_b."),
     (r"\.compressor\.indexer\.", ".indexer.compressor."),
     (r"\.kv_norm\.", ".norm."), (r"\.position_bias$", ".ape"),
-    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."), (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
+    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
     (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
     (r"\.q_a_proj\.", ".wq_a."), (r"\.self_attn\.q_b_proj\.", ".self_attn.wq_b."), (r"\.kv_proj\.", ".wkv."),
     (r"\.gate_proj\.", ".wgate."), (r"\.o_a_proj\.", ".wo_a."), (r"\.o_b_proj\.", ".wo_b."),

@@ -36,7 +36,8 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
                           the breakdown's routing check).
     pallas-attn-cap  (2c) as (2) with the capacity MoE.
 Order of work: every length's variants (in the order pallas, chunked, xla-cap, pallas-attn-cap, chunked-fp8, xla,
-pallas-attn, chunked-fp8idx), then the chunked variant's layer-split passes, then the breakdowns (largest length first), then the whole-model check;
+pallas-attn, chunked-fp8idx), then the chunked variant's layer-split passes, then the breakdowns (largest length
+first), then the whole-model check;
 the budget drops the tail. A variant that did not fit (OOM) or failed at a length is not tried at larger lengths; its
 row says how much XLA's buffer assignment asked for against what was free.
 
@@ -269,7 +270,8 @@ def parse_args():
         if args.smoke_all:
             tiny_v, small_v, lengths_t, checks = None, ["pallas", "chunked", "xla-cap"], "64,128", True
         else:
-            tiny_v, small_v, lengths_t, checks = ["pallas", "chunked", "chunked-fp8", "xla-cap"], ["xla-cap"], "64", False
+            tiny_v, small_v = ["pallas", "chunked", "chunked-fp8", "xla-cap"], ["xla-cap"]
+            lengths_t, checks = "64", False
         pick = lambda vs: None if vs is None else [v for v in vs if v in args.variants]  # noqa: E731
         args.setups = [Setup("tiny", tiny, parse_lengths(args.lengths or lengths_t), args.chunk or 32,
                              variants=pick(tiny_v), chunk_split=checks, whole_check=checks),

@@ -3,8 +3,8 @@
 
 Start one copy per process (per host, or per GPU), all with the same coordinator:
 
-    python scripts/launch.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0 --model DIR --prompt-len 131072
-    python scripts/launch.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 1 --model DIR --prompt-len 131072
+    python scripts/launch.py --coordinator host0:1234 --num-processes 2 --process-id 0 --model DIR --prompt-len 131072
+    python scripts/launch.py --coordinator host0:1234 --num-processes 2 --process-id 1 --model DIR --prompt-len 131072
 
 On one machine without GPUs, `--cpu-devices 4` fakes host devices (how CI tests this). A checkpoint is streamed
 onto the mesh (each device receives only its slice: the routed experts split, the rest replicated), so no single
@@ -33,8 +33,8 @@ def main(argv=None) -> int:
                    help="the sequence-parallel attention core: sp (jnp per shard, ring-passed entries), sp-pallas "
                         "(the Pallas kernels per shard), auto: sp-pallas on GPUs, sp elsewhere")
     p.add_argument("--moe-impl", default="auto", choices=["auto", "jnp", "pallas"],
-                   help="routed experts (default auto: the Pallas grouped GEMMs on GPUs, expert-parallel over the mesh; "
-                        "XLA elsewhere)")
+                   help="routed experts (default auto: the Pallas grouped GEMMs on GPUs, expert-parallel over the "
+                        "mesh; XLA elsewhere)")
     p.add_argument("--indexer-impl", default="auto", choices=["auto", "jnp", "pallas", "pallas-fp8"],
                    help="lightning indexer (default auto: the two-pass Pallas indexer on GPUs)")
     p.add_argument("--keep-quantized", action="store_true",

@@ -53,7 +53,8 @@ def test_presets_have_real_shapes():
     flash = Config.preset("v4-flash")
     assert flash.layer_types.count(SLIDING) == 2 and flash.layer_types.count(CSA) == 21
     assert flash.layer_types.count(HCA) == 20
-    assert (flash.hidden_size, flash.num_attention_heads, flash.head_dim, flash.n_routed_experts) == (4096, 64, 512, 256)
+    shape = (flash.hidden_size, flash.num_attention_heads, flash.head_dim, flash.n_routed_experts)
+    assert shape == (4096, 64, 512, 256)
     pro = Config.preset("v4-pro")
     assert (pro.hidden_size, pro.num_attention_heads, pro.o_groups) == (7168, 128, 16)
     with pytest.raises(ValueError, match="unknown preset 'v5'"):

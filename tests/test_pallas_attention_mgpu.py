@@ -133,16 +133,17 @@ def test_interpreter_matches_reference(variant, fold, monkeypatch):
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("batch, heads, num_ctas, seq", [(1, 64, 3, 80), (2, 128, 5, 21)])
+@pytest.mark.parametrize("batch, heads, num_ctas, seq", [(1, 64, 3, 21), (2, 128, 5, 9)])
 def test_interpreter_persistent(batch, heads, num_ctas, seq):
     """Persistent CTAs: each runs several items (token × 64 heads) back to back, the KV ring carrying over between
-    them, the next item's Q loaded under the current item's last step, O staged in the last KV tile. 80 tokens at
-    rate 1: up to 2 HCA tiles + 2 window tiles per item; the second case has 2 batch rows × 2 head groups (items
-    cross batch rows and head groups inside a CTA)."""
+    them, the next item's Q loaded under the current item's last step, O staged in the last KV tile. Positions from
+    100 at rate 1: 2 HCA tiles (101..121 entries) + 1 window tile per item, 7 items per CTA; the second case has 2
+    batch rows × 2 head groups (items cross batch rows and head groups inside a CTA)."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     window, rate, bk = 40, 1, 64
-    q, kv, q_pos, sinks, compressed = make_inputs(4, batch=batch, heads=heads, seq=seq, head_dim=128, rate=rate)
+    q, kv, q_pos, sinks, compressed = make_inputs(4, batch=batch, heads=heads, seq=seq, head_dim=128, rate=rate,
+                                                  offset=100)  # fmt: skip
     config = MgpuConfig(variant="ws", block_kv=bk, pv_form="interpret", persistent=True, num_ctas=num_ctas)
     with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
         out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,

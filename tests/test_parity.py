@@ -58,7 +58,8 @@ def test_every_layer_matches_reference(name):
     layer_fn = jax.jit(lambda g, st, x: nnx.merge(g, st)(x, positions, ids), static_argnums=0)
     for i, layer in enumerate(model.layers):
         g, st = nnx.split(layer)
-        assert rel_err(layer_fn(g, st, jnp.asarray(hs[i])), hs[i + 1]) < TOL, f"layer {i} ({layer.self_attn.layer_type})"
+        err = rel_err(layer_fn(g, st, jnp.asarray(hs[i])), hs[i + 1])
+        assert err < TOL, f"layer {i} ({layer.self_attn.layer_type})"
 
 
 @pytest.mark.parametrize("name", ["tiny_mixed", "tiny_long"])

@@ -101,7 +101,8 @@ def test_two_processes_under_jax_distributed_match_one(tmp_path):
     common = [sys.executable, os.path.join(ROOT, "scripts", "launch.py"), "--coordinator", f"127.0.0.1:{port}",
               "--num-processes", "2", "--cpu-devices", "2", "--model", os.path.join(FIXTURES, "tiny_long"),
               "--token-ids-file", str(tmp_path / "ids.npy")]  # fmt: skip
-    procs = [subprocess.Popen([*common, "--process-id", str(i), *(["--save-logits", str(tmp_path / "out.npy")] if i == 0 else [])],
+    save = ["--save-logits", str(tmp_path / "out.npy")]
+    procs = [subprocess.Popen([*common, "--process-id", str(i), *(save if i == 0 else [])],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
              for i in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]

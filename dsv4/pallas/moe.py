@@ -726,7 +726,8 @@ def routed_experts(
                              f"fp8_activations=True); got weights {gate_up.dtype}, fp8_activations={fp8_activations}")
         if x_scales is None or x_scales.shape != (n, d // QUANT_BLOCK) or x_scales.dtype != F32:
             got = None if x_scales is None else f"{x_scales.dtype} {x_scales.shape}"
-            raise ValueError(f"routed_experts: pre-quantized x needs x_scales float32 {(n, d // QUANT_BLOCK)}, got {got}")
+            raise ValueError(f"routed_experts: pre-quantized x needs x_scales float32 {(n, d // QUANT_BLOCK)}, "
+                             f"got {got}")  # fmt: skip
         if out_dtype is None:
             raise ValueError("routed_experts: pre-quantized x needs out_dtype (x's own dtype is float8)")
     elif x_scales is not None:
