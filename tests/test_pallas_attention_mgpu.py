@@ -110,12 +110,23 @@ def test_window_tiles_start_aligned_and_cover_the_window(window, bk):
     assert n.max() <= -(-(window + 7) // bk)
 
 
+def _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, *, window, rate):
+    """The kernel in the Mosaic GPU interpreter (head_dim 128) against the jnp reference."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
+        out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
+                                compress_rate=rate, config=config, check_positions=False,
+                                interpret=InterpretGPUParams())  # fmt: skip
+        out = np.asarray(jax.block_until_ready(out), np.float32)
+    ref = np.asarray(_reference(q, kv, q_pos, sinks, compressed, window=window, scale=128**-0.5, rate=rate), np.float32)
+    np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
+
+
 @pytest.mark.parametrize("variant, fold", [("prefetch", False), ("ws", False), ("ws", True)])
 def test_interpreter_matches_reference(variant, fold, monkeypatch):
     """fold: the token grid axis folded into (inner, outer) with q padded, as past CUDA's 65535 grid limit (here
     made to happen at 16 tokens: 21 tokens become 2 × 16, 11 of them padding)."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
     import dsv4.pallas.attention_mgpu as mgpu
 
     if fold:
@@ -124,13 +135,7 @@ def test_interpreter_matches_reference(variant, fold, monkeypatch):
     window, rate, bk = 40, 4, 32  # window not a multiple of the block: 2 tiles, unaligned band starts
     q, kv, q_pos, sinks, compressed = make_inputs(1, seq=21, head_dim=128, rate=rate)
     config = MgpuConfig(variant=variant, block_kv=bk, pv_form="interpret")
-    with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
-        out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
-                                compress_rate=rate, config=config, check_positions=False,
-                                interpret=InterpretGPUParams())  # fmt: skip
-        out = np.asarray(jax.block_until_ready(out), np.float32)
-    ref = np.asarray(_reference(q, kv, q_pos, sinks, compressed, window=window, scale=128**-0.5, rate=rate), np.float32)
-    np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
+    _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, window=window, rate=rate)
 
 
 @pytest.mark.parametrize("batch, heads, num_ctas, seq", [(1, 64, 3, 21), (2, 128, 5, 9)])
@@ -139,19 +144,11 @@ def test_interpreter_persistent(batch, heads, num_ctas, seq):
     them, the next item's Q loaded under the current item's last step, O staged in the last KV tile. Positions from
     100 at rate 1: 2 HCA tiles (101..121 entries) + 1 window tile per item, 7 items per CTA; the second case has 2
     batch rows × 2 head groups (items cross batch rows and head groups inside a CTA)."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
     window, rate, bk = 40, 1, 64
     q, kv, q_pos, sinks, compressed = make_inputs(4, batch=batch, heads=heads, seq=seq, head_dim=128, rate=rate,
                                                   offset=100)  # fmt: skip
     config = MgpuConfig(variant="ws", block_kv=bk, pv_form="interpret", persistent=True, num_ctas=num_ctas)
-    with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
-        out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
-                                compress_rate=rate, config=config, check_positions=False,
-                                interpret=InterpretGPUParams())  # fmt: skip
-        out = np.asarray(jax.block_until_ready(out), np.float32)
-    ref = np.asarray(_reference(q, kv, q_pos, sinks, compressed, window=window, scale=128**-0.5, rate=rate), np.float32)
-    np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
+    _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, window=window, rate=rate)
 
 
 @pytest.mark.parametrize("variant", ["prefetch", "ws"])

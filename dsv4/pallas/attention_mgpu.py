@@ -50,7 +50,7 @@ Design (docs/KERNEL_NOTES.md §2, "option B"):
 SMEM at the defaults (D = 512, block_kv = 64, 2 slots): Q 64 KiB + KV 2 × 64 KiB + exchange 2 × 16 KiB + sinks
 = 224.5 KiB (+ 2 KiB Pallas reduction scratch), just under the 227 KiB per-block limit. One CTA per SM (registers
 cap it anyway), so one CTA per item cannot overlap its Q load and O store with another CTA's matmuls; the
-persistent launch overlaps them within the CTA (window layers 13–16% faster, docs/KERNEL_NOTES.md E11).
+persistent launch overlaps them within the CTA (window layers 9–16% faster, docs/KERNEL_NOTES.md E11).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class MgpuConfig:
                 during the last step of the current one, and O is staged in the last KV tile half. Needs "ws" and
                 block_kv >= 64. False: one CTA per item (its Q load, first tiles and O store are not overlapped
                 with compute). None (default): persistent where it applies ("ws", block_kv >= 64, no debug flag):
-                on one H200 it made window layers 13–16% faster at 32K–512K tokens and HCA layers 0–7%
+                on one H200 it made window layers 9–16% faster at 32K–512K tokens and HCA layers 0–7%
                 (docs/KERNEL_NOTES.md E11).
     """
 
@@ -182,6 +182,18 @@ class _Item(NamedTuple):
     win_hi: jax.Array | None
     win_start: jax.Array  # first window tile's row (a multiple of 8)
     n_steps: jax.Array
+
+
+def online_softmax_step(s, col, lo, hi, logit_scale, m_i, l_i, acc):
+    """One step of the log2-domain online softmax on a WGMMA-layout [64, n] logit tile, shared by the prefill and
+    decode kernels: columns `col` outside [lo, hi) masked, logits = s · logit_scale. → (P f32 [64, n], new running
+    max [64], new row sum [64], acc [64, d] rescaled to the new max)."""
+    logits = jnp.where((col >= lo) & (col < hi), s * logit_scale, -jnp.inf)
+    m_new = jnp.maximum(m_i, logits.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+    l_new = l_i * alpha + p.sum(axis=1)
+    return p, m_new, l_new, acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
 
 def _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config: MgpuConfig, kv_offset=0):
@@ -440,13 +452,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                         lo = jnp.where(is_hca, 0, it.win_lo)
                         hi = jnp.where(is_hca, it.n_vis, it.win_hi)
                     col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
-                    logits = jnp.where((col >= lo) & (col < hi), s_full * logit_scale, -jnp.inf)
-
-                    m_new = jnp.maximum(m_i, logits.max(axis=1))
-                    alpha = jnp.exp2(m_i - m_new)
-                    p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-                    l_new = l_i * alpha + p.sum(axis=1)
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    p, m_new, l_new, acc = online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
                     p16 = p.astype(dtype)
 
                     if dump:  # debug: the last step's S (unscaled, both halves summed) and P (f32) of this warpgroup

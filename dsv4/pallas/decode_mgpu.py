@@ -47,6 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from dsv4.pallas.attention_mgpu import online_softmax_step
 from dsv4.pallas.decode import _check_inputs, _combine_splits, default_num_splits
 
 __all__ = ["MgpuDecodeConfig", "mgpu_decode_supported", "paged_decode_attention_mgpu", "unsupported_reason"]
@@ -292,12 +293,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                     p, m_new, l_new = s_full, m_i, l_i
                 else:
                     col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, TILE), 1, layout=wgmma_layout) + base
-                    logits = jnp.where((col >= lo) & (col < hi), s_full * logit_scale, -jnp.inf)
-                    m_new = jnp.maximum(m_i, logits.max(axis=1))
-                    alpha = jnp.exp2(m_i - m_new)
-                    p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-                    l_new = l_i * alpha + p.sum(axis=1)
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    p, m_new, l_new, acc = online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
                 p16 = p.astype(dtype)
                 if interp_pv:
                     p_smem[w] = p16
