@@ -268,7 +268,8 @@ def main():
     p.add_argument("--triton-tilings", type=int, default=13, help="the first N Triton tilings of the scores section")
     p.add_argument("--mgpu-configs", default="t8-s2048:tokens=8,span=2048,slots=4",
                    help="Mosaic FP8 scores configs 'name:tokens=,span=,slots=;...' (the first is used by full)")
-    p.add_argument("--bands", default="4", help="full: index_topk_two_pass width_bands values to time (mgpu)")
+    p.add_argument("--bands", default="1", help="full: index_topk_two_pass width_bands values to time (mgpu; the first "
+                                                "also for the Triton fp8 run)")
     p.add_argument("--full-mgpu", type=int, default=1, help="full: time the first N --mgpu-configs")
     p.add_argument("--full-names", default="", help="full: only runs whose names start with one of these (comma)")
     p.add_argument("--xla-max", type=int, default=131072)
