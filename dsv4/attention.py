@@ -453,6 +453,8 @@ def index_topk_fp8(q, weights, positions, keys, *, rate: int, k: int, softmax_sc
     q quantized per (token, head), keys per entry (e4m3, amax scales), scores by the Mosaic FP8 kernel on a Hopper
     GPU (`index_scores_mgpu`) or the Triton kernel elsewhere, then the exact grouped top-k. Arguments as
     `index_topk_jnp` (q, weights, positions first: the per-shard function of `per_sequence_shard`).
+    On the Mosaic path each query chunk is scored over one of 4 width bands (`index_topk_two_pass(width_bands=4)`:
+    one H200, 512K tokens, 1140 → 1087 ms; 128K 102.5 → 95.8 ms; docs/KERNEL_NOTES.md IX13, IX15).
     → [B, S, k] int32."""
     from dsv4.pallas.indexer import index_topk_two_pass
     from dsv4.pallas.indexer_mgpu import is_hopper
@@ -462,7 +464,7 @@ def index_topk_fp8(q, weights, positions, keys, *, rate: int, k: int, softmax_sc
     mgpu = not interpret and is_hopper() and q.shape[2] == 64
     return index_topk_two_pass(q8, k8, weights, positions, rate=rate, k=k, softmax_scale=softmax_scale,
                                q_scale=q_scale, k_scale=k_scale, interpret=interpret,
-                               scores_impl="mgpu" if mgpu else "triton")  # fmt: skip
+                               scores_impl="mgpu" if mgpu else "triton", width_bands=4 if mgpu else 1)  # fmt: skip
 
 
 def index_topk_jnp(q, keys, weights, positions, *, rate: int, k: int, softmax_scale: float, query_chunk: int = 512):

@@ -55,7 +55,7 @@ def _interpreter_case() -> None:
 
     inputs = integer_inputs(0)
     kw = dict(rate=4, softmax_scale=0.25)
-    config = MgpuScoreConfig(tokens=4, span=128, num_slots=2)
+    config = MgpuScoreConfig(tokens=4, span=128, num_slots=2, consumers=2, queries_per_mma=1)
     with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
         got = np.asarray(index_scores_mgpu(**inputs, **kw, config=config, interpret=InterpretGPUParams()))
         picks = np.asarray(index_topk_two_pass(**inputs, **kw, k=20, interpret=True, scores_impl="mgpu",
@@ -120,8 +120,9 @@ def test_fp8_indexer_picks_a_true_top_k_of_the_quantized_inputs():
     assert_true_top_k(got, scores, visible, k)
 
 
-@pytest.mark.parametrize("queries_per_mma", [1, 2, 4])
-def test_lowers_for_h200(queries_per_mma):
+@pytest.mark.parametrize("config", [{}, dict(consumers=2, queries_per_mma=1), dict(consumers=2, queries_per_mma=4),
+                                    dict(tokens=12, consumers=3)])
+def test_lowers_for_h200(config):
     b, s, c = 1, 512, 32768
     sds = jax.ShapeDtypeStruct
     args = (sds((b, s, 64, 128), FP8), sds((b, c, 128), FP8), sds((b, s, 64), jnp.float32), sds((b, s), jnp.int32),
@@ -129,7 +130,7 @@ def test_lowers_for_h200(queries_per_mma):
 
     def f(q, keys, weights, positions, q_scale, k_scale):
         return index_scores_mgpu(q, keys, weights, positions, rate=4, softmax_scale=0.1, q_scale=q_scale,
-                                 k_scale=k_scale, config=MgpuScoreConfig(queries_per_mma=queries_per_mma))
+                                 k_scale=k_scale, config=MgpuScoreConfig(**config))
 
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -156,14 +157,23 @@ def test_config_errors():
     with pytest.raises(ValueError, match="span=100"):
         MgpuScoreConfig(span=100)
     with pytest.raises(ValueError, match="queries_per_mma=4"):
-        MgpuScoreConfig(tokens=4, queries_per_mma=4)  # 2 queries per consumer
+        MgpuScoreConfig(tokens=4, queries_per_mma=4)  # 1 query per consumer
+    with pytest.raises(ValueError, match="tokens=16 must be a positive multiple of consumers=3"):
+        MgpuScoreConfig(consumers=3)
+    with pytest.raises(ValueError, match="consumers=5"):
+        MgpuScoreConfig(tokens=20, consumers=5)
+    with pytest.raises(ValueError, match="unknown flags"):
+        MgpuScoreConfig(debug=("fast",))
 
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("seq, entries, offset, queries_per_mma", [(300, 4100, 16000, 1), (77, 1000, 0, 1),
-                                                                   (300, 4100, 16000, 2), (77, 1000, 0, 4)])
-def test_gpu_matches_reference(seq, entries, offset, queries_per_mma):
+@pytest.mark.parametrize("seq, entries, offset, config", [
+    (300, 4100, 16000, {}), (77, 1000, 0, {}), (300, 4100, 16000, dict(consumers=2, queries_per_mma=1)),
+    (77, 1000, 0, dict(consumers=2, queries_per_mma=4)), (300, 4100, 16000, dict(queries_per_mma=1)),
+    (77, 1000, 0, dict(tokens=12, consumers=3)),
+])  # fmt: skip
+def test_gpu_matches_reference(seq, entries, offset, config):
     keys_ = jax.random.split(jax.random.key(seq), 4)
     q = jax.random.normal(keys_[0], (1, seq, 64, 128), jnp.float32)
     kv = jax.random.normal(keys_[1], (1, entries, 128), jnp.float32)
@@ -174,7 +184,7 @@ def test_gpu_matches_reference(seq, entries, offset, queries_per_mma):
                   positions=(offset + jnp.arange(seq, dtype=jnp.int32) * 13)[None], q_scale=q_scale,
                   k_scale=k_scale)  # fmt: skip
     kw = dict(rate=4, softmax_scale=128**-0.5)
-    config = MgpuScoreConfig(queries_per_mma=queries_per_mma)
+    config = MgpuScoreConfig(**config)
     jax.block_until_ready(index_scores_mgpu(**dict(inputs, weights=jnp.full_like(inputs["weights"], jnp.nan)), **kw,
                                             config=config))  # fmt: skip
     got = np.asarray(index_scores_mgpu(**inputs, **kw, config=config))

@@ -1,5 +1,5 @@
 """The lightning indexer's scores in FP8 as a Mosaic GPU (Hopper) Pallas kernel: wgmma on e4m3 operands, a TMA
-ring of key tiles, a producer warpgroup and two consumer warpgroups.
+ring of key tiles, a producer warpgroup and four consumer warpgroups.
 
 Same contract as `dsv4.pallas.indexer.index_scores` for FP8 q and keys (its Triton kernel's FP8 dot ran slower than
 its bf16 one, docs/KERNEL_NOTES.md IX7):
@@ -16,14 +16,16 @@ Design:
 - One CTA = `tokens` queries × `span` keys, grid (S / tokens, ceil(C / span), B). Keys stream through a ring of
   `num_slots` TMA slots, 64 keys × Di (8 KiB in e4m3) plus their 64 float32 scales per slot. Tiles at or past the
   CTA's largest visible count are not loaded: they are written as -inf.
-- Warpgroup 2 (the producer) issues the key TMAs. Consumer warpgroup w owns half of the CTA's queries: its q rows
-  (tokens / 2 × 64 heads × Di, e4m3) and weights sit in SMEM for the whole CTA.
-- Per key tile and query j: `acc[64 keys, 64 heads] = K_tile · Q_jᵀ`, one wgmma m64 n64 k=Di with both operands
-  K-major in SMEM (e4m3 wgmma needs that; Q_j is [heads, Di] as stored, passed transposed). Then
-  ReLU(acc) · w'_j broadcast along the rows (WGMMA column layout) summed over the heads within each warp, times the
-  keys' scales, masked, and written as one row of a [tokens / 2, 64] float32 staging tile, which a TMA stores.
-  The two consumers' wgmmas and epilogues interleave on the SM.
-- The consumers release a slot (2 arrivals) after their last wgmma on it; the producer refills it.
+- The last warpgroup (the producer) issues the key TMAs. Consumer warpgroup w (`consumers` of them, 4 by default)
+  owns tokens / consumers of the CTA's queries: their q rows (× 64 heads × Di, e4m3) and weights sit in SMEM for the
+  whole CTA.
+- Per key tile and group of g = `queries_per_mma` queries: `acc[64 keys, 64 g] = K_tile · Q_gᵀ`, one wgmma
+  m64 n=64g k=Di with both operands K-major in SMEM (e4m3 wgmma needs that; the g queries' [heads, Di] rows are
+  contiguous as stored, passed transposed). Then per query j, its 64 columns: ReLU(acc_j) · w'_j broadcast along
+  the rows (WGMMA column layout) summed over the heads within each warp, times the keys' scales, masked, and
+  written as one row of a [tokens / consumers, 64] float32 staging tile, which a TMA stores. That epilogue costs
+  more than the wgmma (IX15): the consumers' wgmmas and epilogues interleave on the SM.
+- The consumers release a slot (one arrival each) after their last wgmma on it; the producer refills it.
 
 Restrictions: Hi = 64 (the wgmma N), Di = 128 or 256 (whole 128-byte swizzled SMEM rows; measured at 128, V4's
 index_head_dim), both q and keys float8_e4m3fn.
@@ -56,33 +58,49 @@ _GRID_DIM_MAX = 65535
 class MgpuScoreConfig:
     """Tunables of `index_scores_mgpu`.
 
-    tokens:    queries per CTA, split evenly between the two consumer warpgroups (even, >= 2).
+    tokens:    queries per CTA, split evenly between the consumer warpgroups (a multiple of `consumers`).
     span:      keys per CTA (a multiple of 64).
     num_slots: key tiles in flight (TMA ring depth).
     queries_per_mma: queries sharing one wgmma (N = 64 · queries_per_mma: their q rows are contiguous in SMEM),
-               dividing tokens / 2. Each key tile is read from SMEM once per wgmma, so a wider N reads it less.
-               Correct on the H200 (the GPU tests), but its speed is unmeasured: the one benchmark of 2 did not
-               finish within its time (docs/KERNEL_NOTES.md IX14); 1 stays the default.
+               dividing tokens / consumers. Each key tile is read from SMEM once per wgmma, so a wider N reads it
+               less, and each wgmma's wait covers g queries' epilogues.
+    consumers: consumer warpgroups (2, 3 or 4), each owning tokens / consumers queries. The epilogue (ReLU, head
+               weights, head sum, mask, store) costs more than the wgmma (docs/KERNEL_NOTES.md IX15), so more
+               warpgroups, each waiting on its own wgmma, keep the tensor core busier. At 4 the launch gives every
+               thread 96 registers, which the kernel fits without spilling.
+    debug:     measurement switch, off in use: ("no_mma",) runs the epilogue on the key scales instead of a wgmma's
+               result (the epilogue's cost alone).
 
-    Defaults: the fastest configuration on one H200 (2048 queries × 32K keys, docs/KERNEL_NOTES.md IX9, IX12):
-    16 tokens 572–630 TF/s in three calls; 8 tokens 515–558 (spans 1024–4096); 4 tokens 479.
+    Defaults: the fastest configuration measured on one H200 (2048 queries × 32K keys, docs/KERNEL_NOTES.md IX15):
+    4 consumers × 2 queries per wgmma, 1.13× and 1.27× the earlier default (2 consumers, one query per wgmma) in
+    two calls (694 vs 613, 700 vs 552 TF/s; 641–755 over four runs); 4 consumers alone 1.08×, 2 queries per wgmma
+    alone 0.99–1.04×, 3 consumers of 4 queries 591–670 TF/s. Among the earlier 2-consumer configurations: 16
+    tokens 572–630, 8 tokens 515–558, 4 tokens 479.
     """
 
     tokens: int = 16
     span: int = 2048
     num_slots: int = 3
-    queries_per_mma: int = 1
+    queries_per_mma: int = 2
+    consumers: int = 4
+    debug: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.tokens < 2 or self.tokens % 2:
-            raise ValueError(f"MgpuScoreConfig.tokens={self.tokens} must be even and >= 2")
+        if self.consumers not in (2, 3, 4):
+            raise ValueError(f"MgpuScoreConfig.consumers={self.consumers} must be 2, 3 or 4")
+        if self.tokens < self.consumers or self.tokens % self.consumers:
+            raise ValueError(f"MgpuScoreConfig.tokens={self.tokens} must be a positive multiple of "
+                             f"consumers={self.consumers}")  # fmt: skip
         if self.span < KEYS_PER_TILE or self.span % KEYS_PER_TILE:
             raise ValueError(f"MgpuScoreConfig.span={self.span} must be a positive multiple of {KEYS_PER_TILE}")
         if self.num_slots < 1:
             raise ValueError(f"MgpuScoreConfig.num_slots={self.num_slots} must be >= 1")
-        if self.queries_per_mma not in (1, 2, 4) or (self.tokens // 2) % self.queries_per_mma:
+        per = self.tokens // self.consumers
+        if self.queries_per_mma not in (1, 2, 4) or per % self.queries_per_mma:
             raise ValueError(f"MgpuScoreConfig.queries_per_mma={self.queries_per_mma} must be 1, 2 or 4 and divide "
-                             f"tokens / 2 = {self.tokens // 2}")  # fmt: skip
+                             f"tokens / consumers = {per}")  # fmt: skip
+        if set(self.debug) - {"no_mma"}:
+            raise ValueError(f"MgpuScoreConfig.debug={self.debug}: unknown flags")
 
     def smem_bytes(self, index_dim: int) -> int:
         q = self.tokens * HEADS * index_dim
@@ -98,7 +116,9 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
     b, s, h, d = q.shape
     c = keys.shape[1]
     t, span, slots, g = config.tokens, config.span, config.num_slots, config.queries_per_mma
-    half = t // 2
+    n_cons = config.consumers
+    half = t // n_cons  # queries per consumer
+    no_mma = "no_mma" in config.debug
     q = q.reshape(b, s * h, d)  # a query's 64 head rows, then the next query's: g queries = one [64 g, Di] operand
     n_spans = pl.cdiv(c, span)
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # [64] per key (accumulator rows)
@@ -119,9 +139,9 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
         def consumer(w):
             first = t0 + w * half
             plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(first * h, half * h)], q_smem.at[w], q_bar.at[w])
-            plgpu.copy_gmem_to_smem(w_ref.at[bi, pl.ds(first, half)], w_smem.at[w], q_bar.at[2 + w])
+            plgpu.copy_gmem_to_smem(w_ref.at[bi, pl.ds(first, half)], w_smem.at[w], q_bar.at[n_cons + w])
             plgpu.barrier_wait(q_bar.at[w])
-            plgpu.barrier_wait(q_bar.at[2 + w])
+            plgpu.barrier_wait(q_bar.at[n_cons + w])
             vis = [nvis_ref[bi, first + j] for j in range(half)]
 
             @pl.loop(0, n_tiles)
@@ -143,7 +163,10 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
                             plgpu.wgmma(acc_ref, k_smem.at[slot], q_rows.transpose((1, 0)))
                             return acc_ref[...]
 
-                        acc_g = pl.run_scoped(qk, plgpu.ACC((KEYS_PER_TILE, g * HEADS), F32))  # [64 keys, 64 g]
+                        if no_mma:
+                            acc_g = lax.broadcast_in_dim(kscale, (KEYS_PER_TILE, g * HEADS), [0])
+                        else:
+                            acc_g = pl.run_scoped(qk, plgpu.ACC((KEYS_PER_TILE, g * HEADS), F32))  # [64 keys, 64 g]
                         for j in range(j0, j0 + g):
                             acc = acc_g if g == 1 else acc_g[:, (j - j0) * HEADS : (j - j0 + 1) * HEADS]
                             wj = plgpu.load(w_smem.at[w, j], layout=col_layout)
@@ -163,15 +186,16 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
 
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 0)
-        def _():
-            consumer(0)
+        for w in range(n_cons):
+            @pl.when(wg == w)
+            def _(w=w):
+                # NOTE: no setmaxnreg increase for the consumers. The launch gives every thread 64 Ki / threads
+                # registers (rounded down to 8: 96 with 4 consumers), and an increase waits until the CTA's pool
+                # holds it: asking for more than the producer's decrease freed hangs the kernel (it did on the
+                # H200, KERNEL_NOTES IX15). 96 is enough: ptxas spills nothing at 4 consumers.
+                consumer(w)
 
-        @pl.when(wg == 1)
-        def _():
-            consumer(1)
-
-        @pl.when(wg == 2)
+        @pl.when(wg == n_cons)
         def _():
             plgpu.set_max_registers(40, action="decrease")
 
@@ -193,15 +217,15 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
 
     tiled = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))  # e4m3: 128 elements = 128 bytes a row
     scratch = [
-        plgpu.SMEM((2, half * h, d), FP8, transforms=tiled),  # q rows of each consumer's queries
+        plgpu.SMEM((n_cons, half * h, d), FP8, transforms=tiled),  # q rows of each consumer's queries
         plgpu.SMEM((slots, KEYS_PER_TILE, d), FP8, transforms=tiled),  # key ring
         plgpu.SMEM((slots, KEYS_PER_TILE), F32),  # key scales ring
-        plgpu.SMEM((2, half, h), F32),  # folded head weights
-        plgpu.SMEM((2, 2, half, KEYS_PER_TILE), F32),  # output staging, double-buffered per consumer
-        plgpu.Barrier(num_barriers=4),  # q, weights per consumer
+        plgpu.SMEM((n_cons, half, h), F32),  # folded head weights
+        plgpu.SMEM((n_cons, 2, half, KEYS_PER_TILE), F32),  # output staging, double-buffered per consumer
+        plgpu.Barrier(num_barriers=2 * n_cons),  # q, weights per consumer
         plgpu.Barrier(num_barriers=slots),  # keys full
         plgpu.Barrier(num_barriers=slots),  # key scales full
-        plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # slot consumed by both consumers
+        plgpu.Barrier(num_arrivals=n_cons, num_barriers=slots),  # slot consumed by every consumer
     ]
     return plgpu.kernel(
         body,
@@ -209,7 +233,7 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
         scratch_types=scratch,
         grid=(s // t, n_spans, b),
         grid_names=("t", "c", "b"),
-        num_threads=3,
+        num_threads=n_cons + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,

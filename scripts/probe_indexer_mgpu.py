@@ -1,0 +1,135 @@
+"""GPU probe of the FP8 lightning indexer (Mosaic scores kernel + grouped top-k): compile and run times apart, scores
+configurations side by side, and where one query chunk's time goes. Written in the eleventh session to find out why
+two options "did not finish" (docs/KERNEL_NOTES.md IX13-IX15); every mode prints as it goes.
+
+    PYTHONPATH=. python scripts/probe_indexer_mgpu.py cfgs "name:k=v,k=v;name2:..."   MgpuScoreConfig fields (debug
+        flags joined by +), on the 2048 queries x 32K keys at the end of a 128K prompt (bench_indexer's scores chunk);
+        7 timed calls each, median; outputs compared with the first configuration's
+    PYTHONPATH=. python scripts/probe_indexer_mgpu.py bands B S [out.npy]   index_topk_two_pass (FP8, Mosaic scores)
+        at S tokens with width_bands=B: lower, compile, first call and timed calls printed apart
+    PYTHONPATH=. python scripts/probe_indexer_mgpu.py breakdown S R   one chunk of R queries ending at S, S/2, S/4:
+        scores kernel alone, dsv4.topk.top_k variants, the first group-max level alone (ms, medians of 7)
+
+Set MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=<existing dir> for ptxas' register and spill report per kernel.
+"""
+import functools
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, ".")
+from dsv4.pallas.indexer import index_topk_two_pass  # noqa: E402
+from dsv4.pallas.indexer_mgpu import MgpuScoreConfig, index_scores_mgpu  # noqa: E402
+from scripts.bench_indexer import DI, HI, RATE, make_inputs, visible_pairs  # noqa: E402
+
+
+def say(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def median_ms(fn, *a, reps=7):
+    jax.block_until_ready(fn(*a))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*a))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def stages(fn, inp, reps):
+    """Lower, compile, first call, then `reps` timed calls, each printed. → (output, median seconds)."""
+    t0 = time.perf_counter()
+    lowered = jax.jit(fn).lower(**inp)
+    t1 = time.perf_counter()
+    say(f"lowered in {t1 - t0:.1f} s")
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    say(f"compiled in {t2 - t1:.1f} s")
+    out = compiled(**inp)
+    jax.block_until_ready(out)
+    say(f"first run {time.perf_counter() - t2:.2f} s")
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(**inp))
+        times.append(time.perf_counter() - t)
+        say(f"  run {times[-1] * 1e3:.1f} ms")
+    return out, statistics.median(times)
+
+
+def parse_config(spec: str) -> MgpuScoreConfig:
+    kw = {}
+    for kv in filter(None, spec.split(",")):
+        k, v = kv.split("=")
+        kw[k] = tuple(v.split("+")) if k == "debug" else int(v)
+    return MgpuScoreConfig(**kw)
+
+
+def cfgs(specs: str):
+    s_end, r = 131072, 2048
+    inp = make_inputs(r, s_end // RATE, fp8=True, offset=s_end - r)
+    flops = 2 * HI * DI * visible_pairs(s_end, r)
+    ref = None
+    for item in specs.split(";"):
+        name, _, spec = item.partition(":")
+        try:
+            cfg = parse_config(spec)
+            f = jax.jit(functools.partial(index_scores_mgpu, rate=RATE, softmax_scale=DI**-0.5, config=cfg))
+            out = np.asarray(f(**inp))
+            t = median_ms(lambda: f(**inp)) / 1e3
+            check = ""
+            if not cfg.debug:
+                ref = out if ref is None else ref
+                check = f"same as first: {np.array_equal(out, ref)}"
+            say(f"RESULT {name}: {t * 1e3:.3f} ms {flops / t / 1e12:.1f} TF/s {check}")
+        except Exception as e:  # noqa: BLE001
+            say(f"RESULT {name}: FAILED {type(e).__name__}: {str(e)[:500]}")
+
+
+def bands(n_bands: int, s: int, save: str | None):
+    inp = make_inputs(s, s // RATE, fp8=True)
+    flops = 2 * HI * DI * visible_pairs(s, s)
+    fn = functools.partial(index_topk_two_pass, rate=RATE, k=512, softmax_scale=DI**-0.5, scores_impl="mgpu",
+                           width_bands=n_bands)  # fmt: skip
+    out, t = stages(fn, inp, 3 if s >= 262144 else 5)
+    say(f"RESULT bands={n_bands} S={s}: {t * 1e3:.1f} ms {flops / t / 1e12:.1f} TF/s")
+    if save:
+        np.save(save, np.asarray(out[0, -4096:]))
+
+
+def breakdown(s: int, r: int):
+    from dsv4.topk import top_k
+
+    for end in (s, s // 2, s // 4):
+        w = -(-((end // RATE) + 63) // 64) * 64  # the chunk's visible keys, whole 64-key tiles
+        inp = make_inputs(r, w, fp8=True, offset=end - r)
+        f = jax.jit(functools.partial(index_scores_mgpu, rate=RATE, softmax_scale=DI**-0.5))
+        sc = f(**inp)  # [1, r, w]
+        row = dict(end=end, W=w, scores=median_ms(lambda: f(**inp)))
+        row["topk_g4"] = median_ms(jax.jit(lambda x: top_k(x, 512)), sc)
+        row["topk_g8"] = median_ms(jax.jit(lambda x: top_k(x, 512, group=8)), sc)
+        row["topk_g4_d4096"] = median_ms(jax.jit(lambda x: top_k(x, 512, direct_max=4096)), sc)
+        row["gmax4"] = median_ms(jax.jit(lambda x: x.reshape(r, -1, 4).max(-1)), sc)
+        row["gmax16"] = median_ms(jax.jit(lambda x: x.reshape(r, -1, 16).max(-1)), sc)
+        row["lax_top_k"] = median_ms(jax.jit(lambda x: jax.lax.top_k(x, 512)), sc)
+        say("BREAKDOWN " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+
+
+def main():
+    mode = sys.argv[1]
+    if mode == "cfgs":
+        cfgs(sys.argv[2])
+    elif mode == "bands":
+        bands(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
+    elif mode == "breakdown":
+        breakdown(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main()
