@@ -18,6 +18,7 @@ import zlib
 import jax
 import numpy as np
 import pytest
+from host_devices import host_devices_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,7 +106,7 @@ CASES = [
 
 
 def test_sequence_parallel_core_matches_jnp_and_model_reference():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": ROOT}
+    env = host_devices_env(8)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT), *CASES], env=env, capture_output=True,
                          text=True, timeout=600, cwd=ROOT)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -176,7 +177,7 @@ def test_pallas_indexer_and_moe_run_per_sequence_shard():
     each shard's own tokens, and the model still matches its reference logits (tiny_long: 2 CSA layers → 2
     indexers, 4 MoE layers; Pallas interpreted on 4 CPU devices). Then `per_sequence_shard` alone: padding a length
     that does not divide over the shards, a replicated operand, and each shard seeing only its own rows."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": ROOT}
+    env = host_devices_env(8)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(KERNELS_SCRIPT)], env=env, capture_output=True,
                          text=True, timeout=900, cwd=ROOT)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from host_devices import host_devices_env
 
 import dsv4
 from dsv4.convert import convert, convert_main
@@ -115,7 +116,7 @@ def test_orbax_restores_onto_eight_host_devices(converted, tmp_path):
     ids = np.load(os.path.join(SOURCE, "reference.npz"))["input_ids"]
     expected = tmp_path / "expected.npz"
     np.savez(expected, input_ids=ids, logits=np.asarray(model.logits(ids)), **_params(model))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": ROOT}
+    env = host_devices_env(8)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(EIGHT_DEVICES), SOURCE, str(converted / "f32"),
                           str(converted / "kept"), str(expected)], env=env, capture_output=True, text=True,
                          timeout=600, cwd=ROOT)  # fmt: skip

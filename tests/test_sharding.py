@@ -12,6 +12,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from host_devices import host_devices_env
 
 from dsv4.sharding import REPLICATED, SEQUENCE_PARALLEL, ShardingRules
 
@@ -20,7 +21,7 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 
 
 def _run(code: str, *args: str, devices: int = 8, timeout: int = 600) -> str:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "PYTHONPATH": ROOT}
+    env = host_devices_env(devices)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=env, capture_output=True,
                          text=True, timeout=timeout, cwd=ROOT)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -15,6 +15,7 @@ import textwrap
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from host_devices import host_devices_env
 
 from dsv4.attention import pool_windows, pool_windows_zigzag
 from dsv4.sharding import ShardingRules
@@ -95,7 +96,7 @@ SCRIPT = """
 
 
 def test_model_in_zigzag_order_matches_reference():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": ROOT}
+    env = host_devices_env(8)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT)], env=env, capture_output=True, text=True,
                          timeout=900, cwd=ROOT)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
