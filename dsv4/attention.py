@@ -454,7 +454,7 @@ def index_topk_fp8(q, weights, positions, keys, *, rate: int, k: int, softmax_sc
     GPU (`index_scores_mgpu`) or the Triton kernel elsewhere, then the exact grouped top-k. Arguments as
     `index_topk_jnp` (q, weights, positions first: the per-shard function of `per_sequence_shard`).
     On the Mosaic path each query chunk is scored over one of 4 width bands (`index_topk_two_pass(width_bands=4)`:
-    one H200, 512K tokens, 1140 → 1087 ms; 128K 102.5 → 95.8 ms; docs/KERNEL_NOTES.md IX13, IX15).
+    one H200, 512K tokens, 1140 → 1087 ms; 128K 102.5 → 95.8 ms; docs/KERNEL_NOTES.md IX13b, IX16).
     → [B, S, k] int32."""
     from dsv4.pallas.indexer import index_topk_two_pass
     from dsv4.pallas.indexer_mgpu import is_hopper
@@ -611,7 +611,9 @@ class Attention(nnx.Module):
         `block_table` [B, pages]). → ([B, n, hidden], new state).
 
         The chunk's own K=V rows are used as the cache would give them back (`KVStore.round_trip`), so an
-        FP8 cache gives the same result whatever the chunking, as a bf16 one does."""
+        FP8 cache gives the same result whatever the chunking, as a bf16 one does. With attention_impl="pallas" a
+        one-token chunk (a decode step) over unquantized stores runs the paged decode kernel on the cache itself
+        (`_decode_paged`) instead of reading every entry out densely."""
         b, n, _ = x.shape
         positions = start[:, None] + jnp.arange(n)[None]  # [B, n] global positions (RoPE angles in float32)
         real = jnp.arange(n)[None] < valid[:, None]
@@ -623,38 +625,74 @@ class Attention(nnx.Module):
         kv = apply_rope(self.kv_norm(linear(x, self.kv_proj["weight"][...])), cos, sin)  # [B, n, D]
 
         new = dict(state)
-        compressed = None
+        decode_kernel = n == 1 and self._decode_kernel_applies(state, x.dtype)
+        compressed = topk = None
         if self.layer_type != SLIDING:
             new["compressor"] = self.compressor.extend(state["compressor"], x, start, valid, self.rope, block_table)
-            entries = Compressor.read(new["compressor"], x.dtype, block_table)
-            topk = None
             if self.layer_type == CSA:
                 indexer = self.compressor.indexer
                 new["indexer"] = indexer.extend(state["indexer"], x, start, valid, self.rope, block_table)
                 keys = Compressor.read(new["indexer"], x.dtype, block_table)
                 topk = indexer.select(x, q_residual, positions, keys, self.rope)
-            if entries.shape[1] > 0:
-                compressed = CompressedKeys(entries, self.compressor.rate, topk)
-
-        window = state["window"]
-        kv_stored, scale = window.round_trip(kv, real)
-        window = dataclasses.replace(window, scale=scale)  # NOTE: calibrated scales: the write must use these
-        keys = jnp.concatenate([window.read(x.dtype), kv_stored], axis=1)  # [B, W + n, D]
-        key_pos = jnp.concatenate([state["window_pos"], jnp.where(real, positions, -1)], axis=1)
-        out = get_attention_impl(self.attention_impl)(
-            q, keys, positions, key_pos, self.sinks[...], sliding_window=self.sliding_window,
-            scale=self.head_dim**-0.5, compressed=compressed,
-        )  # fmt: skip
+            if not decode_kernel:  # the kernel reads the entries through the block table instead
+                entries = Compressor.read(new["compressor"], x.dtype, block_table)
+                if entries.shape[1] > 0:
+                    compressed = CompressedKeys(entries, self.compressor.rate, topk)
 
         # The ring keeps positions [end - W, end) at row position % W: of this chunk, its last W real tokens.
         w = self.sliding_window
         end = start + valid
+        window = state["window"]
+        kv_stored, scale = window.round_trip(kv, real)
+        window = dataclasses.replace(window, scale=scale)  # NOTE: calibrated scales: the write must use these
         kept = real & (positions >= end[:, None] - w)
         new["window"] = window.write(kv, jnp.where(kept, positions % w, -1))
+        if decode_kernel:
+            out = self._decode_paged(q, end, valid, new, block_table, topk)
+        else:
+            keys = jnp.concatenate([window.read(x.dtype), kv_stored], axis=1)  # [B, W + n, D]
+            key_pos = jnp.concatenate([state["window_pos"], jnp.where(real, positions, -1)], axis=1)
+            out = get_attention_impl(self.attention_impl)(
+                q, keys, positions, key_pos, self.sinks[...], sliding_window=self.sliding_window,
+                scale=self.head_dim**-0.5, compressed=compressed,
+            )  # fmt: skip
+
         slot = jnp.arange(w)[None]
         wanted = end[:, None] - w + (slot - (end[:, None] - w)) % w  # [B, W]: the position ring row s holds
         new["window_pos"] = jnp.where(wanted >= start[:, None], wanted, state["window_pos"])
         return self.project_out(out, cos, sin), new
+
+    def _decode_kernel_applies(self, state: dict, dtype) -> bool:
+        """Whether a one-token step runs `dsv4.pallas.decode.paged_decode_attention` (static): with
+        attention_impl="pallas", and every store it reads unquantized in the compute dtype (the FP8 formats keep
+        their RoPE channels in bf16 beside the e4m3 ones, a row the kernel does not take)."""
+        if self.attention_impl != "pallas":
+            return False
+        stores = [state["window"]] + ([state["compressor"]["entries"]] if self.layer_type != SLIDING else [])
+        return all(not st.fmt.quantized and next(iter(st.stored.values())).dtype == dtype for st in stores)
+
+    def _decode_paged(self, q: jax.Array, end: jax.Array, valid: jax.Array, new: dict,
+                      block_table: jax.Array | None, topk: jax.Array | None) -> jax.Array:  # fmt: skip
+        """The one-token step by the paged decode kernel, straight from the cache: the ring (the new token already
+        written) as one page per slot, the compressed entries through the request's block table (each token page
+        holds page_tokens / rate entries), HCA every complete entry, CSA the indexer's picks. → [B, 1, H, D]."""
+        from dsv4.pallas.decode import paged_decode_attention
+
+        b = q.shape[0]
+        per_slot = jnp.arange(b, dtype=jnp.int32)[:, None]  # slot b's dense rows are "page" b
+        seq_lens = jnp.where(valid > 0, end, 0).astype(jnp.int32)  # 0: an idle slot (output 0, dropped)
+        kw = {}
+        if self.layer_type != SLIDING:
+            entries = new["compressor"]["entries"]
+            if entries.capacity(block_table) > 0:
+                kw = dict(compressed_pages=entries.stored["values"],
+                          compressed_block_tables=block_table if entries.paged else per_slot,
+                          compressed_lens=seq_lens // self.compressor.rate,
+                          topk_indices=None if topk is None else topk[:, 0])  # fmt: skip
+        out = paged_decode_attention(q[:, 0], new["window"].stored["values"], per_slot, seq_lens, self.sinks[...],
+                                     sliding_window=self.sliding_window, scale=self.head_dim**-0.5,
+                                     interpret=jax.default_backend() != "gpu", **kw)  # fmt: skip
+        return out[:, None]
 
     def project_out(self, out: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """Undo RoPE on the output's rope channels (V = K carried it), then the grouped low-rank projection."""

@@ -194,3 +194,37 @@ def test_stored_cache_formats_give_the_same_logits_for_any_chunking(kv_format):
     s = ref["input_ids"].shape[1]
     assert rel_err(whole, ref["generate_logits"][:, : whole.shape[1]]) < (5e-3 if kv_format == "bf16" else 0.1)
     np.testing.assert_array_equal(whole.argmax(-1), ref["generated"][:, s : s + whole.shape[1]])
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_decode_kernel_in_the_model_matches_the_jnp_step(paged):
+    """attention_impl="pallas" runs one-token steps through `paged_decode_attention` (interpreted here), reading
+    the ring and the compressed entries from the cache itself (paged: a permuted block table; dense: per slot).
+    A ragged batch (83 and 50 prompt tokens, then 5 steps, one with the second slot idle), each path decoding from
+    its own cache: every active slot's logits equal the jnp path's (itself checked against the reference above),
+    and the full prompt's equal the reference's greedy logits."""
+    jnp_model, ref = fixture("tiny_long")
+    kernel_model = dsv4.load(os.path.join(FIXTURES, "tiny_long"), dtype=jnp.float32, attention_impl="pallas")
+    ids, generated = ref["input_ids"][0], ref["generated"][0]
+    s = ids.shape[0]
+    lens = np.array([s, 50])
+    args = dict(page_tokens=16, num_pages=24) if paged else {}
+    cache = jnp_model.init_cache(2, max_len=s + 16, **args)
+    if paged:
+        table = cache["block_table"]
+        pages = np.random.default_rng(11).permutation(np.arange(1, 24))[: table.size]
+        cache["block_table"] = jnp.asarray(pages.reshape(table.shape), jnp.int32)
+    g_jnp, st = nnx.split(jnp_model)
+    g_kernel, _ = nnx.split(kernel_model)
+    prompt = np.zeros((2, s), np.int32)
+    prompt[0], prompt[1, :50] = ids, ids[:50]
+    _, cache = _chunk_step(g_jnp, st, _committed(cache), jnp.asarray(prompt), jnp.asarray(lens, jnp.int32))
+    kernel_cache = cache
+    for step in range(5):
+        tokens = jnp.asarray([[generated[s + step]], [7 + step]], jnp.int32)
+        valid = jnp.asarray([1, 0 if step == 2 else 1], jnp.int32)
+        got, kernel_cache = _chunk_step(g_kernel, st, kernel_cache, tokens, valid)
+        want, cache = _chunk_step(g_jnp, st, cache, tokens, valid)
+        active = np.asarray(valid) > 0
+        assert rel_err(np.asarray(got)[active], np.asarray(want)[active]) < TOL, f"step {step}"
+        assert rel_err(np.asarray(got)[0], ref["generate_logits"][0, step + 1]) < TOL, f"step {step}"

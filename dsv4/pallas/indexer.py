@@ -726,7 +726,7 @@ def index_topk_two_pass(
     the narrowest of `band_widths(C, width_bands)` that holds n (a `lax.switch` over the bands' programs). Causal
     chunks early in a prompt then skip the invisible columns: with 4 bands the slabs average 5/8 of C instead of
     all of it. On one H200 (FP8 Mosaic scores) 4 bands took the indexer of a 128K-token prompt from 102.5 to 95.8
-    ms and of a 512K one from 1140 to 1087 ms (docs/KERNEL_NOTES.md IX13, IX15), at the cost of one compile per
+    ms and of a 512K one from 1140 to 1087 ms (docs/KERNEL_NOTES.md IX13b, IX16), at the cost of one compile per
     band. 1 (off) by default here; the model's FP8 indexer on a Hopper GPU (`dsv4.attention.index_topk_fp8`)
     passes 4.
     """

@@ -117,7 +117,7 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
     c = keys.shape[1]
     t, span, slots, g = config.tokens, config.span, config.num_slots, config.queries_per_mma
     n_cons = config.consumers
-    half = t // n_cons  # queries per consumer
+    per = t // n_cons  # queries per consumer
     no_mma = "no_mma" in config.debug
     q = q.reshape(b, s * h, d)  # a query's 64 head rows, then the next query's: g queries = one [64 g, Di] operand
     n_spans = pl.cdiv(c, span)
@@ -137,12 +137,12 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
         n_live = jnp.clip(lax.div(most - c_begin + (KEYS_PER_TILE - 1), KEYS_PER_TILE), 0, n_tiles)
 
         def consumer(w):
-            first = t0 + w * half
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(first * h, half * h)], q_smem.at[w], q_bar.at[w])
-            plgpu.copy_gmem_to_smem(w_ref.at[bi, pl.ds(first, half)], w_smem.at[w], q_bar.at[n_cons + w])
+            first = t0 + w * per
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(first * h, per * h)], q_smem.at[w], q_bar.at[w])
+            plgpu.copy_gmem_to_smem(w_ref.at[bi, pl.ds(first, per)], w_smem.at[w], q_bar.at[n_cons + w])
             plgpu.barrier_wait(q_bar.at[w])
             plgpu.barrier_wait(q_bar.at[n_cons + w])
-            vis = [nvis_ref[bi, first + j] for j in range(half)]
+            vis = [nvis_ref[bi, first + j] for j in range(per)]
 
             @pl.loop(0, n_tiles)
             def _(i):
@@ -157,7 +157,7 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
                     plgpu.barrier_wait(k_bar.at[slot])
                     plgpu.barrier_wait(ks_bar.at[slot])
                     kscale = plgpu.load(ks_smem.at[slot], layout=row_layout)
-                    for j0 in range(0, half, g):
+                    for j0 in range(0, per, g):
                         def qk(acc_ref, j0=j0):
                             q_rows = q_smem.at[w, pl.ds(j0 * HEADS, g * HEADS)]  # [64 g, Di]
                             plgpu.wgmma(acc_ref, k_smem.at[slot], q_rows.transpose((1, 0)))
@@ -178,11 +178,11 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
 
                 @pl.when(i >= n_live)
                 def _():
-                    for j in range(half):
+                    for j in range(per):
                         buf[j] = plgpu.layout_cast(jnp.full((KEYS_PER_TILE,), -jnp.inf, F32), row_layout)
 
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(buf, o_ref.at[bi, pl.ds(first, half), pl.ds(c0, KEYS_PER_TILE)])
+                plgpu.copy_smem_to_gmem(buf, o_ref.at[bi, pl.ds(first, per), pl.ds(c0, KEYS_PER_TILE)])
 
             plgpu.wait_smem_to_gmem(0)
 
@@ -192,7 +192,7 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
                 # NOTE: no setmaxnreg increase for the consumers. The launch gives every thread 64 Ki / threads
                 # registers (rounded down to 8: 96 with 4 consumers), and an increase waits until the CTA's pool
                 # holds it: asking for more than the producer's decrease freed hangs the kernel (it did on the
-                # H200, KERNEL_NOTES IX15). 96 is enough: ptxas spills nothing at 4 consumers.
+                # H200, KERNEL_NOTES IX15b). 96 is enough: ptxas spills nothing at 4 consumers.
                 consumer(w)
 
         @pl.when(wg == n_cons)
@@ -217,11 +217,11 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
 
     tiled = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))  # e4m3: 128 elements = 128 bytes a row
     scratch = [
-        plgpu.SMEM((n_cons, half * h, d), FP8, transforms=tiled),  # q rows of each consumer's queries
+        plgpu.SMEM((n_cons, per * h, d), FP8, transforms=tiled),  # q rows of each consumer's queries
         plgpu.SMEM((slots, KEYS_PER_TILE, d), FP8, transforms=tiled),  # key ring
         plgpu.SMEM((slots, KEYS_PER_TILE), F32),  # key scales ring
-        plgpu.SMEM((n_cons, half, h), F32),  # folded head weights
-        plgpu.SMEM((n_cons, 2, half, KEYS_PER_TILE), F32),  # output staging, double-buffered per consumer
+        plgpu.SMEM((n_cons, per, h), F32),  # folded head weights
+        plgpu.SMEM((n_cons, 2, per, KEYS_PER_TILE), F32),  # output staging, double-buffered per consumer
         plgpu.Barrier(num_barriers=2 * n_cons),  # q, weights per consumer
         plgpu.Barrier(num_barriers=slots),  # keys full
         plgpu.Barrier(num_barriers=slots),  # key scales full
