@@ -7,7 +7,7 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def host_devices_env(n: int, **extra: str) -> dict[str, str]:
+def host_devices_env(n: int) -> dict[str, str]:
     kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
     flags = " ".join([*kept, f"--xla_force_host_platform_device_count={n}"])
-    return {**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": ROOT, **extra}
+    return {**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": ROOT}
