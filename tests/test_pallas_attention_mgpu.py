@@ -45,7 +45,9 @@ def make_inputs(seed, *, batch=1, seq=37, heads=64, head_dim=512, rate=None, off
 
 def _config(variant, **kw):
     """"ws" (persistent: one CTA per SM looping over tokens, the default), "ws-per-token" (one CTA per token),
-    "prefetch"."""
+    "prefetch"; "-nobar" appended: without Pallas' automatic SMEM-store barriers."""
+    if variant.endswith("-nobar"):
+        return _config(variant.removesuffix("-nobar"), auto_barriers=False, **kw)
     if variant == "ws-per-token":
         return MgpuConfig(variant="ws", persistent=False, **kw)
     return MgpuConfig(variant=variant, **kw)
@@ -59,7 +61,7 @@ def _reference(q, kv, q_pos, sinks, compressed, *, window, scale, rate):
 # ---------------------------------------------------------------------------------------------
 # CPU
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch"])
+@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar"])
 @pytest.mark.parametrize("hca", [False, True])
 @pytest.mark.parametrize("s", [1024, 301])  # 301: T % 8 != 0 (the TMA's GMEM view tiles rows by 8: padded)
 def test_lowers_for_cuda_at_real_shapes(variant, hca, s):
@@ -245,7 +247,7 @@ def test_rejects_bad_config():
 # ---------------------------------------------------------------------------------------------
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch"])
+@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar", "ws-per-token-nobar"])
 @pytest.mark.parametrize("hca", [False, True])
 @pytest.mark.parametrize("seq", [37, 301])
 def test_gpu_matches_reference(variant, hca, seq):

@@ -52,8 +52,8 @@ def test_decode_meta_by_hand():
     np.testing.assert_array_equal(got, np.asarray(want, np.int32))
 
 
-@pytest.mark.parametrize("hca", [False, True])
-def test_lowers_for_h200(hca):
+@pytest.mark.parametrize("hca, auto_barriers", [(False, True), (True, True), (True, False)])
+def test_lowers_for_h200(hca, auto_barriers):
     b, h, d, ps = 8, 64, 512, 64
     sds = jax.ShapeDtypeStruct
     args = [sds((b, h, d), jnp.bfloat16), sds((400, ps, d), jnp.bfloat16), sds((b, 2), jnp.int32),
@@ -63,7 +63,8 @@ def test_lowers_for_h200(hca):
 
     def f(q, kv, tables, lens, sinks, *compressed):
         kw = dict(zip(("compressed_pages", "compressed_block_tables", "compressed_lens"), compressed))
-        return paged_decode_attention_mgpu(q, kv, tables, lens, sinks, sliding_window=128, scale=0.04, **kw)
+        return paged_decode_attention_mgpu(q, kv, tables, lens, sinks, sliding_window=128, scale=0.04,
+                                           config=MgpuDecodeConfig(auto_barriers=auto_barriers), **kw)
 
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -128,6 +129,7 @@ def test_refuses_what_it_cannot_run(change, match):
 @requires_gpu
 @pytest.mark.parametrize("hca, config", [
     (False, MgpuDecodeConfig()), (True, MgpuDecodeConfig()), (True, MgpuDecodeConfig(num_splits=1)),
+    (False, MgpuDecodeConfig(auto_barriers=False)), (True, MgpuDecodeConfig(auto_barriers=False)),
 ])  # fmt: skip
 def test_gpu_matches_reference_at_v4_shapes(hca, config):
     seq_lens = [1, 63, 64, 65, 128, 129, 1000, 20_000, 0, 77_777]

@@ -100,6 +100,12 @@ class MgpuConfig:
                 with compute). None (default): persistent where it applies ("ws", block_kv >= 64, no debug flag):
                 on one H200 it made window layers 9–16% faster at 32K–512K tokens and HCA layers 0–7%
                 (docs/KERNEL_NOTES.md E11).
+    auto_barriers: Pallas' warpgroup barrier before and after every SMEM store (True), or none (False:
+                `CompilerParams.unsafe_no_auto_barriers`). The per-step store of the partial logits into the exchange
+                buffer is one; the exchange's mbarriers (each thread arrives after its own write or read) already
+                order it, and O's staging store comes after the wgmmas that read that buffer have completed and
+                before `commit_smem` (fence and barrier). Not yet measured on a GPU (docs/KERNEL_NOTES.md decode
+                item 1b); True until it is.
     """
 
     block_kv: int = 64
@@ -126,6 +132,7 @@ class MgpuConfig:
     debug: tuple = ()
     persistent: bool | None = None
     num_ctas: int = 0
+    auto_barriers: bool = True
 
     def __post_init__(self):
         # NOTE: P·V reduces over block_kv; a bf16 wgmma K must be a multiple of 64 (found by lowering, block_kv=32
@@ -624,7 +631,8 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=config.approx_math,
                                              reduction_scratch_bytes=config.reduction_scratch_bytes,
-                                             lowering_semantics=_SEMANTICS[config.semantics]),
+                                             lowering_semantics=_SEMANTICS[config.semantics],
+                                             unsafe_no_auto_barriers=not config.auto_barriers),
         interpret=interpret,
     )(*args)
     if s == s_real:

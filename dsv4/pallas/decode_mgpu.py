@@ -71,6 +71,12 @@ class MgpuDecodeConfig:
     approx_math: Mosaic `approx_math` (fast exp2 / reciprocal).
     pv_form:    "run_state" (P·V accumulated in place, the GPU form) or "interpret" (P through SMEM into a fresh
                 accumulator, then added: the only form the CPU Mosaic interpreter runs; not for the GPU).
+    auto_barriers: Pallas' warpgroup barrier before and after every SMEM store (True), or none (False:
+                `CompilerParams.unsafe_no_auto_barriers`). The per-step store of the partial logits into the exchange
+                buffer is one; the exchange's own mbarriers (each thread arrives after its own write or read)
+                already order it, the masked-row zeroing reads and writes each element from its owner thread, and
+                every store a TMA or wgmma reads is followed by `commit_smem` (fence and barrier). Not yet measured
+                on a GPU (docs/KERNEL_NOTES.md decode item 1b); True until it is.
     debug:      measurement switches, a tuple of: "stream_only" (the consumers wait for each tile and release it,
                 no matmuls: the kernel's load path alone), "compute_only" (only the first `num_slots` tiles are
                 loaded; every later step computes on whatever its slot holds: the consumers alone),
@@ -82,6 +88,7 @@ class MgpuDecodeConfig:
     num_splits: int | None = None
     approx_math: bool = True
     pv_form: str = "run_state"
+    auto_barriers: bool = True
     debug: tuple = ()
 
     def __post_init__(self):
@@ -409,7 +416,8 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=config.approx_math, reduction_scratch_bytes=0,
-                                             lowering_semantics=plgpu.LoweringSemantics.Lane),  # fmt: skip
+                                             lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                             unsafe_no_auto_barriers=not config.auto_barriers),  # fmt: skip
         interpret=interpret,
     )(*args)
 
