@@ -8,7 +8,8 @@ two options "did not finish" (docs/KERNEL_NOTES.md IX13-IX15); every mode prints
     PYTHONPATH=. python scripts/probe_indexer_mgpu.py bands B S [out.npy]   index_topk_two_pass (FP8, Mosaic scores)
         at S tokens with width_bands=B: lower, compile, first call and timed calls printed apart
     PYTHONPATH=. python scripts/probe_indexer_mgpu.py breakdown S R   one chunk of R queries ending at S, S/2, S/4:
-        scores kernel alone, dsv4.topk.top_k variants, the first group-max level alone (ms, medians of 7)
+        scores kernel alone, dsv4.topk.top_k variants, the first group-max level alone, as a reduction and as a max
+        of strided slices (ms, medians of 7)
 
 Set MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=<existing dir> for ptxas' register and spill report per kernel.
 """
@@ -18,6 +19,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, ".")
@@ -114,6 +116,9 @@ def breakdown(s: int, r: int):
         row["topk_g8"] = median_ms(jax.jit(lambda x: top_k(x, 512, group=8)), sc)
         row["topk_g4_d4096"] = median_ms(jax.jit(lambda x: top_k(x, 512, direct_max=4096)), sc)
         row["gmax4"] = median_ms(jax.jit(lambda x: x.reshape(r, -1, 4).max(-1)), sc)
+        # the same maxima as an elementwise max of 4 strided slices (no minor-dim reduction of 4)
+        strided = jax.jit(lambda x: functools.reduce(jnp.maximum, [x[..., i::4] for i in range(4)]))
+        row["gmax4_strided"] = median_ms(strided, sc)
         row["gmax16"] = median_ms(jax.jit(lambda x: x.reshape(r, -1, 16).max(-1)), sc)
         row["lax_top_k"] = median_ms(jax.jit(lambda x: jax.lax.top_k(x, 512)), sc)
         say("BREAKDOWN " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
