@@ -203,6 +203,20 @@ def online_softmax_step(s, col, lo, hi, logit_scale, m_i, l_i, acc):
     return p, m_new, l_new, acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
 
+def pv_through_smem(acc, p16, p_smem, kv_half):
+    """acc + P · V with P staged in SMEM (`p_smem`, this warpgroup's [64, block_kv] buffer) into a fresh
+    accumulator: the only P·V form the CPU Mosaic interpreter runs (its wgmma needs SMEM operands and a new
+    accumulator). Twice O's registers, so not a GPU configuration. Shared by the prefill and decode kernels."""
+    p_smem[...] = p16
+    plgpu.commit_smem()
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, kv_half)
+        return acc_ref[...]
+
+    return acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
+
+
 def _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config: MgpuConfig, kv_offset=0):
     if q.ndim != 4 or kv.ndim != 3:
         raise ValueError(f"expected q [B, S, H, D] and kv [B, T, D], got q.shape={q.shape}, kv.shape={kv.shape}")
@@ -492,16 +506,8 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                             plgpu.wgmma(acc_ref, p_smem.at[w], kv_half)
 
                         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                    else:  # "interpret": P through SMEM, zero accumulator + add (the CPU interpreter's wgmma needs
-                        # SMEM operands and a fresh accumulator; twice O's registers, so not a GPU configuration)
-                        p_smem[w] = p16
-                        plgpu.commit_smem()
-
-                        def pv(acc_ref):
-                            plgpu.wgmma(acc_ref, p_smem.at[w], kv_half)
-                            return acc_ref[...]
-
-                        acc = acc + pl.run_scoped(pv, plgpu.ACC((HEADS_PER_CTA, dh), F32))
+                    else:  # "interpret"
+                        acc = pv_through_smem(acc, p16, p_smem.at[w], kv_half)
                     if persistent:  # the item's last slot is released after the epilogue has staged O in it
                         @pl.when(i < it.n_steps - 1)
                         def _():

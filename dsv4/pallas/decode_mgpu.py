@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsv4.pallas.attention_mgpu import online_softmax_step
+from dsv4.pallas.attention_mgpu import online_softmax_step, pv_through_smem
 from dsv4.pallas.decode import _check_inputs, _combine_splits, default_num_splits
 
 __all__ = ["MgpuDecodeConfig", "mgpu_decode_supported", "paged_decode_attention_mgpu", "unsupported_reason"]
@@ -303,14 +303,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                     p, m_new, l_new, acc = online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
                 p16 = p.astype(dtype)
                 if interp_pv:
-                    p_smem[w] = p16
-                    plgpu.commit_smem()
-
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p_smem.at[w], kv_half)
-                        return acc_ref[...]
-
-                    acc = acc + pl.run_scoped(pv, plgpu.ACC((HEADS_PER_CTA, dh), F32))
+                    acc = pv_through_smem(acc, p16, p_smem.at[w], kv_half)
                 else:
                     def pv(acc_ref):
                         plgpu.wgmma(acc_ref, p16, kv_half)
