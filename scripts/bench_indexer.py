@@ -125,7 +125,8 @@ def parse_mgpu_configs(text: str) -> list[tuple[str, MgpuScoreConfig]]:
     out = []
     for item in filter(None, (x.strip() for x in text.split(";"))):
         name, _, spec = item.partition(":")
-        fields = {k.strip(): int(v) for k, v in (kv.split("=") for kv in filter(None, spec.split(",")))}
+        fields = {k.strip(): v.strip() if k.strip() == "head_sum" else int(v)
+                  for k, v in (kv.split("=") for kv in filter(None, spec.split(",")))}
         fields["num_slots"] = fields.pop("slots", MgpuScoreConfig.num_slots)
         out.append((name.strip(), MgpuScoreConfig(**fields)))
     return out
@@ -237,6 +238,13 @@ def section_full(args, rows_out):
             except Exception as e:  # noqa: BLE001
                 print(f"  full S={s} {name} FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
                 rows_out.append(dict(section="full", s=s, name=name, error=str(e)[:400]))
+        mgpu_names = [name for name, _, _ in mgpu_runs if results.get(name) is not None]
+        for name in mgpu_names[1:]:  # every further Mosaic configuration against the first one
+            a, b = results[name], results[mgpu_names[0]]
+            same_rows = np.mean(np.all(np.sort(a[0], axis=-1) == np.sort(b[0], axis=-1), axis=-1))  # same sets
+            print(f"  full S={s} check: {name} vs {mgpu_names[0]} identical index sets in {same_rows:.4%} of rows",
+                  flush=True)  # fmt: skip
+            rows_out.append(dict(section="full-check-mgpu-configs", s=s, name=name, same_rows=float(same_rows)))
         if results.get("two-pass fp8") is not None and results.get("two-pass fp8 mgpu") is not None:
             a, b = results["two-pass fp8 mgpu"], results["two-pass fp8"]
             same_rows = np.mean([set(x) == set(y) for x, y in zip(a[0], b[0])])

@@ -67,7 +67,7 @@ def parse_config(spec: str) -> MgpuScoreConfig:
     kw = {}
     for kv in filter(None, spec.split(",")):
         k, v = kv.split("=")
-        kw[k] = tuple(v.split("+")) if k == "debug" else int(v)
+        kw[k] = tuple(v.split("+")) if k == "debug" else v if k == "head_sum" else int(v)
     return MgpuScoreConfig(**kw)
 
 
@@ -86,7 +86,11 @@ def cfgs(specs: str):
             check = ""
             if not cfg.debug:
                 ref = out if ref is None else ref
-                check = f"same as first: {np.array_equal(out, ref)}"
+                fin = np.isfinite(ref)
+                err = float(np.abs(out[fin] - ref[fin]).max() / max(np.abs(ref[fin]).max(), 1e-30))
+                same_inf = np.array_equal(np.isneginf(out), np.isneginf(ref))
+                check = f"same as first: {np.array_equal(out, ref)} (max diff {err:.1e} of the largest, " \
+                        f"-inf {same_inf})"  # fmt: skip
             say(f"RESULT {name}: {t * 1e3:.3f} ms {flops / t / 1e12:.1f} TF/s {check}")
         except Exception as e:  # noqa: BLE001
             say(f"RESULT {name}: FAILED {type(e).__name__}: {str(e)[:500]}")

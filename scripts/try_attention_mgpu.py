@@ -43,6 +43,7 @@ VARIANTS = {
     "mgpu-ws-kv64x1": MgpuConfig(variant="ws", block_kv=64, num_slots=1, persistent=False),
     "mgpu-ws-kv64x2-store": MgpuConfig(variant="ws", block_kv=64, num_slots=2, pv_form="store", persistent=False),
     "mgpu-persistent": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True),
+    "mgpu-persistent-nobar": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, auto_barriers=False),
 }
 
 
