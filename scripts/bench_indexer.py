@@ -125,8 +125,7 @@ def parse_mgpu_configs(text: str) -> list[tuple[str, MgpuScoreConfig]]:
     out = []
     for item in filter(None, (x.strip() for x in text.split(";"))):
         name, _, spec = item.partition(":")
-        fields = {k.strip(): v.strip() if k.strip() == "head_sum" else int(v)
-                  for k, v in (kv.split("=") for kv in filter(None, spec.split(",")))}
+        fields = {k.strip(): int(v) for k, v in (kv.split("=") for kv in filter(None, spec.split(",")))}
         fields["num_slots"] = fields.pop("slots", MgpuScoreConfig.num_slots)
         out.append((name.strip(), MgpuScoreConfig(**fields)))
     return out

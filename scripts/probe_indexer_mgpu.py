@@ -67,7 +67,7 @@ def parse_config(spec: str) -> MgpuScoreConfig:
     kw = {}
     for kv in filter(None, spec.split(",")):
         k, v = kv.split("=")
-        kw[k] = tuple(v.split("+")) if k == "debug" else v if k == "head_sum" else int(v)
+        kw[k] = tuple(v.split("+")) if k == "debug" else int(v)
     return MgpuScoreConfig(**kw)
 
 

@@ -11,11 +11,10 @@ GPU (`-m gpu`): Gaussian e4m3 inputs at full-range scales against the reference,
 shape (so a recycled output buffer holds NaN where the kernel fails to write); the two-pass top-k with this kernel.
 
 NOTE: the Mosaic GPU interpreter is not a CI test here. `python tests/test_pallas_indexer_mgpu.py` runs
-`_interpreter_case` for both head-sum forms (integer-valued e4m3 inputs with power-of-two scales, so scores must
-equal the reference bit for bit; 13 queries in CTAs of 4, 150 keys in spans of 128). On the 2-core CPU box it hung,
-with two warpgroup threads asleep in barrier waits and the third inside an XLA call that never returned; a one-CTA
-case passed twice out of four (docs/KERNEL_NOTES.md IX11; the attention kernel's interpreter run hung the same way,
-SP5).
+`_interpreter_case` (integer-valued e4m3 inputs with power-of-two scales, so scores must equal the reference bit for
+bit; 13 queries in CTAs of 4, 150 keys in spans of 128). On the 2-core CPU box it hung, with two warpgroup threads
+asleep in barrier waits and the third inside an XLA call that never returned; a one-CTA case passed twice out of
+four (docs/KERNEL_NOTES.md IX11; the attention kernel's interpreter run hung the same way, SP5).
 """
 
 from __future__ import annotations
@@ -50,15 +49,13 @@ def integer_inputs(seed, *, batch=2, seq=13, entries=150, offsets=(0, 500), span
                 k_scale=jnp.asarray(k_scale, jnp.float32))  # fmt: skip
 
 
-def _interpreter_case(head_sum: str = "simt") -> None:
-    """Run by hand (see the module docstring): exact scores and exact top-k in the Mosaic GPU interpreter. For
-    head_sum="mma" too: |q·k| has a std of about 45 here, far below 256, where bf16 stops holding every integer,
-    and the weights / max |w| are multiples of 1/2."""
+def _interpreter_case() -> None:
+    """Run by hand (see the module docstring): exact scores and exact top-k in the Mosaic GPU interpreter."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     inputs = integer_inputs(0)
     kw = dict(rate=4, softmax_scale=0.25)
-    config = MgpuScoreConfig(tokens=4, span=128, num_slots=2, consumers=2, queries_per_mma=1, head_sum=head_sum)
+    config = MgpuScoreConfig(tokens=4, span=128, num_slots=2, consumers=2, queries_per_mma=1)
     with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
         got = np.asarray(index_scores_mgpu(**inputs, **kw, config=config, interpret=InterpretGPUParams()))
         picks = np.asarray(index_topk_two_pass(**inputs, **kw, k=20, interpret=True, scores_impl="mgpu",
@@ -124,8 +121,7 @@ def test_fp8_indexer_picks_a_true_top_k_of_the_quantized_inputs():
 
 
 @pytest.mark.parametrize("config", [{}, dict(consumers=2, queries_per_mma=1), dict(consumers=2, queries_per_mma=4),
-                                    dict(tokens=12, consumers=3), dict(auto_barriers=False), dict(head_sum="mma"),
-                                    dict(head_sum="mma", consumers=2, queries_per_mma=1)])
+                                    dict(tokens=12, consumers=3), dict(auto_barriers=False)])
 def test_lowers_for_h200(config):
     b, s, c = 1, 512, 32768
     sds = jax.ShapeDtypeStruct
@@ -166,8 +162,6 @@ def test_config_errors():
         MgpuScoreConfig(consumers=3)
     with pytest.raises(ValueError, match="consumers=5"):
         MgpuScoreConfig(tokens=20, consumers=5)
-    with pytest.raises(ValueError, match="head_sum='tree'"):
-        MgpuScoreConfig(head_sum="tree")
     with pytest.raises(ValueError, match="unknown flags"):
         MgpuScoreConfig(debug=("fast",))
 
@@ -178,8 +172,7 @@ def test_config_errors():
     (300, 4100, 16000, {}), (77, 1000, 0, {}), (300, 4100, 16000, dict(consumers=2, queries_per_mma=1)),
     (77, 1000, 0, dict(consumers=2, queries_per_mma=4)), (300, 4100, 16000, dict(queries_per_mma=1)),
     (77, 1000, 0, dict(tokens=12, consumers=3)), (300, 4100, 16000, dict(auto_barriers=False)),
-    (77, 1000, 0, dict(consumers=2, queries_per_mma=1, auto_barriers=False)), (300, 4100, 16000, dict(head_sum="mma")),
-    (77, 1000, 0, dict(consumers=2, queries_per_mma=1, head_sum="mma")),
+    (77, 1000, 0, dict(consumers=2, queries_per_mma=1, auto_barriers=False)),
 ])  # fmt: skip
 def test_gpu_matches_reference(seq, entries, offset, config):
     keys_ = jax.random.split(jax.random.key(seq), 4)
@@ -201,8 +194,7 @@ def test_gpu_matches_reference(seq, entries, offset, config):
     finite = np.isfinite(want)
     assert finite.any() and not np.isnan(got).any()
     # NOTE: Hopper's e4m3 wgmma accumulates with fewer than float32's bits (DeepSeek's FP8 indexer has the same);
-    # measured 1.2e-3 of the largest score here, against ~1e-6 for float32 accumulation. head_sum="mma" adds the
-    # bf16 rounding of each ReLU(q·k) term and of each weight (2^-9 relative each).
+    # measured 1.2e-3 of the largest score here, against ~1e-6 for float32 accumulation.
     np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=4e-3 * np.abs(want[finite]).max())
 
 
@@ -224,5 +216,4 @@ def test_gpu_two_pass_with_mgpu_scores_picks_a_true_top_k():
 
 
 if __name__ == "__main__":
-    for form in ("simt", "mma"):
-        _interpreter_case(form)
+    _interpreter_case()

@@ -50,7 +50,6 @@ __all__ = ["MgpuScoreConfig", "index_scores_mgpu", "is_hopper"]
 F32 = jnp.float32
 KEYS_PER_TILE = 64  # M of the wgmma
 HEADS = 64  # N of the wgmma (V4's index_n_heads)
-HEAD_SUM_N = 8  # N of head_sum="mma"'s second wgmma (its smallest)
 _SMEM_LIMIT = 227 * 1024
 _GRID_DIM_MAX = 65535
 
@@ -75,13 +74,6 @@ class MgpuScoreConfig:
                it writes (the staging rows are read only by the TMA store, after `commit_smem`'s barrier, and
                rewritten only after `wait_smem_to_gmem`'s), and every thread arrives on `consumed` itself after its
                own reads.
-    head_sum:  how each query's 64 head columns are summed. "simt" (the default): ReLU · w' and an add tree in
-               float32 registers, then two quad shuffles. "mma": the tensor core sums them. ReLU(acc) is rounded to
-               bf16 and used as the A operand (in registers) of a second wgmma, m64 n8 k64, against the query's
-               weights as a bf16 [8, 64] B tile: w' / max_h |w'| in row 0, zeros below. Then one add of 8 columns
-               and one multiply by max_h |w'| and the key scale. Fewer instructions per score (the epilogue bounds
-               the kernel, IX15), at the price of bf16 rounding: at most 2^-8 relative per term, where the e4m3
-               inputs already carry 2^-4.
     debug:     measurement switch, off in use: ("no_mma",) runs the epilogue on the key scales instead of a wgmma's
                result (the epilogue's cost alone).
 
@@ -98,7 +90,6 @@ class MgpuScoreConfig:
     queries_per_mma: int = 2
     consumers: int = 4
     auto_barriers: bool = True
-    head_sum: str = "simt"
     debug: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -115,15 +106,13 @@ class MgpuScoreConfig:
         if self.queries_per_mma not in (1, 2, 4) or per % self.queries_per_mma:
             raise ValueError(f"MgpuScoreConfig.queries_per_mma={self.queries_per_mma} must be 1, 2 or 4 and divide "
                              f"tokens / consumers = {per}")  # fmt: skip
-        if self.head_sum not in ("simt", "mma"):
-            raise ValueError(f"MgpuScoreConfig.head_sum={self.head_sum!r} must be 'simt' or 'mma'")
         if set(self.debug) - {"no_mma"}:
             raise ValueError(f"MgpuScoreConfig.debug={self.debug}: unknown flags")
 
     def smem_bytes(self, index_dim: int) -> int:
         q = self.tokens * HEADS * index_dim
         keys = self.num_slots * KEYS_PER_TILE * (index_dim + 4)
-        weights = self.tokens * HEADS * (4 if self.head_sum == "simt" else 2 * HEAD_SUM_N)
+        weights = self.tokens * HEADS * 4
         staging = 2 * self.tokens * KEYS_PER_TILE * 4
         return q + keys + weights + staging
 
@@ -131,14 +120,6 @@ class MgpuScoreConfig:
 def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, interpret=None):
     """q [B, S, 64, Di] e4m3 (S a multiple of config.tokens); keys [B, C, Di] e4m3 (C a multiple of 64);
     k_scale [B, C] f32; weights [B, S, 64] f32 (folded); n_vis [B, S] int32. → f32 [B, S, C]."""
-    mma_sum = config.head_sum == "mma"
-    if mma_sum:  # the second wgmma's B tiles: w' / max |w'| in row 0 of a zero [8, 64] bf16 tile per query
-        w_max = jnp.max(jnp.abs(weights), axis=-1)
-        w_max = jnp.where(w_max > 0, w_max, 1.0)  # [B, S]; an all-zero row stays zero
-        tiles = jnp.zeros((*weights.shape[:2], HEAD_SUM_N, HEADS), jnp.bfloat16)
-        weights = tiles.at[:, :, 0].set((weights / w_max[..., None]).astype(jnp.bfloat16))  # [B, S, 8, 64]
-    else:
-        w_max = jnp.ones(weights.shape[:2], F32)  # unused
     b, s, h, d = q.shape
     c = keys.shape[1]
     t, span, slots, g = config.tokens, config.span, config.num_slots, config.queries_per_mma
@@ -150,8 +131,8 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # [64] per key (accumulator rows)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # [64] per head (accumulator columns)
 
-    def body(q_ref, k_ref, ks_ref, w_ref, wmax_ref, nvis_ref, o_ref, q_smem, k_smem, ks_smem, w_smem, o_smem, q_bar,
-             k_bar, ks_bar, consumed, *relu_smem):  # fmt: skip
+    def body(q_ref, k_ref, ks_ref, w_ref, nvis_ref, o_ref, q_smem, k_smem, ks_smem, w_smem, o_smem, q_bar, k_bar,
+             ks_bar, consumed):  # fmt: skip
         ti, ci, bi = lax.axis_index("t"), lax.axis_index("c"), lax.axis_index("b")
         wg = lax.axis_index("wg")
         t0 = ti * t
@@ -169,7 +150,6 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
             plgpu.barrier_wait(q_bar.at[w])
             plgpu.barrier_wait(q_bar.at[n_cons + w])
             vis = [nvis_ref[bi, first + j] for j in range(per)]
-            w_maxes = [wmax_ref[bi, first + j] for j in range(per)] if mma_sum else None
 
             @pl.loop(0, n_tiles)
             def _(i):
@@ -196,24 +176,9 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
                             acc_g = pl.run_scoped(qk, plgpu.ACC((KEYS_PER_TILE, g * HEADS), F32))  # [64 keys, 64 g]
                         for j in range(j0, j0 + g):
                             acc = acc_g if g == 1 else acc_g[:, (j - j0) * HEADS : (j - j0 + 1) * HEADS]
-                            if mma_sum:
-                                relu = jnp.maximum(acc, 0.0).astype(jnp.bfloat16)  # [64 keys, 64 heads]
-
-                                def head_sum(sum_ref, relu=relu, j=j):
-                                    a = relu
-                                    if relu_smem:  # the CPU interpreter's wgmma takes SMEM operands only
-                                        relu_smem[0].at[w][...] = relu
-                                        plgpu.commit_smem()
-                                        a = relu_smem[0].at[w]
-                                    plgpu.wgmma(sum_ref, a, w_smem.at[w, j].transpose((1, 0)))
-                                    return sum_ref[...]
-
-                                summed = pl.run_scoped(head_sum, plgpu.ACC((KEYS_PER_TILE, HEAD_SUM_N), F32))
-                                score = summed.sum(axis=1) * (kscale * w_maxes[j])  # columns 1.. are zeros
-                            else:
-                                wj = plgpu.load(w_smem.at[w, j], layout=col_layout)
-                                weighted = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(wj, acc.shape, [1])
-                                score = weighted.sum(axis=1) * kscale
+                            wj = plgpu.load(w_smem.at[w, j], layout=col_layout)
+                            weighted = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(wj, acc.shape, [1])
+                            score = weighted.sum(axis=1) * kscale
                             score = jnp.where(score == 0.0, 0.0, score)  # -0.0 → +0.0
                             buf[j] = jnp.where(key < vis[j], score, -jnp.inf)
                     plgpu.barrier_arrive(consumed.at[slot])
@@ -262,19 +227,13 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
         plgpu.SMEM((n_cons, per * h, d), FP8, transforms=tiled),  # q rows of each consumer's queries
         plgpu.SMEM((slots, KEYS_PER_TILE, d), FP8, transforms=tiled),  # key ring
         plgpu.SMEM((slots, KEYS_PER_TILE), F32),  # key scales ring
-        # folded head weights: f32 rows, or ("mma") each query's bf16 [8, 64] B tile of the head-sum wgmma
-        plgpu.SMEM((n_cons, per, HEAD_SUM_N, h), jnp.bfloat16, transforms=(plgpu.TilingTransform((8, 64)),
-                                                                         plgpu.SwizzleTransform(128)))
-        if mma_sum else plgpu.SMEM((n_cons, per, h), F32),
+        plgpu.SMEM((n_cons, per, h), F32),  # folded head weights
         plgpu.SMEM((n_cons, 2, per, KEYS_PER_TILE), F32),  # output staging, double-buffered per consumer
         plgpu.Barrier(num_barriers=2 * n_cons),  # q, weights per consumer
         plgpu.Barrier(num_barriers=slots),  # keys full
         plgpu.Barrier(num_barriers=slots),  # key scales full
         plgpu.Barrier(num_arrivals=n_cons, num_barriers=slots),  # slot consumed by every consumer
     ]
-    if mma_sum and interpret is not None:  # ReLU(acc) staged for the head-sum wgmma (interpreter only)
-        scratch.append(plgpu.SMEM((n_cons, KEYS_PER_TILE, h), jnp.bfloat16,
-                                  transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))))
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((b, s, c), F32),
@@ -285,7 +244,7 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not config.auto_barriers),
         interpret=interpret,
-    )(q, keys, k_scale, weights, w_max, n_vis)
+    )(q, keys, k_scale, weights, n_vis)
 
 
 @functools.partial(jax.jit, static_argnames=("rate", "softmax_scale", "config", "interpret"))
