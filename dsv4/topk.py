@@ -30,15 +30,11 @@ __all__ = ["top_k"]
 
 
 @functools.partial(jax.jit, static_argnames=("k", "group", "direct_max"))
-def top_k(x: jax.Array, k: int, *, group: int = 4, direct_max: int = 2048,
-          levels: tuple[jax.Array, ...] = ()) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+def top_k(x: jax.Array, k: int, *, group: int = 4, direct_max: int = 2048) -> tuple[jax.Array, jax.Array]:
     """`lax.top_k(x, k)` for float rows, exactly. x [..., N] (k <= N) → (values [..., k], indices int32 [..., k]).
 
     group: elements per group (>= 2). direct_max: rows this long or shorter (or no longer than k · group, where
-    grouping gains nothing) go to `lax.top_k` directly. levels: the group maxima already computed, level 1 first
-    ([..., ceil(N / group)], then the maxima of that, ...; `dsv4.pallas.group_max.group_maxima` writes them in one
-    pass): the levels given are used instead of being computed here. They must be exactly those maxima (over the
-    row padded with -inf); the answer is then the same bit for bit.
+    grouping gains nothing) go to `lax.top_k` directly.
     """
     n = x.shape[-1]
     if not 1 <= k <= n:
@@ -50,14 +46,7 @@ def top_k(x: jax.Array, k: int, *, group: int = 4, direct_max: int = 2048,
     n_groups = -(-n // group)
     padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n_groups * group - n)], constant_values=-jnp.inf)
     groups = padded.reshape(*x.shape[:-1], n_groups, group)  # padding: -inf at the highest indices, never preferred
-    if levels:
-        if levels[0].shape != groups.shape[:-1]:
-            raise ValueError(f"top_k: levels[0].shape={levels[0].shape} must be {groups.shape[:-1]} (the maxima of "
-                             f"groups of {group} of x {x.shape})")  # fmt: skip
-        maxima, levels = levels[0], levels[1:]
-    else:
-        maxima = groups.max(axis=-1)
-    _, best_groups = top_k(maxima, k, group=group, direct_max=direct_max, levels=levels)  # [..., k], by rank
+    _, best_groups = top_k(groups.max(axis=-1), k, group=group, direct_max=direct_max)  # [..., k], by rank
     best_groups = jnp.sort(best_groups, axis=-1)  # increasing index order (see the module docstring)
     candidates = jnp.take_along_axis(groups, best_groups[..., None], axis=-2)  # [..., k, group]
     values, pos = lax.top_k(candidates.reshape(*x.shape[:-1], k * group), k)

@@ -9,10 +9,7 @@ two options "did not finish" (docs/KERNEL_NOTES.md IX13-IX15); every mode prints
         at S tokens with width_bands=B: lower, compile, first call and timed calls printed apart
     PYTHONPATH=. python scripts/probe_indexer_mgpu.py breakdown S R   one chunk of R queries ending at S, S/2, S/4:
         scores kernel alone, dsv4.topk.top_k variants, the first group-max level alone, as a reduction and as a max
-        of strided slices, every level from the group-maxima kernel and top_k given them (ms, medians of 7)
-
-    PYTHONPATH=. python scripts/probe_indexer_mgpu.py maxima R W "block_cols=4096;block_rows=2,num_warps=8"
-        dsv4.pallas.group_max block shapes on an [R, W] slab against the XLA levels (ms, GB/s, equality)
+        of strided slices (ms, medians of 7)
 
 Set MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=<existing dir> for ptxas' register and spill report per kernel.
 """
@@ -111,8 +108,6 @@ def bands(n_bands: int, s: int, save: str | None):
 
 
 def breakdown(s: int, r: int):
-    from dsv4.pallas.group_max import group_maxima
-    from dsv4.pallas.indexer import selection_levels
     from dsv4.topk import top_k
 
     for end in (s, s // 2, s // 4):
@@ -130,39 +125,7 @@ def breakdown(s: int, r: int):
         row["gmax4_strided"] = median_ms(strided, sc)
         row["gmax16"] = median_ms(jax.jit(lambda x: x.reshape(r, -1, 16).max(-1)), sc)
         row["lax_top_k"] = median_ms(jax.jit(lambda x: jax.lax.top_k(x, 512)), sc)
-        # every level of group maxima in one pass (dsv4.pallas.group_max), then top_k given them
-        n_levels = selection_levels(w, 512, 4)
-        row["kernel_levels"] = median_ms(jax.jit(lambda x: group_maxima(x, levels=n_levels)), sc)
-        row["topk_given_levels"] = median_ms(jax.jit(lambda x, lv: top_k(x, 512, levels=lv)), sc,
-                                             group_maxima(sc, levels=n_levels))  # fmt: skip
-        row["topk_kernel_total"] = median_ms(jax.jit(lambda x: top_k(x, 512, levels=group_maxima(x, levels=n_levels))),
-                                             sc)  # fmt: skip
         say("BREAKDOWN " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-
-
-def maxima(r: int, w: int, specs: str):
-    """group_maxima block shapes on an [r, w] slab (random, 30% -inf): ms, GB/s of slab read + levels written, and
-    equality with the XLA reference."""
-    from dsv4.pallas.group_max import GroupMaxBlocks, group_maxima, group_maxima_reference
-    from dsv4.pallas.indexer import selection_levels
-
-    levels = selection_levels(w, 512, 4)
-    x = jax.random.normal(jax.random.key(0), (r, w), jnp.float32)
-    x = jnp.where(jax.random.uniform(jax.random.key(1), (r, w)) < 0.3, -jnp.inf, x)
-    want = jax.jit(functools.partial(group_maxima_reference, levels=levels))
-    ref = [np.asarray(a) for a in want(x)]
-    nbytes = 4 * r * (w + sum(a.shape[-1] for a in ref))
-    t = median_ms(want, x)
-    say(f"MAXIMA xla reference levels={levels}: {t:.3f} ms {nbytes / t / 1e6:.0f} GB/s")
-    for spec in specs.split(";"):
-        kw = {k: int(v) for k, v in (kv.split("=") for kv in filter(None, spec.split(",")))}
-        f = jax.jit(functools.partial(group_maxima, levels=levels, blocks=GroupMaxBlocks(**kw)))
-        try:
-            same = all(np.array_equal(np.asarray(a), b) for a, b in zip(f(x), ref))
-            t = median_ms(f, x)
-            say(f"MAXIMA {spec}: {t:.3f} ms {nbytes / t / 1e6:.0f} GB/s same: {same}")
-        except Exception as e:  # noqa: BLE001
-            say(f"MAXIMA {spec}: FAILED {type(e).__name__}: {str(e)[:300]}")
 
 
 def main():
@@ -173,8 +136,6 @@ def main():
         bands(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
     elif mode == "breakdown":
         breakdown(int(sys.argv[2]), int(sys.argv[3]))
-    elif mode == "maxima":
-        maxima(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     else:
         raise SystemExit(__doc__)
 

@@ -691,19 +691,8 @@ def band_widths(num_entries: int, bands: int, align: int = 64) -> tuple[int, ...
                          for j in range(1, bands + 1)}))  # fmt: skip
 
 
-def selection_levels(width: int, k: int, group: int, direct_max: int = 2048) -> int:
-    """How many levels of group maxima `dsv4.topk.top_k` (at its default direct_max) builds for rows of `width`:
-    its recursion depth (0: the rows go to `lax.top_k` as they are)."""
-    levels = 0
-    while width > max(direct_max, k * group):
-        width = -(-width // group)
-        levels += 1
-    return levels
-
-
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "query_chunk", "blocks", "group",
-                                             "interpret", "scores_impl", "mgpu_config", "width_bands",
-                                             "maxima"))  # fmt: skip
+                                             "interpret", "scores_impl", "mgpu_config", "width_bands"))  # fmt: skip
 def index_topk_two_pass(
     q: jax.Array,
     keys: jax.Array,
@@ -722,7 +711,6 @@ def index_topk_two_pass(
     scores_impl: str = "triton",
     mgpu_config=None,
     width_bands: int = 1,
-    maxima: str = "xla",
 ) -> jax.Array:
     """`index_topk` in two passes per chunk of queries: the scores kernel writes a [B, chunk, C] float32 slab
     (never the whole [S, C]), then `dsv4.topk.top_k` picks exactly what `lax.top_k` would while sorting only about
@@ -741,10 +729,6 @@ def index_topk_two_pass(
     ms and of a 512K one from 1140 to 1087 ms (docs/KERNEL_NOTES.md IX13b, IX16), at the cost of one compile per
     band. 1 (off) by default here; the model's FP8 indexer on a Hopper GPU (`dsv4.attention.index_topk_fp8`)
     passes 4.
-
-    maxima: how the selection's group maxima are computed: "xla" (`top_k` reduces each level itself) or "kernel"
-    (`dsv4.pallas.group_max.group_maxima`: every level in one pass over the slab, interpreted with `interpret`).
-    The picks are the same either way, bit for bit.
     """
     from dsv4.topk import top_k
 
@@ -765,8 +749,6 @@ def index_topk_two_pass(
 
     if width_bands < 1:
         raise ValueError(f"width_bands={width_bands} must be >= 1")
-    if maxima not in ("xla", "kernel"):
-        raise ValueError(f"maxima={maxima!r} must be 'xla' or 'kernel'")
     widths = band_widths(c, width_bands)
     row_k_scale = k_scale is not None and k_scale.ndim == 2
 
@@ -785,17 +767,7 @@ def index_topk_two_pass(
         else:
             scores = index_scores(qc, keys_w, wc, pc, rate=rate, softmax_scale=softmax_scale, q_scale=qsc,
                                   k_scale=k_scale_w, blocks=blocks, interpret=interpret)  # fmt: skip
-        levels = ()
-        if maxima == "kernel" and selection_levels(width, k, group):  # top_k groups these rows
-            from dsv4.pallas.group_max import GroupMaxBlocks, group_maxima
-
-            # at most as many levels as one program's columns hold whole groups of; top_k reduces any further ones
-            most = 1
-            while GroupMaxBlocks().block_cols % group ** (most + 1) == 0:
-                most += 1
-            levels = group_maxima(scores, group=group, levels=min(selection_levels(width, k, group), most),
-                                  interpret=interpret)  # fmt: skip
-        select = functools.partial(top_k, group=group, levels=levels)
+        select = functools.partial(top_k, group=group)
         return _topk_of_scores(scores, _visible(pc, rate, width), k, lambda x, kk: select(x, kk))
 
     def one_chunk(args):
