@@ -127,31 +127,56 @@ def core_attention_jnp(
 
 def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, scale: float,
                           compressed: CompressedKeys | None = None, kv_aligned: bool = False,
-                          query_chunk: int | None = None) -> jax.Array:  # fmt: skip
-    """The blocked online-softmax Pallas kernel (`dsv4/pallas/attention.py`); interpreted off-GPU."""
+                          query_chunk: int | None = None, kv_prefix: int = 0) -> jax.Array:  # fmt: skip
+    """The blocked online-softmax Pallas kernel (`dsv4/pallas/attention.py`); interpreted off-GPU.
+
+    kv_prefix: the layout of a cached chunk (`Attention.forward_chunk`): kv rows [0, kv_prefix) hold the
+    kv_prefix positions just before q's first one, in order (-1 where there is none yet), and row kv_prefix + j
+    holds query j's own token. On Hopper the Mosaic kernel then takes window and HCA chunks whose prefix rows are
+    all real (a run-time check; the Triton kernel otherwise, e.g. for a prompt's first chunk)."""
     from dsv4.pallas.attention import v4_attention
 
     del query_chunk  # the kernels find each query block's window band themselves
-    if mosaic_applies(q, kv, compressed, kv_aligned):
-        from dsv4.pallas.attention_mgpu import v4_attention_mgpu
+    sinks = sinks.astype(F32)
+    hca = {} if compressed is None else dict(compressed=compressed.entries, compress_rate=compressed.rate)
+    if mosaic_applies(q, kv, compressed, kv_aligned or kv_prefix > 0):
+        from dsv4.pallas.attention_mgpu import positions_are_aligned, v4_attention_mgpu
 
-        # Hopper fast path (window and HCA, the full-sequence prefill). It checks at run time that positions are
-        # contiguous and takes the Triton kernel otherwise.
-        extra = {} if compressed is None else dict(compressed=compressed.entries, compress_rate=compressed.rate)
-        return v4_attention_mgpu(q, kv[:, : q.shape[1]], q_pos, sinks.astype(F32), sliding_window=sliding_window,
-                                 scale=scale, **extra)  # fmt: skip
-    extra = {}
+        if kv_aligned:
+            # Hopper fast path (window and HCA, the full-sequence prefill). It checks at run time that positions
+            # are contiguous and takes the Triton kernel otherwise.
+            return v4_attention_mgpu(q, kv[:, : q.shape[1]], q_pos, sinks, sliding_window=sliding_window,
+                                     scale=scale, **hca)  # fmt: skip
+        whole = prefix_is_whole(q_pos, kv_pos, kv_prefix) & positions_are_aligned(q_pos)
+
+        def mosaic(q, kv, q_pos, kv_pos):
+            del kv_pos  # rows are placed by index: the prefix, then q's own tokens (padding rows only reach padding)
+            return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=sliding_window, scale=scale,
+                                     kv_offset=kv_prefix, check_positions=False, **hca)  # fmt: skip
+
+        def triton(q, kv, q_pos, kv_pos):
+            return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale, **hca)
+
+        return jax.lax.cond(whole, mosaic, triton, q, kv, q_pos, kv_pos)
     if compressed is not None:
-        extra = dict(compressed=compressed.entries, compress_rate=compressed.rate, topk_indices=compressed.topk_indices)
-    return v4_attention(q, kv, q_pos, kv_pos, sinks.astype(F32), sliding_window=sliding_window, scale=scale,
-                        interpret=jax.default_backend() != "gpu", **extra)  # fmt: skip
+        hca["topk_indices"] = compressed.topk_indices
+    return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
+                        interpret=jax.default_backend() != "gpu", **hca)  # fmt: skip
 
 
-def mosaic_applies(q, kv, compressed, kv_aligned) -> bool:
+def prefix_is_whole(q_pos: jax.Array, kv_pos: jax.Array, kv_prefix: int) -> jax.Array:
+    """Whether every batch row's kv rows [0, kv_prefix) hold exactly the kv_prefix positions before its first
+    query, in order (none missing: a prompt's first chunk has none yet). → bool scalar."""
+    before = q_pos[:, :1] - kv_prefix + jnp.arange(kv_prefix, dtype=q_pos.dtype)[None]  # [B, prefix]
+    return jnp.all(kv_pos[:, :kv_prefix] == before) & jnp.all(before >= 0)
+
+
+def mosaic_applies(q, kv, compressed, layout_ok) -> bool:
     """Whether the Mosaic GPU kernel (dsv4/pallas/attention_mgpu.py) takes this call: on Hopper-class GPUs, for
-    the kv-aligned prefill of window and HCA layers in bf16/f16 with 64-head groups and D in 128..512."""
+    the prefill of window and HCA layers (kv aligned with q, or a cached chunk's prefix layout: `layout_ok`) in
+    bf16/f16 with 64-head groups and D in 128..512."""
     csa = compressed is not None and compressed.topk_indices is not None
-    if jax.default_backend() != "gpu" or not kv_aligned or csa:
+    if jax.default_backend() != "gpu" or not layout_ok or csa:
         return False
     if "H100" not in jax.devices()[0].device_kind and "H200" not in jax.devices()[0].device_kind:
         return False
@@ -177,13 +202,17 @@ def core_attention_sp_pallas(*args, **kwargs) -> jax.Array:
     return sp_core(*args, local_core="pallas", **kwargs)
 
 
-def core_attention_auto(q, kv, q_pos, kv_pos, sinks, *, kv_aligned: bool = False, **kwargs) -> jax.Array:
-    """The default: the Pallas kernels for the bf16 / f16 full-sequence prefill on a GPU (the Mosaic kernel for
-    window / HCA layers on Hopper, 1.5-1.9x the Triton one, which takes CSA; both beat XLA, docs/BENCHMARKS.md),
-    and the jnp core everywhere else (CPU, float32 models, cached chunks and decode)."""
-    fast = jax.default_backend() == "gpu" and kv_aligned and q.dtype in (jnp.bfloat16, jnp.float16)
-    impl = core_attention_pallas if fast else core_attention_jnp
-    return impl(q, kv, q_pos, kv_pos, sinks, kv_aligned=kv_aligned, **kwargs)
+def core_attention_auto(q, kv, q_pos, kv_pos, sinks, *, kv_aligned: bool = False, kv_prefix: int = 0,
+                        **kwargs) -> jax.Array:  # fmt: skip
+    """The default: the Pallas kernels for the bf16 / f16 prefill on a GPU, the full sequence or a cached chunk
+    of more than one token (the Mosaic kernel for window / HCA layers on Hopper, 1.5-1.9x the Triton one, which
+    takes CSA; both beat XLA, docs/BENCHMARKS.md), and the jnp core everywhere else (CPU, float32 models, decode
+    steps)."""
+    prefill = kv_aligned or (kv_prefix > 0 and q.shape[1] > 1)
+    if jax.default_backend() == "gpu" and prefill and q.dtype in (jnp.bfloat16, jnp.float16):
+        return core_attention_pallas(q, kv, q_pos, kv_pos, sinks, kv_aligned=kv_aligned, kv_prefix=kv_prefix,
+                                     **kwargs)  # fmt: skip
+    return core_attention_jnp(q, kv, q_pos, kv_pos, sinks, kv_aligned=kv_aligned, **kwargs)
 
 
 AttentionFn = Callable[..., jax.Array]
@@ -650,11 +679,18 @@ class Attention(nnx.Module):
         if decode_kernel:
             out = self._decode_paged(q, end, valid, new, block_table, topk)
         else:
-            keys = jnp.concatenate([window.read(x.dtype), kv_stored], axis=1)  # [B, W + n, D]
-            key_pos = jnp.concatenate([state["window_pos"], jnp.where(real, positions, -1)], axis=1)
+            # The ring read out in position order: row i holds position start - W + i (ring row (start + i) % W),
+            # -1 where there is none yet, then the chunk's own rows. The Pallas cores take that layout as is
+            # (`kv_prefix`); the others mask by position and do not mind the order.
+            order = (start[:, None] + jnp.arange(w)[None]) % w  # [B, W]
+            ring = jnp.take_along_axis(window.read(x.dtype), order[..., None], axis=1)
+            keys = jnp.concatenate([ring, kv_stored], axis=1)  # [B, W + n, D]
+            key_pos = jnp.concatenate([jnp.take_along_axis(state["window_pos"], order, axis=1),
+                                       jnp.where(real, positions, -1)], axis=1)  # fmt: skip
+            prefix = {"kv_prefix": w} if self.attention_impl in ("auto", "pallas") else {}
             out = get_attention_impl(self.attention_impl)(
                 q, keys, positions, key_pos, self.sinks[...], sliding_window=self.sliding_window,
-                scale=self.head_dim**-0.5, compressed=compressed,
+                scale=self.head_dim**-0.5, compressed=compressed, **prefix,
             )  # fmt: skip
 
         slot = jnp.arange(w)[None]

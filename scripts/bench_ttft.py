@@ -29,6 +29,8 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
                           holding pages 1..n): the seed's "FP8 paged KV" step
     chunked-fp8idx   (4f) as (4) with indexer_impl="pallas-fp8": q and keys of the lightning indexer in e4m3, the
                           scores by the Mosaic FP8 kernel (`dsv4.pallas.indexer_mgpu`) on Hopper
+    chunked-triton   (4t) as (4) with every chunk's attention on the Triton kernel (how (4) ran before the Mosaic
+                          kernel took cached window / HCA chunks, twelfth session)
     xla-cap          (1c) as (1) with a capacity-padded batched-einsum MoE (defined in this script, not in dsv4:
                           ANCHORS.md measured XLA's `lax.ragged_dot` asking 96 GiB at 8K tokens, so (1) is not
                           expected to fit at 32K+; (1c) is "what a straightforward XLA port gets"). Capacity
@@ -135,7 +137,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dsv4 import moe as dsv4_moe  # noqa: E402
-from dsv4.attention import CompressedKeys, get_attention_impl  # noqa: E402
+from dsv4.attention import (  # noqa: E402
+    CompressedKeys,
+    core_attention_pallas,
+    get_attention_impl,
+    register_attention_impl,
+)  # fmt: skip
 from dsv4.config import CSA, HCA, SLIDING, Config  # noqa: E402
 from dsv4.layers import apply_rope, hc_merge, linear, rms_normalize  # noqa: E402
 from dsv4.model import DeepseekV4  # noqa: E402
@@ -162,6 +169,11 @@ class Variant:
     indexer: str | None = None  # indexer_impl (None: "jnp" under the jnp attention, "pallas" otherwise)
 
 
+# (4t)'s attention: the Pallas core under another name, so `Attention.forward_chunk` does not hand it the cached
+# chunk's layout (kv_prefix) and every chunk takes the Triton kernel, as before the Mosaic kernel took chunks.
+TRITON_CHUNKS = "pallas-triton-chunks"
+register_attention_impl(TRITON_CHUNKS, core_attention_pallas)
+
 VARIANTS = {v.key: v for v in [
     Variant("xla", "(1)", "XLA baseline", "full", "jnp", "jnp"),
     Variant("pallas-attn", "(2)", "+ Pallas attention + indexer", "full", "pallas", "jnp"),
@@ -170,11 +182,15 @@ VARIANTS = {v.key: v for v in [
     Variant("chunked-fp8", "(5)", "+ FP8 paged KV cache (fp8-channel)", "chunked", "pallas", "pallas", "fp8-channel"),
     Variant("chunked-fp8idx", "(4f)", "(4) + FP8 indexer (Mosaic scores)", "chunked", "pallas", "pallas",
             indexer="pallas-fp8"),
+    Variant("chunked-triton", "(4t)", "(4) with the Triton kernel for every chunk", "chunked", TRITON_CHUNKS,
+            "pallas"),
     Variant("xla-cap", "(1c)", "XLA, capacity MoE", "full", "jnp", "xla_cap"),
     Variant("pallas-attn-cap", "(2c)", "+ Pallas attn + idx, capacity MoE", "full", "pallas", "xla_cap"),
 ]}  # fmt: skip
-PRIORITY = ["pallas", "chunked", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn", "chunked-fp8idx"]
-TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked", "chunked-fp8idx", "chunked-fp8"]
+PRIORITY = ["pallas", "chunked", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn", "chunked-fp8idx",
+            "chunked-triton"]  # fmt: skip
+TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-triton", "chunked",
+               "chunked-fp8idx", "chunked-fp8"]  # fmt: skip
 PAGE_TOKENS = 256  # (5)'s page size: a multiple of both compress rates
 
 

@@ -228,3 +228,49 @@ def test_decode_kernel_in_the_model_matches_the_jnp_step(paged):
         active = np.asarray(valid) > 0
         assert rel_err(np.asarray(got)[active], np.asarray(want)[active]) < TOL, f"step {step}"
         assert rel_err(np.asarray(got)[0], ref["generate_logits"][0, step + 1]) < TOL, f"step {step}"
+
+
+def test_cached_chunks_hand_the_pallas_core_the_prefix_layout(monkeypatch):
+    """What the Mosaic kernel relies on for cached chunks (`kv_prefix`; it places rows by index, not position):
+    `Attention.forward_chunk` gives the "pallas" core the ring in position order, kv row i holding position
+    start - W + i (-1 before the prompt's start), then the chunk's own rows, and says so with kv_prefix = W. A
+    recording core (the jnp one underneath) checks every call of a ragged batch's chunked prefill, and the
+    logits still equal the reference's. `prefix_is_whole` (the run-time switch to the Mosaic kernel) is True exactly
+    for the calls whose prefix holds W real positions, worked out by hand here."""
+    import dsv4.attention as attention
+
+    model, ref = fixture("tiny_long")
+    w = model.config.sliding_window
+    calls = []
+
+    def recording_core(q, kv, q_pos, kv_pos, sinks, *, kv_prefix=0, **kw):
+        calls.append((np.asarray(q_pos), np.asarray(kv_pos), kv_prefix, bool(attention.prefix_is_whole(
+            q_pos, kv_pos, kv_prefix))))  # fmt: skip
+        return attention.core_attention_jnp(q, kv, q_pos, kv_pos, sinks, **kw)
+
+    monkeypatch.setitem(attention.ATTENTION_IMPLS, "pallas", recording_core)
+    for layer in model.layers:
+        monkeypatch.setattr(layer.self_attn, "attention_impl", "pallas")
+    ids = ref["input_ids"][0]
+    s, chunk = ids.shape[0], 2 * w + 5  # chunks start at 0, 37, 74 (W = 16): the first has no ring yet
+    lens = np.array([s, s - 9])
+    cache = model.init_cache(2, max_len=s + 8)
+    for start in range(0, s, chunk):
+        n = min(chunk, s - start)
+        tokens = np.zeros((2, chunk), np.int32)
+        tokens[:, :n] = ids[None, start : start + n]
+        valid = np.clip(lens - start, 0, n).astype(np.int32)
+        logits, cache = model.forward_chunk(cache, jnp.asarray(tokens), jnp.asarray(valid))
+        last = start + valid[0] - 1
+        assert rel_err(logits[0], ref["logits"][0, last]) < TOL, f"chunk at {start}"
+        for q_pos, kv_pos, prefix, whole in calls:
+            assert prefix == w and kv_pos.shape[1] == w + chunk
+            np.testing.assert_array_equal(q_pos, start + np.arange(chunk)[None].repeat(2, 0))
+            for b in range(2):
+                want = [p if p >= 0 else -1 for p in range(start - w, start)]
+                np.testing.assert_array_equal(kv_pos[b, :w], want)
+                real = np.arange(chunk) < valid[b]
+                np.testing.assert_array_equal(kv_pos[b, w:], np.where(real, start + np.arange(chunk), -1))
+            assert whole == (start >= w)
+        assert len(calls) == len(model.layers)
+        calls.clear()
