@@ -301,7 +301,7 @@ def _core_pallas_per_shard(args, compressed, sinks, *, mesh, axis, n, s, halo, s
 
     csa = compressed is not None and compressed.topk_indices is not None
     mosaic = (not csa and halo == sliding_window - 1 and rows >= halo
-              and mosaic_applies(args["q"], args["kv"], compressed, kv_aligned=True))  # fmt: skip
+              and mosaic_applies(args["q"], args["kv"], compressed, layout_ok=True))  # fmt: skip
 
     def body(*arrays):
         local_arrays = arrays[: len(sharded)]
