@@ -199,11 +199,14 @@ def section_full(args, rows_out):
         static = dict(rate=RATE, k=args.k, softmax_scale=DI**-0.5)
         results = {}
         mgpu = parse_mgpu_configs(args.mgpu_configs)
-        several = (len(mgpu[: args.full_mgpu]), len(args.bands)) != (1, 1)
-        mgpu_runs = [(f"two-pass fp8 mgpu {cname} b{bands}" if several else "two-pass fp8 mgpu",
+        several = (len(mgpu[: args.full_mgpu]), len(args.bands), len(args.selection)) != (1, 1, 1)
+        mgpu_runs = [(f"two-pass fp8 mgpu {cname} b{bands}" + (f" {sel}" if sel != "xla" else "") if several else
+                      "two-pass fp8 mgpu",
                       functools.partial(index_topk_two_pass, **static, group=args.group, interpret=INTERPRET,
-                                        scores_impl="mgpu", mgpu_config=config, width_bands=bands), inp8)
-                     for cname, config in mgpu[: args.full_mgpu] for bands in args.bands]  # fmt: skip
+                                        scores_impl="mgpu", mgpu_config=config, width_bands=bands, selection=sel),
+                      inp8)
+                     for cname, config in mgpu[: args.full_mgpu] for bands in args.bands
+                     for sel in args.selection]  # fmt: skip
         for name, fn, inp in (
             ("two-pass fp8", functools.partial(index_topk_two_pass, **static, blocks=blocks, group=args.group,
                                                 interpret=INTERPRET, width_bands=args.bands[0]), inp8),
@@ -278,6 +281,7 @@ def main():
     p.add_argument("--bands", default="1", help="full: index_topk_two_pass width_bands values to time (mgpu; the first "
                                                 "also for the Triton fp8 run)")
     p.add_argument("--full-mgpu", type=int, default=1, help="full: time the first N --mgpu-configs")
+    p.add_argument("--selection", default="xla", help="full: index_topk_two_pass selection values (mgpu; comma)")
     p.add_argument("--full-names", default="", help="full: only runs whose names start with one of these (comma)")
     p.add_argument("--xla-max", type=int, default=131072)
     p.add_argument("--stream-max", type=int, default=32768)
@@ -285,6 +289,7 @@ def main():
     args = p.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.bands = [int(x) for x in args.bands.split(",")]
+    args.selection = [x.strip() for x in args.selection.split(",") if x.strip()]
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     rows = []
     try:

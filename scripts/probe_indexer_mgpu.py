@@ -8,8 +8,8 @@ two options "did not finish" (docs/KERNEL_NOTES.md IX13-IX15); every mode prints
     PYTHONPATH=. python scripts/probe_indexer_mgpu.py bands B S [out.npy]   index_topk_two_pass (FP8, Mosaic scores)
         at S tokens with width_bands=B: lower, compile, first call and timed calls printed apart
     PYTHONPATH=. python scripts/probe_indexer_mgpu.py breakdown S R   one chunk of R queries ending at S, S/2, S/4:
-        scores kernel alone, dsv4.topk.top_k variants, the first group-max level alone, as a reduction and as a max
-        of strided slices (ms, medians of 7)
+        scores kernel alone, dsv4.topk.top_k variants (among them each level refined by dsv4.pallas.select), the
+        first group-max level alone, as a reduction and as a max of strided slices (ms, medians of 7)
 
 Set MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=<existing dir> for ptxas' register and spill report per kernel.
 """
@@ -108,6 +108,7 @@ def bands(n_bands: int, s: int, save: str | None):
 
 
 def breakdown(s: int, r: int):
+    from dsv4.pallas.select import refine_top_k
     from dsv4.topk import top_k
 
     for end in (s, s // 2, s // 4):
@@ -125,6 +126,10 @@ def breakdown(s: int, r: int):
         row["gmax4_strided"] = median_ms(strided, sc)
         row["gmax16"] = median_ms(jax.jit(lambda x: x.reshape(r, -1, 16).max(-1)), sc)
         row["lax_top_k"] = median_ms(jax.jit(lambda x: jax.lax.top_k(x, 512)), sc)
+        # each level refined by dsv4.pallas.select.refine_top_k instead of XLA's sort + gather + lax.top_k
+        row["topk_g4_refine_kernel"] = median_ms(jax.jit(lambda x: top_k(x, 512, refine=refine_top_k)), sc)
+        same = np.array_equal(np.asarray(top_k(sc, 512, refine=refine_top_k)[1]), np.asarray(top_k(sc, 512)[1]))
+        row["refine_same"] = str(same)
         say("BREAKDOWN " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
 
 

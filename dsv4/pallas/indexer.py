@@ -260,16 +260,17 @@ def _compare_exchange(values, indices, stride: int, best_first):
     return values, indices
 
 
-def _bitonic_sort_worst_first(values, indices):
-    """Full bitonic sort of each row, worst first. [R, N] → [R, N]; log2(N)·(log2(N)+1)/2 stages."""
+def _bitonic_sort(values, indices, *, best_first: bool = False):
+    """Full bitonic sort of each row, worst first (or best first). [R, N] → [R, N]; log2(N)·(log2(N)+1)/2 stages."""
     n = values.shape[1]
     size = 2
     while size <= n:
         stride = size // 2
         while stride >= 1:
             group_start = lax.broadcasted_iota(jnp.int32, (1, n // (2 * stride), 1, 1), 1) * (2 * stride)
-            best_first = (group_start & size) != 0  # alternate directions build bitonic runs; the last pass is one run
-            values, indices = _compare_exchange(values, indices, stride, best_first)
+            # alternate directions build bitonic runs; the last pass is one run, worst first unless flipped
+            order = ((group_start & size) != 0) != best_first
+            values, indices = _compare_exchange(values, indices, stride, order)
             stride //= 2
         size *= 2
     return values, indices
@@ -290,7 +291,7 @@ def _merge_chunk(buffer, chunk):
     With the buffer best-first and the chunk worst-first, the better of each aligned pair is a bitonic sequence
     holding exactly the top K of the union (the classic bitonic top-k step); a bitonic merge then sorts it.
     """
-    chunk_v, chunk_i = _bitonic_sort_worst_first(*chunk)
+    chunk_v, chunk_i = _bitonic_sort(*chunk)
     buf_v, buf_i = buffer
     take_buffer = _better(buf_v, buf_i, chunk_v, chunk_i)
     return _bitonic_merge_best_first(jnp.where(take_buffer, buf_v, chunk_v), jnp.where(take_buffer, buf_i, chunk_i))
@@ -691,8 +692,16 @@ def band_widths(num_entries: int, bands: int, align: int = 64) -> tuple[int, ...
                          for j in range(1, bands + 1)}))  # fmt: skip
 
 
+def _refine_interpreted(x, groups, *, group):
+    """`refine_top_k` in the Pallas interpreter, one stable callable (`top_k` takes `refine` as a static argument)."""
+    from dsv4.pallas.select import refine_top_k
+
+    return refine_top_k(x, groups, group=group, interpret=True)
+
+
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "query_chunk", "blocks", "group",
-                                             "interpret", "scores_impl", "mgpu_config", "width_bands"))  # fmt: skip
+                                             "interpret", "scores_impl", "mgpu_config", "width_bands",
+                                             "selection"))  # fmt: skip
 def index_topk_two_pass(
     q: jax.Array,
     keys: jax.Array,
@@ -711,6 +720,7 @@ def index_topk_two_pass(
     scores_impl: str = "triton",
     mgpu_config=None,
     width_bands: int = 1,
+    selection: str = "xla",
 ) -> jax.Array:
     """`index_topk` in two passes per chunk of queries: the scores kernel writes a [B, chunk, C] float32 slab
     (never the whole [S, C]), then `dsv4.topk.top_k` picks exactly what `lax.top_k` would while sorting only about
@@ -729,6 +739,10 @@ def index_topk_two_pass(
     ms and of a 512K one from 1140 to 1087 ms (docs/KERNEL_NOTES.md IX13b, IX16), at the cost of one compile per
     band. 1 (off) by default here; the model's FP8 indexer on a Hopper GPU (`dsv4.attention.index_topk_fp8`)
     passes 4.
+
+    selection: how `dsv4.topk.top_k` refines each level: "xla" (a sort of the chosen group ids, a gather and
+    `lax.top_k`) or "kernel" (`dsv4.pallas.select.refine_top_k`, one pass; interpreted with `interpret`). The
+    same picks either way (the scores hold no -0.0). Not measured on a GPU yet (docs/KERNEL_NOTES.md, the queue).
     """
     from dsv4.topk import top_k
 
@@ -749,6 +763,13 @@ def index_topk_two_pass(
 
     if width_bands < 1:
         raise ValueError(f"width_bands={width_bands} must be >= 1")
+    if selection not in ("xla", "kernel"):
+        raise ValueError(f"selection={selection!r} must be 'xla' or 'kernel'")
+    refine = None
+    if selection == "kernel":
+        from dsv4.pallas.select import refine_top_k
+
+        refine = _refine_interpreted if interpret else refine_top_k
     widths = band_widths(c, width_bands)
     row_k_scale = k_scale is not None and k_scale.ndim == 2
 
@@ -767,7 +788,7 @@ def index_topk_two_pass(
         else:
             scores = index_scores(qc, keys_w, wc, pc, rate=rate, softmax_scale=softmax_scale, q_scale=qsc,
                                   k_scale=k_scale_w, blocks=blocks, interpret=interpret)  # fmt: skip
-        select = functools.partial(top_k, group=group)
+        select = functools.partial(top_k, group=group, refine=refine)
         return _topk_of_scores(scores, _visible(pc, rate, width), k, lambda x, kk: select(x, kk))
 
     def one_chunk(args):

@@ -1,0 +1,116 @@
+"""dsv4.pallas.select.refine_top_k: one refinement level of the grouped exact top-k (interpreted on CPU) against
+its jnp reference, and `dsv4.topk.top_k` / `index_topk_two_pass` with it against `lax.top_k` / themselves without.
+
+Kernel runs start from poisoned output buffers (`out_init`, aliased: NaN values, index -7), so an element the
+kernel does not write keeps its poison. Rows are integer-valued (ties everywhere) with -inf entries (masked
+indexer scores), widths not multiples of the group, and k · group not a power of two (the kernel pads).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from dsv4.pallas.select import SelectBlocks, refine_top_k, refine_top_k_reference
+from dsv4.topk import top_k
+
+
+def tied_rows(shape, seed, minus_inf=0.2):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 6, shape).astype(np.float32)
+    x[rng.random(shape) < minus_inf] = -np.inf
+    return jnp.asarray(x)
+
+
+def chosen_groups(lead, n_groups, k, seed):
+    rng = np.random.default_rng(seed)
+    rows = int(np.prod(lead))
+    return jnp.asarray(np.stack([rng.permutation(n_groups)[:k] for _ in range(rows)]).reshape(*lead, k), jnp.int32)
+
+
+@pytest.mark.parametrize("lead, n, k, group, blocks", [
+    ((5,), 101, 8, 4, SelectBlocks(block_rows=2)),  # a partial last group, rows overhang the last program
+    ((3,), 37, 6, 3, SelectBlocks()),  # k · group = 18: padded to 32
+    ((2, 2), 64, 16, 4, SelectBlocks(block_rows=4)),  # leading axes pass through
+    ((1,), 40, 10, 4, SelectBlocks()),  # every group chosen
+])  # fmt: skip
+def test_matches_reference(lead, n, k, group, blocks):
+    x = tied_rows((*lead, n), seed=n + k)
+    groups = chosen_groups(lead, -(-n // group), k, seed=n)
+    poison = (jnp.full((*lead, k), jnp.nan, jnp.float32), jnp.full((*lead, k), -7, jnp.int32))
+    values, indices = refine_top_k(x, groups, group=group, blocks=blocks, interpret=True, out_init=poison)
+    want_values, want_indices = refine_top_k_reference(x, groups, group=group)
+    values, indices = np.asarray(values), np.asarray(indices)
+    assert not np.isnan(values).any() and (indices != -7).all(), "kernel left elements unwritten (poisoned output)"
+    np.testing.assert_array_equal(indices, np.asarray(want_indices))
+    np.testing.assert_array_equal(values, np.asarray(want_values))
+
+
+def test_reference_by_hand():
+    """Groups of 2 of [5, 1, | 3, 5, | 0, -inf, | 5], groups 3 and 1 chosen (in that order): candidates 5 (index 6),
+    -inf (7, past N), 3 (2), 5 (3) → best first, ties to the lower index: 5@3, 5@6, 3@2."""
+    x = jnp.asarray([[5.0, 1.0, 3.0, 5.0, 0.0, -np.inf, 5.0]])
+    values, indices = refine_top_k_reference(x, jnp.asarray([[3, 1]], jnp.int32), group=2)
+    assert np.asarray(indices).tolist() == [[3, 6]] and np.asarray(values).tolist() == [[5.0, 5.0]]
+    values, indices = refine_top_k(x, jnp.asarray([[3, 1]], jnp.int32), group=2, interpret=True)
+    assert np.asarray(indices).tolist() == [[3, 6]] and np.asarray(values).tolist() == [[5.0, 5.0]]
+
+
+@pytest.mark.parametrize("n, k, group, direct_max", [(1000, 7, 4, 16), (777, 12, 3, 8)])
+def test_top_k_with_the_kernel_equals_lax_top_k(n, k, group, direct_max):
+    """Several levels of recursion, each refined by the kernel: exactly lax.top_k's values and indices."""
+    x = tied_rows((3, n), seed=n)
+
+    def refine(x, groups, *, group):
+        return refine_top_k(x, groups, group=group, interpret=True)
+
+    values, indices = top_k(x, k, group=group, direct_max=direct_max, refine=refine)
+    want_values, want_indices = lax.top_k(x, k)
+    np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices))
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+
+
+def test_index_topk_two_pass_with_the_kernel_picks_the_same():
+    """The two-pass indexer with selection="kernel" returns exactly what selection="xla" returns, on widths past
+    2048 keys (so the selection groups) in two width bands."""
+    from dsv4.pallas.indexer import index_topk_two_pass
+
+    rng = np.random.default_rng(7)
+    b, s, h, d, c, k = 1, 24, 4, 32, 2600, 16
+    inputs = dict(q=jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32),
+                  keys=jnp.asarray(rng.standard_normal((b, c, d)), jnp.float32),
+                  weights=jnp.asarray(rng.standard_normal((b, s, h)), jnp.float32),
+                  positions=jnp.asarray(4 * c - 2000 + 80 * np.arange(s), jnp.int32)[None])  # fmt: skip
+    kw = dict(rate=4, k=k, softmax_scale=d**-0.5, interpret=True, width_bands=2, query_chunk=12)
+    got = np.asarray(index_topk_two_pass(**inputs, **kw, selection="kernel"))
+    want = np.asarray(index_topk_two_pass(**inputs, **kw, selection="xla"))
+    np.testing.assert_array_equal(got, want)
+    assert (want >= 2048).any()  # picks past the first 2048 keys: the grouped path ran
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: refine_top_k(jnp.zeros((2, 10), jnp.int32), jnp.zeros((2, 2), jnp.int32), group=4), "float x"),
+    (lambda: refine_top_k(jnp.zeros((2, 10)), jnp.zeros((3, 2), jnp.int32), group=4), "groups must be int32"),
+    (lambda: refine_top_k(jnp.zeros((2, 10)), jnp.zeros((2, 4), jnp.int32), group=4), "k=4 chosen groups"),
+    (lambda: refine_top_k(jnp.zeros((2, 10)), jnp.zeros((2, 2), jnp.int32), group=4,
+                          out_init=(jnp.zeros((2, 3)), jnp.zeros((2, 3), jnp.int32))), "out_init must be"),
+    (lambda: SelectBlocks(block_rows=3), "block_rows=3"),
+])  # fmt: skip
+def test_bad_arguments_are_named(call, match):
+    with pytest.raises(ValueError, match=match):
+        jax.block_until_ready(call())
+
+
+def test_lowers_to_triton_at_v4_shapes():
+    """The kernel lowers for CUDA at the indexer's shapes (512 queries, a 512K prompt's 131136 keys, k = 512 of
+    2048 candidates) inside an abstract H200 mesh (Pallas' Triton lowering: shapes, gathers, the network)."""
+    from gpu_mesh import abstract_gpu_mesh
+
+    sds = jax.ShapeDtypeStruct
+    with abstract_gpu_mesh():
+        lowered = jax.jit(lambda x, g: refine_top_k(x, g, group=4)).trace(
+            sds((1, 512, 131136), jnp.float32), sds((1, 512, 512), jnp.int32)).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text().lower()
