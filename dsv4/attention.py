@@ -139,7 +139,7 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
 
     del query_chunk  # the kernels find each query block's window band themselves
     sinks = sinks.astype(F32)
-    hca = {} if compressed is None else dict(compressed=compressed.entries, compress_rate=compressed.rate)
+    entries = {} if compressed is None else dict(compressed=compressed.entries, compress_rate=compressed.rate)
     chunk = kv_prefix > 0 and q.shape[1] > 1  # one-token steps keep the Triton kernel (Mosaic's is untested at S = 1)
     if mosaic_applies(q, kv, compressed, kv_aligned or chunk):
         from dsv4.pallas.attention_mgpu import positions_are_aligned, v4_attention_mgpu
@@ -148,22 +148,22 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
             # Hopper fast path (window and HCA, the full-sequence prefill). It checks at run time that positions
             # are contiguous and takes the Triton kernel otherwise.
             return v4_attention_mgpu(q, kv[:, : q.shape[1]], q_pos, sinks, sliding_window=sliding_window,
-                                     scale=scale, **hca)  # fmt: skip
+                                     scale=scale, **entries)  # fmt: skip
         whole = prefix_is_whole(q_pos, kv_pos, kv_prefix) & positions_are_aligned(q_pos)
 
         def mosaic(q, kv, q_pos, kv_pos):
             del kv_pos  # rows are placed by index: the prefix, then q's own tokens (padding rows only reach padding)
             return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=sliding_window, scale=scale,
-                                     kv_offset=kv_prefix, check_positions=False, **hca)  # fmt: skip
+                                     kv_offset=kv_prefix, check_positions=False, **entries)  # fmt: skip
 
         def triton(q, kv, q_pos, kv_pos):
-            return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale, **hca)
+            return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale, **entries)
 
         return jax.lax.cond(whole, mosaic, triton, q, kv, q_pos, kv_pos)
     if compressed is not None:
-        hca["topk_indices"] = compressed.topk_indices
+        entries["topk_indices"] = compressed.topk_indices
     return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
-                        interpret=jax.default_backend() != "gpu", **hca)  # fmt: skip
+                        interpret=jax.default_backend() != "gpu", **entries)  # fmt: skip
 
 
 def prefix_is_whole(q_pos: jax.Array, kv_pos: jax.Array, kv_prefix: int) -> jax.Array:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -99,9 +100,7 @@ def refine_top_k(
     k = groups.shape[-1]
     if not 1 <= k <= -(-n // group):
         raise ValueError(f"k={k} chosen groups must be in [1, ceil(N / group) = {-(-n // group)}]")
-    rows = 1
-    for d in lead:
-        rows *= d
+    rows = math.prod(lead)
     flat_x, flat_g = x.reshape(rows, n), groups.reshape(rows, k)
     out_shape = [jax.ShapeDtypeStruct((rows, k), x.dtype), jax.ShapeDtypeStruct((rows, k), jnp.int32)]
     row_block = lambda w: pl.BlockSpec((blocks.block_rows, w), lambda i: (i, 0))  # noqa: E731
