@@ -108,8 +108,14 @@ def bands(n_bands: int, s: int, save: str | None):
 
 
 def breakdown(s: int, r: int):
-    from dsv4.pallas.select import refine_top_k
+    from dsv4.pallas.select import SelectBlocks, refine_top_k
     from dsv4.topk import top_k
+
+    def xla_refine(x, groups, group):  # dsv4.topk.top_k's own refinement step (sort ids, gather, lax.top_k)
+        g = jnp.sort(groups, axis=-1)
+        cand = jnp.take_along_axis(x.reshape(r, -1, group), g[..., None], axis=-2).reshape(r, -1)
+        v, pos = jax.lax.top_k(cand, groups.shape[-1])
+        return v, jnp.take_along_axis(g, pos // group, axis=-1) * group + pos % group
 
     for end in (s, s // 2, s // 4):
         w = -(-((end // RATE) + 63) // 64) * 64  # the chunk's visible keys, whole 64-key tiles
@@ -130,6 +136,21 @@ def breakdown(s: int, r: int):
         row["topk_g4_refine_kernel"] = median_ms(jax.jit(lambda x: top_k(x, 512, refine=refine_top_k)), sc)
         same = np.array_equal(np.asarray(top_k(sc, 512, refine=refine_top_k)[1]), np.asarray(top_k(sc, 512)[1]))
         row["refine_same"] = str(same)
+        variants = (("r1w8", SelectBlocks(1, 8)), ("r2w8", SelectBlocks(2, 8)), ("r1w16", SelectBlocks(1, 16)))
+        for name, blocks in variants:
+            refine = functools.partial(refine_top_k, blocks=blocks)
+            row[f"topk_g4_refine_{name}"] = median_ms(jax.jit(lambda x, f=refine: top_k(x, 512, refine=f)), sc)
+        # the first level alone (131K -> 512 from the 512 best groups of 4): XLA's sort + gather + top_k vs the kernel
+        best = jax.jit(lambda x: top_k(x.reshape(r, -1, 4).max(-1), 512)[1])(sc)
+        row["level0_xla"] = median_ms(jax.jit(lambda x, g: xla_refine(x, g, 4)), sc[0], best)
+        row["level0_kernel"] = median_ms(jax.jit(lambda x, g: refine_top_k(x, g, group=4)), sc[0], best)
+        # queue item 2: a pass over the kernel's slab vs over a fresh XLA array of the same shape (IX22's 1.2 TB/s)
+        fresh = jax.jit(lambda: jnp.full((1, r, w), 1.0, jnp.float32))()
+        for name, x in (("slab", sc), ("fresh", fresh)):
+            row[f"copy_{name}"] = median_ms(jax.jit(lambda x: x * 2.0), x)
+            row[f"gmax4_{name}"] = median_ms(jax.jit(lambda x: x.reshape(r, -1, 4).max(-1)), x)
+            row[f"sum_{name}"] = median_ms(jax.jit(lambda x: x.sum(-1)), x)
+        row["slab_GB"] = sc.size * 4 / 1e9
         say("BREAKDOWN " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
 
 

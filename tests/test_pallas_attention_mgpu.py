@@ -279,12 +279,15 @@ def _check_on_gpu(config, hca, seq, **shape):
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("check_positions", [False, True])
-def test_gpu_with_a_halo_before_q(check_positions):
+@pytest.mark.parametrize("check_positions, seq, off", [(False, 301, 127), (True, 301, 127), (False, 1, 128),
+                                                       (True, 1, 128), (False, 3, 128)])  # fmt: skip
+def test_gpu_with_a_halo_before_q(check_positions, seq, off):
     """A sequence shard as `context_parallel` hands it over: 127 halo rows (W - 1) before q's 301, q at global
     positions 1000.. (HCA entries visible by global position). check_positions=True compiles the Triton fallback
-    too (its kv positions must include the halo's) and runs the persistent form, False one CTA per token."""
-    window, rate, off, p0, seq, d = 128, 4, 127, 1000, 301, 512
+    too (its kv positions must include the halo's) and runs the persistent form, False one CTA per token. seq 1
+    and 3 after 128 rows: a cached chunk's layout (`core_attention_pallas` kv_prefix = W) for one and three tokens
+    (KERNEL_NOTES queue: is the kernel right at S = 1?)."""
+    window, rate, p0, d = 128, 4, 1000, 512
     q, _, q_pos, sinks, compressed = make_inputs(7, seq=seq, rate=rate, offset=p0)
     kv = jnp.asarray(np.random.default_rng(8).standard_normal((1, off + seq, d)), jnp.bfloat16)
     kv_pos = jnp.asarray(p0 - off + np.arange(off + seq, dtype=np.int32))[None]
