@@ -136,14 +136,12 @@ def breakdown(s: int, r: int):
         row["topk_g4_refine_kernel"] = median_ms(jax.jit(lambda x: top_k(x, 512, refine=refine_top_k)), sc)
         same = np.array_equal(np.asarray(top_k(sc, 512, refine=refine_top_k)[1]), np.asarray(top_k(sc, 512)[1]))
         row["refine_same"] = str(same)
-        variants = (("r1w8", SelectBlocks(1, 8)), ("r2w8", SelectBlocks(2, 8)), ("r1w16", SelectBlocks(1, 16)))
-        for name, blocks in variants:
-            refine = functools.partial(refine_top_k, blocks=blocks)
-            row[f"topk_g4_refine_{name}"] = median_ms(jax.jit(lambda x, f=refine: top_k(x, 512, refine=f)), sc)
         # the first level alone (131K -> 512 from the 512 best groups of 4): XLA's sort + gather + top_k vs the kernel
         best = jax.jit(lambda x: top_k(x.reshape(r, -1, 4).max(-1), 512)[1])(sc)
         row["level0_xla"] = median_ms(jax.jit(lambda x, g: xla_refine(x, g, 4)), sc[0], best)
         row["level0_kernel"] = median_ms(jax.jit(lambda x, g: refine_top_k(x, g, group=4)), sc[0], best)
+        row["level0_kernel_unordered"] = median_ms(jax.jit(lambda x, g: refine_top_k(x, g, group=4, ordered=False)),
+                                                   sc[0], best)  # fmt: skip
         # queue item 2: a pass over the kernel's slab vs over a fresh XLA array of the same shape (IX22's 1.2 TB/s)
         fresh = jax.jit(lambda: jnp.full((1, r, w), 1.0, jnp.float32))()
         for name, x in (("slab", sc), ("fresh", fresh)):
@@ -152,6 +150,14 @@ def breakdown(s: int, r: int):
             row[f"sum_{name}"] = median_ms(jax.jit(lambda x: x.sum(-1)), x)
         row["slab_GB"] = sc.size * 4 / 1e9
         say("BREAKDOWN " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        row = dict(end=end)
+        variants = (("r1w1", SelectBlocks(1, 1)), ("r1w2", SelectBlocks(1, 2)), ("r1w8", SelectBlocks(1, 8)),
+                    ("r4w4", SelectBlocks(4, 4)))  # fmt: skip
+        for name, blocks in variants if end == s else ():  # launch shapes, at the longest row only
+            refine = functools.partial(refine_top_k, blocks=blocks)
+            row[f"topk_g4_refine_{name}"] = median_ms(jax.jit(lambda x, f=refine: top_k(x, 512, refine=f)), sc)
+        if len(row) > 1:
+            say("BREAKDOWN " + " ".join(f"{k}={v:.3f}" for k, v in row.items() if k != "end") + f" (end={end})")
 
 
 def main():

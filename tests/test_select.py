@@ -8,6 +8,8 @@ indexer scores), widths not multiples of the group, and k · group not a power o
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,16 +42,42 @@ def chosen_groups(lead, n_groups, k, seed):
     ((2, 2), 64, 16, 4, SelectBlocks(block_rows=4)),  # leading axes pass through
     ((1,), 40, 10, 4, SelectBlocks()),  # every group chosen
 ])  # fmt: skip
-def test_matches_reference(lead, n, k, group, blocks):
+@pytest.mark.parametrize("ordered", [True, False])
+def test_matches_reference(lead, n, k, group, blocks, ordered):
     x = tied_rows((*lead, n), seed=n + k)
     groups = chosen_groups(lead, -(-n // group), k, seed=n)
+    check_against_reference(x, groups, group, blocks, ordered, interpret=True)
+
+
+def by_index(values, indices):
+    """(values, indices) rows reordered by increasing index: the unordered kernel output's set, comparable."""
+    order = np.argsort(indices, axis=-1, kind="stable")
+    return np.take_along_axis(values, order, -1), np.take_along_axis(indices, order, -1)
+
+
+def check_against_reference(x, groups, group, blocks, ordered, *, interpret):
+    lead, k = groups.shape[:-1], groups.shape[-1]
     poison = (jnp.full((*lead, k), jnp.nan, jnp.float32), jnp.full((*lead, k), -7, jnp.int32))
-    values, indices = refine_top_k(x, groups, group=group, blocks=blocks, interpret=True, out_init=poison)
-    want_values, want_indices = refine_top_k_reference(x, groups, group=group)
+    values, indices = refine_top_k(x, groups, group=group, ordered=ordered, blocks=blocks, interpret=interpret,
+                                   out_init=poison)  # fmt: skip
+    want_values, want_indices = map(np.asarray, refine_top_k_reference(x, groups, group=group))
     values, indices = np.asarray(values), np.asarray(indices)
     assert not np.isnan(values).any() and (indices != -7).all(), "kernel left elements unwritten (poisoned output)"
-    np.testing.assert_array_equal(indices, np.asarray(want_indices))
-    np.testing.assert_array_equal(values, np.asarray(want_values))
+    if not ordered:
+        assert not (np.diff(np.sort(indices, -1), axis=-1) == 0).any(), "an index taken twice"
+        (values, indices), (want_values, want_indices) = by_index(values, indices), by_index(want_values, want_indices)
+    np.testing.assert_array_equal(indices, want_indices)
+    np.testing.assert_array_equal(values, want_values)
+
+
+def test_order_key_orders_like_floats():
+    """order_key (the kernel's int32 keys) sorts -inf, negatives, -0.0, +0.0, positives, +inf as floats do, with
+    -0.0 below +0.0 (lax.top_k's order)."""
+    from dsv4.pallas.select import order_key
+
+    x = np.asarray([-np.inf, -3e38, -2.5, -1.0, -1e-40, -0.0, 0.0, 1e-40, 1.0, 2.5, 3e38, np.inf], np.float32)
+    keys = np.asarray(order_key(jnp.asarray(x)))
+    assert (np.diff(keys) > 0).all(), keys
 
 
 def test_reference_by_hand():
@@ -60,6 +88,9 @@ def test_reference_by_hand():
     assert np.asarray(indices).tolist() == [[3, 6]] and np.asarray(values).tolist() == [[5.0, 5.0]]
     values, indices = refine_top_k(x, jnp.asarray([[3, 1]], jnp.int32), group=2, interpret=True)
     assert np.asarray(indices).tolist() == [[3, 6]] and np.asarray(values).tolist() == [[5.0, 5.0]]
+    # unordered: in the chosen groups' order, group 3 (index 6) before group 1 (index 3)
+    values, indices = refine_top_k(x, jnp.asarray([[3, 1]], jnp.int32), group=2, ordered=False, interpret=True)
+    assert np.asarray(indices).tolist() == [[6, 3]] and np.asarray(values).tolist() == [[5.0, 5.0]]
 
 
 @pytest.mark.parametrize("n, k, group, direct_max", [(1000, 7, 4, 16), (777, 12, 3, 8)])
@@ -67,8 +98,8 @@ def test_top_k_with_the_kernel_equals_lax_top_k(n, k, group, direct_max):
     """Several levels of recursion, each refined by the kernel: exactly lax.top_k's values and indices."""
     x = tied_rows((3, n), seed=n)
 
-    def refine(x, groups, *, group):
-        return refine_top_k(x, groups, group=group, interpret=True)
+    def refine(x, groups, *, group, ordered):
+        return refine_top_k(x, groups, group=group, ordered=ordered, interpret=True)
 
     values, indices = top_k(x, k, group=group, direct_max=direct_max, refine=refine)
     want_values, want_indices = lax.top_k(x, k)
@@ -128,17 +159,14 @@ def test_gpu_matches_reference(blocks):
     for lead, n, k, group in (((5,), 101, 8, 4), ((3,), 37, 6, 3), ((2, 2), 64, 16, 4)):
         x = tied_rows((*lead, n), seed=n + k)
         groups = chosen_groups(lead, -(-n // group), k, seed=n)
-        poison = (jnp.full((*lead, k), jnp.nan, jnp.float32), jnp.full((*lead, k), -7, jnp.int32))
-        values, indices = refine_top_k(x, groups, group=group, blocks=blocks, out_init=poison)
-        want_values, want_indices = refine_top_k_reference(x, groups, group=group)
-        np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices))
-        np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+        for ordered in (True, False):
+            check_against_reference(x, groups, group, blocks, ordered, interpret=False)
     rng = np.random.default_rng(11)
     n, rows = 131136, 64
     x = rng.standard_normal((1, rows, n)).astype(np.float32)
     x[0, :, :] = np.where(np.arange(n)[None, :] < (n - 400 * np.arange(rows))[:, None], x[0], -np.inf)
     x = jnp.asarray(x)
-    refine = lambda x, g, *, group: refine_top_k(x, g, group=group, blocks=blocks)  # noqa: E731
+    refine = functools.partial(refine_top_k, blocks=blocks)
     values, indices = jax.jit(lambda x: top_k(x, 512, refine=refine))(x)
     want_values, want_indices = lax.top_k(x, 512)
     np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices))

@@ -692,11 +692,11 @@ def band_widths(num_entries: int, bands: int, align: int = 64) -> tuple[int, ...
                          for j in range(1, bands + 1)}))  # fmt: skip
 
 
-def _refine_interpreted(x, groups, *, group):
+def _refine_interpreted(x, groups, *, group, ordered):
     """`refine_top_k` in the Pallas interpreter, one stable callable (`top_k` takes `refine` as a static argument)."""
     from dsv4.pallas.select import refine_top_k
 
-    return refine_top_k(x, groups, group=group, interpret=True)
+    return refine_top_k(x, groups, group=group, ordered=ordered, interpret=True)
 
 
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "query_chunk", "blocks", "group",
@@ -742,7 +742,7 @@ def index_topk_two_pass(
 
     selection: how `dsv4.topk.top_k` refines each level: "xla" (a sort of the chosen group ids, a gather and
     `lax.top_k`) or "kernel" (`dsv4.pallas.select.refine_top_k`, one pass; interpreted with `interpret`). The
-    same picks either way (the scores hold no -0.0). Not measured on a GPU yet (docs/KERNEL_NOTES.md, the queue).
+    same picks either way.
     """
     from dsv4.topk import top_k
 

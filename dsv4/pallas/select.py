@@ -5,19 +5,28 @@ jnp reference.
 among those groups' k · group elements. In XLA that second step is a sort of the k chosen group ids (so that
 `lax.top_k`'s ties to the lower position are ties to the lower index), a gather of the k · group candidates and a
 `lax.top_k` of them, once per recursion level: at a 512K prompt's last query chunk about 0.55 ms of its 2.2 ms,
-four levels of it (docs/KERNEL_NOTES.md IX22). This kernel does one level in one pass:
+four levels of it (docs/KERNEL_NOTES.md IX22). This kernel finds the k best of one level by a threshold, without
+sorting anything:
 
-    candidates = x[g · group + j] for each chosen group g and j < group (index >= N: -inf, never preferred)
-    → the k best by (value descending, index ascending), best first: exactly `lax.top_k` over the whole row
-      whenever the chosen groups hold the row's top k (the grouped argument of `dsv4.topk`)
+    candidates = x[g · group + j] for each chosen group g and j < group (index >= N: never chosen)
+    t = the k-th largest candidate, by a bitwise search over the values' order-preserving int32 keys (31 counts)
+    → every candidate above t, and the lowest-index ties at t (a bitwise search over their indices), exactly k:
+      the k best by (value descending, index ascending), as `lax.top_k` over the whole row picks them whenever the
+      chosen groups hold the row's top k (the grouped argument of `dsv4.topk`)
+    → stored compacted (a cumulative sum gives each chosen candidate its slot) in candidate order.
 
-by a bitonic sort of the (value, index) pairs in registers (`dsv4.pallas.indexer`'s network). The order of the
-chosen group ids does not matter: the sort breaks ties by index itself. -0.0 ties with +0.0 here (broken by
-index), where `lax.top_k` puts -0.0 below +0.0: the indexer's scores never hold -0.0 (its kernels write +0.0).
+Candidate order is the chosen groups' order. `ordered=False` returns that (the inner levels of `top_k` only need
+the set). `ordered=True` sorts the group ids first, so candidate order is index order, and then `lax.top_k` of
+the k values puts them best first with ties to the lower index: exactly `lax.top_k`'s answer, for a sort of k
+ids and a top-k of k values instead of k · group. The int32 keys order -0.0 below +0.0 as `lax.top_k` does.
 NaN is not supported.
 
-Layout: one program = `block_rows` rows; its k · group candidates per row (padded to a power of two with -inf
-at indices past N) are gathered with pointer loads, sorted best first, and the first k stored.
+Why not a sort network: the first version sorted the k · group pairs with `dsv4.pallas.indexer`'s bitonic network
+in registers (66 stages at 2048 wide); Triton took minutes to compile it at k = 512 (KERNEL_NOTES IX23). The
+searches here are loops (`fori_loop`) of reductions, quick to compile, and about 50 reductions per row.
+
+Layout: one program = `block_rows` rows; its k · group candidates per row (padded to a power of two, at indices
+past N) are gathered with pointer loads.
 """
 
 from __future__ import annotations
@@ -32,11 +41,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dsv4.pallas.indexer import _bitonic_sort, _next_power_of_2
+from dsv4.pallas.indexer import _next_power_of_2
 
 __all__ = ["SelectBlocks", "refine_top_k", "refine_top_k_kernel", "refine_top_k_reference"]
 
 NEG_INF = float("-inf")
+INT32_MIN = -(2**31)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +63,16 @@ class SelectBlocks:
                 raise ValueError(f"SelectBlocks.{name}={value} must be a positive power of two")
 
 
+def order_key(values: jax.Array) -> jax.Array:
+    """float32 → int32 with the same order (-inf lowest real value, -0.0 just below +0.0): negative floats have
+    their magnitude bits flipped."""
+    bits = lax.bitcast_convert_type(values, jnp.int32)
+    return bits ^ (lax.shift_right_arithmetic(bits, 31) & 0x7FFFFFFF)
+
+
 def refine_top_k_kernel(x_ref, groups_ref, values_ref, indices_ref, *, n_rows: int, group: int):
-    """x_ref [block_rows, N]; groups_ref [block_rows, k] int32; values_ref / indices_ref [block_rows, k]."""
+    """x_ref [block_rows, N] float; groups_ref [block_rows, k] int32; values_ref / indices_ref [block_rows, width]
+    (width = k · group padded to a power of two: the k chosen first, the other candidates after them)."""
     block_rows, n = x_ref.shape
     k = groups_ref.shape[1]
     width = _next_power_of_2(k * group)
@@ -68,18 +86,45 @@ def refine_top_k_kernel(x_ref, groups_ref, values_ref, indices_ref, *, n_rows: i
     index = jnp.where(real[None, :], chosen * group + (slot % group)[None, :], n + slot[None, :])  # [R, width]
     inside = row_ok[:, None] & (index < n)
     values = plgpu.load(x_ref.at[local, jnp.minimum(index, n - 1)], mask=inside, other=NEG_INF)
-    values, index = _bitonic_sort(values, index, best_first=True)
-    column = slot < k
-    plgpu.store(values_ref.at[:, pl.ds(0, width)], values, mask=row_ok[:, None] & column[None, :])
-    plgpu.store(indices_ref.at[:, pl.ds(0, width)], index, mask=row_ok[:, None] & column[None, :])
+    key = jnp.where(inside, order_key(values.astype(jnp.float32)), INT32_MIN)  # padding below every real value
+
+    def count(pred):  # [R, width] bool → [R] int32
+        return jnp.sum(pred.astype(jnp.int32), axis=1)
+
+    # t: the largest key with at least k candidates >= t (the k-th largest key), built from the sign bit down
+    t = jnp.where(count(key >= 0) >= k, 0, INT32_MIN).astype(jnp.int32)
+
+    def key_bit(i, t):
+        trial = t | lax.shift_left(jnp.int32(1), 30 - i)
+        return jnp.where(count(key >= trial[:, None]) >= k, trial, t)
+
+    t = lax.fori_loop(0, 31, key_bit, t)
+    above = key > t[:, None]
+    tie = key == t[:, None]
+    need = k - count(above)  # >= 1 ties to take, the lowest indices first
+    index_bits = (n + width).bit_length()
+
+    def index_bit(i, b):  # b: the largest bound with fewer than `need` ties at indices < b
+        trial = b | lax.shift_left(jnp.int32(1), index_bits - 1 - i)
+        return jnp.where(count(tie & (index < trial[:, None])) < need, trial, b)
+
+    b = lax.fori_loop(0, index_bits, index_bit, jnp.zeros_like(t))
+    take = above | (tie & (index <= b[:, None]))  # exactly k per row
+    # every candidate gets its own output slot, in candidate order: the k taken in [0, k), the rest after them (a
+    # permutation, so no two lanes store to one address: the interpreter's masked scatter would let them collide)
+    taken = jnp.cumsum(take.astype(jnp.int32), axis=1)
+    out = jnp.where(take, taken - 1, k + slot[None, :] - taken)
+    plgpu.store(values_ref.at[local, out], values, mask=row_ok[:, None])
+    plgpu.store(indices_ref.at[local, out], index, mask=row_ok[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("group", "blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("group", "ordered", "blocks", "interpret"))
 def refine_top_k(
     x: jax.Array,
     groups: jax.Array,
     *,
     group: int,
+    ordered: bool = True,
     blocks: SelectBlocks = SelectBlocks(),
     interpret: bool = False,
     out_init: tuple[jax.Array, jax.Array] | None = None,
@@ -87,8 +132,9 @@ def refine_top_k(
     """The k best of the chosen groups' elements, per row (see the module docstring).
 
     x [..., N] float; groups [..., k] int32, distinct group ids in [0, ceil(N / group)), any order. → (values
-    [..., k], indices int32 [..., k]), best first, ties to the lower index. interpret: the Pallas interpreter
-    (CPU). out_init: testing hook, the output buffers start as these (aliased), so unwritten elements keep them."""
+    [..., k], indices int32 [..., k]): the k best by (value descending, index ascending); ordered: best first,
+    else in the order of `groups`. interpret: the Pallas interpreter (CPU). out_init: testing hook, the kernel's
+    output buffers start as these (aliased), so unwritten elements keep them."""
     if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"refine_top_k needs a float x [..., N], got {x.dtype}{list(x.shape)}")
     if groups.shape[:-1] != x.shape[:-1] or groups.dtype != jnp.int32:
@@ -101,14 +147,17 @@ def refine_top_k(
     if not 1 <= k <= -(-n // group):
         raise ValueError(f"k={k} chosen groups must be in [1, ceil(N / group) = {-(-n // group)}]")
     rows = math.prod(lead)
+    if ordered:
+        groups = jnp.sort(groups, axis=-1)  # candidate order = index order (see the module docstring)
     flat_x, flat_g = x.reshape(rows, n), groups.reshape(rows, k)
-    out_shape = [jax.ShapeDtypeStruct((rows, k), x.dtype), jax.ShapeDtypeStruct((rows, k), jnp.int32)]
+    width = _next_power_of_2(k * group)
+    out_shape = [jax.ShapeDtypeStruct((rows, width), x.dtype), jax.ShapeDtypeStruct((rows, width), jnp.int32)]
     row_block = lambda w: pl.BlockSpec((blocks.block_rows, w), lambda i: (i, 0))  # noqa: E731
     inits = ()
     if out_init is not None:
         if [(a.shape, a.dtype) for a in out_init] != [((*lead, k), x.dtype), ((*lead, k), jnp.int32)]:
             raise ValueError(f"out_init must be ({x.dtype}, int32) arrays of shape {(*lead, k)}")
-        inits = tuple(a.reshape(rows, k) for a in out_init)
+        inits = tuple(jnp.pad(a.reshape(rows, k), ((0, 0), (0, width - k)), mode="edge") for a in out_init)
 
     def kernel(x_ref, g_ref, *refs):  # aliased init buffers (never read) come before the outputs
         refine_top_k_kernel(x_ref, g_ref, *refs[len(inits):], n_rows=rows, group=group)
@@ -117,14 +166,18 @@ def refine_top_k(
         kernel,
         out_shape=out_shape,
         grid=(pl.cdiv(rows, blocks.block_rows),),
-        in_specs=[row_block(n), row_block(k), *[row_block(k)] * len(inits)],
-        out_specs=[row_block(k), row_block(k)],
+        in_specs=[row_block(n), row_block(k), *[row_block(width)] * len(inits)],
+        out_specs=[row_block(width), row_block(width)],
         input_output_aliases={2 + i: i for i in range(len(inits))},
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name="refine_top_k",
     )(flat_x, flat_g, *inits)
-    return values.reshape(*lead, k), indices.reshape(*lead, k)
+    values, indices = values[:, :k].reshape(*lead, k), indices[:, :k].reshape(*lead, k)
+    if ordered:  # candidates came in index order: lax.top_k's ties to the lower position are ties to the lower index
+        values, pos = lax.top_k(values, k)
+        indices = jnp.take_along_axis(indices, pos, axis=-1)
+    return values, indices
 
 
 def refine_top_k_reference(x: jax.Array, groups: jax.Array, *, group: int) -> tuple[jax.Array, jax.Array]:
