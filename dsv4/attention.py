@@ -485,8 +485,9 @@ def index_topk_fp8(q, weights, positions, keys, *, rate: int, k: int, softmax_sc
     GPU (`index_scores_mgpu`) or the Triton kernel elsewhere, then the exact grouped top-k. Arguments as
     `index_topk_jnp` (q, weights, positions first: the per-shard function of `per_sequence_shard`).
     On the Mosaic path each query chunk is scored over one of 4 width bands (`index_topk_two_pass(width_bands=4)`:
-    one H200, 512K tokens, 1140 → 1087 ms; 128K 102.5 → 95.8 ms; docs/KERNEL_NOTES.md IX13b, IX16).
-    → [B, S, k] int32."""
+    one H200, 512K tokens, 1140 → 1087 ms; 128K 102.5 → 95.8 ms; docs/KERNEL_NOTES.md IX13b, IX16) and the top-k's
+    refinement levels run as one kernel each (`selection="kernel"`, `dsv4.pallas.select`: 128K 95.6 → 76.7 ms,
+    the same picks; IX23). → [B, S, k] int32."""
     from dsv4.pallas.indexer import index_topk_two_pass
     from dsv4.pallas.indexer_mgpu import is_hopper
 
@@ -495,7 +496,8 @@ def index_topk_fp8(q, weights, positions, keys, *, rate: int, k: int, softmax_sc
     mgpu = not interpret and is_hopper() and q.shape[2] == 64
     return index_topk_two_pass(q8, k8, weights, positions, rate=rate, k=k, softmax_scale=softmax_scale,
                                q_scale=q_scale, k_scale=k_scale, interpret=interpret,
-                               scores_impl="mgpu" if mgpu else "triton", width_bands=4 if mgpu else 1)  # fmt: skip
+                               scores_impl="mgpu" if mgpu else "triton", width_bands=4 if mgpu else 1,
+                               selection="kernel" if mgpu else "xla")  # fmt: skip
 
 
 def index_topk_jnp(q, keys, weights, positions, *, rate: int, k: int, softmax_scale: float, query_chunk: int = 512):
