@@ -42,6 +42,17 @@ def median_ms(fn, *a, reps=7):
     return statistics.median(ts) * 1e3
 
 
+def loop_ms(fn, x, n=20):
+    """Per-call time of fn(x) run n times inside one jit (a fori_loop; each iteration's input depends on the carry,
+    so XLA cannot hoist it): no launch or host-sync overhead per call, unlike median_ms."""
+
+    def body(i, c):
+        return c + jnp.ravel(fn(x + c))[0].astype(jnp.float32) * 0.0
+
+    looped = jax.jit(lambda x: jax.lax.fori_loop(0, n, body, jnp.float32(0)))
+    return median_ms(looped, x, reps=3) / n
+
+
 def stages(fn, inp, reps):
     """Lower, compile, first call, then `reps` timed calls, each printed. → (output, median seconds)."""
     t0 = time.perf_counter()
@@ -148,6 +159,8 @@ def breakdown(s: int, r: int):
             row[f"copy_{name}"] = median_ms(jax.jit(lambda x: x * 2.0), x)
             row[f"gmax4_{name}"] = median_ms(jax.jit(lambda x: x.reshape(r, -1, 4).max(-1)), x)
             row[f"sum_{name}"] = median_ms(jax.jit(lambda x: x.sum(-1)), x)
+            row[f"loop_copy_{name}"] = loop_ms(lambda x: x * 2.0, x)  # the same passes without per-call overhead
+            row[f"loop_gmax4_{name}"] = loop_ms(lambda x: x.reshape(r, -1, 4).max(-1), x)
         row["slab_GB"] = sc.size * 4 / 1e9
         say("BREAKDOWN " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         row = dict(end=end)
@@ -156,6 +169,9 @@ def breakdown(s: int, r: int):
         for name, blocks in variants if end == s else ():  # launch shapes, at the longest row only
             refine = functools.partial(refine_top_k, blocks=blocks)
             row[f"topk_g4_refine_{name}"] = median_ms(jax.jit(lambda x, f=refine: top_k(x, 512, refine=f)), sc)
+        for g in (8, 16) if end == s else ():  # wider groups: fewer levels, now that a level is one kernel
+            wide = jax.jit(lambda x, g=g: top_k(x, 512, group=g, refine=refine_top_k))
+            row[f"topk_g{g}_refine_kernel"] = median_ms(wide, sc)
         if len(row) > 1:
             say("BREAKDOWN " + " ".join(f"{k}={v:.3f}" for k, v in row.items() if k != "end") + f" (end={end})")
 
