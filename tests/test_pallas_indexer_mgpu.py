@@ -19,6 +19,8 @@ four (docs/KERNEL_NOTES.md IX11; the attention kernel's interpreter run hung the
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -217,3 +219,21 @@ def test_gpu_two_pass_with_mgpu_scores_picks_a_true_top_k():
 
 if __name__ == "__main__":
     _interpreter_case()
+
+
+def test_model_fp8_indexer_on_hopper_lowers_with_both_kernels(monkeypatch):
+    """`dsv4.attention.index_topk_fp8` as it runs on a Hopper GPU (is_hopper patched true, lowered for an abstract
+    H200): the Mosaic scores kernel and `dsv4.pallas.select`'s refinement kernel both in the module. 2304 keys:
+    past top_k's direct 2048, so the grouped selection and its refinement run."""
+    import dsv4.pallas.indexer_mgpu as indexer_mgpu
+    from dsv4.attention import index_topk_fp8
+
+    monkeypatch.setattr(indexer_mgpu, "is_hopper", lambda: True)
+    b, s, c = 1, 64, 2304
+    sds = jax.ShapeDtypeStruct
+    args = (sds((b, s, 64, 128), jnp.bfloat16), sds((b, s, 64), jnp.float32), sds((b, s), jnp.int32),
+            sds((b, c, 128), jnp.bfloat16))  # fmt: skip
+    f = functools.partial(index_topk_fp8, rate=4, k=512, softmax_scale=0.1, interpret=False)
+    with abstract_gpu_mesh():
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "refine_top_k" in text
