@@ -455,12 +455,17 @@ class Indexer(Compressor):
         kw = dict(rate=self.rate, k=k, softmax_scale=self.head_dim**-0.5)
         if impl in ("pallas", "pallas-fp8"):
             from dsv4.pallas.indexer import index_topk_two_pass
+            from dsv4.pallas.indexer_mgpu import is_hopper
             from dsv4.sharding.context_parallel import per_sequence_shard
 
             interpret = jax.default_backend() != "gpu"
+            # the top-k's refinement levels as one kernel each on Hopper, where it was measured (dsv4.pallas.select:
+            # the selection of a 512K prompt's last query chunk 0.79 -> 0.40 ms, whatever computed the scores)
+            selection = "kernel" if not interpret and is_hopper() else "xla"
 
             def local(q_, weights_, positions_, keys_):  # this shard's queries against all keys
-                return index_topk_two_pass(q_, keys_, weights_, positions_, **kw, interpret=interpret)
+                return index_topk_two_pass(q_, keys_, weights_, positions_, **kw, interpret=interpret,
+                                           selection=selection)  # fmt: skip
 
             if impl == "pallas-fp8":
                 local = functools.partial(index_topk_fp8, **kw, interpret=interpret)
