@@ -9,6 +9,8 @@
    the mgpu variants next to the Triton kernel (dsv4.pallas.attention.v4_attention), plus a same-run bf16
    8192³ matmul rate. Useful FLOPs = 4·H·D per unmasked (query, key) pair: min(p+1, W) window keys plus
    (p+1)//rate HCA entries per query.
+   --fp8 adds FP8 KV (per-channel scales): a dequantize pass to bf16 plus the Mosaic kernel (the model's route on
+   Hopper), and the Triton kernel's in-kernel dequantization, each on the same quantized values.
 Every variant is caught separately: one failure prints its error and the rest go on. Progress is flushed.
 """
 
@@ -70,6 +72,38 @@ def run_triton(q, kv, q_pos, sinks, comp, rate):
                         compress_rate=rate if comp is not None else None)  # fmt: skip
 
 
+def quantize_channels(x):
+    """x [B, N, D] → (e4m3 values, float32 [D] scales): per-channel amax / 448, as the cache's fp8-channel format."""
+    scales = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(0, 1)) / 448.0, 1e-12)
+    return (x.astype(jnp.float32) / scales).astype(jnp.float8_e4m3fn), scales
+
+
+@jax.jit
+def dequantize(x8, scales):
+    return (x8.astype(jnp.float32) * scales).astype(jnp.bfloat16)
+
+
+def fp8_runners(config, q, kv, q_pos, sinks, comp, rate, *, triton):
+    """FP8 KV (per-channel scales) two ways: the route the model takes on Hopper (a dequantize pass to bf16 in XLA,
+    then the Mosaic kernel; `Attention.forward_chunk` reads FP8 caches out as bf16), and the Triton kernel, which
+    dequantizes inside. → ([(name, fn)], the bf16 inputs those values dequantize to, for a same-values check)."""
+    kv8, kv_s = quantize_channels(kv)
+    comp8, comp_s = quantize_channels(comp) if comp is not None else (None, None)
+
+    @jax.jit
+    def mosaic(q, kv8, kv_s, q_pos, sinks, comp8, comp_s):
+        comp = dequantize(comp8, comp_s) if comp8 is not None else None
+        return run_mgpu(config, q, dequantize(kv8, kv_s), q_pos, sinks, comp, rate)
+
+    runners = [("mgpu-fp8-deq-pass", lambda: mosaic(q, kv8, kv_s, q_pos, sinks, comp8, comp_s))]
+    if triton:
+        runners.append(("triton-fp8", lambda: v4_attention(
+            q, kv8, q_pos, q_pos, sinks, sliding_window=W, scale=D**-0.5, kv_scales=kv_s, compressed=comp8,
+            compressed_scales=comp_s, compress_rate=rate if comp is not None else None)))
+    deq = (dequantize(kv8, kv_s), dequantize(comp8, comp_s) if comp is not None else None)
+    return runners, deq
+
+
 def useful_flops(seq, hca, rate):
     p = np.arange(seq, dtype=np.int64)
     pairs = np.minimum(p + 1, W).sum()
@@ -126,6 +160,9 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     ap.add_argument("--skip-triton", action="store_true")
     ap.add_argument("--seqs", default=None, help="comma-separated S values (overrides --quick)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also FP8 KV (per-channel scales): dequantize pass + the first variant's Mosaic kernel, "
+                         "and the Triton kernel's in-kernel dequantization (unless --skip-triton)")  # fmt: skip
     args = ap.parse_args()
     names = [n for n in args.variants.split(",") if n]
     log("devices:", jax.devices())
@@ -153,6 +190,16 @@ def main():
             skipped = [n for n in names if not ok.get(n)]
             if not args.skip_triton:
                 runners.append(("triton", lambda: run_triton(*data, RATE)))
+            first = next((n for n in names if ok.get(n)), None)
+            if args.fp8 and first is not None:
+                fp8, (kv_deq, comp_deq) = fp8_runners(VARIANTS[first], *data, RATE, triton=not args.skip_triton)
+                # the FP8 route against the bf16 kernel on the same (dequantized) values: only the rounding differs
+                q, _, q_pos, sinks, _ = data
+                same = run_mgpu(VARIANTS[first], q, kv_deq, q_pos, sinks, comp_deq, RATE)
+                err = float(jnp.max(jnp.abs(fp8[0][1]().astype(jnp.float32) - same.astype(jnp.float32))))
+                log(f"  S={seq} {mode} mgpu-fp8-deq-pass vs {first} on the dequantized values: max abs diff {err:.2e}")
+                same = kv_deq = comp_deq = None
+                runners += fp8
             for n in skipped:
                 log(f"  S={seq} {mode} {n}: skipped (failed correctness)")
             for name, fn in runners:
