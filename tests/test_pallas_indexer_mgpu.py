@@ -217,10 +217,6 @@ def test_gpu_two_pass_with_mgpu_scores_picks_a_true_top_k():
     np.testing.assert_array_equal(got, np.asarray(index_topk_reference(**inputs, **kw)))
 
 
-if __name__ == "__main__":
-    _interpreter_case()
-
-
 def test_model_fp8_indexer_on_hopper_lowers_with_both_kernels(monkeypatch):
     """`dsv4.attention.index_topk_fp8` as it runs on a Hopper GPU (is_hopper patched true, lowered for an abstract
     H200): the Mosaic scores kernel and `dsv4.pallas.select`'s refinement kernel both in the module. 2304 keys:
@@ -237,3 +233,7 @@ def test_model_fp8_indexer_on_hopper_lowers_with_both_kernels(monkeypatch):
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "refine_top_k" in text
+
+
+if __name__ == "__main__":
+    _interpreter_case()
