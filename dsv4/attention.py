@@ -140,7 +140,7 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
     del query_chunk  # the kernels find each query block's window band themselves
     sinks = sinks.astype(F32)
     entries = {} if compressed is None else dict(compressed=compressed.entries, compress_rate=compressed.rate)
-    chunk = kv_prefix > 0 and q.shape[1] > 1  # one-token steps keep the Triton kernel (Mosaic's is untested at S = 1)
+    chunk = kv_prefix > 0 and q.shape[1] > 1  # one-token steps keep the Triton kernel (Mosaic's: correct, untimed)
     if mosaic_applies(q, kv, compressed, kv_aligned or chunk):
         from dsv4.pallas.attention_mgpu import positions_are_aligned, v4_attention_mgpu
 
@@ -455,17 +455,12 @@ class Indexer(Compressor):
         kw = dict(rate=self.rate, k=k, softmax_scale=self.head_dim**-0.5)
         if impl in ("pallas", "pallas-fp8"):
             from dsv4.pallas.indexer import index_topk_two_pass
-            from dsv4.pallas.indexer_mgpu import is_hopper
             from dsv4.sharding.context_parallel import per_sequence_shard
 
             interpret = jax.default_backend() != "gpu"
-            # the top-k's refinement levels as one kernel each on Hopper, where it was measured (dsv4.pallas.select:
-            # the selection of a 512K prompt's last query chunk 0.79 -> 0.40 ms, whatever computed the scores)
-            selection = "kernel" if not interpret and is_hopper() else "xla"
 
             def local(q_, weights_, positions_, keys_):  # this shard's queries against all keys
-                return index_topk_two_pass(q_, keys_, weights_, positions_, **kw, interpret=interpret,
-                                           selection=selection)  # fmt: skip
+                return index_topk_two_pass(q_, keys_, weights_, positions_, **kw, interpret=interpret)
 
             if impl == "pallas-fp8":
                 local = functools.partial(index_topk_fp8, **kw, interpret=interpret)
@@ -490,19 +485,17 @@ def index_topk_fp8(q, weights, positions, keys, *, rate: int, k: int, softmax_sc
     GPU (`index_scores_mgpu`) or the Triton kernel elsewhere, then the exact grouped top-k. Arguments as
     `index_topk_jnp` (q, weights, positions first: the per-shard function of `per_sequence_shard`).
     On the Mosaic path each query chunk is scored over one of 4 width bands (`index_topk_two_pass(width_bands=4)`:
-    one H200, 512K tokens, 1140 → 1087 ms; 128K 102.5 → 95.8 ms; docs/KERNEL_NOTES.md IX13b, IX16) and the top-k's
-    refinement levels run as one kernel each (`selection="kernel"`, `dsv4.pallas.select`: 128K 95.6 → 76.7 ms,
-    the same picks; IX23). → [B, S, k] int32."""
+    one H200, 512K tokens, 1140 → 1087 ms; 128K 102.5 → 95.8 ms; docs/KERNEL_NOTES.md IX13b, IX16); on Hopper the
+    top-k's refinement levels run as one kernel each (`index_topk_two_pass`'s selection "auto"). → [B, S, k] int32."""
+    from dsv4.pallas._device import is_hopper
     from dsv4.pallas.indexer import index_topk_two_pass
-    from dsv4.pallas.indexer_mgpu import is_hopper
 
     q8, q_scale = quantize_rows_e4m3(q)
     k8, k_scale = quantize_rows_e4m3(keys)
     mgpu = not interpret and is_hopper() and q.shape[2] == 64
     return index_topk_two_pass(q8, k8, weights, positions, rate=rate, k=k, softmax_scale=softmax_scale,
                                q_scale=q_scale, k_scale=k_scale, interpret=interpret,
-                               scores_impl="mgpu" if mgpu else "triton", width_bands=4 if mgpu else 1,
-                               selection="kernel" if mgpu else "xla")  # fmt: skip
+                               scores_impl="mgpu" if mgpu else "triton", width_bands=4 if mgpu else 1)  # fmt: skip
 
 
 def index_topk_jnp(q, keys, weights, positions, *, rate: int, k: int, softmax_scale: float, query_chunk: int = 512):

@@ -221,10 +221,10 @@ def test_model_fp8_indexer_on_hopper_lowers_with_both_kernels(monkeypatch):
     """`dsv4.attention.index_topk_fp8` as it runs on a Hopper GPU (is_hopper patched true, lowered for an abstract
     H200): the Mosaic scores kernel and `dsv4.pallas.select`'s refinement kernel both in the module. 2304 keys:
     past top_k's direct 2048, so the grouped selection and its refinement run."""
-    import dsv4.pallas.indexer_mgpu as indexer_mgpu
+    import dsv4.pallas._device as device
     from dsv4.attention import index_topk_fp8
 
-    monkeypatch.setattr(indexer_mgpu, "is_hopper", lambda: True)
+    monkeypatch.setattr(device, "is_hopper", lambda: True)
     b, s, c = 1, 64, 2304
     sds = jax.ShapeDtypeStruct
     args = (sds((b, s, 64, 128), jnp.bfloat16), sds((b, s, 64), jnp.float32), sds((b, s), jnp.int32),
