@@ -200,7 +200,7 @@ def section_full(args, rows_out):
         results = {}
         mgpu = parse_mgpu_configs(args.mgpu_configs)
         several = (len(mgpu[: args.full_mgpu]), len(args.bands), len(args.selection)) != (1, 1, 1)
-        mgpu_runs = [(f"two-pass fp8 mgpu {cname} b{bands}" + (f" {sel}" if sel != "xla" else "") if several else
+        mgpu_runs = [(f"two-pass fp8 mgpu {cname} b{bands}" + (f" {sel}" if sel != "auto" else "") if several else
                       "two-pass fp8 mgpu",
                       functools.partial(index_topk_two_pass, **static, group=args.group, interpret=INTERPRET,
                                         scores_impl="mgpu", mgpu_config=config, width_bands=bands, selection=sel),
@@ -281,7 +281,8 @@ def main():
     p.add_argument("--bands", default="1", help="full: index_topk_two_pass width_bands values to time (mgpu; the first "
                                                 "also for the Triton fp8 run)")
     p.add_argument("--full-mgpu", type=int, default=1, help="full: time the first N --mgpu-configs")
-    p.add_argument("--selection", default="xla", help="full: index_topk_two_pass selection values (mgpu; comma)")
+    p.add_argument("--selection", default="auto", help="full: index_topk_two_pass selection values (mgpu; comma: "
+                                                      "auto, xla, kernel)")
     p.add_argument("--full-names", default="", help="full: only runs whose names start with one of these (comma)")
     p.add_argument("--xla-max", type=int, default=131072)
     p.add_argument("--stream-max", type=int, default=32768)
