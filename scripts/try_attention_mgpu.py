@@ -104,6 +104,13 @@ def fp8_runners(config, q, kv, q_pos, sinks, comp, rate, *, triton):
     return runners, deq
 
 
+@jax.jit
+def max_abs_diff(a, b):
+    """One fused reduction: eagerly, the float32 casts of two 512K outputs would need 64 GiB each (the fourteenth
+    session's first --fp8 run ran out of memory there)."""
+    return jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+
+
 def useful_flops(seq, hca, rate):
     p = np.arange(seq, dtype=np.int64)
     pairs = np.minimum(p + 1, W).sum()
@@ -196,7 +203,7 @@ def main():
                 # the FP8 route against the bf16 kernel on the same (dequantized) values: only the rounding differs
                 q, _, q_pos, sinks, _ = data
                 same = run_mgpu(VARIANTS[first], q, kv_deq, q_pos, sinks, comp_deq, RATE)
-                err = float(jnp.max(jnp.abs(fp8[0][1]().astype(jnp.float32) - same.astype(jnp.float32))))
+                err = float(max_abs_diff(fp8[0][1](), same))
                 log(f"  S={seq} {mode} mgpu-fp8-deq-pass vs {first} on the dequantized values: max abs diff {err:.2e}")
                 same = kv_deq = comp_deq = None
                 runners += fp8
