@@ -18,7 +18,14 @@ import numpy as np
 import pytest
 from gpu_mesh import abstract_gpu_mesh
 
-from dsv4.pallas.attention import SCALE_TILE, BlockSizes, v4_attention, v4_attention_reference
+from dsv4.pallas.attention import (
+    FP8_BLOCK_SIZES,
+    SCALE_TILE,
+    BlockSizes,
+    default_block_sizes,
+    v4_attention,
+    v4_attention_reference,
+)
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 SMALL = BlockSizes(block_q=4, block_h=4, block_kv=16, block_compressed=16, block_topk=16)
@@ -336,7 +343,18 @@ def test_lowers_to_triton_at_real_shapes(mode, monkeypatch):
     [result] = modules
     assert result.module.operation.verify()
     assert list(result.grid) == [s, b, 1]  # 1 token × 64 heads per program by default
-    assert str(result.module).count("tt.dot") == (2 if mode == "window" else 4)
+    text = str(result.module)
+    assert text.count("tt.dot") == (2 if mode == "window" else 4)
+    # FP8 inputs take the 64-row KV tiles by default: 128 rows asked 320 KiB of shared memory on an H200 (E15)
+    rows = FP8_BLOCK_SIZES.block_kv if "fp8" in mode else BlockSizes().block_kv
+    assert f"tensor<{rows}x{d}x" in text and f"tensor<{2 * rows}x{d}x" not in text
+
+
+def test_default_block_sizes_follow_the_kv_dtype():
+    fp8 = jnp.float8_e4m3fn
+    assert default_block_sizes(jnp.bfloat16) == default_block_sizes(jnp.bfloat16, jnp.bfloat16) == BlockSizes()
+    assert default_block_sizes(fp8) == default_block_sizes(jnp.bfloat16, fp8) == FP8_BLOCK_SIZES
+    assert FP8_BLOCK_SIZES.block_kv == FP8_BLOCK_SIZES.block_compressed == FP8_BLOCK_SIZES.block_topk == 64
 
 
 # ---------------------------------------------------------------------------------------------

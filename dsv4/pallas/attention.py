@@ -99,6 +99,20 @@ class BlockSizes:
         return block_q, block_h
 
 
+# FP8 KV (kv or compressed entries in float8_e4m3fn) with `block_sizes=None`: 64-row KV blocks, 2 stages, the
+# configuration the FP8 path was measured with on an H200 (2026-11-30, docs/BENCHMARKS.md, 0.80-0.83x of bf16).
+# The bf16 default's [128, 512] tiles do not fit once the FP8 tile and its bf16 upcast both live in shared memory:
+# at 64 heads x 512 Triton asked 320 KiB of the 227 KiB a block may have (fourteenth session, KERNEL_NOTES E15).
+FP8_BLOCK_SIZES = BlockSizes(block_kv=64, block_compressed=64, block_topk=64, num_stages=2)
+
+
+def default_block_sizes(kv_dtype, compressed_dtype=None) -> BlockSizes:
+    """`v4_attention`'s tiles when none are given: `FP8_BLOCK_SIZES` if the kv or the compressed entries are FP8,
+    else `BlockSizes()`."""
+    fp8 = any(dt is not None and jnp.dtype(dt) == FP8 for dt in (kv_dtype, compressed_dtype))
+    return FP8_BLOCK_SIZES if fp8 else BlockSizes()
+
+
 # ---------------------------------------------------------------------------------------------
 # Input checks shared by the kernel entry and the reference.
 # ---------------------------------------------------------------------------------------------
@@ -464,7 +478,7 @@ def v4_attention(
     topk_indices: jax.Array | None = None,
     kv_scales: jax.Array | None = None,
     compressed_scales: jax.Array | None = None,
-    block_sizes: BlockSizes = BlockSizes(),
+    block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     out_init: jax.Array | None = None,
 ) -> jax.Array:
@@ -483,7 +497,9 @@ def v4_attention(
     topk_indices: [B, S, K] int32, CSA mode: query s sees the listed entries (distinct; -1 = none; entries
                outside [0, C) are ignored). The list is taken as is: no causal check.
     kv_scales / compressed_scales: float32 [D] (per channel) or [B, N, D // 64] (per token, 64-channel tiles).
-    block_sizes: tiles and launch parameters; interpret: run the kernel in the Pallas interpreter (CPU).
+    block_sizes: tiles and launch parameters (None: `default_block_sizes`, i.e. `BlockSizes()`, or
+               `FP8_BLOCK_SIZES` for FP8 kv / compressed entries); interpret: run the kernel in the Pallas
+               interpreter (CPU).
     out_init: testing hook; the output buffer starts as this [B, S, H, D] array (aliased), so any element the
                kernel fails to write keeps its value (pass NaNs to poison).
 
@@ -498,6 +514,8 @@ def v4_attention(
     t = kv.shape[1]
     if not _is_power_of_2(d) or d < _MIN_DOT_DIM:
         raise ValueError(f"head dim D={d} (q.shape={q.shape}) must be a power of two >= {_MIN_DOT_DIM}")
+    if block_sizes is None:
+        block_sizes = default_block_sizes(kv.dtype, None if compressed is None else compressed.dtype)
     block_q, block_h = block_sizes.tile(h)
     if not interpret and block_q * block_h < _MIN_DOT_DIM:
         raise ValueError(f"tile rows block_q * block_h = {block_q} * {block_h} < {_MIN_DOT_DIM} for q.shape={q.shape}")
