@@ -742,8 +742,8 @@ def index_topk_two_pass(
     selection: how `dsv4.topk.top_k` refines each level: "xla" (a sort of the chosen group ids, a gather and
     `lax.top_k`), "kernel" (`dsv4.pallas.select.refine_top_k`, one pass; interpreted with `interpret`), or "auto"
     (the default: "kernel" on a Hopper GPU, where it was measured, whatever computes the scores: the selection of
-    a 512K prompt's last query chunk 0.79 → 0.40 ms, the 128K FP8 indexer 95.6 → 76.7 ms, docs/KERNEL_NOTES.md
-    IX23; "xla" elsewhere). The same picks either way.
+    a 512K prompt's last query chunk 0.79 → 0.40 ms, the FP8 indexer 95.6 → 76.7 ms at 128K and 1107.8 → 956.7 ms
+    at 512K on one H200, docs/KERNEL_NOTES.md IX23; "xla" elsewhere). The same picks either way.
     """
     from dsv4.topk import top_k
 
