@@ -49,6 +49,8 @@ VARIANTS = {
     "mgpu-persistent-merge": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, merge_tail=True),
     "mgpu-persistent-merge-where": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True,
                                               merge_tail=True, debug=("merge_where",)),
+    "mgpu-persistent-merge-arrive": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True,
+                                               merge_tail=True, debug=("merge_arrive", "merge_where")),
     "mgpu-persistent-merge-never": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True,
                                               merge_tail=True, debug=("merge_never",)),
 }

@@ -80,7 +80,8 @@ _SMEM_LIMIT = 227 * 1024
 _VARIANTS = ("ws", "prefetch")
 _ROW_TILE = 8  # rows of the (8, 64) SMEM tile; TMA row starts in a tiled GMEM view must be multiples of it
 _PV_FORMS = ("run_state", "store", "p_smem", "interpret")
-_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump", "merge_where", "merge_never")
+_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump", "merge_where", "merge_never",
+                "merge_arrive")
 _SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
 
 
@@ -135,6 +136,7 @@ class MgpuConfig:
     #   "plain_exchange": the exchange buffer without tiling/swizzle transforms;
     #   "merge_where": merge_tail's column renumbering by a select in every step instead of a lax.cond;
     #   "merge_never": merge_tail's two TMAs per step, but no step merged (its cost without its saving);
+    #   "merge_arrive": merge_tail with one TMA and a plain barrier arrival for every step but the merged ones;
     #   "dump": a second output [B, S, 2 (wg), 2 (S unscaled, P f32), H, block_kv] f32 with the last step's tiles
     #           (call v4_attention_mgpu_kernel_call directly; +32 KiB SMEM at block_kv 64).
     debug: tuple = ()
@@ -405,16 +407,22 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
             bar = kv_bar.at[slot * 2 + half]
             cols = pl.ds(half * dh, dh)
 
-            def tile(src_ref, start, part=None):
-                """Rows [start, start + bk) of src_ref into the slot; with merge_tail as two TMAs (rows [0, split),
-                then [split, bk)), or only one of the two parts (`part` 0 or 1)."""
+            def part(src_ref, start, k):
+                """merge_tail: part k of a slot, rows [0, split) (k = 0) or [split, bk) (k = 1), from src_ref's
+                rows [start, ...): one TMA and one arrival on the slot's barrier (which expects two)."""
+                r0, n = ((0, split), (split, _ROW_TILE))[k]
+                plgpu.copy_gmem_to_smem(src_ref.at[it.bi, pl.ds(start + r0, n), cols], dst.at[pl.ds(r0, n)], bar)
+
+            def tile(src_ref, start):
+                """Rows [start, start + bk) of src_ref into the slot (merge_tail: as two arrivals)."""
                 if not merge:
                     plgpu.copy_gmem_to_smem(src_ref.at[it.bi, pl.ds(start, bk), cols], dst, bar)
-                    return
-                for k, (r0, n) in enumerate(((0, split), (split, _ROW_TILE))):
-                    if part in (None, k):
-                        plgpu.copy_gmem_to_smem(src_ref.at[it.bi, pl.ds(start + r0, n), cols], dst.at[pl.ds(r0, n)],
-                                                bar)  # fmt: skip
+                elif "merge_arrive" in dbg:  # one TMA, then a plain arrival (after the TMA's expect_tx)
+                    plgpu.copy_gmem_to_smem(src_ref.at[it.bi, pl.ds(start, bk), cols], dst, bar)
+                    plgpu.barrier_arrive(bar)
+                else:
+                    part(src_ref, start, 0)
+                    part(src_ref, start, 1)
 
             if hca:
                 @pl.when(step < it.n_hca_tiles)
@@ -422,16 +430,16 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                     if not merge:
                         tile(comp_ref, step * bk)
                         return
-                    tile(comp_ref, step * bk, part=0)
                     merged_step = it.merged & (step == it.n_hca_tiles - 1)
 
-                    @pl.when(merged_step)  # the window tail's 8 rows after the HCA tile's first `split`
+                    @pl.when(merged_step)  # the HCA tile's first `split` rows, then the window tail's 8
                     def _():
-                        tile(kv_ref, it.tail - split, part=1)
+                        part(comp_ref, step * bk, 0)
+                        part(kv_ref, it.tail - split, 1)
 
                     @pl.when(~merged_step)
                     def _():
-                        tile(comp_ref, step * bk, part=1)
+                        tile(comp_ref, step * bk)
 
                 @pl.when(step >= it.n_hca_tiles)
                 def _():
