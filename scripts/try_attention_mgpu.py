@@ -47,10 +47,6 @@ VARIANTS = {
     "mgpu-persistent": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True),
     "mgpu-persistent-nobar": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, auto_barriers=False),
     "mgpu-persistent-merge": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, merge_tail=True),
-    "mgpu-persistent-merge-where": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True,
-                                              merge_tail=True, debug=("merge_where",)),
-    "mgpu-persistent-merge-arrive": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True,
-                                               merge_tail=True, debug=("merge_arrive", "merge_where")),
     "mgpu-persistent-merge-never": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True,
                                               merge_tail=True, debug=("merge_never",)),
 }

@@ -80,8 +80,7 @@ _SMEM_LIMIT = 227 * 1024
 _VARIANTS = ("ws", "prefetch")
 _ROW_TILE = 8  # rows of the (8, 64) SMEM tile; TMA row starts in a tiled GMEM view must be multiples of it
 _PV_FORMS = ("run_state", "store", "p_smem", "interpret")
-_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump", "merge_where", "merge_never",
-                "merge_arrive")
+_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump", "merge_never")
 _SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
 
 
@@ -134,9 +133,7 @@ class MgpuConfig:
     #   "unaligned_window": the original window tiling (tiles start at row tok - W + 1: wrong on the GPU, see body);
     #   "no_exchange": each consumer computes the full S = Q·Kᵀ from both halves (no SMEM exchange; "ws" only);
     #   "plain_exchange": the exchange buffer without tiling/swizzle transforms;
-    #   "merge_where": merge_tail's column renumbering by a select in every step instead of a lax.cond;
     #   "merge_never": merge_tail's two TMAs per step, but no step merged (its cost without its saving);
-    #   "merge_arrive": merge_tail with one TMA and a plain barrier arrival for every step but the merged ones;
     #   "dump": a second output [B, S, 2 (wg), 2 (S unscaled, P f32), H, block_kv] f32 with the last step's tiles
     #           (call v4_attention_mgpu_kernel_call directly; +32 KiB SMEM at block_kv 64).
     debug: tuple = ()
@@ -417,9 +414,6 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                 """Rows [start, start + bk) of src_ref into the slot (merge_tail: as two arrivals)."""
                 if not merge:
                     plgpu.copy_gmem_to_smem(src_ref.at[it.bi, pl.ds(start, bk), cols], dst, bar)
-                elif "merge_arrive" in dbg:  # one TMA, then a plain arrival (after the TMA's expect_tx)
-                    plgpu.copy_gmem_to_smem(src_ref.at[it.bi, pl.ds(start, bk), cols], dst, bar)
-                    plgpu.barrier_arrive(bar)
                 else:
                     part(src_ref, start, 0)
                     part(src_ref, start, 1)
@@ -475,7 +469,10 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                 if no_exchange:
                     plgpu.barrier_wait(q_bar.at[1 - w])
 
-                def step_fn(i, carry):
+                def step_fn(i, carry, merged_step=False):
+                    """Step i of the item. merged_step (static): merge_tail's merged step, run by its own loop so
+                    that the other steps carry none of its masking (as a lax.cond or a select in every step it cost
+                    ≈ 5% a step on the GPU, KERNEL_NOTES E16)."""
                     acc, m_i, l_i = carry
                     slot = lax.rem(g0 + i, jnp.int32(slots))
                     kv_half = kv_smem.at[slot * 2 + w]
@@ -526,17 +523,11 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                         hi = jnp.where(is_hca, it.n_vis, it.win_hi)
                     iota = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout)
                     col = iota + base
-                    if merge:  # a merged step's columns >= split are window rows tail .. tail + 7: renumbered so
-                        # that the HCA bound [0, n_vis) keeps exactly those before the window's end
-                        merged_step = it.merged & is_hca & (i == it.n_hca_tiles - 1)
+                    if merged_step:  # the columns >= split are window rows tail .. tail + 7: renumbered so that
+                        # the HCA bound [0, n_vis) keeps exactly those before the window's end
                         end = it.row + 1 if lo_ref is None else it.win_hi
-                        shift = it.tail - split - end + it.n_vis - base
-                        if "merge_where" in dbg:
-                            col = col + jnp.where(iota >= split, jnp.where(merged_step, shift, 0), 0)
-                        else:
-                            col = lax.cond(merged_step, lambda c: c + jnp.where(iota >= split, shift, 0),
-                                           lambda c: c, col)  # fmt: skip
-                        lo = jnp.where(merged_step, jnp.int32(-(2**30)), lo)
+                        col = col + jnp.where(iota >= split, it.tail - split - end + it.n_vis - base, 0)
+                        lo = jnp.int32(-(2**30))
                     p, m_new, l_new, acc = online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
                     p16 = p.astype(dtype)
 
@@ -586,7 +577,17 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                             issue(it, i + slots, slot, w)
                     return acc, m_new, l_new
 
-                acc, m_i, l_i = lax.fori_loop(0, it.n_steps, step_fn, (acc, m_i, l_i))
+                carry = (acc, m_i, l_i)
+                if merge:  # the HCA steps, the merged one (if any) alone, then the window steps
+                    n_merged = it.merged.astype(jnp.int32)
+                    first_window = it.n_hca_tiles - n_merged
+                    carry = lax.fori_loop(0, first_window, step_fn, carry)
+                    carry = lax.fori_loop(first_window, it.n_hca_tiles, functools.partial(step_fn, merged_step=True),
+                                          carry)  # fmt: skip
+                    first_window = it.n_hca_tiles
+                else:
+                    first_window = 0
+                acc, m_i, l_i = lax.fori_loop(first_window, it.n_steps, step_fn, carry)
                 if no_exchange:  # the other warpgroup may still read our Q half: rendezvous before overwriting it
                     plgpu.barrier_arrive(x_written)
                     plgpu.barrier_wait(x_written)
