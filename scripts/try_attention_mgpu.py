@@ -46,9 +46,6 @@ VARIANTS = {
     "mgpu-ws-kv64x2-store": MgpuConfig(variant="ws", block_kv=64, num_slots=2, pv_form="store", persistent=False),
     "mgpu-persistent": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True),
     "mgpu-persistent-nobar": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, auto_barriers=False),
-    "mgpu-persistent-merge": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, merge_tail=True),
-    "mgpu-persistent-merge-never": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True,
-                                              merge_tail=True, debug=("merge_never",)),
 }
 
 

@@ -45,9 +45,7 @@ def make_inputs(seed, *, batch=1, seq=37, heads=64, head_dim=512, rate=None, off
 
 def _config(variant, **kw):
     """"ws" (persistent: one CTA per SM looping over tokens, the default), "ws-per-token" (one CTA per token),
-    "prefetch"; "-nobar" appended: without Pallas' automatic SMEM-store barriers; "-merge": merge_tail."""
-    if variant.endswith("-merge"):
-        return _config(variant.removesuffix("-merge"), merge_tail=True, **kw)
+    "prefetch"; "-nobar" appended: without Pallas' automatic SMEM-store barriers."""
     if variant.endswith("-nobar"):
         return _config(variant.removesuffix("-nobar"), auto_barriers=False, **kw)
     if variant == "ws-per-token":
@@ -63,7 +61,7 @@ def _reference(q, kv, q_pos, sinks, compressed, *, window, scale, rate):
 # ---------------------------------------------------------------------------------------------
 # CPU
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar", "ws-merge", "prefetch-merge"])
+@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar"])
 @pytest.mark.parametrize("hca", [False, True])
 @pytest.mark.parametrize("s", [1024, 301])  # 301: T % 8 != 0 (the TMA's GMEM view tiles rows by 8: padded)
 def test_lowers_for_cuda_at_real_shapes(variant, hca, s):
@@ -152,24 +150,6 @@ def test_interpreter_persistent(batch, heads, num_ctas, seq):
     q, kv, q_pos, sinks, compressed = make_inputs(4, batch=batch, heads=heads, seq=seq, head_dim=128, rate=rate,
                                                   offset=100)  # fmt: skip
     config = MgpuConfig(variant="ws", block_kv=bk, pv_form="interpret", persistent=True, num_ctas=num_ctas)
-    _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, window=window, rate=rate)
-
-
-@pytest.mark.parametrize("variant, bk, window, seq, offset, rate", [("prefetch", 32, 37, 48, 30, 1),
-                                                                    ("ws", 64, 65, 88, 100, 1)])
-def test_interpreter_merge_tail(variant, bk, window, seq, offset, rate):
-    """merge_tail: a token whose window's last tile holds at most 8 rows and whose last HCA tile at most bk - 8
-    entries runs the two as one step; the rest (and the early tokens, whose window is one tile) run as before.
-    Positions start at `offset`, so the HCA counts vary over the tokens; W = 37 at bk = 32 gives window tails of
-    5..12 rows, W = 65 at bk = 64 of 1..8. "ws" at bk = 64 is the persistent launch (3 CTAs)."""
-    q, kv, q_pos, sinks, compressed = make_inputs(5, seq=seq, head_dim=128, rate=rate, offset=offset)
-    tok = np.arange(seq)
-    n_vis = (tok + offset + 1) // rate
-    start, n_win = (np.asarray(x) for x in window_tiles(jnp.asarray(tok, jnp.int32), window, bk))
-    merged = (n_vis >= 1) & ((n_vis - 1) % bk + 1 <= bk - 8) & (n_win >= 2) & (tok + 1 - start - (n_win - 1) * bk <= 8)
-    assert merged.sum() >= 8 and (~merged[window - 1:]).sum() >= 2  # both kinds of step among the full windows
-    kw = dict(num_ctas=3) if variant == "ws" else {}
-    config = MgpuConfig(variant=variant, block_kv=bk, pv_form="interpret", merge_tail=True, **kw)
     _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, window=window, rate=rate)
 
 
@@ -267,8 +247,7 @@ def test_rejects_bad_config():
 # ---------------------------------------------------------------------------------------------
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar", "ws-per-token-nobar", "ws-merge",
-                                     "ws-per-token-merge", "prefetch-merge"])
+@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar", "ws-per-token-nobar"])
 @pytest.mark.parametrize("hca", [False, True])
 @pytest.mark.parametrize("seq", [37, 301])
 def test_gpu_matches_reference(variant, hca, seq):
@@ -278,11 +257,10 @@ def test_gpu_matches_reference(variant, hca, seq):
 @gpu
 @requires_gpu
 @pytest.mark.parametrize("num_ctas", [0, 7])
-@pytest.mark.parametrize("variant", ["ws", "ws-merge"])
-def test_gpu_persistent_batches_and_head_groups(num_ctas, variant):
+def test_gpu_persistent_batches_and_head_groups(num_ctas):
     """Persistent CTAs over 2 batch rows × 2 head groups × 301 tokens: one CTA per SM (0), or 7 CTAs running
     about 170 items each."""
-    _check_on_gpu(_config(variant, num_ctas=num_ctas), True, 301, batch=2, heads=128)
+    _check_on_gpu(_config("ws", num_ctas=num_ctas), True, 301, batch=2, heads=128)
 
 
 def _check_on_gpu(config, hca, seq, **shape):

@@ -123,7 +123,7 @@ def test_fp8_indexer_picks_a_true_top_k_of_the_quantized_inputs():
 
 
 @pytest.mark.parametrize("config", [{}, dict(consumers=2, queries_per_mma=1), dict(consumers=2, queries_per_mma=4),
-                                    dict(tokens=12, consumers=3), dict(auto_barriers=False)])
+                                    dict(tokens=12, consumers=3), dict(auto_barriers=True)])
 def test_lowers_for_h200(config):
     b, s, c = 1, 512, 32768
     sds = jax.ShapeDtypeStruct
@@ -173,8 +173,8 @@ def test_config_errors():
 @pytest.mark.parametrize("seq, entries, offset, config", [
     (300, 4100, 16000, {}), (77, 1000, 0, {}), (300, 4100, 16000, dict(consumers=2, queries_per_mma=1)),
     (77, 1000, 0, dict(consumers=2, queries_per_mma=4)), (300, 4100, 16000, dict(queries_per_mma=1)),
-    (77, 1000, 0, dict(tokens=12, consumers=3)), (300, 4100, 16000, dict(auto_barriers=False)),
-    (77, 1000, 0, dict(consumers=2, queries_per_mma=1, auto_barriers=False)),
+    (77, 1000, 0, dict(tokens=12, consumers=3)), (300, 4100, 16000, dict(auto_barriers=True)),
+    (77, 1000, 0, dict(consumers=2, queries_per_mma=1, auto_barriers=True)),
 ])  # fmt: skip
 def test_gpu_matches_reference(seq, entries, offset, config):
     keys_ = jax.random.split(jax.random.key(seq), 4)

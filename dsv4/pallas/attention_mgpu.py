@@ -80,7 +80,7 @@ _SMEM_LIMIT = 227 * 1024
 _VARIANTS = ("ws", "prefetch")
 _ROW_TILE = 8  # rows of the (8, 64) SMEM tile; TMA row starts in a tiled GMEM view must be multiples of it
 _PV_FORMS = ("run_state", "store", "p_smem", "interpret")
-_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump", "merge_never")
+_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump")
 _SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
 
 
@@ -106,12 +106,6 @@ class MgpuConfig:
                 order it, and O's staging store comes after the wgmmas that read that buffer have completed and
                 before `commit_smem` (fence and barrier). Not yet measured on a GPU (docs/KERNEL_NOTES.md decode
                 item 1b); True until it is.
-    merge_tail: HCA layers only: when the window's last tile holds at most 8 real rows (for W = 128, 7 tokens in 8:
-                the 8-row-aligned start adds that tile) and the token's last HCA tile at most block_kv - 8 entries,
-                one step carries both: the HCA tile's first block_kv - 8 rows and the window tail's 8 rows, loaded
-                by two TMAs into the two parts of one ring slot (every step then issues two). One step fewer per
-                such token (≈ 7% of the steps at 128K, ≈ 2% at 512K). Not yet measured on a GPU
-                (docs/KERNEL_NOTES.md E16); False until it is.
     """
 
     block_kv: int = 64
@@ -133,14 +127,12 @@ class MgpuConfig:
     #   "unaligned_window": the original window tiling (tiles start at row tok - W + 1: wrong on the GPU, see body);
     #   "no_exchange": each consumer computes the full S = Q·Kᵀ from both halves (no SMEM exchange; "ws" only);
     #   "plain_exchange": the exchange buffer without tiling/swizzle transforms;
-    #   "merge_never": merge_tail's two TMAs per step, but no step merged (its cost without its saving);
     #   "dump": a second output [B, S, 2 (wg), 2 (S unscaled, P f32), H, block_kv] f32 with the last step's tiles
     #           (call v4_attention_mgpu_kernel_call directly; +32 KiB SMEM at block_kv 64).
     debug: tuple = ()
     persistent: bool | None = None
     num_ctas: int = 0
     auto_barriers: bool = True
-    merge_tail: bool = False
 
     def __post_init__(self):
         # NOTE: P·V reduces over block_kv; a bf16 wgmma K must be a multiple of 64 (found by lowering, block_kv=32
@@ -197,8 +189,6 @@ class _Item(NamedTuple):
     win_hi: jax.Array | None
     win_start: jax.Array  # first window tile's row (a multiple of 8)
     n_steps: jax.Array
-    merged: jax.Array  # merge_tail: the last HCA step also carries the window's tail rows [tail, tail + 8)
-    tail: jax.Array  # first row of the window's last tile (a multiple of 8)
 
 
 def online_softmax_step(s, col, lo, hi, logit_scale, m_i, l_i, acc):
@@ -335,8 +325,6 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     dump = "dump" in dbg
     n_win_max = pl.cdiv(sliding_window, bk) if unaligned else pl.cdiv(sliding_window + _ROW_TILE - 1, bk)
     hca = compressed is not None
-    merge = config.merge_tail and hca and not unaligned
-    split = bk - _ROW_TILE  # merge_tail: a merged step's HCA rows [0, split), window tail rows [split, bk)
     # TMA boxes past the last row are zero-filled on the GPU (and masked anyway); only the 8-row tiling of the GMEM
     # view (and one whole tile) is needed. The CPU interpreter slices like lax.dynamic_slice (clamping), so there
     # every box must stay in bounds: window tiles reach row tok + block_kv - 1 (+ W in the unaligned debug form).
@@ -388,58 +376,24 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                 win_lo, win_hi = lo_ref[bi, tok], hi_ref[bi, tok]
                 win_start = win_lo - lax.rem(win_lo, jnp.int32(_ROW_TILE))
                 n_win = jnp.maximum(lax.div(win_hi - 1 - win_start, jnp.int32(bk)) + 1, 1)
-            tail = win_start + (n_win - 1) * bk
-            merged = jnp.bool_(False)
-            # merge_tail: the window's last tile (not its first: its rows all follow win_lo) holds <= 8 real rows
-            if merge and "merge_never" not in dbg:
-                end = row + 1 if lo_ref is None else win_hi
-                merged = ((n_hca_tiles >= 1) & (n_vis - (n_hca_tiles - 1) * bk <= split) & (n_win >= 2)
-                          & (end - tail <= _ROW_TILE))  # fmt: skip
-            n_steps = n_hca_tiles + n_win - merged.astype(jnp.int32)
-            return _Item(tok, bi, h0, n_vis, n_hca_tiles, row, win_lo, win_hi, win_start, n_steps, merged, tail)
+            return _Item(tok, bi, h0, n_vis, n_hca_tiles, row, win_lo, win_hi, win_start, n_hca_tiles + n_win)
 
         def issue(it: _Item, step, slot, half):
             """TMA of item `it`'s step `step`, tile half `half`, into ring slot `slot`."""
             dst = kv_smem.at[slot * 2 + half]
             bar = kv_bar.at[slot * 2 + half]
             cols = pl.ds(half * dh, dh)
-
-            def part(src_ref, start, k):
-                """merge_tail: part k of a slot, rows [0, split) (k = 0) or [split, bk) (k = 1), from src_ref's
-                rows [start, ...): one TMA and one arrival on the slot's barrier (which expects two)."""
-                r0, n = ((0, split), (split, _ROW_TILE))[k]
-                plgpu.copy_gmem_to_smem(src_ref.at[it.bi, pl.ds(start + r0, n), cols], dst.at[pl.ds(r0, n)], bar)
-
-            def tile(src_ref, start):
-                """Rows [start, start + bk) of src_ref into the slot (merge_tail: as two arrivals)."""
-                if not merge:
-                    plgpu.copy_gmem_to_smem(src_ref.at[it.bi, pl.ds(start, bk), cols], dst, bar)
-                else:
-                    part(src_ref, start, 0)
-                    part(src_ref, start, 1)
-
             if hca:
                 @pl.when(step < it.n_hca_tiles)
                 def _():
-                    if not merge:
-                        tile(comp_ref, step * bk)
-                        return
-                    merged_step = it.merged & (step == it.n_hca_tiles - 1)
-
-                    @pl.when(merged_step)  # the HCA tile's first `split` rows, then the window tail's 8
-                    def _():
-                        part(comp_ref, step * bk, 0)
-                        part(kv_ref, it.tail - split, 1)
-
-                    @pl.when(~merged_step)
-                    def _():
-                        tile(comp_ref, step * bk)
+                    plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(step * bk, bk), cols], dst, bar)
 
                 @pl.when(step >= it.n_hca_tiles)
                 def _():
-                    tile(kv_ref, it.win_start + (step - it.n_hca_tiles) * bk)
+                    start = it.win_start + (step - it.n_hca_tiles) * bk
+                    plgpu.copy_gmem_to_smem(kv_ref.at[it.bi, pl.ds(start, bk), cols], dst, bar)
             else:
-                tile(kv_ref, it.win_start + step * bk)
+                plgpu.copy_gmem_to_smem(kv_ref.at[it.bi, pl.ds(it.win_start + step * bk, bk), cols], dst, bar)
 
         def consumer(w):
             if ws:
@@ -469,10 +423,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                 if no_exchange:
                     plgpu.barrier_wait(q_bar.at[1 - w])
 
-                def step_fn(i, carry, merged_step=False):
-                    """Step i of the item. merged_step (static): merge_tail's merged step, run by its own loop so
-                    that the other steps carry none of its masking (as a lax.cond or a select in every step it cost
-                    ≈ 5% a step on the GPU, KERNEL_NOTES E16)."""
+                def step_fn(i, carry):
                     acc, m_i, l_i = carry
                     slot = lax.rem(g0 + i, jnp.int32(slots))
                     kv_half = kv_smem.at[slot * 2 + w]
@@ -521,13 +472,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                     else:
                         lo = jnp.where(is_hca, 0, it.win_lo)
                         hi = jnp.where(is_hca, it.n_vis, it.win_hi)
-                    iota = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout)
-                    col = iota + base
-                    if merged_step:  # the columns >= split are window rows tail .. tail + 7: renumbered so that
-                        # the HCA bound [0, n_vis) keeps exactly those before the window's end
-                        end = it.row + 1 if lo_ref is None else it.win_hi
-                        col = col + jnp.where(iota >= split, it.tail - split - end + it.n_vis - base, 0)
-                        lo = jnp.int32(-(2**30))
+                    col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
                     p, m_new, l_new, acc = online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
                     p16 = p.astype(dtype)
 
@@ -577,17 +522,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                             issue(it, i + slots, slot, w)
                     return acc, m_new, l_new
 
-                carry = (acc, m_i, l_i)
-                if merge:  # the HCA steps, the merged one (if any) alone, then the window steps
-                    n_merged = it.merged.astype(jnp.int32)
-                    first_window = it.n_hca_tiles - n_merged
-                    carry = lax.fori_loop(0, first_window, step_fn, carry)
-                    carry = lax.fori_loop(first_window, it.n_hca_tiles, functools.partial(step_fn, merged_step=True),
-                                          carry)  # fmt: skip
-                    first_window = it.n_hca_tiles
-                else:
-                    first_window = 0
-                acc, m_i, l_i = lax.fori_loop(first_window, it.n_steps, step_fn, carry)
+                acc, m_i, l_i = lax.fori_loop(0, it.n_steps, step_fn, (acc, m_i, l_i))
                 if no_exchange:  # the other warpgroup may still read our Q half: rendezvous before overwriting it
                     plgpu.barrier_arrive(x_written)
                     plgpu.barrier_wait(x_written)
@@ -668,7 +603,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         plgpu.SMEM((2, HEADS_PER_CTA), F32),  # sinks (log2 domain), one copy per consumer
         plgpu.Barrier(num_barriers=2),  # q halves
         plgpu.Barrier(num_barriers=2),  # sinks
-        plgpu.Barrier(num_arrivals=2 if merge else 1, num_barriers=2 * slots),  # kv halves full (merge: 2 TMAs)
+        plgpu.Barrier(num_barriers=2 * slots),  # kv halves full
         # kv halves consumed (ws only; both consumers read both halves in the no_exchange debug form)
         plgpu.Barrier(num_arrivals=2 if no_exchange else 1, num_barriers=2 * slots) if ws else None,
         plgpu.Barrier(num_arrivals=2),  # exchange written

@@ -68,12 +68,13 @@ class MgpuScoreConfig:
                weights, head sum, mask, store) costs more than the wgmma (docs/KERNEL_NOTES.md IX15), so more
                warpgroups, each waiting on its own wgmma, keep the tensor core busier. At 4 the launch gives every
                thread 96 registers, which the kernel fits without spilling.
-    auto_barriers: Pallas' automatic warpgroup barrier before and after every SMEM store (True), or none (False;
-               `CompilerParams.unsafe_no_auto_barriers`). Each query's score row is such a store, so with them every
-               query's epilogue synchronizes the consumer's 4 warps twice. Safe to drop here: no thread reads SMEM
-               it writes (the staging rows are read only by the TMA store, after `commit_smem`'s barrier, and
-               rewritten only after `wait_smem_to_gmem`'s), and every thread arrives on `consumed` itself after its
-               own reads.
+    auto_barriers: Pallas' automatic warpgroup barrier before and after every SMEM store (True), or none (False,
+               the default; `CompilerParams.unsafe_no_auto_barriers`). Each query's score row is such a store, so
+               with them every query's epilogue synchronizes the consumer's 4 warps twice. Safe to drop here: no
+               thread reads SMEM it writes (the staging rows are read only by the TMA store, after `commit_smem`'s
+               barrier, and rewritten only after `wait_smem_to_gmem`'s), and every thread arrives on `consumed`
+               itself after its own reads. Without them the whole 512K FP8 indexer took 927.9 against 950.9 ms
+               (1.025×) in one process on one H200, with identical index sets (docs/KERNEL_NOTES.md IX19).
     debug:     measurement switch, off in use: ("no_mma",) runs the epilogue on the key scales instead of a wgmma's
                result (the epilogue's cost alone).
 
@@ -89,7 +90,7 @@ class MgpuScoreConfig:
     num_slots: int = 3
     queries_per_mma: int = 2
     consumers: int = 4
-    auto_barriers: bool = True
+    auto_barriers: bool = False
     debug: tuple[str, ...] = ()
 
     def __post_init__(self):
