@@ -116,8 +116,8 @@ def main():
         worst = max(worst, err)
         picks = {k: np.asarray(v).argmax(-1) for k, v in out.items()}
         same &= bool(np.array_equal(picks["pallas"][active], picks["jnp"][active]))
-        print(f"step {step}: rel err {err:.2e}, tokens jnp {picks['jnp'].tolist()} pallas {picks['pallas'].tolist()}",
-              flush=True)  # fmt: skip
+        shown = {k: [t if a else "idle" for t, a in zip(v.tolist(), active)] for k, v in picks.items()}
+        print(f"step {step}: rel err {err:.2e}, tokens jnp {shown['jnp']} pallas {shown['pallas']}", flush=True)
         tok = picks["jnp"].astype(np.int32)  # both paths continue from the same tokens
     for impl, ts in times.items():
         print(f"{impl:6s} decode step: median {statistics.median(ts[1:] or ts) * 1e3:.2f} ms "
