@@ -74,7 +74,7 @@ class MgpuScoreConfig:
                thread reads SMEM it writes (the staging rows are read only by the TMA store, after `commit_smem`'s
                barrier, and rewritten only after `wait_smem_to_gmem`'s), and every thread arrives on `consumed`
                itself after its own reads. Without them the whole 512K FP8 indexer took 927.9 against 950.9 ms
-               (1.025×) in one process on one H200, with identical index sets (docs/KERNEL_NOTES.md IX19).
+               (1.025×) in one process on one H200, with identical index sets (docs/KERNEL_NOTES.md IX19b).
     debug:     measurement switch, off in use: ("no_mma",) runs the epilogue on the key scales instead of a wgmma's
                result (the epilogue's cost alone).
 
