@@ -46,6 +46,8 @@ VARIANTS = {
     "mgpu-ws-kv64x2-store": MgpuConfig(variant="ws", block_kv=64, num_slots=2, pv_form="store", persistent=False),
     "mgpu-persistent": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True),
     "mgpu-persistent-nobar": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, auto_barriers=False),
+    "mgpu-persistent-split": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, exchange="split",
+                                        pv_form="p_smem"),
 }
 
 
