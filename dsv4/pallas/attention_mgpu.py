@@ -28,6 +28,10 @@ Design (docs/KERNEL_NOTES.md §2, "option B"):
     O_w = O_w·α + P · V_w               wgmma m64 n=D/2 k=block_kv, P (bf16) from registers, V_w = the same
                                         SMEM tile as K_w (K = V: one TMA serves both matmuls)
   O_w is [64, 256] f32 = 128 registers per thread.
+  `MgpuConfig.exchange="split"` (not yet measured on a GPU): each warpgroup finishes only its half of S's columns
+  (it sends the other the other's half of its partial), the two swap row maxima through SMEM, and each writes its
+  half of P (bf16) into one shared buffer that both read as the P·V wgmma's A operand; row sums are added at the
+  end. Half the exchange and no redundant softmax, for two more rendezvous a step.
 - Step stream per CTA: first the HCA tiles 0 .. ceil(n_c / block_kv) - 1 (n_c = visible entries of this token),
   then the window tiles: they start at row r0 = max(0, s - W + 1) rounded down to a multiple of 8 and cover
   [r0, s] (ceil(W / block_kv) tiles when r0 is 8-aligned, usually one more). NOTE: a TMA row start must be a
