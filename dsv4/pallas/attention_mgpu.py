@@ -455,7 +455,9 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                     [win_lo, win_hi). → (index of this warpgroup's first column (its `width`-wide block in the
                     split exchange), lo, hi)."""
                     is_hca = i < it.n_hca_tiles
-                    base = jnp.where(is_hca, i * bk, it.win_start + (i - it.n_hca_tiles) * bk) + w * width
+                    base = jnp.where(is_hca, i * bk, it.win_start + (i - it.n_hca_tiles) * bk)
+                    if width:
+                        base = base + w * width
                     if lo_ref is None:  # NOTE: computed here, not hoisted: hoisted, the CPU interpreter's ws run hung
                         lo = jnp.where(is_hca, 0, it.row - (sliding_window - 1))
                         hi = jnp.where(is_hca, it.n_vis, it.row + 1)
