@@ -239,6 +239,25 @@ def pv_through_smem(acc, p16, p_smem, kv_half):
     return acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
 
 
+def swap_with_other(buf, w, value, written, read, *, layout, wait_read=None, optimized=True):
+    """One rendezvous of the two consumer warpgroups (w = 0, 1) through `buf` [2, ...]: waits until the other has
+    read our previous value (`wait_read`: a bool scalar, or None for no wait), writes `value` into buf[w], waits for
+    both writes, loads buf[1 - w] in `layout`, and arrives on `read`. → the other's value. Every phase of `written`
+    is waited here; the caller waits the last phase of `read` (barrier discipline). Shared by the prefill and
+    decode kernels."""
+    if wait_read is not None:
+        @pl.when(wait_read)
+        def _():
+            plgpu.barrier_wait(read)
+
+    buf[w] = value
+    plgpu.barrier_arrive(written)
+    plgpu.barrier_wait(written)
+    other = plgpu.load(buf.at[1 - w], layout=layout, optimized=optimized)
+    plgpu.barrier_arrive(read)
+    return other
+
+
 def _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config: MgpuConfig, kv_offset=0):
     if q.ndim != 4 or kv.ndim != 3:
         raise ValueError(f"expected q [B, S, H, D] and kv [B, T, D], got q.shape={q.shape}, kv.shape={kv.shape}")
@@ -471,29 +490,14 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                     into the shared buffer, then O_w += P · V_w. l_i counts only this warpgroup's columns."""
                     mine, theirs = slice(w * hb, (w + 1) * hb), slice((1 - w) * hb, (2 - w) * hb)
 
-                    @pl.when(i > 0)
-                    def _():
-                        plgpu.barrier_wait(x_read)  # the other has read our previous half
-
-                    x_smem[w] = s_part[:, theirs]
-                    plgpu.barrier_arrive(x_written)
-                    plgpu.barrier_wait(x_written)
-                    s_mine = s_part[:, mine] + plgpu.load(x_smem.at[1 - w], layout=wgmma_layout)
-                    plgpu.barrier_arrive(x_read)
+                    s_mine = s_part[:, mine] + swap_with_other(x_smem, w, s_part[:, theirs], x_written, x_read,
+                                                               layout=wgmma_layout, wait_read=i > 0)  # fmt: skip
                     base, lo, hi = bounds
                     col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, hb), 1, layout=wgmma_layout) + base
                     logits = jnp.where((col >= lo) & (col < hi), s_mine * logit_scale, -jnp.inf)
                     m_mine = jnp.maximum(m_i, logits.max(axis=1))
-
-                    @pl.when(i > 0)
-                    def _():
-                        plgpu.barrier_wait(m_read)
-
-                    m_smem[w] = m_mine
-                    plgpu.barrier_arrive(m_written)
-                    plgpu.barrier_wait(m_written)
-                    m_new = jnp.maximum(m_mine, plgpu.load(m_smem.at[1 - w], layout=row_layout))
-                    plgpu.barrier_arrive(m_read)
+                    m_new = jnp.maximum(m_mine, swap_with_other(m_smem, w, m_mine, m_written, m_read,
+                                                                layout=row_layout, wait_read=i > 0))  # fmt: skip
                     alpha = jnp.exp2(m_i - m_new)
                     p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
                     l_new = l_i * alpha + p.sum(axis=1)
@@ -551,16 +555,9 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
 
                         if not split:
                             # Exchange the partial logits with the other warpgroup.
-                            @pl.when(i > 0)
-                            def _():
-                                plgpu.barrier_wait(x_read)  # the other wg has read our previous partial
-
-                            x_smem[w] = s_part
-                            plgpu.barrier_arrive(x_written)
-                            plgpu.barrier_wait(x_written)
-                            other = plgpu.load(x_smem.at[1 - w], layout=wgmma_layout, optimized=not plain_exchange)
-                            s_full = s_part + other
-                            plgpu.barrier_arrive(x_read)
+                            s_full = s_part + swap_with_other(x_smem, w, s_part, x_written, x_read,
+                                                              layout=wgmma_layout, wait_read=i > 0,
+                                                              optimized=not plain_exchange)  # fmt: skip
 
                     if split:
                         acc, m_new, l_new = split_softmax_pv(i, s_part, col_lo_hi(i, it, hb), kv_half, acc, m_i, l_i)
@@ -622,14 +619,10 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                     plgpu.barrier_wait(x_written)
                 else:
                     plgpu.barrier_wait(x_read)  # observe the last exchange phase (barrier discipline; nearly free)
-                if split:  # observe the last phases, then add the two warpgroups' row sums
-                    plgpu.barrier_wait(m_read)
+                if split:  # observe the last P phase, then add the two warpgroups' row sums (and observe that)
                     plgpu.barrier_wait(p_free)
-                    m_smem[w] = l_i
-                    plgpu.barrier_arrive(m_written)
-                    plgpu.barrier_wait(m_written)
-                    l_i = l_i + plgpu.load(m_smem.at[1 - w], layout=row_layout)
-                    plgpu.barrier_arrive(m_read)
+                    l_i = l_i + swap_with_other(m_smem, w, l_i, m_written, m_read, layout=row_layout,
+                                                wait_read=jnp.bool_(True))  # fmt: skip
                     plgpu.barrier_wait(m_read)
                 inv = jnp.where(l_i > 0, 1.0 / l_i, 0.0)
                 out = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)

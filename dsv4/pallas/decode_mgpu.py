@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsv4.pallas.attention_mgpu import online_softmax_step, pv_through_smem
+from dsv4.pallas.attention_mgpu import online_softmax_step, pv_through_smem, swap_with_other
 from dsv4.pallas.decode import _check_inputs, _combine_splits, default_num_splits
 
 __all__ = ["MgpuDecodeConfig", "mgpu_decode_supported", "paged_decode_attention_mgpu", "unsupported_reason"]
@@ -286,15 +286,8 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                 if skip_exchange:  # debug
                     s_full = s_part + s_part
                 else:
-                    @pl.when(i > 0)
-                    def _():
-                        plgpu.barrier_wait(x_read)  # the other warpgroup has read our previous partial
-
-                    x_smem[w] = s_part
-                    plgpu.barrier_arrive(x_written)
-                    plgpu.barrier_wait(x_written)
-                    s_full = s_part + plgpu.load(x_smem.at[1 - w], layout=wgmma_layout)
-                    plgpu.barrier_arrive(x_read)
+                    s_full = s_part + swap_with_other(x_smem, w, s_part, x_written, x_read, layout=wgmma_layout,
+                                                      wait_read=i > 0)  # fmt: skip
 
                 if skip_softmax:  # debug
                     p, m_new, l_new = s_full, m_i, l_i
