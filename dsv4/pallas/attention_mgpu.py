@@ -231,6 +231,17 @@ def pv_through_smem(acc, p16, p_smem, kv_half):
     accumulator). Twice O's registers, so not a GPU configuration. Shared by the prefill and decode kernels."""
     p_smem[...] = p16
     plgpu.commit_smem()
+    return pv_with_p_in_smem(acc, p_smem, kv_half, in_place=False)
+
+
+def pv_with_p_in_smem(acc, p_smem, kv_half, *, in_place: bool):
+    """acc + P · V with P (the wgmma A operand) already in SMEM: accumulated in place (`pl.run_state`, the GPU
+    form) or into a fresh accumulator that is then added (the CPU interpreter's wgmma)."""
+    if in_place:
+        def pv_in_place(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, kv_half)
+
+        return pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
 
     def pv(acc_ref):
         plgpu.wgmma(acc_ref, p_smem, kv_half)
@@ -511,17 +522,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(p_written)
                     plgpu.barrier_wait(p_written)
-                    if config.pv_form == "p_smem":
-                        def pv(acc_ref):
-                            plgpu.wgmma(acc_ref, p_smem, kv_half)
-
-                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                    else:  # "interpret": a fresh accumulator (the interpreter's wgmma)
-                        def pv(acc_ref):
-                            plgpu.wgmma(acc_ref, p_smem, kv_half)
-                            return acc_ref[...]
-
-                        acc = acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
+                    acc = pv_with_p_in_smem(acc, p_smem, kv_half, in_place=config.pv_form == "p_smem")
                     plgpu.barrier_arrive(p_free)
                     return acc, m_new, l_new
 
@@ -592,11 +593,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                         elif config.pv_form == "p_smem":  # P through SMEM (A operand from SMEM), in-place accumulate
                             p_smem[w] = p16
                             plgpu.commit_smem()
-
-                            def pv(acc_ref):
-                                plgpu.wgmma(acc_ref, p_smem.at[w], kv_half)
-
-                            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                            acc = pv_with_p_in_smem(acc, p_smem.at[w], kv_half, in_place=True)
                         else:  # "interpret"
                             acc = pv_through_smem(acc, p16, p_smem.at[w], kv_half)
                     if persistent:  # the item's last slot is released after the epilogue has staged O in it
