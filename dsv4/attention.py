@@ -132,16 +132,15 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
 
     kv_prefix: the layout of a cached chunk (`Attention.forward_chunk`): kv rows [0, kv_prefix) hold the
     kv_prefix positions just before q's first one, in order (-1 where there is none yet), and row kv_prefix + j
-    holds query j's own token. On Hopper the Mosaic kernel then takes window and HCA chunks of more than one token
-    whose prefix rows are all real (a run-time check; the Triton kernel otherwise, e.g. for a prompt's first
-    chunk)."""
+    holds query j's own token. On Hopper the Mosaic kernel then takes window and HCA chunks whose prefix rows are
+    all real (a run-time check; the Triton kernel otherwise, e.g. for a prompt's first chunk). One-token chunks
+    included: there it is 2.2-11x the Triton kernel (docs/BENCHMARKS.md, "One-token chunks")."""
     from dsv4.pallas.attention import v4_attention
 
     del query_chunk  # the kernels find each query block's window band themselves
     sinks = sinks.astype(F32)
     entries = {} if compressed is None else dict(compressed=compressed.entries, compress_rate=compressed.rate)
-    chunk = kv_prefix > 0 and q.shape[1] > 1  # one-token steps keep the Triton kernel (Mosaic's: correct, untimed)
-    if mosaic_applies(q, kv, compressed, kv_aligned or chunk):
+    if mosaic_applies(q, kv, compressed, kv_aligned or kv_prefix > 0):
         from dsv4.pallas.attention_mgpu import positions_are_aligned, v4_attention_mgpu
 
         if kv_aligned:

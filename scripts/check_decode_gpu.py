@@ -3,11 +3,13 @@ on the same random weights and the same ragged batch, each path from its own cac
 - the chunked prefill: each chunk after the first runs its window / HCA attention on the Mosaic kernel from the
   cache's ring (`kv_prefix`; the first chunk, with no ring yet, and CSA layers take the Triton kernel); every
   chunk's last logits must agree;
-- the decode through the paged decode kernel on the cache itself (KERNEL_NOTES decode item 8): logits must agree
-  and the greedy tokens match.
+- the decode through the paged decode kernel on the cache itself (KERNEL_NOTES decode item 8), or with an FP8
+  cache (`--kv-format fp8-channel`) through the attention core on the dense read-out (window / HCA on the Mosaic
+  kernel, one token at a time): logits must agree and the greedy tokens match.
 Prints the per-chunk and per-step time of each path (not a benchmark: one small model, a few steps).
 
     PYTHONPATH=. python3 scripts/check_decode_gpu.py                    # one H200: 64 heads x 512, 3 layers
+    PYTHONPATH=. python3 scripts/check_decode_gpu.py --kv-format fp8-channel   # the FP8 cache's decode route
     PYTHONPATH=. python3 scripts/check_decode_gpu.py --prompt 600 --steps 3 --small   # CPU smoke (interpreted)
 
 Model: V4-Flash's attention shapes (64 heads x 512, window 128, CSA 4:1 with a 64 x 128 indexer keeping 512, HCA
@@ -65,15 +67,19 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--small", action="store_true", help="4 heads x 64 (CPU smoke)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--kv-format", default=None, help="cache format (dsv4.cache.layout.FORMAT_NAMES; default: the "
+                   "model dtype, unquantized). An FP8 format sends the Pallas path's decode steps through the "
+                   "attention core (the Mosaic kernel for window / HCA, the Triton one for CSA), not the paged kernel")
     args = p.parse_args()
     cfg = config(args.small)
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, cache {args.kv_format or args.dtype}", flush=True)
     models = {impl: dsv4.init_random(cfg, seed=0, dtype=jnp.dtype(args.dtype), attention_impl=impl)
               for impl in ("jnp", "pallas")}  # fmt: skip
     lens = np.array([args.prompt, args.prompt - 333])
     page_tokens, max_len = 256, args.prompt + args.steps + 256
     cols = -(-max_len // page_tokens)
-    cache = models["jnp"].init_cache(2, max_len=max_len, page_tokens=page_tokens, num_pages=2 * cols + 1)
+    cache = models["jnp"].init_cache(2, max_len=max_len, kv_format=args.kv_format, page_tokens=page_tokens,
+                                     num_pages=2 * cols + 1)  # fmt: skip
     pages = np.random.default_rng(1).permutation(np.arange(1, 2 * cols + 1)).reshape(2, cols)
     cache["block_table"] = jnp.asarray(pages, jnp.int32)
     cache = jax.device_put(cache, jax.devices()[0])

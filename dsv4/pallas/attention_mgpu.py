@@ -84,7 +84,7 @@ _SMEM_LIMIT = 227 * 1024
 _VARIANTS = ("ws", "prefetch")
 _ROW_TILE = 8  # rows of the (8, 64) SMEM tile; TMA row starts in a tiled GMEM view must be multiples of it
 _PV_FORMS = ("run_state", "store", "p_smem", "interpret")
-_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump")
+_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump", "swizzle64")
 _SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
 
 
@@ -140,7 +140,9 @@ class MgpuConfig:
     #   "no_exchange": each consumer computes the full S = Q·Kᵀ from both halves (no SMEM exchange; "ws" only);
     #   "plain_exchange": the exchange buffer without tiling/swizzle transforms;
     #   "dump": a second output [B, S, 2 (wg), 2 (S unscaled, P f32), H, block_kv] f32 with the last step's tiles
-    #           (call v4_attention_mgpu_kernel_call directly; +32 KiB SMEM at block_kv 64).
+    #           (call v4_attention_mgpu_kernel_call directly; +32 KiB SMEM at block_kv 64);
+    #   "swizzle64": Q, the KV ring (and P with pv_form "p_smem") at the 64-byte swizzle exchange="split" needs, with
+    #           the full exchange (what that swizzle costs by itself).
     debug: tuple = ()
     persistent: bool | None = None
     num_ctas: int = 0
@@ -690,7 +692,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     elems_128b = 128 // jnp.dtype(dtype).itemsize
     # NOTE: split: P's halves must be whole tiles, so P is tiled by hb columns, and wgmma wants both operands'
     # swizzles equal ("WGMMA rhs swizzle must match lhs swizzle"): Q and the KV ring follow P's.
-    minor = min(hb, elems_128b) if split else elems_128b
+    minor = min(hb, elems_128b) if split else elems_128b // 2 if "swizzle64" in config.debug else elems_128b
     scratch = [
         plgpu.SMEM((2, HEADS_PER_CTA, dh), dtype, transforms=tiled(minor)),  # Q halves, then O halves
         plgpu.SMEM((slots * 2, bk, dh), dtype, transforms=tiled(minor)),  # KV ring: [slot · 2 + half]
@@ -707,7 +709,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         plgpu.Barrier(num_arrivals=2),  # exchange read
         # P for the P·V wgmma (split: one buffer, a column half from each warpgroup)
         (plgpu.SMEM((HEADS_PER_CTA, bk), dtype, transforms=tiled(minor)) if split else
-         plgpu.SMEM((2, HEADS_PER_CTA, bk), dtype, transforms=tiled(min(bk, elems_128b))) if p_via_smem else None),
+         plgpu.SMEM((2, HEADS_PER_CTA, bk), dtype, transforms=tiled(min(bk, minor))) if p_via_smem else None),
         plgpu.SMEM((2, 2, HEADS_PER_CTA, bk), F32) if dump else None,  # debug dump staging
         plgpu.SMEM((2, HEADS_PER_CTA), F32) if split else None,  # split: row maxima, then row sums
         *([plgpu.Barrier(num_arrivals=2)] * 4 if split else [None] * 4),  # split: m written / read, P written / free
