@@ -46,11 +46,6 @@ VARIANTS = {
     "mgpu-ws-kv64x2-store": MgpuConfig(variant="ws", block_kv=64, num_slots=2, pv_form="store", persistent=False),
     "mgpu-persistent": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True),
     "mgpu-persistent-nobar": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, auto_barriers=False),
-    "mgpu-persistent-split": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, exchange="split",
-                                        pv_form="p_smem"),
-    # E17's 64-byte swizzle alone, with the full exchange (P through SMEM with the full exchange does not fit at
-    # D = 512: two P buffers, 246 KiB).
-    "mgpu-persistent-sw64": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, debug=("swizzle64",)),
 }
 
 

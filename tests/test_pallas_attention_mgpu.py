@@ -45,9 +45,7 @@ def make_inputs(seed, *, batch=1, seq=37, heads=64, head_dim=512, rate=None, off
 
 def _config(variant, **kw):
     """"ws" (persistent: one CTA per SM looping over tokens, the default), "ws-per-token" (one CTA per token),
-    "prefetch"; "-nobar" appended: without Pallas' automatic SMEM-store barriers; "-split": the split exchange."""
-    if variant.endswith("-split"):
-        return _config(variant.removesuffix("-split"), exchange="split", pv_form="p_smem", **kw)
+    "prefetch"; "-nobar" appended: without Pallas' automatic SMEM-store barriers."""
     if variant.endswith("-nobar"):
         return _config(variant.removesuffix("-nobar"), auto_barriers=False, **kw)
     if variant == "ws-per-token":
@@ -63,7 +61,7 @@ def _reference(q, kv, q_pos, sinks, compressed, *, window, scale, rate):
 # ---------------------------------------------------------------------------------------------
 # CPU
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar", "ws-split", "prefetch-split"])
+@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar"])
 @pytest.mark.parametrize("hca", [False, True])
 @pytest.mark.parametrize("s", [1024, 301])  # 301: T % 8 != 0 (the TMA's GMEM view tiles rows by 8: padded)
 def test_lowers_for_cuda_at_real_shapes(variant, hca, s):
@@ -139,17 +137,6 @@ def test_interpreter_matches_reference(variant, fold, monkeypatch):
     window, rate, bk = 40, 4, 32  # window not a multiple of the block: 2 tiles, unaligned band starts
     q, kv, q_pos, sinks, compressed = make_inputs(1, seq=21, head_dim=128, rate=rate)
     config = MgpuConfig(variant=variant, block_kv=bk, pv_form="interpret")
-    _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, window=window, rate=rate)
-
-
-@pytest.mark.parametrize("variant, bk, kw", [("prefetch", 32, {}), ("ws", 64, dict(num_ctas=3))])
-def test_interpreter_split_exchange(variant, bk, kw):
-    """exchange="split": each consumer finishes half the columns' logits, the two swap row maxima and write their
-    halves of one shared P; the row sums (the sink in warpgroup 0's) are added at the end. bk = 64 is the
-    persistent launch (3 CTAs, 7 items each); positions from 100, so 25..30 HCA entries: a partial HCA tile."""
-    window, rate = 40, 4
-    q, kv, q_pos, sinks, compressed = make_inputs(6, seq=21, head_dim=128, rate=rate, offset=100)
-    config = MgpuConfig(variant=variant, block_kv=bk, pv_form="interpret", exchange="split", **kw)
     _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, window=window, rate=rate)
 
 
@@ -249,11 +236,6 @@ def test_rejects_bad_config():
     assert not MgpuConfig(block_kv=32, pv_form="interpret").is_persistent  # O is staged in a 64-row KV tile
     with pytest.raises(ValueError, match="num_ctas"):
         MgpuConfig(num_ctas=-1)
-    with pytest.raises(ValueError, match="exchange"):
-        MgpuConfig(exchange="half")
-    with pytest.raises(ValueError, match="exchange='split' needs pv_form"):
-        MgpuConfig(exchange="split")  # P must go through SMEM
-    assert MgpuConfig(exchange="split", pv_form="p_smem").smem_bytes(512) <= 227 * 1024
     with pytest.raises(ValueError, match="shared memory"):
         v4_attention_mgpu(jnp.zeros((1, 8, 64, 512), jnp.bfloat16), jnp.zeros((1, 8, 512), jnp.bfloat16),
                           jnp.zeros((1, 8), jnp.int32), jnp.zeros((64,), jnp.float32), sliding_window=128, scale=1.0,
@@ -265,8 +247,7 @@ def test_rejects_bad_config():
 # ---------------------------------------------------------------------------------------------
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar", "ws-per-token-nobar", "ws-split",
-                                     "ws-per-token-split", "prefetch-split"])
+@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar", "ws-per-token-nobar"])
 @pytest.mark.parametrize("hca", [False, True])
 @pytest.mark.parametrize("seq", [37, 301])
 def test_gpu_matches_reference(variant, hca, seq):
@@ -276,7 +257,7 @@ def test_gpu_matches_reference(variant, hca, seq):
 @gpu
 @requires_gpu
 @pytest.mark.parametrize("num_ctas", [0, 7])
-@pytest.mark.parametrize("variant", ["ws", "ws-split"])
+@pytest.mark.parametrize("variant", ["ws"])
 def test_gpu_persistent_batches_and_head_groups(num_ctas, variant):
     """Persistent CTAs over 2 batch rows × 2 head groups × 301 tokens: one CTA per SM (0), or 7 CTAs running
     about 170 items each."""

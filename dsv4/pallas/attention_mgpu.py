@@ -27,11 +27,8 @@ Design (docs/KERNEL_NOTES.md §2, "option B"):
                                         online softmax redundantly (bit-identical: f32 addition commutes)
     O_w = O_w·α + P · V_w               wgmma m64 n=D/2 k=block_kv, P (bf16) from registers, V_w = the same
                                         SMEM tile as K_w (K = V: one TMA serves both matmuls)
-  O_w is [64, 256] f32 = 128 registers per thread.
-  `MgpuConfig.exchange="split"` (not yet measured on a GPU): each warpgroup finishes only its half of S's columns
-  (it sends the other the other's half of its partial), the two swap row maxima through SMEM, and each writes its
-  half of P (bf16) into one shared buffer that both read as the P·V wgmma's A operand; row sums are added at the
-  end. Half the exchange and no redundant softmax, for two more rendezvous a step.
+  O_w is [64, 256] f32 = 128 registers per thread. (Each warpgroup finishing only its half of S's columns, with
+  one shared P: slower, docs/KERNEL_NOTES.md E17.)
 - Step stream per CTA: first the HCA tiles 0 .. ceil(n_c / block_kv) - 1 (n_c = visible entries of this token),
   then the window tiles: they start at row r0 = max(0, s - W + 1) rounded down to a multiple of 8 and cover
   [r0, s] (ceil(W / block_kv) tiles when r0 is 8-aligned, usually one more). NOTE: a TMA row start must be a
@@ -84,7 +81,7 @@ _SMEM_LIMIT = 227 * 1024
 _VARIANTS = ("ws", "prefetch")
 _ROW_TILE = 8  # rows of the (8, 64) SMEM tile; TMA row starts in a tiled GMEM view must be multiples of it
 _PV_FORMS = ("run_state", "store", "p_smem", "interpret")
-_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump", "swizzle64")
+_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump")
 _SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
 
 
@@ -108,16 +105,8 @@ class MgpuConfig:
                 `CompilerParams.unsafe_no_auto_barriers`). The per-step store of the partial logits into the exchange
                 buffer is one; the exchange's mbarriers (each thread arrives after its own write or read) already
                 order it, and O's staging store comes after the wgmmas that read that buffer have completed and
-                before `commit_smem` (fence and barrier). Not yet measured on a GPU (docs/KERNEL_NOTES.md decode
-                item 1b); True until it is.
-    exchange:   how the two consumers turn their partial logits into P. "full": each sends the other its whole
-                [64, block_kv] f32 partial and both run the softmax on all columns (redundantly). "split": each
-                finishes the logits of its half of the columns (it sends the other only the other's half), the two
-                swap row maxima, and each writes its half of P (bf16) into one shared [64, block_kv] buffer that both
-                read as the P·V wgmma's A operand from SMEM. Half the exchange traffic and no redundant softmax, for
-                two more rendezvous a step; Q, the KV ring and P then use the 64-byte swizzle (wgmma needs both
-                operands' swizzles equal, and a half-width column block of a 128-byte tile is not a whole tile).
-                Needs pv_form "p_smem" (GPU) or "interpret". Not yet measured on a GPU (docs/KERNEL_NOTES.md queue).
+                before `commit_smem` (fence and barrier). On one H200 it made no difference (docs/KERNEL_NOTES.md
+                E12), so True stays.
     """
 
     block_kv: int = 64
@@ -140,14 +129,11 @@ class MgpuConfig:
     #   "no_exchange": each consumer computes the full S = Q·Kᵀ from both halves (no SMEM exchange; "ws" only);
     #   "plain_exchange": the exchange buffer without tiling/swizzle transforms;
     #   "dump": a second output [B, S, 2 (wg), 2 (S unscaled, P f32), H, block_kv] f32 with the last step's tiles
-    #           (call v4_attention_mgpu_kernel_call directly; +32 KiB SMEM at block_kv 64);
-    #   "swizzle64": Q, the KV ring (and P with pv_form "p_smem") at the 64-byte swizzle exchange="split" needs, with
-    #           the full exchange (what that swizzle costs by itself).
+    #           (call v4_attention_mgpu_kernel_call directly; +32 KiB SMEM at block_kv 64).
     debug: tuple = ()
     persistent: bool | None = None
     num_ctas: int = 0
     auto_barriers: bool = True
-    exchange: str = "full"
 
     def __post_init__(self):
         # NOTE: P·V reduces over block_kv; a bf16 wgmma K must be a multiple of 64 (found by lowering, block_kv=32
@@ -163,11 +149,6 @@ class MgpuConfig:
             raise ValueError(f"MgpuConfig.pv_form={self.pv_form!r} must be one of {_PV_FORMS}")
         if not isinstance(self.debug, tuple) or any(f not in _DEBUG_FLAGS for f in self.debug):
             raise ValueError(f"MgpuConfig.debug={self.debug!r} must be a tuple of flags from {_DEBUG_FLAGS}")
-        if self.exchange not in ("full", "split"):
-            raise ValueError(f"MgpuConfig.exchange={self.exchange!r} must be 'full' or 'split'")
-        if self.exchange == "split" and (self.pv_form not in ("p_smem", "interpret") or self.debug):
-            raise ValueError(f"MgpuConfig.exchange='split' needs pv_form 'p_smem' or 'interpret' and no debug flag; "
-                             f"got pv_form={self.pv_form!r}, debug={self.debug!r}")  # fmt: skip
         if "no_exchange" in self.debug and self.variant != "ws":
             raise ValueError("MgpuConfig.debug 'no_exchange' needs variant='ws' (consumed barriers guard both halves)")
         if self.variant not in _VARIANTS:
@@ -190,12 +171,8 @@ class MgpuConfig:
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         q = HEADS_PER_CTA * head_dim * itemsize
         kv = self.num_slots * self.block_kv * head_dim * itemsize
-        if self.exchange == "split":  # half-width partials, one shared P, the row maxima
-            exchange = HEADS_PER_CTA * self.block_kv * 4 + 2 * HEADS_PER_CTA * 4
-            p = HEADS_PER_CTA * self.block_kv * itemsize
-        else:
-            exchange = 2 * HEADS_PER_CTA * self.block_kv * 4
-            p = 2 * HEADS_PER_CTA * self.block_kv * itemsize if self.pv_form in ("p_smem", "interpret") else 0
+        exchange = 2 * HEADS_PER_CTA * self.block_kv * 4
+        p = 2 * HEADS_PER_CTA * self.block_kv * itemsize if self.pv_form in ("p_smem", "interpret") else 0
         dump = 4 * HEADS_PER_CTA * self.block_kv * 4 if "dump" in self.debug else 0
         return q + kv + exchange + 2 * HEADS_PER_CTA * 4 + p + dump
 
@@ -392,16 +369,13 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     p_via_smem = config.pv_form in ("interpret", "p_smem")
-    split = config.exchange == "split"
-    hb = bk // 2  # split: each consumer finishes columns [w · hb, (w + 1) · hb)
 
     persistent = config.is_persistent
     n_items_total = b * hg * s_real
     n_ctas = min(config.num_ctas or sm_count(), n_items_total) if persistent else 0
 
     def body(q_ref, kv_ref, comp_ref, nvis_ref, lo_ref, hi_ref, sinks_ref, o_ref, dbg_ref, q_smem, kv_smem, x_smem,
-             sink_smem, q_bar, sink_bar, kv_bar, consumed_bar, x_written, x_read, p_smem, dump_smem, m_smem,
-             m_written, m_read, p_written, p_free):  # fmt: skip
+             sink_smem, q_bar, sink_bar, kv_bar, consumed_bar, x_written, x_read, p_smem, dump_smem):  # fmt: skip
         wg = lax.axis_index("wg")
         if persistent:  # this CTA's items: cta, cta + n_ctas, ... (item = (b · hg + head group) · S + token)
             cta = lax.axis_index("cta")
@@ -475,21 +449,16 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                 sink = plgpu.load(sink_smem.at[w], layout=row_layout)  # [64] log2 domain
                 m_i = jnp.maximum(sink, _M_FLOOR)
                 l_i = jnp.exp2(sink - m_i)
-                if split and w == 1:  # split: each l counts its own columns; the sink joins warpgroup 0's
-                    l_i = l_i * 0.0
                 acc = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, dh), F32), wgmma_layout)
                 plgpu.barrier_wait(q_bar.at[w])
                 if no_exchange:
                     plgpu.barrier_wait(q_bar.at[1 - w])
 
-                def col_lo_hi(i, it: _Item, width):
+                def col_lo_hi(i, it: _Item):
                     """Column bounds of step i: HCA steps see entries [0, n_vis), window steps rows
-                    [win_lo, win_hi). → (index of this warpgroup's first column (its `width`-wide block in the
-                    split exchange), lo, hi)."""
+                    [win_lo, win_hi). → (index of the step's first column, lo, hi)."""
                     is_hca = i < it.n_hca_tiles
                     base = jnp.where(is_hca, i * bk, it.win_start + (i - it.n_hca_tiles) * bk)
-                    if width:
-                        base = base + w * width
                     if lo_ref is None:  # NOTE: computed here, not hoisted: hoisted, the CPU interpreter's ws run hung
                         lo = jnp.where(is_hca, 0, it.row - (sliding_window - 1))
                         hi = jnp.where(is_hca, it.n_vis, it.row + 1)
@@ -497,36 +466,6 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                         lo = jnp.where(is_hca, 0, it.win_lo)
                         hi = jnp.where(is_hca, it.n_vis, it.win_hi)
                     return base, lo, hi
-
-                def split_softmax_pv(i, s_part, bounds, kv_half, acc, m_i, l_i):
-                    """exchange="split": finish this warpgroup's hb columns, swap row maxima, write this half of P
-                    into the shared buffer, then O_w += P · V_w. l_i counts only this warpgroup's columns."""
-                    mine, theirs = slice(w * hb, (w + 1) * hb), slice((1 - w) * hb, (2 - w) * hb)
-
-                    s_mine = s_part[:, mine] + swap_with_other(x_smem, w, s_part[:, theirs], x_written, x_read,
-                                                               layout=wgmma_layout, wait_read=i > 0)  # fmt: skip
-                    base, lo, hi = bounds
-                    col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, hb), 1, layout=wgmma_layout) + base
-                    logits = jnp.where((col >= lo) & (col < hi), s_mine * logit_scale, -jnp.inf)
-                    m_mine = jnp.maximum(m_i, logits.max(axis=1))
-                    m_new = jnp.maximum(m_mine, swap_with_other(m_smem, w, m_mine, m_written, m_read,
-                                                                layout=row_layout, wait_read=i > 0))  # fmt: skip
-                    alpha = jnp.exp2(m_i - m_new)
-                    p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-                    l_new = l_i * alpha + p.sum(axis=1)
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-                    @pl.when(i > 0)
-                    def _():
-                        plgpu.barrier_wait(p_free)  # both P·V of the previous step are done with the buffer
-
-                    p_smem.at[:, pl.ds(w * hb, hb)][...] = p.astype(dtype)
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(p_written)
-                    plgpu.barrier_wait(p_written)
-                    acc = pv_with_p_in_smem(acc, p_smem, kv_half, in_place=config.pv_form == "p_smem")
-                    plgpu.barrier_arrive(p_free)
-                    return acc, m_new, l_new
 
                 def step_fn(i, carry):
                     acc, m_i, l_i = carry
@@ -556,48 +495,43 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                             def _():
                                 load_q(plan(j + 1))
 
-                        if not split:
-                            # Exchange the partial logits with the other warpgroup.
-                            s_full = s_part + swap_with_other(x_smem, w, s_part, x_written, x_read,
-                                                              layout=wgmma_layout, wait_read=i > 0,
-                                                              optimized=not plain_exchange)  # fmt: skip
+                        # Exchange the partial logits with the other warpgroup.
+                        s_full = s_part + swap_with_other(x_smem, w, s_part, x_written, x_read, layout=wgmma_layout,
+                                                          wait_read=i > 0, optimized=not plain_exchange)  # fmt: skip
 
-                    if split:
-                        acc, m_new, l_new = split_softmax_pv(i, s_part, col_lo_hi(i, it, hb), kv_half, acc, m_i, l_i)
-                    else:
-                        base, lo, hi = col_lo_hi(i, it, 0)
-                        col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
-                        p, m_new, l_new, acc = online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
-                        p16 = p.astype(dtype)
+                    base, lo, hi = col_lo_hi(i, it)
+                    col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
+                    p, m_new, l_new, acc = online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
+                    p16 = p.astype(dtype)
 
-                        if dump:  # debug: the last step's S (unscaled, both halves summed) and P (f32) of this wg
-                            @pl.when(i == it.n_steps - 1)
-                            def _():
-                                dump_smem[w, 0] = s_full
-                                dump_smem[w, 1] = p
-                                plgpu.commit_smem()
-                                for k in range(2):
-                                    dst = dbg_ref.at[it.bi, it.tok, w, k, pl.ds(it.h0, HEADS_PER_CTA)]
-                                    plgpu.copy_smem_to_gmem(dump_smem.at[w, k], dst)
-
-                        if config.pv_form == "run_state":  # accumulate into acc in place (the bundled FA3 form)
-                            def pv(acc_ref):
-                                plgpu.wgmma(acc_ref, p16, kv_half)
-
-                            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                        elif config.pv_form == "store":
-                            def pv(acc_ref):
-                                acc_ref[...] = acc
-                                plgpu.wgmma(acc_ref, p16, kv_half)
-                                return acc_ref[...]
-
-                            acc = pl.run_scoped(pv, plgpu.ACC((HEADS_PER_CTA, dh), F32))
-                        elif config.pv_form == "p_smem":  # P through SMEM (A operand from SMEM), in-place accumulate
-                            p_smem[w] = p16
+                    if dump:  # debug: the last step's S (unscaled, both halves summed) and P (f32) of this wg
+                        @pl.when(i == it.n_steps - 1)
+                        def _():
+                            dump_smem[w, 0] = s_full
+                            dump_smem[w, 1] = p
                             plgpu.commit_smem()
-                            acc = pv_with_p_in_smem(acc, p_smem.at[w], kv_half, in_place=True)
-                        else:  # "interpret"
-                            acc = pv_through_smem(acc, p16, p_smem.at[w], kv_half)
+                            for k in range(2):
+                                dst = dbg_ref.at[it.bi, it.tok, w, k, pl.ds(it.h0, HEADS_PER_CTA)]
+                                plgpu.copy_smem_to_gmem(dump_smem.at[w, k], dst)
+
+                    if config.pv_form == "run_state":  # accumulate into acc in place (the bundled FA3 form)
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, kv_half)
+
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    elif config.pv_form == "store":
+                        def pv(acc_ref):
+                            acc_ref[...] = acc
+                            plgpu.wgmma(acc_ref, p16, kv_half)
+                            return acc_ref[...]
+
+                        acc = pl.run_scoped(pv, plgpu.ACC((HEADS_PER_CTA, dh), F32))
+                    elif config.pv_form == "p_smem":  # P through SMEM (A operand from SMEM), in-place accumulate
+                        p_smem[w] = p16
+                        plgpu.commit_smem()
+                        acc = pv_with_p_in_smem(acc, p_smem.at[w], kv_half, in_place=True)
+                    else:  # "interpret"
+                        acc = pv_through_smem(acc, p16, p_smem.at[w], kv_half)
                     if persistent:  # the item's last slot is released after the epilogue has staged O in it
                         @pl.when(i < it.n_steps - 1)
                         def _():
@@ -618,11 +552,6 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                     plgpu.barrier_wait(x_written)
                 else:
                     plgpu.barrier_wait(x_read)  # observe the last exchange phase (barrier discipline; nearly free)
-                if split:  # observe the last P phase, then add the two warpgroups' row sums (and observe that)
-                    plgpu.barrier_wait(p_free)
-                    l_i = l_i + swap_with_other(m_smem, w, l_i, m_written, m_read, layout=row_layout,
-                                                wait_read=jnp.bool_(True))  # fmt: skip
-                    plgpu.barrier_wait(m_read)
                 inv = jnp.where(l_i > 0, 1.0 / l_i, 0.0)
                 out = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
                 dst = o_ref.at[it.bi, it.tok, pl.ds(it.h0, HEADS_PER_CTA), pl.ds(w * dh, dh)]
@@ -690,15 +619,11 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         return plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(minor * itemsize)
 
     elems_128b = 128 // jnp.dtype(dtype).itemsize
-    # NOTE: split: P's halves must be whole tiles, so P is tiled by hb columns, and wgmma wants both operands'
-    # swizzles equal ("WGMMA rhs swizzle must match lhs swizzle"): Q and the KV ring follow P's.
-    minor = min(hb, elems_128b) if split else elems_128b // 2 if "swizzle64" in config.debug else elems_128b
+    minor = elems_128b
     scratch = [
         plgpu.SMEM((2, HEADS_PER_CTA, dh), dtype, transforms=tiled(minor)),  # Q halves, then O halves
         plgpu.SMEM((slots * 2, bk, dh), dtype, transforms=tiled(minor)),  # KV ring: [slot · 2 + half]
-        # partial-logit exchange (split: each warpgroup's partial for the other's columns)
-        plgpu.SMEM((2, HEADS_PER_CTA, hb if split else bk), F32,
-                   transforms=() if plain_exchange else tiled(min(hb, 32) if split else 32, 4)),
+        plgpu.SMEM((2, HEADS_PER_CTA, bk), F32, transforms=() if plain_exchange else tiled(32, 4)),  # partial logits
         plgpu.SMEM((2, HEADS_PER_CTA), F32),  # sinks (log2 domain), one copy per consumer
         plgpu.Barrier(num_barriers=2),  # q halves
         plgpu.Barrier(num_barriers=2),  # sinks
@@ -707,12 +632,9 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         plgpu.Barrier(num_arrivals=2 if no_exchange else 1, num_barriers=2 * slots) if ws else None,
         plgpu.Barrier(num_arrivals=2),  # exchange written
         plgpu.Barrier(num_arrivals=2),  # exchange read
-        # P for the P·V wgmma (split: one buffer, a column half from each warpgroup)
-        (plgpu.SMEM((HEADS_PER_CTA, bk), dtype, transforms=tiled(minor)) if split else
-         plgpu.SMEM((2, HEADS_PER_CTA, bk), dtype, transforms=tiled(min(bk, minor))) if p_via_smem else None),
+        # P for the P·V wgmma (pv_form "p_smem" / "interpret")
+        plgpu.SMEM((2, HEADS_PER_CTA, bk), dtype, transforms=tiled(min(bk, minor))) if p_via_smem else None,
         plgpu.SMEM((2, 2, HEADS_PER_CTA, bk), F32) if dump else None,  # debug dump staging
-        plgpu.SMEM((2, HEADS_PER_CTA), F32) if split else None,  # split: row maxima, then row sums
-        *([plgpu.Barrier(num_arrivals=2)] * 4 if split else [None] * 4),  # split: m written / read, P written / free
     ]
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
     if dump:
