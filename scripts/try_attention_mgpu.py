@@ -46,6 +46,8 @@ VARIANTS = {
     "mgpu-ws-kv64x2-store": MgpuConfig(variant="ws", block_kv=64, num_slots=2, pv_form="store", persistent=False),
     "mgpu-persistent": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True),
     "mgpu-persistent-nobar": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, auto_barriers=False),
+    # E18: the consumers on alternate key tiles, P handed over through SMEM (one CTA per token).
+    "mgpu-seesaw": MgpuConfig(variant="ws", block_kv=64, num_slots=2, schedule="seesaw"),
 }
 
 

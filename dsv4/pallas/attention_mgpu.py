@@ -134,6 +134,10 @@ class MgpuConfig:
     persistent: bool | None = None
     num_ctas: int = 0
     auto_barriers: bool = True
+    # "split_d" (the default: the two consumers split D and exchange partial logits) or "seesaw" (they take
+    # alternate key tiles, each computing its tile's whole S, and hand P over through SMEM: attention_seesaw.py;
+    # "ws", 2 slots, one CTA per item, pv_form "run_state" or "interpret", no debug flag).
+    schedule: str = "split_d"
 
     def __post_init__(self):
         # NOTE: P·V reduces over block_kv; a bf16 wgmma K must be a multiple of 64 (found by lowering, block_kv=32
@@ -153,6 +157,12 @@ class MgpuConfig:
             raise ValueError("MgpuConfig.debug 'no_exchange' needs variant='ws' (consumed barriers guard both halves)")
         if self.variant not in _VARIANTS:
             raise ValueError(f"MgpuConfig.variant={self.variant!r} must be one of {_VARIANTS}")
+        if self.schedule not in ("split_d", "seesaw"):
+            raise ValueError(f"MgpuConfig.schedule={self.schedule!r} must be 'split_d' or 'seesaw'")
+        if self.schedule == "seesaw" and (self.variant != "ws" or self.num_slots != 2 or self.persistent or self.debug
+                                          or self.pv_form not in ("run_state", "interpret")):  # fmt: skip
+            raise ValueError(f"MgpuConfig.schedule='seesaw' needs variant 'ws', num_slots 2, persistent off, no debug "
+                             f"flag and pv_form 'run_state' or 'interpret'; got {self}")  # fmt: skip
         if self.num_ctas < 0:
             raise ValueError(f"MgpuConfig.num_ctas={self.num_ctas} must be >= 0 (0: one per SM)")
         if self.persistent and not self._persistent_applies():
@@ -161,7 +171,8 @@ class MgpuConfig:
                              f"block_kv={self.block_kv}, debug={self.debug!r}")  # fmt: skip
 
     def _persistent_applies(self) -> bool:
-        return self.variant == "ws" and self.block_kv >= HEADS_PER_CTA and not {"no_exchange", "dump"} & set(self.debug)
+        return (self.schedule == "split_d" and self.variant == "ws" and self.block_kv >= HEADS_PER_CTA
+                and not {"no_exchange", "dump"} & set(self.debug))
 
     @property
     def is_persistent(self) -> bool:
@@ -171,6 +182,8 @@ class MgpuConfig:
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         q = HEADS_PER_CTA * head_dim * itemsize
         kv = self.num_slots * self.block_kv * head_dim * itemsize
+        if self.schedule == "seesaw":  # two P tiles, maxima, row sums and sinks; no exchange buffer
+            return q + kv + 2 * HEADS_PER_CTA * self.block_kv * itemsize + 3 * 2 * HEADS_PER_CTA * 4
         exchange = 2 * HEADS_PER_CTA * self.block_kv * 4
         p = 2 * HEADS_PER_CTA * self.block_kv * itemsize if self.pv_form in ("p_smem", "interpret") else 0
         dump = 4 * HEADS_PER_CTA * self.block_kv * 4 if "dump" in self.debug else 0
@@ -370,6 +383,16 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     p_via_smem = config.pv_form in ("interpret", "p_smem")
 
+    if config.schedule == "seesaw":
+        from dsv4.pallas.attention_seesaw import seesaw_kernel_call
+
+        if window_rows is not None:
+            raise NotImplementedError("MgpuConfig.schedule='seesaw' takes no window_rows (the sequence-parallel form)")
+
+        out = seesaw_kernel_call(q, kv, compressed, n_visible, sinks_log2, s_inner=s_inner, s_outer=s_outer,
+                                 sliding_window=sliding_window, logit_scale=logit_scale, kv_offset=kv_offset,
+                                 config=config, interpret=interpret)  # fmt: skip
+        return out if s == s_real else out[:, :s_real]
     persistent = config.is_persistent
     n_items_total = b * hg * s_real
     n_ctas = min(config.num_ctas or sm_count(), n_items_total) if persistent else 0
