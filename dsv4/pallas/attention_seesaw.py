@@ -10,15 +10,16 @@ a step, with the tensor core idle. Here (facts from FlashMLA's SM90 kernels, no 
 - each still owns half of O's columns, O_w [64, D/2] f32: its own P multiplies its half of its tile's V from
   registers, the other's P (bf16, through SMEM) its half of the other's tile's V;
 - what crosses per tile is P (bf16 [64, 64], 8 KiB) and the row max ([64] f32), not f32 logits.
-Per pair (a, b), with m the running max both have absorbed:
-  wg0: S_a; m_a = max(m, rowmax S_a); publish (m_a, P_a); O_L = α·O_L + P_a·V_aL (registers)
-       wait b's publication; O_L = O_L·2^(m_a - m_b) + P_b·V_bL (SMEM)
-  wg1: S_b; wait a's publication; O_R = O_R·2^(m - m_a) + P_a·V_aR (SMEM)
-       m_b = max(m_a, rowmax S_b); publish (m_b, P_b); O_R = α·O_R + P_b·V_bR (registers)
-So one warpgroup's softmax runs while the other's wgmmas run. Each tile's slot has one TMA barrier and one "free"
-barrier per D half: a half is released by the warpgroup whose P·V reads it last (a.L and b.L by wg0, a.R and b.R by
-wg1), and the producer refills halves in the order they free (a.L, a.R, b.R, b.L); warpgroup 0 starts its next Q·Kᵀ
-on the L half, warpgroup 1 on the R half. Row sums stay per warpgroup (the sink in wg0's) and are added at the end.
+Per pair (a, b), with m the running max both share (E18 v2; v1, each warpgroup's softmax after the other's, at
+commit a9ca906, ran at 0.75x of split-D):
+  both:  S_own (wg0: tile a, wg1: tile b); swap row maxima: m' = max(m, rowmax S_a, rowmax S_b)
+         O_w, l_w rescaled by 2^(m - m'); P_own = 2^(S_own - m'); publish P_own (bf16, SMEM)
+         O_w += P_own · V_own,w (registers); wait the other's P; O_w += P_other · V_other,w (SMEM)
+Each softmax runs once, not twice, and only [64] maxima and bf16 P cross, not f32 logits. Each tile's slot has one
+TMA barrier and one "free" barrier per D half: a half is released by the warpgroup whose P·V reads it last (a.L and
+b.L by wg0, a.R and b.R by wg1), and the producer refills halves in the order they free (a.L, b.R, a.R, b.L);
+warpgroup 0 starts its next Q·Kᵀ on the L half, warpgroup 1 on the R half. Row sums stay per warpgroup (the sink in
+wg0's) and are added at the end.
 
 One CTA per (token, 64 heads), not persistent; two ring slots (even tiles in slot 0, odd in slot 1). SMEM at D = 512:
 Q 64 KiB + 2 tiles 128 KiB + 2 P tiles 16 KiB ≈ 209 KiB (no exchange buffer).
@@ -43,7 +44,6 @@ def seesaw_kernel_call(q, kv, compressed, n_visible, sinks_log2, *, s_inner, s_o
     from dsv4.pallas.attention_mgpu import (
         _M_FLOOR,
         _SEMANTICS,
-        online_softmax_step,
         pv_with_p_in_smem,
         swap_with_other,
         window_tiles,
@@ -60,7 +60,7 @@ def seesaw_kernel_call(q, kv, compressed, n_visible, sinks_log2, *, s_inner, s_o
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def body(q_ref, kv_ref, comp_ref, nvis_ref, sinks_ref, o_ref, q_smem, kv_smem, p_smem, m_smem, l_smem, sink_smem,
-             q_bar, sink_bar, kv_bar, free_bar, pub_bar, read_bar, l_written, l_read):  # fmt: skip
+             q_bar, sink_bar, kv_bar, free_bar, pub_bar, read_bar, mx_written, mx_read, l_written, l_read):  # fmt: skip
         wg = lax.axis_index("wg")
         tok = lax.axis_index("so") * s_inner + lax.axis_index("s")
         bh = lax.axis_index("bh")
@@ -123,61 +123,61 @@ def seesaw_kernel_call(q, kv, compressed, n_visible, sinks_log2, *, s_inner, s_o
 
                 return pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, bk), F32))
 
-            def own_tile(k, step, carry):
-                """This warpgroup's tile: S, softmax, publish (m, P), O_w += P · V_w from registers; frees V_w."""
+            def tile_pair(k, a, b_, carry, *, has_b: bool):
+                """Pair k: warpgroup 0's tile a and warpgroup 1's tile b_ (none in the lone tail, has_b False).
+                Each scores its own tile, the two swap row maxima (one rendezvous), each takes exp2 against the
+                common max, publishes its P, multiplies it into its O half from registers, then the other's P from
+                SMEM; each frees the halves of V it read."""
                 acc, m, lsum = carry
-                base, lo, hi = bounds(step)
-                col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
-                p, m_new, l_new, acc = online_softmax_step(scores(step), col, lo, hi, logit_scale, m, lsum, acc)
-                p16 = p.astype(dtype)
-
-                @pl.when(k > 0)
-                def _():
-                    plgpu.barrier_wait(read_bar.at[w])  # the other has multiplied our previous P
-
-                p_smem[w] = p16
-                m_smem[w] = m_new
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(pub_bar.at[w])
-                kv_half, _, free = half_of(step, w)
-                if interp_pv:
-                    acc = pv_with_p_in_smem(acc, p_smem.at[w], kv_half, in_place=False)
+                own = w == 0 or has_b  # static
+                if own:
+                    step = a if w == 0 else b_
+                    base, lo, hi = bounds(step)
+                    col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
+                    logits = jnp.where((col >= lo) & (col < hi), scores(step) * logit_scale, -jnp.inf)
+                    mine = jnp.maximum(m, logits.max(axis=1))
                 else:
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, kv_half)
-
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(free)
-                return acc, m_new, l_new
-
-            def other_tile(step, carry):
-                """The other warpgroup's tile: wait its (m, P), rescale to its max, O_w += P · V_w from SMEM."""
-                acc, m, lsum = carry
-                plgpu.barrier_wait(pub_bar.at[1 - w])
-                m_new = plgpu.load(m_smem.at[1 - w], layout=row_layout)
+                    mine = m
+                m_new = jnp.maximum(mine, swap_with_other(m_smem, w, mine, mx_written, mx_read, layout=row_layout,
+                                                          wait_read=k > 0))  # fmt: skip
                 alpha = jnp.exp2(m - m_new)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                kv_half, bar, free = half_of(step, w)
-                plgpu.barrier_wait(bar)
-                acc = pv_with_p_in_smem(acc, p_smem.at[1 - w], kv_half, in_place=not interp_pv)
-                plgpu.barrier_arrive(read_bar.at[1 - w])
-                plgpu.barrier_arrive(free)
-                return acc, m_new, lsum * alpha
+                lsum = lsum * alpha
+                if own:
+                    p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+                    lsum = lsum + p.sum(axis=1)
+                    p16 = p.astype(dtype)
 
-            def pair(k, carry):
-                a, b_ = 2 * k, 2 * k + 1
-                if w == 0:
-                    return other_tile(b_, own_tile(k, a, carry))
-                return own_tile(k, b_, other_tile(a, carry))
+                    @pl.when(k > 0)
+                    def _():
+                        plgpu.barrier_wait(read_bar.at[w])  # the other has multiplied our previous P
 
-            carry = lax.fori_loop(0, n_pairs, pair, (acc, m, lsum))
+                    p_smem[w] = p16
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(pub_bar.at[w])
+                    kv_half, _, free = half_of(step, w)
+                    if interp_pv:
+                        acc = pv_with_p_in_smem(acc, p_smem.at[w], kv_half, in_place=False)
+                    else:
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, kv_half)
 
-            def lone(carry):  # n odd: the last tile a = n - 1 (warpgroup 0's), no b
-                if w == 0:
-                    return own_tile(n_pairs, n - 1, carry)
-                return other_tile(n - 1, carry)
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(free)
+                if w == 1 or has_b:  # the other's tile
+                    kv_half, bar, free = half_of(b_ if w == 0 else a, w)
+                    plgpu.barrier_wait(pub_bar.at[1 - w])
+                    plgpu.barrier_wait(bar)
+                    acc = pv_with_p_in_smem(acc, p_smem.at[1 - w], kv_half, in_place=not interp_pv)
+                    plgpu.barrier_arrive(read_bar.at[1 - w])
+                    plgpu.barrier_arrive(free)
+                return acc, m_new, lsum
 
-            acc, m, lsum = lax.cond(lax.rem(n, jnp.int32(2)) == 1, lone, lambda c: c, carry)
+            carry = lax.fori_loop(0, n_pairs, lambda k, c: tile_pair(k, 2 * k, 2 * k + 1, c, has_b=True),
+                                  (acc, m, lsum))  # fmt: skip
+            acc, m, lsum = lax.cond(lax.rem(n, jnp.int32(2)) == 1,  # n odd: the last tile, warpgroup 0's, alone
+                                    lambda c: tile_pair(n_pairs, n - 1, n, c, has_b=False), lambda c: c, carry)
+            plgpu.barrier_wait(mx_read)  # the last maxima swap's phase (barrier discipline)
             # Observe the last phase of the barrier the other arrives on after reading our P (barrier discipline;
             # warpgroup 1 has no tile when n = 1).
             @pl.when((n_pairs > 0) if w == 1 else True)
@@ -215,11 +215,11 @@ def seesaw_kernel_call(q, kv, compressed, n_visible, sinks_log2, *, s_inner, s_o
                     issue(step, half)
 
             @pl.loop(0, n_pairs + 1)
-            def _(k):  # in the order the halves free (and are needed): a.L, a.R, b.R, b.L
+            def _(k):  # in the order the halves free (each warpgroup's own first): a.L, b.R, a.R, b.L
                 a, b_ = 2 * k, 2 * k + 1
                 refill(a, 0)
-                refill(a, 1)
                 refill(b_, 1)
+                refill(a, 1)
                 refill(b_, 0)
 
             # Drain: observe the last release of every half that was loaded.
@@ -237,7 +237,7 @@ def seesaw_kernel_call(q, kv, compressed, n_visible, sinks_log2, *, s_inner, s_o
         plgpu.SMEM((2, HEADS_PER_CTA, dh), dtype, transforms=tiled(minor)),  # Q halves, then O halves
         plgpu.SMEM((4, bk, dh), dtype, transforms=tiled(minor)),  # KV ring: [slot · 2 + half], slot = tile % 2
         plgpu.SMEM((2, HEADS_PER_CTA, bk), dtype, transforms=tiled(min(bk, minor))),  # P of each warpgroup's tile
-        plgpu.SMEM((2, HEADS_PER_CTA), F32),  # each warpgroup's latest max
+        plgpu.SMEM((2, HEADS_PER_CTA), F32),  # each warpgroup's row maxima of the pair
         plgpu.SMEM((2, HEADS_PER_CTA), F32),  # row sums, swapped at the end
         plgpu.SMEM((2, HEADS_PER_CTA), F32),  # sinks (log2 domain), one copy per consumer
         plgpu.Barrier(num_barriers=2),  # q halves
@@ -246,6 +246,8 @@ def seesaw_kernel_call(q, kv, compressed, n_visible, sinks_log2, *, s_inner, s_o
         plgpu.Barrier(num_arrivals=1, num_barriers=4),  # kv halves free
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # (m, P) of warpgroup w published
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # P of warpgroup w read by the other
+        plgpu.Barrier(num_arrivals=2),  # row maxima written
+        plgpu.Barrier(num_arrivals=2),  # row maxima read
         plgpu.Barrier(num_arrivals=2),  # row sums written
         plgpu.Barrier(num_arrivals=2),  # row sums read
     ]
