@@ -81,7 +81,7 @@ _SMEM_LIMIT = 227 * 1024
 _VARIANTS = ("ws", "prefetch")
 _ROW_TILE = 8  # rows of the (8, 64) SMEM tile; TMA row starts in a tiled GMEM view must be multiples of it
 _PV_FORMS = ("run_state", "store", "p_smem", "interpret")
-_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump")
+_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump", "compute_only")
 _SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
 
 
@@ -129,7 +129,9 @@ class MgpuConfig:
     #   "no_exchange": each consumer computes the full S = Q·Kᵀ from both halves (no SMEM exchange; "ws" only);
     #   "plain_exchange": the exchange buffer without tiling/swizzle transforms;
     #   "dump": a second output [B, S, 2 (wg), 2 (S unscaled, P f32), H, block_kv] f32 with the last step's tiles
-    #           (call v4_attention_mgpu_kernel_call directly; +32 KiB SMEM at block_kv 64).
+    #           (call v4_attention_mgpu_kernel_call directly; +32 KiB SMEM at block_kv 64);
+    #   "compute_only": schedule "seesaw" only, a timing form with wrong results: the tiles of the first pair are
+    #           loaded, later steps reuse them (what the consumers cost without loads).
     debug: tuple = ()
     persistent: bool | None = None
     num_ctas: int = 0
@@ -159,10 +161,13 @@ class MgpuConfig:
             raise ValueError(f"MgpuConfig.variant={self.variant!r} must be one of {_VARIANTS}")
         if self.schedule not in ("split_d", "seesaw"):
             raise ValueError(f"MgpuConfig.schedule={self.schedule!r} must be 'split_d' or 'seesaw'")
-        if self.schedule == "seesaw" and (self.variant != "ws" or self.num_slots != 2 or self.persistent or self.debug
-                                          or self.pv_form not in ("run_state", "interpret")):  # fmt: skip
+        seesaw = self.schedule == "seesaw"
+        if seesaw and (self.variant != "ws" or self.num_slots != 2 or self.persistent
+                       or set(self.debug) - {"compute_only"} or self.pv_form not in ("run_state", "interpret")):
             raise ValueError(f"MgpuConfig.schedule='seesaw' needs variant 'ws', num_slots 2, persistent off, no debug "
-                             f"flag and pv_form 'run_state' or 'interpret'; got {self}")  # fmt: skip
+                             f"flag but 'compute_only' and pv_form 'run_state' or 'interpret'; got {self}")  # fmt: skip
+        if "compute_only" in self.debug and not seesaw:
+            raise ValueError("MgpuConfig.debug 'compute_only' is a form of schedule='seesaw'")
         if self.num_ctas < 0:
             raise ValueError(f"MgpuConfig.num_ctas={self.num_ctas} must be >= 0 (0: one per SM)")
         if self.persistent and not self._persistent_applies():

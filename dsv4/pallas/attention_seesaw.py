@@ -56,6 +56,15 @@ def seesaw_kernel_call(q, kv, compressed, n_visible, sinks_log2, *, s_inner, s_o
     bk = config.block_kv
     hca = compressed is not None
     interp_pv = config.pv_form == "interpret"
+    compute_only = "compute_only" in config.debug  # timing form: tiles loaded for the first pair only
+
+    def wait_loaded(step, bar):
+        if compute_only:
+            @pl.when(step < 2)
+            def _():
+                plgpu.barrier_wait(bar)
+        else:
+            plgpu.barrier_wait(bar)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -117,7 +126,7 @@ def seesaw_kernel_call(q, kv, compressed, n_visible, sinks_log2, *, s_inner, s_o
                 def qk(acc_ref):
                     for half in (first, second):
                         kv_half, bar, _ = half_of(step, half)
-                        plgpu.barrier_wait(bar)
+                        wait_loaded(step, bar)
                         plgpu.wgmma(acc_ref, q_smem.at[half], kv_half.transpose((1, 0)))
                     return acc_ref[...]
 
@@ -167,7 +176,7 @@ def seesaw_kernel_call(q, kv, compressed, n_visible, sinks_log2, *, s_inner, s_o
                 if w == 1 or has_b:  # the other's tile
                     kv_half, bar, free = half_of(b_ if w == 0 else a, w)
                     plgpu.barrier_wait(pub_bar.at[1 - w])
-                    plgpu.barrier_wait(bar)
+                    wait_loaded(b_ if w == 0 else a, bar)
                     acc = pv_with_p_in_smem(acc, p_smem.at[1 - w], kv_half, in_place=not interp_pv)
                     plgpu.barrier_arrive(read_bar.at[1 - w])
                     plgpu.barrier_arrive(free)
@@ -212,7 +221,12 @@ def seesaw_kernel_call(q, kv, compressed, n_visible, sinks_log2, *, s_inner, s_o
                     def _():
                         plgpu.barrier_wait(half_of(step, half)[2])
 
-                    issue(step, half)
+                    if compute_only:
+                        @pl.when(step < 2)
+                        def _():
+                            issue(step, half)
+                    else:
+                        issue(step, half)
 
             @pl.loop(0, n_pairs + 1)
             def _(k):  # in the order the halves free (each warpgroup's own first): a.L, b.R, a.R, b.L
