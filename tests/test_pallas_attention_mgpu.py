@@ -45,10 +45,7 @@ def make_inputs(seed, *, batch=1, seq=37, heads=64, head_dim=512, rate=None, off
 
 def _config(variant, **kw):
     """"ws" (persistent: one CTA per SM looping over tokens, the default), "ws-per-token" (one CTA per token),
-    "prefetch", "seesaw" (the consumers on alternate key tiles); "-nobar" appended: without Pallas' automatic
-    SMEM-store barriers."""
-    if variant == "seesaw":
-        return MgpuConfig(variant="ws", schedule="seesaw", **kw)
+    "prefetch"; "-nobar" appended: without Pallas' automatic SMEM-store barriers."""
     if variant.endswith("-nobar"):
         return _config(variant.removesuffix("-nobar"), auto_barriers=False, **kw)
     if variant == "ws-per-token":
@@ -64,7 +61,7 @@ def _reference(q, kv, q_pos, sinks, compressed, *, window, scale, rate):
 # ---------------------------------------------------------------------------------------------
 # CPU
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar", "seesaw"])
+@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar"])
 @pytest.mark.parametrize("hca", [False, True])
 @pytest.mark.parametrize("s", [1024, 301])  # 301: T % 8 != 0 (the TMA's GMEM view tiles rows by 8: padded)
 def test_lowers_for_cuda_at_real_shapes(variant, hca, s):
@@ -140,20 +137,6 @@ def test_interpreter_matches_reference(variant, fold, monkeypatch):
     window, rate, bk = 40, 4, 32  # window not a multiple of the block: 2 tiles, unaligned band starts
     q, kv, q_pos, sinks, compressed = make_inputs(1, seq=21, head_dim=128, rate=rate)
     config = MgpuConfig(variant=variant, block_kv=bk, pv_form="interpret")
-    _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, window=window, rate=rate)
-
-
-@pytest.mark.parametrize("rate, offset, batch, heads, seq",
-                         [(4, 0, 1, 64, 21), (2, 100, 1, 64, 21), (None, 0, 1, 64, 21), (2, 37, 2, 128, 9)])
-def test_interpreter_seesaw(rate, offset, batch, heads, seq):
-    """schedule="seesaw": the two consumers take alternate key tiles and hand P over through SMEM. At block_kv 32
-    the first case's tokens have 1 or 2 tiles (a lone first tile, no tile for warpgroup 1), the second's 3 or 4
-    (HCA tiles at rate 2 from position 100, then the window: odd and even counts, tiles of both kinds in one pair);
-    the third is window-only; the fourth has 2 batch rows × 2 head groups."""
-    window = 40
-    q, kv, q_pos, sinks, compressed = make_inputs(7, batch=batch, heads=heads, seq=seq, head_dim=128, rate=rate,
-                                                  offset=offset)  # fmt: skip
-    config = MgpuConfig(variant="ws", block_kv=32, pv_form="interpret", schedule="seesaw")
     _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, window=window, rate=rate)
 
 
@@ -253,12 +236,6 @@ def test_rejects_bad_config():
     assert not MgpuConfig(block_kv=32, pv_form="interpret").is_persistent  # O is staged in a 64-row KV tile
     with pytest.raises(ValueError, match="num_ctas"):
         MgpuConfig(num_ctas=-1)
-    with pytest.raises(ValueError, match="schedule"):
-        MgpuConfig(schedule="pingpong")
-    with pytest.raises(ValueError, match="schedule='seesaw' needs"):
-        MgpuConfig(schedule="seesaw", num_slots=3)
-    seesaw = MgpuConfig(schedule="seesaw")
-    assert not seesaw.is_persistent and seesaw.smem_bytes(512) < 210 * 1024
     with pytest.raises(ValueError, match="shared memory"):
         v4_attention_mgpu(jnp.zeros((1, 8, 64, 512), jnp.bfloat16), jnp.zeros((1, 8, 512), jnp.bfloat16),
                           jnp.zeros((1, 8), jnp.int32), jnp.zeros((64,), jnp.float32), sliding_window=128, scale=1.0,
@@ -270,7 +247,7 @@ def test_rejects_bad_config():
 # ---------------------------------------------------------------------------------------------
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar", "ws-per-token-nobar", "seesaw"])
+@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar", "ws-per-token-nobar"])
 @pytest.mark.parametrize("hca", [False, True])
 @pytest.mark.parametrize("seq", [37, 301])
 def test_gpu_matches_reference(variant, hca, seq):

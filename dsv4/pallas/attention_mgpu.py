@@ -81,7 +81,7 @@ _SMEM_LIMIT = 227 * 1024
 _VARIANTS = ("ws", "prefetch")
 _ROW_TILE = 8  # rows of the (8, 64) SMEM tile; TMA row starts in a tiled GMEM view must be multiples of it
 _PV_FORMS = ("run_state", "store", "p_smem", "interpret")
-_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump", "compute_only")
+_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump")
 _SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
 
 
@@ -129,17 +129,11 @@ class MgpuConfig:
     #   "no_exchange": each consumer computes the full S = Q·Kᵀ from both halves (no SMEM exchange; "ws" only);
     #   "plain_exchange": the exchange buffer without tiling/swizzle transforms;
     #   "dump": a second output [B, S, 2 (wg), 2 (S unscaled, P f32), H, block_kv] f32 with the last step's tiles
-    #           (call v4_attention_mgpu_kernel_call directly; +32 KiB SMEM at block_kv 64);
-    #   "compute_only": schedule "seesaw" only, a timing form with wrong results: the tiles of the first pair are
-    #           loaded, later steps reuse them (what the consumers cost without loads).
+    #           (call v4_attention_mgpu_kernel_call directly; +32 KiB SMEM at block_kv 64).
     debug: tuple = ()
     persistent: bool | None = None
     num_ctas: int = 0
     auto_barriers: bool = True
-    # "split_d" (the default: the two consumers split D and exchange partial logits) or "seesaw" (they take
-    # alternate key tiles, each computing its tile's whole S, and hand P over through SMEM: attention_seesaw.py;
-    # "ws", 2 slots, one CTA per item, pv_form "run_state" or "interpret", no debug flag).
-    schedule: str = "split_d"
 
     def __post_init__(self):
         # NOTE: P·V reduces over block_kv; a bf16 wgmma K must be a multiple of 64 (found by lowering, block_kv=32
@@ -159,15 +153,6 @@ class MgpuConfig:
             raise ValueError("MgpuConfig.debug 'no_exchange' needs variant='ws' (consumed barriers guard both halves)")
         if self.variant not in _VARIANTS:
             raise ValueError(f"MgpuConfig.variant={self.variant!r} must be one of {_VARIANTS}")
-        if self.schedule not in ("split_d", "seesaw"):
-            raise ValueError(f"MgpuConfig.schedule={self.schedule!r} must be 'split_d' or 'seesaw'")
-        seesaw = self.schedule == "seesaw"
-        if seesaw and (self.variant != "ws" or self.num_slots != 2 or self.persistent
-                       or set(self.debug) - {"compute_only"} or self.pv_form not in ("run_state", "interpret")):
-            raise ValueError(f"MgpuConfig.schedule='seesaw' needs variant 'ws', num_slots 2, persistent off, no debug "
-                             f"flag but 'compute_only' and pv_form 'run_state' or 'interpret'; got {self}")  # fmt: skip
-        if "compute_only" in self.debug and not seesaw:
-            raise ValueError("MgpuConfig.debug 'compute_only' is a form of schedule='seesaw'")
         if self.num_ctas < 0:
             raise ValueError(f"MgpuConfig.num_ctas={self.num_ctas} must be >= 0 (0: one per SM)")
         if self.persistent and not self._persistent_applies():
@@ -176,8 +161,7 @@ class MgpuConfig:
                              f"block_kv={self.block_kv}, debug={self.debug!r}")  # fmt: skip
 
     def _persistent_applies(self) -> bool:
-        return (self.schedule == "split_d" and self.variant == "ws" and self.block_kv >= HEADS_PER_CTA
-                and not {"no_exchange", "dump"} & set(self.debug))
+        return self.variant == "ws" and self.block_kv >= HEADS_PER_CTA and not {"no_exchange", "dump"} & set(self.debug)
 
     @property
     def is_persistent(self) -> bool:
@@ -187,8 +171,6 @@ class MgpuConfig:
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         q = HEADS_PER_CTA * head_dim * itemsize
         kv = self.num_slots * self.block_kv * head_dim * itemsize
-        if self.schedule == "seesaw":  # two P tiles, maxima, row sums and sinks; no exchange buffer
-            return q + kv + 2 * HEADS_PER_CTA * self.block_kv * itemsize + 3 * 2 * HEADS_PER_CTA * 4
         exchange = 2 * HEADS_PER_CTA * self.block_kv * 4
         p = 2 * HEADS_PER_CTA * self.block_kv * itemsize if self.pv_form in ("p_smem", "interpret") else 0
         dump = 4 * HEADS_PER_CTA * self.block_kv * 4 if "dump" in self.debug else 0
@@ -388,16 +370,6 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     p_via_smem = config.pv_form in ("interpret", "p_smem")
 
-    if config.schedule == "seesaw":
-        from dsv4.pallas.attention_seesaw import seesaw_kernel_call
-
-        if window_rows is not None:
-            raise NotImplementedError("MgpuConfig.schedule='seesaw' takes no window_rows (the sequence-parallel form)")
-
-        out = seesaw_kernel_call(q, kv, compressed, n_visible, sinks_log2, s_inner=s_inner, s_outer=s_outer,
-                                 sliding_window=sliding_window, logit_scale=logit_scale, kv_offset=kv_offset,
-                                 config=config, interpret=interpret)  # fmt: skip
-        return out if s == s_real else out[:, :s_real]
     persistent = config.is_persistent
     n_items_total = b * hg * s_real
     n_ctas = min(config.num_ctas or sm_count(), n_items_total) if persistent else 0
