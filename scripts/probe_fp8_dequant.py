@@ -1,0 +1,129 @@
+"""Probe for #6's FP8 decode (docs/KERNEL_NOTES.md, the queue): can one warpgroup dequantize e4m3 KV tiles straight
+from GMEM into the bf16, 128-byte-swizzled SMEM tiles the decode kernel's wgmmas read, and how fast?
+
+Each CTA (one warpgroup) walks `--tiles` [64, D] e4m3 tiles with one float32 scale per row and 64-channel tile
+(the decode benchmark's FP8 page format): per 64-column block it loads the e4m3 values from GMEM in the WGMMA
+layout, multiplies by the row's scale, rounds to bf16 and stores into a swizzled SMEM tile; the last tile goes back
+to GMEM (so the work is not dead) and is checked against a jnp reference.
+
+    PYTHONPATH=. python3 scripts/probe_fp8_dequant.py --mode lower      # CPU: lowers for an abstract H200
+    PYTHONPATH=. python3 scripts/probe_fp8_dequant.py --mode interpret  # CPU: Mosaic interpreter, exact check
+    PYTHONPATH=. python3 scripts/probe_fp8_dequant.py --mode time       # GPU: GB/s of e4m3 read, against a copy
+
+The rate to compare: the decode kernel's 64-row step takes ≈ 2.8 µs (DC12); an FP8 tile of 64 × 512 is 32 KiB, so
+one producer warpgroup per SM has to dequantize ≥ 32 KiB / 2.8 µs ≈ 11.7 GB/s, i.e. ≈ 1.5 TB/s over 132 SMs, to
+keep up, and 70% of copy (≈ 3 TB/s) to reach #6's bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+
+ROWS, TILE = 64, 64
+
+
+def dequant_call(x, scales, *, interpret=None):
+    """x [N, 64, D] e4m3, scales [N, 64, D // 64] f32 → the last tile of each CTA's walk, dequantized, [G, 64, D]
+    bf16 (grid G = N // tiles_per_cta, set by the caller through x's leading shape [G, T, 64, D])."""
+    g, t, rows, d = x.shape
+
+    def kernel(x_ref, s_ref, o_ref, smem):
+        cta = jax.lax.axis_index("cta")
+
+        @pl.loop(0, t)
+        def _(i):
+            for c in range(d // TILE):
+                v = plgpu.load(x_ref.at[cta, i, :, pl.ds(c * TILE, TILE)], layout=plgpu.Layout.WGMMA, optimized=False)
+                sc = plgpu.load(s_ref.at[cta, i, :, c], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                y = v.astype(jnp.float32) * jax.lax.broadcast_in_dim(sc, (rows, TILE), [0])
+                smem.at[:, pl.ds(c * TILE, TILE)][...] = y.astype(jnp.bfloat16)
+
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, o_ref.at[cta])
+        plgpu.wait_smem_to_gmem(0)
+
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    kw = {} if interpret is None else dict(interpret=interpret)
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((g, rows, d), jnp.bfloat16),
+                        scratch_types=[plgpu.SMEM((rows, d), jnp.bfloat16, transforms=swizzled)],
+                        grid=(g,), grid_names=("cta",), num_threads=1, thread_name="wg", **kw)(x, scales)  # fmt: skip
+
+
+def reference(x, scales):
+    last = x[:, -1].astype(jnp.float32) * jnp.repeat(scales[:, -1], TILE, axis=-1)
+    return last.astype(jnp.bfloat16)
+
+
+def inputs(g, t, d, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((g, t, ROWS, d)) * 8, jnp.float8_e4m3fn)
+    scales = jnp.asarray(rng.uniform(0.5, 2.0, (g, t, ROWS, d // TILE)), jnp.float32)
+    return x, scales
+
+
+def median_s(fn, iters):
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=("lower", "interpret", "time"), default="lower")
+    p.add_argument("--ctas", type=int, default=132)
+    p.add_argument("--tiles", type=int, default=64, help="tiles per CTA (time mode)")
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args()
+    if args.mode == "lower":
+        from gpu_mesh import abstract_gpu_mesh
+
+        x = jax.ShapeDtypeStruct((args.ctas, 2, ROWS, args.dim), jnp.float8_e4m3fn)
+        s = jax.ShapeDtypeStruct((args.ctas, 2, ROWS, args.dim // TILE), jnp.float32)
+        with abstract_gpu_mesh():
+            text = jax.jit(dequant_call).trace(x, s).lower(lowering_platforms=("cuda",)).as_text()
+        print("lowered for an abstract H200:", "mosaic_gpu" in text)
+        return
+    if args.mode == "interpret":
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        x, s = inputs(2, 2, 128)
+        out = dequant_call(x, s, interpret=InterpretGPUParams())
+        diff = float(jnp.abs(out.astype(jnp.float32) - reference(x, s).astype(jnp.float32)).max())
+        print(f"interpreter: max abs difference against the reference {diff:.3g}")
+        sys.exit(0 if diff == 0 else 1)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
+    x, s = inputs(args.ctas, args.tiles, args.dim)
+    f = jax.jit(dequant_call)
+    out = f(x, s)
+    diff = float(jnp.abs(out.astype(jnp.float32) - reference(x, s).astype(jnp.float32)).max())
+    t = median_s(lambda: f(x, s), args.iters)
+    read = x.size + s.size * 4
+    copy_src = jnp.zeros((1 << 30,), jnp.uint32)
+    cp = jax.jit(lambda a: a ^ 1)
+    t_copy = median_s(lambda: cp(copy_src), args.iters)
+    copy_rate = 2 * copy_src.size * 4 / t_copy
+    print(f"{args.ctas} CTAs x {args.tiles} tiles of {ROWS} x {args.dim} e4m3: {t * 1e6:.1f} us, "
+          f"{read / t / 1e9:.1f} GB/s read ({read / t / copy_rate:.1%} of the same-run copy, "
+          f"{copy_rate / 1e12:.2f} TB/s); {t * 1e6 / args.tiles:.2f} us a tile per CTA; "
+          f"max diff {diff:.3g}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
