@@ -73,7 +73,14 @@ def main():
     p.add_argument("--kv-format", default=None, help="cache format (dsv4.cache.layout.FORMAT_NAMES; default: the "
                    "model dtype, unquantized). An FP8 format sends the Pallas path's decode steps through the "
                    "attention core (the Mosaic kernel for window / HCA, the Triton one for CSA), not the paged kernel")
+    p.add_argument("--triton-one-token", action="store_true", help="send one-token chunks to the Triton kernel, the "
+                   "route before the sixteenth session (to compare the two routes on one model)")
     args = p.parse_args()
+    if args.triton_one_token:
+        import dsv4.attention as attention
+
+        mosaic_applies = attention.mosaic_applies
+        attention.mosaic_applies = lambda q, *a: q.shape[1] > 1 and mosaic_applies(q, *a)
     cfg = config(args.small)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, cache {args.kv_format or args.dtype}", flush=True)
     models = {impl: dsv4.init_random(cfg, seed=0, dtype=jnp.dtype(args.dtype), attention_impl=impl)
