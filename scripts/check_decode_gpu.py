@@ -4,15 +4,16 @@ on the same random weights and the same ragged batch, each path from its own cac
   cache's ring (`kv_prefix`; the first chunk, with no ring yet, and CSA layers take the Triton kernel); every
   chunk's last logits must agree;
 - the decode through the paged decode kernel on the cache itself (KERNEL_NOTES decode item 8), or with an FP8
-  cache (`--kv-format fp8-channel`) through the attention core on the dense read-out (window / HCA on the Mosaic
-  kernel, one token at a time): logits must agree and the greedy tokens match. With an FP8 cache both paths
+  cache (`--kv-format fp8-channel`) through the attention core on the dense read-out (one token at a time, on the
+  Triton kernel, or the Mosaic one for window / HCA with `--one-token mosaic`): logits must agree and the greedy
+  tokens match. With an FP8 cache both paths
   decode from the jnp path's cache (each step's new cache from the Pallas path is dropped): two caches written
   from slightly different bf16 values round apart in FP8, and that would be measured, not the attention route
   (the GPU run with two caches: 7.0e-2 at one step, 1.6e-2 to 2.0e-2 at the others).
 Prints the per-chunk and per-step time of each path (not a benchmark: one small model, a few steps).
 
     PYTHONPATH=. python3 scripts/check_decode_gpu.py                    # one H200: 64 heads x 512, 3 layers
-    PYTHONPATH=. python3 scripts/check_decode_gpu.py --kv-format fp8-channel   # the FP8 cache's decode route
+    PYTHONPATH=. python3 scripts/check_decode_gpu.py --kv-format fp8-channel [--one-token mosaic]   # FP8 cache
     PYTHONPATH=. python3 scripts/check_decode_gpu.py --prompt 600 --steps 3 --small   # CPU smoke (interpreted)
 
 Model: V4-Flash's attention shapes (64 heads x 512, window 128, CSA 4:1 with a 64 x 128 indexer keeping 512, HCA
@@ -37,6 +38,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import dsv4  # noqa: E402
+import dsv4.attention  # noqa: E402
 from dsv4.config import Config  # noqa: E402
 
 
@@ -73,16 +75,14 @@ def main():
     p.add_argument("--kv-format", default=None, help="cache format (dsv4.cache.layout.FORMAT_NAMES; default: the "
                    "model dtype, unquantized). An FP8 format sends the Pallas path's decode steps through the "
                    "attention core (the Mosaic kernel for window / HCA, the Triton one for CSA), not the paged kernel")
-    p.add_argument("--triton-one-token", action="store_true", help="send one-token chunks to the Triton kernel, the "
-                   "route before the sixteenth session (to compare the two routes on one model)")
+    p.add_argument("--one-token", choices=("triton", "mosaic"), default="triton",
+                   help="which kernel takes one-token chunks (dsv4.attention.MOSAIC_ONE_TOKEN; the library's default: "
+                        "triton)")  # fmt: skip
     args = p.parse_args()
-    if args.triton_one_token:
-        import dsv4.attention as attention
-
-        mosaic_applies = attention.mosaic_applies
-        attention.mosaic_applies = lambda q, *a: q.shape[1] > 1 and mosaic_applies(q, *a)
+    dsv4.attention.MOSAIC_ONE_TOKEN = args.one_token == "mosaic"
     cfg = config(args.small)
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, cache {args.kv_format or args.dtype}", flush=True)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, cache {args.kv_format or args.dtype}, one-token "
+          f"chunks on the {args.one_token} kernel", flush=True)  # fmt: skip
     models = {impl: dsv4.init_random(cfg, seed=0, dtype=jnp.dtype(args.dtype), attention_impl=impl)
               for impl in ("jnp", "pallas")}  # fmt: skip
     lens = np.array([args.prompt, args.prompt - 333])
