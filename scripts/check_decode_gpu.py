@@ -6,10 +6,10 @@ on the same random weights and the same ragged batch, each path from its own cac
 - the decode through the paged decode kernel on the cache itself (KERNEL_NOTES decode item 8), or with an FP8
   cache (`--kv-format fp8-channel`) through the attention core on the dense read-out (one token at a time, on the
   Triton kernel, or the Mosaic one for window / HCA with `--one-token mosaic`): logits must agree and the greedy
-  tokens match. With an FP8 cache both paths
-  decode from the jnp path's cache (each step's new cache from the Pallas path is dropped): two caches written
-  from slightly different bf16 values round apart in FP8, and that would be measured, not the attention route
-  (the GPU run with two caches: 7.0e-2 at one step, 1.6e-2 to 2.0e-2 at the others).
+  tokens match. With an FP8 cache both paths decode from the jnp path's cache (each step's new cache from the
+  Pallas path is dropped): two caches written from slightly different bf16 values round apart in FP8, and that
+  would be measured, not the attention route. (With the Mosaic route the first decode step read 7.0e-2 with two
+  caches and 7.1e-2 with one, the other steps 1.2e-2 to 2.0e-2: docs/KERNEL_NOTES.md, the queue.)
 Prints the per-chunk and per-step time of each path (not a benchmark: one small model, a few steps).
 
     PYTHONPATH=. python3 scripts/check_decode_gpu.py                    # one H200: 64 heads x 512, 3 layers
@@ -74,7 +74,7 @@ def main():
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--kv-format", default=None, help="cache format (dsv4.cache.layout.FORMAT_NAMES; default: the "
                    "model dtype, unquantized). An FP8 format sends the Pallas path's decode steps through the "
-                   "attention core (the Mosaic kernel for window / HCA, the Triton one for CSA), not the paged kernel")
+                   "attention core (see --one-token; CSA on the Triton kernel), not the paged kernel")
     p.add_argument("--one-token", choices=("triton", "mosaic"), default="triton",
                    help="which kernel takes one-token chunks (dsv4.attention.MOSAIC_ONE_TOKEN; the library's default: "
                         "triton)")  # fmt: skip
