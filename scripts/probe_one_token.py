@@ -1,14 +1,14 @@
 """One-token chunks (a decode step over a dense cache): the Triton kernel against the Mosaic prefill kernel.
 
-`core_attention_pallas` sends one-token steps to the Triton kernel even on Hopper; the Mosaic kernel runs them
-correctly (`test_gpu_with_a_halo_before_q`, S = 1 after a full 128-row prefix) but was never timed there
-(docs/KERNEL_NOTES.md, the queue). This times both on the layout `Attention.forward_chunk` passes: kv rows
-[0, W) the W positions before the token, row W its own, HCA entries for a context of L tokens.
+`core_attention_pallas` sends one-token steps to the Triton kernel on Hopper unless `dsv4.attention.MOSAIC_ONE_TOKEN`
+is set; the Mosaic kernel runs them correctly (`test_gpu_with_a_halo_before_q`, S = 1 after a full 128-row prefix).
+This times both on the layout `Attention.forward_chunk` passes: kv rows [0, W) the W positions before the token, row
+W its own, HCA entries for a context of L tokens (results: docs/BENCHMARKS.md, "One-token chunks").
 
     PYTHONPATH=. python3 scripts/probe_one_token.py [--contexts 32768,524288] [--batches 1,32]
 
 Each timing is the median over --iters runs of one jit that calls the kernel 8 times on 8 different queries (as a
-model step calls its layers), divided by 8. Prints a table: µs per call, Mosaic / Triton speed, max abs
+model step calls its layers), divided by 8. Prints a table: µs per call, Mosaic's speed-up over Triton, max abs
 difference between the two outputs.
 """
 
@@ -69,7 +69,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
-    print(f"{'layer':6} {'context':>8} {'B':>3} {'triton us':>10} {'mosaic us':>10} {'mosaic/triton':>13} "
+    print(f"{'layer':6} {'context':>8} {'B':>3} {'triton us':>10} {'mosaic us':>10} {'mosaic speed-up':>15} "
           f"{'max diff':>9}")  # fmt: skip
     for hca in (False, True):
         for context in (int(x) for x in args.contexts.split(",")):
@@ -82,7 +82,7 @@ def main():
                 diff = float(np.abs(outs["mosaic"] - outs["triton"]).max())
                 t = {k: median_us(f, data[0], args.iters) for k, f in fns.items()}
                 print(f"{'HCA' if hca else 'window':6} {context:8d} {batch:3d} {t['triton']:10.1f} {t['mosaic']:10.1f} "
-                      f"{t['triton'] / t['mosaic']:12.2f}x {diff:9.2e}", flush=True)  # fmt: skip
+                      f"{t['triton'] / t['mosaic']:14.2f}x {diff:9.2e}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

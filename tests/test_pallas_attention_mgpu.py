@@ -257,11 +257,10 @@ def test_gpu_matches_reference(variant, hca, seq):
 @gpu
 @requires_gpu
 @pytest.mark.parametrize("num_ctas", [0, 7])
-@pytest.mark.parametrize("variant", ["ws"])
-def test_gpu_persistent_batches_and_head_groups(num_ctas, variant):
+def test_gpu_persistent_batches_and_head_groups(num_ctas):
     """Persistent CTAs over 2 batch rows × 2 head groups × 301 tokens: one CTA per SM (0), or 7 CTAs running
     about 170 items each."""
-    _check_on_gpu(_config(variant, num_ctas=num_ctas), True, 301, batch=2, heads=128)
+    _check_on_gpu(_config("ws", num_ctas=num_ctas), True, 301, batch=2, heads=128)
 
 
 def _check_on_gpu(config, hca, seq, **shape):

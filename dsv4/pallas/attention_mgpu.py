@@ -454,19 +454,6 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                 if no_exchange:
                     plgpu.barrier_wait(q_bar.at[1 - w])
 
-                def col_lo_hi(i, it: _Item):
-                    """Column bounds of step i: HCA steps see entries [0, n_vis), window steps rows
-                    [win_lo, win_hi). → (index of the step's first column, lo, hi)."""
-                    is_hca = i < it.n_hca_tiles
-                    base = jnp.where(is_hca, i * bk, it.win_start + (i - it.n_hca_tiles) * bk)
-                    if lo_ref is None:  # NOTE: computed here, not hoisted: hoisted, the CPU interpreter's ws run hung
-                        lo = jnp.where(is_hca, 0, it.row - (sliding_window - 1))
-                        hi = jnp.where(is_hca, it.n_vis, it.row + 1)
-                    else:
-                        lo = jnp.where(is_hca, 0, it.win_lo)
-                        hi = jnp.where(is_hca, it.n_vis, it.win_hi)
-                    return base, lo, hi
-
                 def step_fn(i, carry):
                     acc, m_i, l_i = carry
                     slot = lax.rem(g0 + i, jnp.int32(slots))
@@ -499,12 +486,20 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                         s_full = s_part + swap_with_other(x_smem, w, s_part, x_written, x_read, layout=wgmma_layout,
                                                           wait_read=i > 0, optimized=not plain_exchange)  # fmt: skip
 
-                    base, lo, hi = col_lo_hi(i, it)
+                    # Column mask: HCA steps see entries [0, n_vis); window steps rows [win_lo, win_hi).
+                    is_hca = i < it.n_hca_tiles
+                    base = jnp.where(is_hca, i * bk, it.win_start + (i - it.n_hca_tiles) * bk)
+                    if lo_ref is None:  # NOTE: computed here, not hoisted: hoisted, the CPU interpreter's ws run hung
+                        lo = jnp.where(is_hca, 0, it.row - (sliding_window - 1))
+                        hi = jnp.where(is_hca, it.n_vis, it.row + 1)
+                    else:
+                        lo = jnp.where(is_hca, 0, it.win_lo)
+                        hi = jnp.where(is_hca, it.n_vis, it.win_hi)
                     col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
                     p, m_new, l_new, acc = online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
                     p16 = p.astype(dtype)
 
-                    if dump:  # debug: the last step's S (unscaled, both halves summed) and P (f32) of this wg
+                    if dump:  # debug: the last step's S (unscaled, both halves summed) and P (f32) of this warpgroup
                         @pl.when(i == it.n_steps - 1)
                         def _():
                             dump_smem[w, 0] = s_full
@@ -619,10 +614,9 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         return plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(minor * itemsize)
 
     elems_128b = 128 // jnp.dtype(dtype).itemsize
-    minor = elems_128b
     scratch = [
-        plgpu.SMEM((2, HEADS_PER_CTA, dh), dtype, transforms=tiled(minor)),  # Q halves, then O halves
-        plgpu.SMEM((slots * 2, bk, dh), dtype, transforms=tiled(minor)),  # KV ring: [slot · 2 + half]
+        plgpu.SMEM((2, HEADS_PER_CTA, dh), dtype, transforms=tiled(elems_128b)),  # Q halves, then O halves
+        plgpu.SMEM((slots * 2, bk, dh), dtype, transforms=tiled(elems_128b)),  # KV ring: [slot · 2 + half]
         plgpu.SMEM((2, HEADS_PER_CTA, bk), F32, transforms=() if plain_exchange else tiled(32, 4)),  # partial logits
         plgpu.SMEM((2, HEADS_PER_CTA), F32),  # sinks (log2 domain), one copy per consumer
         plgpu.Barrier(num_barriers=2),  # q halves
@@ -633,7 +627,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         plgpu.Barrier(num_arrivals=2),  # exchange written
         plgpu.Barrier(num_arrivals=2),  # exchange read
         # P for the P·V wgmma (pv_form "p_smem" / "interpret")
-        plgpu.SMEM((2, HEADS_PER_CTA, bk), dtype, transforms=tiled(min(bk, minor))) if p_via_smem else None,
+        plgpu.SMEM((2, HEADS_PER_CTA, bk), dtype, transforms=tiled(min(bk, elems_128b))) if p_via_smem else None,
         plgpu.SMEM((2, 2, HEADS_PER_CTA, bk), F32) if dump else None,  # debug dump staging
     ]
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
