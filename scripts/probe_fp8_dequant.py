@@ -65,41 +65,43 @@ def dequant_call(x, scales, *, interpret=None):
 STAGED_FORMS = ("tma_only", "infer", "WGMMA", "WGMMA_UPCAST_2X")
 
 
-def staged_call(x, *, form="infer", interpret=None):
+def staged_call(x, *, form="infer", slots=2, interpret=None):
     """x [G, T, 64, D] e4m3 → [G, 64, D] f16, the last tile of each CTA's walk. Each CTA streams its T tiles through
-    two 128-byte-swizzled e4m3 SMEM slots by TMA (tile i + 1 loads while tile i converts) and converts each into a
-    128-byte-swizzled f16 SMEM tile (the layout a f16 wgmma reads), 128 columns at a time, registers in `form`'s
-    layout ("infer": Mosaic's choice; "tma_only": no conversion, the loads alone). f16, not bf16: e4m3 → f16 is one
-    instruction for two values on Hopper (e4m3 ⊂ f16, exact); Mosaic refuses e4m3 → bf16 without an f32 step. The
-    scales are left out: per-channel scales fold into q and the output."""
+    `slots` 128-byte-swizzled e4m3 SMEM slots by TMA (tiles i + 1 .. i + slots - 1 load while tile i converts) and
+    converts each into a 128-byte-swizzled f16 SMEM tile (the layout a f16 wgmma reads), 128 columns at a time,
+    registers in `form`'s layout ("infer": Mosaic's choice; "tma_only": no conversion, the loads alone). f16, not
+    bf16: e4m3 → f16 is one instruction for two values on Hopper (e4m3 ⊂ f16, exact); Mosaic refuses e4m3 → bf16
+    without an f32 step. The scales are left out: per-channel scales fold into q and the output."""
     g, t, rows, d = x.shape
 
     def kernel(x_ref, o_ref, stage, dst, bars):
         cta = jax.lax.axis_index("cta")
-        plgpu.copy_gmem_to_smem(x_ref.at[cta, 0], stage.at[0], bars.at[0])
+        for k in range(min(slots - 1, t)):
+            plgpu.copy_gmem_to_smem(x_ref.at[cta, k], stage.at[k], bars.at[k])
+
+        def convert(slot):
+            for c in range(d // 128):
+                src = stage.at[slot, :, pl.ds(c * 128, 128)]
+                v = src[...] if form in ("infer", "tma_only") else plgpu.load(src, layout=getattr(plgpu.Layout, form))
+                dst.at[:, pl.ds(c * 128, 128)][...] = v.astype(jnp.float16)
+            plgpu.commit_smem()
 
         @pl.loop(0, t)
         def _(i):
-            slot = i % 2
+            ahead = i + slots - 1  # its slot was converted in iteration i - 1: free
 
-            @pl.when(i + 1 < t)
+            @pl.when(ahead < t)
             def _():
-                plgpu.copy_gmem_to_smem(x_ref.at[cta, i + 1], stage.at[1 - slot], bars.at[1 - slot])
+                plgpu.copy_gmem_to_smem(x_ref.at[cta, ahead], stage.at[ahead % slots], bars.at[ahead % slots])
 
-            plgpu.barrier_wait(bars.at[slot])
+            plgpu.barrier_wait(bars.at[i % slots])
             if form != "tma_only":
-                for c in range(d // 128):
-                    src = stage.at[slot, :, pl.ds(c * 128, 128)]
-                    v = src[...] if form == "infer" else plgpu.load(src, layout=getattr(plgpu.Layout, form))
-                    dst.at[:, pl.ds(c * 128, 128)][...] = v.astype(jnp.float16)
-                plgpu.commit_smem()
-            else:  # keep the loads live: the last tile's first 128 columns, converted once at the end
+                convert(i % slots)
+            else:  # keep the loads live: the last tile converted once
+
                 @pl.when(i == t - 1)
                 def _():
-                    for c in range(d // 128):
-                        dst.at[:, pl.ds(c * 128, 128)][...] = stage.at[slot, :, pl.ds(c * 128, 128)][...].astype(
-                            jnp.float16)
-                    plgpu.commit_smem()
+                    convert(i % slots)
 
         plgpu.copy_smem_to_gmem(dst, o_ref.at[cta])
         plgpu.wait_smem_to_gmem(0)
@@ -108,9 +110,9 @@ def staged_call(x, *, form="infer", interpret=None):
     sw8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
     sw16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((g, rows, d), jnp.float16),
-                        scratch_types=[plgpu.SMEM((2, rows, d), jnp.float8_e4m3fn, transforms=sw8),
+                        scratch_types=[plgpu.SMEM((slots, rows, d), jnp.float8_e4m3fn, transforms=sw8),
                                        plgpu.SMEM((rows, d), jnp.float16, transforms=sw16),
-                                       plgpu.Barrier(num_barriers=2)],
+                                       plgpu.Barrier(num_barriers=slots)],
                         grid=(g,), grid_names=("cta",), num_threads=1, thread_name="wg", **kw)(x)  # fmt: skip
 
 
@@ -165,10 +167,10 @@ def main():
         diff = float(jnp.abs(out.astype(jnp.float32) - reference(x, s).astype(jnp.float32)).max())
         print(f"interpreter: GMEM form, max abs difference against the reference {diff:.3g}")
         x3, _ = inputs(2, 3, 256)
-        for form in STAGED_FORMS:
-            out = staged_call(x3, form=form, interpret=InterpretGPUParams())
+        for form, slots in [(f, 2) for f in STAGED_FORMS] + [("infer", 3)]:
+            out = staged_call(x3, form=form, slots=slots, interpret=InterpretGPUParams())
             d = float(jnp.abs(out.astype(jnp.float32) - x3[:, -1].astype(jnp.float32)).max())
-            print(f"interpreter: staged form {form}, max abs difference against the input {d:.3g}")
+            print(f"interpreter: staged form {form}, {slots} slots, max abs difference against the input {d:.3g}")
             diff = max(diff, d)
         sys.exit(0 if diff == 0 else 1)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
@@ -189,13 +191,13 @@ def main():
     rate_at_70 = 0.7 * copy_rate / args.ctas  # bytes a second one SM must stream for #6's bar
     print(f"| form | us | GB/s of e4m3 | % of copy | us a tile per CTA | max diff |  (70% of copy: "
           f"{x[0, 0].size / rate_at_70 * 1e6:.2f} us a tile)")  # fmt: skip
-    for form in STAGED_FORMS:
-        fs = jax.jit(functools.partial(staged_call, form=form))
+    for form, slots in [(f, n) for n in (2, 3, 4) for f in STAGED_FORMS if n == 2 or f in ("tma_only", "infer")]:
+        fs = jax.jit(functools.partial(staged_call, form=form, slots=slots))
         out = fs(x)
         d = float(jnp.abs(out.astype(jnp.float32) - x[:, -1].astype(jnp.float32)).max())
         ts = median_s(lambda: fs(x), args.iters)
-        print(f"| staged {form} | {ts * 1e6:.1f} | {x.size / ts / 1e9:.0f} | {x.size / ts / copy_rate:.1%} | "
-              f"{ts * 1e6 / args.tiles:.2f} | {d:.3g} |", flush=True)  # fmt: skip
+        print(f"| staged {form}, {slots} slots | {ts * 1e6:.1f} | {x.size / ts / 1e9:.0f} | "
+              f"{x.size / ts / copy_rate:.1%} | {ts * 1e6 / args.tiles:.2f} | {d:.3g} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
