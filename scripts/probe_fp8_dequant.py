@@ -10,6 +10,10 @@ to GMEM (so the work is not dead) and is checked against a jnp reference.
     PYTHONPATH=. python3 scripts/probe_fp8_dequant.py --mode interpret  # CPU: Mosaic interpreter, exact check
     PYTHONPATH=. python3 scripts/probe_fp8_dequant.py --mode time       # GPU: GB/s of e4m3 read, against a copy
 
+Also (sixteenth session's queue item 2, #6's remaining road) two SMEM → SMEM forms, timed in `--mode time`:
+- `staged_call`: e4m3 tiles by TMA into SMEM, converted to f16 SMEM tiles (a f16 wgmma operand);
+- `transpose_call`: e4m3 tiles by TMA into SMEM, transposed into [D, 64] e4m3 tiles (an e4m3 P·V wgmma's V).
+
 The rate to compare: the decode kernel's 64-row step takes ≈ 2.8 µs (DC12); an FP8 tile of 64 × 512 is 32 KiB, so
 one producer warpgroup per SM has to dequantize ≥ 32 KiB / 2.8 µs ≈ 11.7 GB/s, i.e. ≈ 1.5 TB/s over 132 SMs, to
 keep up, and 70% of copy (≈ 3 TB/s) to reach #6's bar.
@@ -116,6 +120,46 @@ def staged_call(x, *, form="infer", slots=2, interpret=None):
                         grid=(g,), grid_names=("cta",), num_threads=1, thread_name="wg", **kw)(x)  # fmt: skip
 
 
+def transpose_call(x, *, slots=3, interpret=None):
+    """x [G, T, 64, D] e4m3 → [G, D, 64] e4m3, the last tile of each CTA's walk transposed: the V operand an e4m3
+    P·V wgmma needs (keys contiguous: fp8 wgmma takes no transposed operands). As `staged_call`, but each tile is
+    loaded from SMEM 128 columns at a time in the 8-bit WGMMA layout and stored through a transposed view into a
+    64-byte-swizzled [D, 64] tile (no 8-bit ldmatrix / stmatrix .trans before Blackwell: Mosaic falls back to
+    plain stores)."""
+    g, t, rows, d = x.shape
+
+    def kernel(x_ref, o_ref, stage, dst, bars):
+        cta = jax.lax.axis_index("cta")
+        for k in range(min(slots - 1, t)):
+            plgpu.copy_gmem_to_smem(x_ref.at[cta, k], stage.at[k], bars.at[k])
+
+        @pl.loop(0, t)
+        def _(i):
+            ahead = i + slots - 1
+
+            @pl.when(ahead < t)
+            def _():
+                plgpu.copy_gmem_to_smem(x_ref.at[cta, ahead], stage.at[ahead % slots], bars.at[ahead % slots])
+
+            plgpu.barrier_wait(bars.at[i % slots])
+            for c in range(d // 128):
+                v = plgpu.load(stage.at[i % slots, :, pl.ds(c * 128, 128)], layout=plgpu.Layout.WGMMA_8BIT)
+                dst.at[pl.ds(c * 128, 128), :].transpose((1, 0))[...] = v
+            plgpu.commit_smem()
+
+        plgpu.copy_smem_to_gmem(dst, o_ref.at[cta])
+        plgpu.wait_smem_to_gmem(0)
+
+    kw = {} if interpret is None else dict(interpret=interpret)
+    sw8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+    sw64 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((g, d, rows), jnp.float8_e4m3fn),
+                        scratch_types=[plgpu.SMEM((slots, rows, d), jnp.float8_e4m3fn, transforms=sw8),
+                                       plgpu.SMEM((d, rows), jnp.float8_e4m3fn, transforms=sw64),
+                                       plgpu.Barrier(num_barriers=slots)],
+                        grid=(g,), grid_names=("cta",), num_threads=1, thread_name="wg", **kw)(x)  # fmt: skip
+
+
 def reference(x, scales):
     last = x[:, -1].astype(jnp.float32) * jnp.repeat(scales[:, -1], TILE, axis=-1)
     return last.astype(jnp.bfloat16)
@@ -167,6 +211,10 @@ def main():
         diff = float(jnp.abs(out.astype(jnp.float32) - reference(x, s).astype(jnp.float32)).max())
         print(f"interpreter: GMEM form, max abs difference against the reference {diff:.3g}")
         x3, _ = inputs(2, 3, 256)
+        out = transpose_call(x3, interpret=InterpretGPUParams())
+        d = float(jnp.abs(out.astype(jnp.float32) - jnp.swapaxes(x3[:, -1], 1, 2).astype(jnp.float32)).max())
+        print(f"interpreter: transposed form, max abs difference against the input {d:.3g}")
+        diff = max(diff, d)
         for form, slots in [(f, 2) for f in STAGED_FORMS] + [("infer", 3)]:
             out = staged_call(x3, form=form, slots=slots, interpret=InterpretGPUParams())
             d = float(jnp.abs(out.astype(jnp.float32) - x3[:, -1].astype(jnp.float32)).max())
@@ -191,6 +239,17 @@ def main():
     rate_at_70 = 0.7 * copy_rate / args.ctas  # bytes a second one SM must stream for #6's bar
     print(f"| form | us | GB/s of e4m3 | % of copy | us a tile per CTA | max diff |  (70% of copy: "
           f"{x[0, 0].size / rate_at_70 * 1e6:.2f} us a tile)")  # fmt: skip
+    for slots in (3, 4):  # first: the step a GPU might refuse to compile
+        try:
+            ft = jax.jit(functools.partial(transpose_call, slots=slots))
+            out = ft(x)
+        except Exception as e:  # noqa: BLE001 (a probe: report and go on)
+            print(f"| transposed, {slots} slots | failed: {type(e).__name__}: {str(e)[:300]} |", flush=True)
+            break
+        d = float(jnp.abs(out.astype(jnp.float32) - jnp.swapaxes(x[:, -1], 1, 2).astype(jnp.float32)).max())
+        ts = median_s(lambda: ft(x), args.iters)
+        print(f"| transposed, {slots} slots | {ts * 1e6:.1f} | {x.size / ts / 1e9:.0f} | "
+              f"{x.size / ts / copy_rate:.1%} | {ts * 1e6 / args.tiles:.2f} | {d:.3g} |", flush=True)  # fmt: skip
     for form, slots in [(f, n) for n in (2, 3, 4) for f in STAGED_FORMS if n == 2 or f in ("tma_only", "infer")]:
         fs = jax.jit(functools.partial(staged_call, form=form, slots=slots))
         out = fs(x)
