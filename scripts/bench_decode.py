@@ -23,9 +23,9 @@ item's first call is checked against `paged_decode_attention_reference` (relativ
 Variants (`--variants`, applied to the items named by `--variant-items`): `name:kv=64,s=3,w=8,h=32,sp=4,spx=2`
 (block_kv, num_stages, num_warps, block_h, num_splits, and spx = a multiple of the default split count), and
 `impl=mgpu`: `dsv4.pallas.decode_mgpu.paged_decode_attention_mgpu` (the Mosaic GPU kernel; window and HCA layers,
-bf16 pages; sp / spx set its split count, sl its num_slots, ab=0 turns its auto_barriers off; stream=1, compute=1,
-noxchg=1, nosm=1 set its debug flags stream_only, compute_only, skip_exchange, skip_softmax (measurement
-forms: they fail the check); the Triton keys do not apply).
+bf16 pages, or fp8 ones with `--scales channel`; sp / spx set its split count, sl its num_slots, ab=0 turns its
+auto_barriers off; stream=1, compute=1, noxchg=1, nosm=1 set its debug flags stream_only, compute_only,
+skip_exchange, skip_softmax (measurement forms: they fail the check); the Triton keys do not apply).
 `--impl mgpu` runs the main sweep on it too.
 """
 
@@ -264,8 +264,9 @@ class Bench:
         if bs.num_splits is None and variant.split_factor != 1:
             bs = dataclasses.replace(bs, num_splits=variant.split_factor * self.splits(layer, ctx, batch, bs, impl))
         where = f"{layer} ctx={ctx} B={batch} {dtype_name} {name}"
-        if impl == "mgpu" and (layer == "csa" or dtype_name != "bf16" or self.interpret):
-            self.log(f"SKIP {where}: the Mosaic kernel takes window / HCA layers with bf16 pages, on a GPU")
+        if impl == "mgpu" and (layer == "csa" or self.interpret or (dtype_name != "bf16" and self.scales != "channel")):
+            self.log(f"SKIP {where}: the Mosaic kernel takes window / HCA layers with bf16 pages or fp8 ones with "
+                     f"per-channel scales (--scales channel), on a GPU")  # fmt: skip
             return
         nbytes = decode_bytes(layer, ctx, batch, self.sh, dtype_name, self.scales)
         if self.left() < 5:

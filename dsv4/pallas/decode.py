@@ -416,7 +416,8 @@ def paged_decode_attention(
     out_init:     testing hook; the kernel's partial buffers (acc, max, sum per split) start filled with this value
                   (aliased), so anything the kernel fails to write reaches the output (pass NaN to poison).
     impl:         "triton" (this file's kernel), "mgpu" (`dsv4.pallas.decode_mgpu`, the Mosaic GPU kernel: Hopper,
-                  window / HCA layers, bf16 or f16 pages; ValueError otherwise) or "auto": mgpu where it runs (a
+                  window / HCA layers, bf16 or f16 pages or FP8 ones with per-channel scales; ValueError otherwise)
+                  or "auto": mgpu where it runs (a
                   Hopper GPU, not interpret, no out_init, inputs it takes; block_sizes.num_splits carries over),
                   else triton.
 
@@ -444,7 +445,8 @@ def paged_decode_attention(
                                                   sliding_window=sliding_window, scale=scale, ring_size=ring_size,
                                                   compressed_pages=compressed_pages,
                                                   compressed_block_tables=compressed_block_tables,
-                                                  compressed_lens=compressed_lens, config=config)  # fmt: skip
+                                                  compressed_lens=compressed_lens, kv_scales=kv_scales,
+                                                  compressed_scales=compressed_scales, config=config)  # fmt: skip
     b, h, d = q.shape
     page_size = kv_pages.shape[1]
     if not _is_power_of_2(d) or d < _MIN_DOT_DIM:

@@ -1,7 +1,8 @@
 """DeepSeek-V4 paged decode attention (window ring + HCA entries) as a Mosaic GPU (Hopper) Pallas kernel: wgmma,
 TMA, warp specialization. Same semantics, cache layout and split/combine contract as
 `dsv4.pallas.decode.paged_decode_attention` (read its module docstring first); this file only changes how one split
-is computed. CSA (top-k row gathers: Hopper's TMA cannot gather rows) and FP8 pages stay on the Triton kernel.
+is computed. CSA (top-k row gathers: Hopper's TMA cannot gather rows) and FP8 pages with per-token tile scales stay
+on the Triton kernel.
 
 Why a second kernel: a decode step is 64 heads × 512 channels against each 1 KiB KV row, 128 FLOP per byte of bf16
 KV. Reading at 70% of an H200's copy bandwidth therefore needs ≈ 380 TFLOP/s of tensor work with the loads hidden
@@ -32,7 +33,15 @@ Design (docs/KERNEL_NOTES.md, "Paged decode attention" → "The Mosaic decode ke
   writes the empty state. After the loop the KV ring is dead, so the f32 accumulator is staged for its TMA store
   in the ring's SMEM (a `RefUnion`), once both consumers are past their last P·V.
 
+- FP8 pages (float8_e4m3fn with per-channel scales, one [D] vector per pool): the kernel runs in f16 (q rounded to
+  f16; e4m3 → f16 is exact and one instruction per two values, where Mosaic has no direct e4m3 → bf16). The ring
+  holds e4m3 tiles (half the bytes to load); each consumer converts its half of a tile into its own f16 tile, 64
+  channels at a time, times the pool's scales (read from GMEM: SMEM has no 2 KiB to spare), with rows outside
+  [lo, hi) zeroed, then releases the e4m3 slot and runs the same matmuls on the f16 tile (docs/KERNEL_NOTES.md,
+  the seventeenth session's queue and BENCHMARKS "FP8 pages").
+
 SMEM at D = 512, 2 slots: Q 64 KiB + KV ring 128 KiB (= the f32 output staging) + exchange 32 KiB + stats 0.5 KiB.
+FP8 pages: the ring is 2 × 32 KiB of e4m3 + the two consumers' f16 tile halves, 64 KiB: the same 128 KiB.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ LOG2E = math.log2(math.e)
 _M_FLOOR = -1e30  # the Triton kernel's empty-state max (decode.py / attention.py)
 HEADS_PER_CTA = 64  # M of every wgmma: one token × 64 heads
 TILE = 64  # key rows per step: a bf16 wgmma K (P·V) must be a multiple of 64
+_FP8_CHUNK = 64  # FP8 pages: channels per e4m3 → f16 conversion chunk (a 64-byte-swizzled e4m3 tile's width)
 _SMEM_LIMIT = 227 * 1024
 _PV_FORMS = ("run_state", "interpret")
 _DEBUG_FLAGS = ("stream_only", "compute_only", "skip_exchange", "skip_softmax")
@@ -101,9 +111,11 @@ class MgpuDecodeConfig:
         if not isinstance(self.debug, tuple) or any(f not in _DEBUG_FLAGS for f in self.debug):
             raise ValueError(f"MgpuDecodeConfig.debug={self.debug!r} must be a tuple of flags from {_DEBUG_FLAGS}")
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, fp8: bool = False) -> int:
+        """Shared memory at this head dim; fp8: e4m3 pages (an e4m3 ring, one f16 tile, the scales)."""
         q = HEADS_PER_CTA * head_dim * itemsize
-        ring = max(self.num_slots * TILE * head_dim * itemsize, HEADS_PER_CTA * head_dim * 4)  # ∪ f32 staging
+        ring = self.num_slots * TILE * head_dim * (1 if fp8 else itemsize) + (TILE * head_dim * itemsize if fp8 else 0)
+        ring = max(ring, HEADS_PER_CTA * head_dim * 4)  # ∪ f32 staging
         exchange = 2 * HEADS_PER_CTA * TILE * 4
         p = 2 * HEADS_PER_CTA * TILE * itemsize if self.pv_form == "interpret" else 0
         return q + ring + exchange + 2 * HEADS_PER_CTA * 4 + p
@@ -115,9 +127,20 @@ def _unsupported(q, kv_pages, ring_size, compressed_pages, topk_indices, kv_scal
     b, h, d = q.shape
     if jax.dtypes.canonicalize_dtype(q.dtype) not in (jnp.bfloat16, jnp.float16):
         return f"q.dtype={q.dtype} must be bfloat16 or float16 (wgmma operands)"
-    if kv_pages.dtype != q.dtype or kv_scales is not None or compressed_scales is not None:
-        return f"kv_pages.dtype={kv_pages.dtype} must equal q.dtype={q.dtype} (FP8 pages: use the Triton kernel)"
-    if compressed_pages is not None and compressed_pages.dtype != q.dtype:
+    fp8 = kv_pages.dtype == jnp.float8_e4m3fn
+    if fp8:  # e4m3 pages with per-channel scales, converted to f16 in SMEM
+        if kv_scales is None or kv_scales.shape != (d,):
+            got = None if kv_scales is None else kv_scales.shape
+            return f"FP8 kv_pages need per-channel kv_scales of shape ({d},) here, got {got} (per-token tiles: " \
+                   f"use the Triton kernel)"  # fmt: skip
+        if compressed_pages is not None and (compressed_pages.dtype != kv_pages.dtype or compressed_scales is None
+                                             or compressed_scales.shape != (d,)):  # fmt: skip
+            return f"with FP8 kv_pages, compressed_pages must be float8_e4m3fn too (got {compressed_pages.dtype}) " \
+                   f"with per-channel compressed_scales of shape ({d},)"  # fmt: skip
+    elif kv_pages.dtype != q.dtype or kv_scales is not None or compressed_scales is not None:
+        return f"kv_pages.dtype={kv_pages.dtype} must equal q.dtype={q.dtype}, or be float8_e4m3fn with per-channel " \
+               f"scales"  # fmt: skip
+    elif compressed_pages is not None and compressed_pages.dtype != q.dtype:
         return f"compressed_pages.dtype={compressed_pages.dtype} must equal q.dtype={q.dtype}"
     if topk_indices is not None:
         return "topk_indices (CSA) needs row gathers: use the Triton kernel"
@@ -132,8 +155,8 @@ def _unsupported(q, kv_pages, ring_size, compressed_pages, topk_indices, kv_scal
     if compressed_pages is not None and compressed_pages.shape[1] % TILE:
         return f"compressed page size {compressed_pages.shape[1]} (compressed_pages.shape={compressed_pages.shape}) " \
                f"must be a multiple of {TILE}"  # fmt: skip
-    if config.smem_bytes(d) > _SMEM_LIMIT:
-        return f"{config} needs {config.smem_bytes(d)} B of shared memory at D={d}; limit {_SMEM_LIMIT}"
+    if config.smem_bytes(d, fp8=fp8) > _SMEM_LIMIT:
+        return f"{config} needs {config.smem_bytes(d, fp8=fp8)} B of shared memory at D={d}; limit {_SMEM_LIMIT}"
     return None
 
 
@@ -208,15 +231,18 @@ class _TileStream:
                 op(comp_ref.at[page, pl.ds(row0, TILE), cols])
 
 
-def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_block_tables, *, scale, ring_size,
-                 num_splits, config: MgpuDecodeConfig, interpret):  # fmt: skip
+def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_block_tables, channel_scales=None, *,
+                 scale, ring_size, num_splits, config: MgpuDecodeConfig, interpret):  # fmt: skip
     """The raw kernel. meta [B, 4] int32 = (window visits n_wt, first unwrapped slot s0, window slots n_w, compressed
-    entries count). → (acc [B, splits, H, D] f32, max [B, splits, H] f32 (log2 domain), sum [B, splits, H] f32)."""
+    entries count). FP8 pages (float8_e4m3fn): q float16 and channel_scales [2, D] float16 (ring pages' per-channel
+    scales, then the compressed pages'). → (acc [B, splits, H, D] f32, max [B, splits, H] f32 (log2 domain),
+    sum [B, splits, H] f32)."""
     b, h, d = q.shape
     hg = h // HEADS_PER_CTA
     dh = d // 2
     dtype = q.dtype
     itemsize = jnp.dtype(dtype).itemsize
+    fp8 = kv_pages.dtype == jnp.float8_e4m3fn
     slots = config.num_slots
     page_size = kv_pages.shape[1]
     hca = compressed_pages is not None
@@ -229,9 +255,10 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
     skip_exchange = "skip_exchange" in config.debug
     skip_softmax = "skip_softmax" in config.debug
 
-    def body(q_ref, meta_ref, kv_ref, table_ref, comp_ref, ctable_ref, acc_out, max_out, sum_out, q_smem, union,
-             x_smem, stats_smem, p_smem, q_bar, kv_bar, consumed_bar, x_written, x_read, done_bar):  # fmt: skip
-        kv_smem, stage_smem = union
+    def body(q_ref, meta_ref, kv_ref, table_ref, comp_ref, ctable_ref, scales_ref, acc_out, max_out, sum_out, q_smem,
+             union, x_smem, stats_smem, p_smem, q_bar, kv_bar, consumed_bar, x_written, x_read, done_bar):  # fmt: skip
+        ring, stage_smem = union
+        kv_smem, work_smem = ring if fp8 else (ring, None)  # FP8: the e4m3 ring, each consumer's f16 tile half
         bh, sp, wg = lax.axis_index("bh"), lax.axis_index("sp"), lax.axis_index("wg")
         bi = lax.div(bh, jnp.int32(hg))
         h0 = lax.rem(bh, jnp.int32(hg)) * HEADS_PER_CTA
@@ -268,14 +295,33 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                 if stream_only:
                     plgpu.barrier_arrive(consumed_bar.at[slot * 2 + w])
                     return carry
-                _, base, lo, hi = tile_bounds(first + i)
+                is_win, base, lo, hi = tile_bounds(first + i)
 
-                @pl.when((base < lo) | (base + TILE > hi))
-                def _():  # rows outside [lo, hi) may hold anything (NaN): zero this warpgroup's half of them
-                    rows = plgpu.broadcasted_iota(jnp.int32, (TILE, dh), 0, layout=wgmma_layout) + base
-                    tile = plgpu.load(kv_half, layout=wgmma_layout)
-                    kv_half[...] = jnp.where((rows >= lo) & (rows < hi), tile, jnp.zeros_like(tile))
+                if fp8:
+                    # e4m3 → f16 (exact) × the pool's channel scale, rows outside [lo, hi) zeroed, into this
+                    # warpgroup's own f16 tile half; then the e4m3 slot half goes back to the producer
+                    pool = jnp.where(is_win, 0, 1)
+                    rows = plgpu.broadcasted_iota(jnp.int32, (TILE, _FP8_CHUNK), 0, layout=wgmma_layout) + base
+                    keep = (rows >= lo) & (rows < hi)
+                    for c in range(dh // _FP8_CHUNK):
+                        cols = pl.ds(c * _FP8_CHUNK, _FP8_CHUNK)
+                        raw = plgpu.load(kv_half.at[:, cols], layout=wgmma_layout)
+                        # from GMEM (1 KiB a pool, L1-resident): SMEM has no 2 KiB left at D = 512
+                        sc = plgpu.load(scales_ref.at[pool, pl.ds(w * dh + c * _FP8_CHUNK, _FP8_CHUNK)],
+                                        layout=wgmma_layout.reduce(0), optimized=False)  # fmt: skip
+                        vals = raw.astype(jnp.float16) * lax.broadcast_in_dim(sc, (TILE, _FP8_CHUNK), [1])
+                        work_smem.at[w, :, cols][...] = jnp.where(keep, vals, jnp.zeros_like(vals))
                     plgpu.commit_smem()
+                    if not compute_only:
+                        plgpu.barrier_arrive(consumed_bar.at[slot * 2 + w])
+                    kv_half = work_smem.at[w]
+                else:
+                    @pl.when((base < lo) | (base + TILE > hi))
+                    def _():  # rows outside [lo, hi) may hold anything (NaN): zero this warpgroup's half of them
+                        rows = plgpu.broadcasted_iota(jnp.int32, (TILE, dh), 0, layout=wgmma_layout) + base
+                        tile = plgpu.load(kv_half, layout=wgmma_layout)
+                        kv_half[...] = jnp.where((rows >= lo) & (rows < hi), tile, jnp.zeros_like(tile))
+                        plgpu.commit_smem()
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem.at[w], kv_half.transpose((1, 0)))
@@ -302,7 +348,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                         plgpu.wgmma(acc_ref, p16, kv_half)
 
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                if not compute_only:
+                if not (compute_only or fp8):
                     plgpu.barrier_arrive(consumed_bar.at[slot * 2 + w])
                 return acc, m_new, l_new
 
@@ -368,10 +414,14 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                     plgpu.barrier_wait(consumed_bar.at[slot * 2 + half])
 
     elems_128b = 128 // itemsize
+    ring = plgpu.SMEM((slots * 2, TILE, dh), dtype, transforms=_tiled(elems_128b, itemsize))
+    if fp8:  # the TMA'd e4m3 ring (64-byte swizzle: 64-column conversion chunks) and each consumer's f16 tile half
+        ring = (plgpu.SMEM((slots * 2, TILE, dh), kv_pages.dtype, transforms=_tiled(_FP8_CHUNK, 1)),
+                plgpu.SMEM((2, TILE, dh), dtype, transforms=_tiled(elems_128b, itemsize)))
     scratch = [
         plgpu.SMEM((2, HEADS_PER_CTA, dh), dtype, transforms=_tiled(elems_128b, itemsize)),  # Q halves
-        plgpu.RefUnion(  # KV ring [slot · 2 + half] ∪ f32 output staging [half] (disjoint lifetimes)
-            plgpu.SMEM((slots * 2, TILE, dh), dtype, transforms=_tiled(elems_128b, itemsize)),
+        plgpu.RefUnion(  # KV ring [slot · 2 + half] (FP8: + the f16 halves) ∪ f32 output staging [half]
+            ring,
             plgpu.SMEM((2, HEADS_PER_CTA, dh), F32, transforms=_tiled(32, 4)),
         ),
         plgpu.SMEM((2, HEADS_PER_CTA, TILE), F32, transforms=_tiled(32, 4)),  # partial-logit exchange
@@ -387,11 +437,13 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
     out_type = (jax.ShapeDtypeStruct((b, num_splits, h, d), F32), jax.ShapeDtypeStruct((b, num_splits, h), F32),
                 jax.ShapeDtypeStruct((b, num_splits, h), F32))  # fmt: skip
     args = (q, meta, kv_pages, block_tables) + ((compressed_pages, compressed_block_tables) if hca else ())
+    args += (channel_scales,) if fp8 else ()
 
     def kernel_body(*refs):
         q_ref, meta_ref, kv_ref, table_ref = refs[:4]
         comp_ref, ctable_ref, rest = (refs[4], refs[5], refs[6:]) if hca else (None, None, refs[4:])
-        return body(q_ref, meta_ref, kv_ref, table_ref, comp_ref, ctable_ref, *rest)
+        scales_ref, rest = (rest[0], rest[1:]) if fp8 else (None, rest)
+        return body(q_ref, meta_ref, kv_ref, table_ref, comp_ref, ctable_ref, scales_ref, *rest)
 
     return plgpu.kernel(
         kernel_body,
@@ -433,21 +485,26 @@ def paged_decode_attention_mgpu(
     compressed_pages: jax.Array | None = None,
     compressed_block_tables: jax.Array | None = None,
     compressed_lens: jax.Array | None = None,
+    kv_scales: jax.Array | None = None,
+    compressed_scales: jax.Array | None = None,
     config: MgpuDecodeConfig = MgpuDecodeConfig(),
     interpret=None,
 ) -> jax.Array:
-    """`decode.paged_decode_attention` for window and HCA layers with bf16/f16 pages, on Hopper. → [B, H, D].
+    """`decode.paged_decode_attention` for window and HCA layers with bf16/f16 pages, or float8_e4m3fn pages with
+    per-channel scales, on Hopper. → [B, H, D].
 
-    Arguments as `paged_decode_attention` (no topk_indices, no FP8 scales); page sizes and ring_size must be
-    multiples of 64, H a multiple of 64, D ∈ {128, 256, 384, 512}. config: MgpuDecodeConfig; interpret: an
-    InterpretGPUParams for the CPU Mosaic interpreter (with config.pv_form="interpret").
+    Arguments as `paged_decode_attention` (no topk_indices; FP8 scales per channel only, [D]); page sizes and
+    ring_size must be multiples of 64, H a multiple of 64, D ∈ {128, 256, 384, 512}. FP8 pages run in float16
+    (e4m3 → f16 is exact and one instruction; q is rounded to f16): each consumer converts its half of every tile in
+    SMEM, times the channel scale. config: MgpuDecodeConfig; interpret: an InterpretGPUParams for the CPU Mosaic
+    interpreter (with config.pv_form="interpret").
     """
     ring_size, _, _ = _check_inputs(
         q, kv_pages, block_tables, seq_lens, sinks, sliding_window=sliding_window, ring_size=ring_size,
         compressed_pages=compressed_pages, compressed_block_tables=compressed_block_tables,
-        compressed_lens=compressed_lens, topk_indices=None, kv_scales=None, compressed_scales=None,
+        compressed_lens=compressed_lens, topk_indices=None, kv_scales=kv_scales, compressed_scales=compressed_scales,
     )  # fmt: skip
-    why = _unsupported(q, kv_pages, ring_size, compressed_pages, None, None, None, config)
+    why = _unsupported(q, kv_pages, ring_size, compressed_pages, None, kv_scales, compressed_scales, config)
     if why:
         raise ValueError(f"paged_decode_attention_mgpu: {why}")
     b, h, _ = q.shape
@@ -460,7 +517,12 @@ def paged_decode_attention_mgpu(
     if num_splits is None:
         max_tiles = pl.cdiv(sliding_window + TILE - 1, TILE) + pl.cdiv(capacity, TILE)
         num_splits = default_num_splits(b * (h // HEADS_PER_CTA), max_tiles)
-    acc, row_max, row_sum = _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_block_tables,
-                                         scale=scale, ring_size=ring_size, num_splits=num_splits, config=config,
-                                         interpret=interpret)  # fmt: skip
+    channel_scales, qk = None, q
+    if kv_pages.dtype == jnp.float8_e4m3fn:
+        comp = kv_scales if compressed_scales is None else compressed_scales  # (window only: an unread copy)
+        channel_scales = jnp.stack([kv_scales, comp]).astype(jnp.float16)
+        qk = q.astype(jnp.float16)
+    acc, row_max, row_sum = _decode_call(qk, meta, kv_pages, block_tables, compressed_pages, compressed_block_tables,
+                                         channel_scales, scale=scale, ring_size=ring_size, num_splits=num_splits,
+                                         config=config, interpret=interpret)  # fmt: skip
     return _combine_splits(acc, row_max, row_sum, sinks, q.dtype)
