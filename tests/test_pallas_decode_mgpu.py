@@ -92,7 +92,7 @@ def fp8_channel_cache(inputs):
     return out
 
 
-def _run_interpreted(seq_lens, *, ring_size=None, num_splits=2, rate=4, fp8=False):
+def _run_interpreted(seq_lens, *, ring_size=None, num_splits=2, rate=4, fp8=False, scales_smem=True):
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     inputs, _ = make_cache(0, seq_lens, heads=64, head_dim=128, window=128, page_size=64, ring_size=ring_size,
@@ -100,7 +100,7 @@ def _run_interpreted(seq_lens, *, ring_size=None, num_splits=2, rate=4, fp8=Fals
     if fp8:
         inputs = fp8_channel_cache(inputs)
     kw = dict(sliding_window=128, scale=128**-0.5, ring_size=ring_size)
-    config = MgpuDecodeConfig(pv_form="interpret", num_splits=num_splits)
+    config = MgpuDecodeConfig(pv_form="interpret", num_splits=num_splits, fp8_scales_smem=scales_smem)
     got = np.asarray(paged_decode_attention_mgpu(**inputs, **kw, config=config, interpret=InterpretGPUParams()),
                      np.float32)  # fmt: skip
     if fp8:  # the kernel runs in f16: measure it against float32 math on the same e4m3 values
@@ -126,15 +126,17 @@ def test_interpreter_matches_reference(seq_lens, ring_size, num_splits):
     _run_interpreted(seq_lens, ring_size=ring_size, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("seq_lens, ring_size, num_splits, rate", [
-    ([0, 1, 65, 300], None, 5, 4),  # as above, FP8 pages: the ring and the entries with different channel scales
-    ([127, 700, 1000], 192, 1, 4),
-    ([3, 200], None, 2, None),  # window only
+@pytest.mark.parametrize("seq_lens, ring_size, num_splits, rate, scales_smem", [
+    ([0, 1, 65, 300], None, 5, 4, True),  # as above, FP8 pages: the ring and the entries with different scales
+    ([127, 700, 1000], 192, 1, 4, True),
+    ([3, 200], None, 2, None, True),  # window only
+    ([0, 1, 65, 300], None, 5, 4, False),  # the scales read from GMEM
 ])  # fmt: skip
-def test_interpreter_fp8_pages_match_reference(seq_lens, ring_size, num_splits, rate):
+def test_interpreter_fp8_pages_match_reference(seq_lens, ring_size, num_splits, rate, scales_smem):
     """e4m3 pages with per-channel scales: each consumer converts its half of a tile to f16 in SMEM, times the
     scale, masked rows zeroed, before its matmuls."""
-    _run_interpreted(seq_lens, ring_size=ring_size, num_splits=num_splits, rate=rate, fp8=True)
+    _run_interpreted(seq_lens, ring_size=ring_size, num_splits=num_splits, rate=rate, fp8=True,
+                     scales_smem=scales_smem)  # fmt: skip
 
 
 def _small(heads=64, head_dim=128, page_size=64, dtype=jnp.bfloat16):

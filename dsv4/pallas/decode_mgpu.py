@@ -78,6 +78,8 @@ class MgpuDecodeConfig:
 
     num_slots:  key tiles in flight (SMEM ring depth), >= 1; 2 is what fits at D = 512.
     num_splits: key-axis splits per (request, head block); None: `decode.default_num_splits` (one wave).
+    fp8_scales_smem: FP8 pages: the channel scales in SMEM (True: loaded once, kept in the ring's share of the SMEM
+                union, as the output stats are in the output's), or read from GMEM at every conversion (False).
     approx_math: Mosaic `approx_math` (fast exp2 / reciprocal).
     pv_form:    "run_state" (P·V accumulated in place, the GPU form) or "interpret" (P through SMEM into a fresh
                 accumulator, then added: the only form the CPU Mosaic interpreter runs; not for the GPU).
@@ -96,6 +98,7 @@ class MgpuDecodeConfig:
 
     num_slots: int = 2
     num_splits: int | None = None
+    fp8_scales_smem: bool = True
     approx_math: bool = True
     pv_form: str = "run_state"
     auto_barriers: bool = True
@@ -115,10 +118,14 @@ class MgpuDecodeConfig:
         """Shared memory at this head dim; fp8: e4m3 pages (an e4m3 ring, one f16 tile, the scales)."""
         q = HEADS_PER_CTA * head_dim * itemsize
         ring = self.num_slots * TILE * head_dim * (1 if fp8 else itemsize) + (TILE * head_dim * itemsize if fp8 else 0)
-        ring = max(ring, HEADS_PER_CTA * head_dim * 4)  # ∪ f32 staging
+        stats = 2 * HEADS_PER_CTA * 4
+        if fp8 and self.fp8_scales_smem:  # scales in the ring's part of the union, the stats in the output's
+            union = max(ring + 2 * head_dim * 2, HEADS_PER_CTA * head_dim * 4 + stats)
+        else:
+            union = max(ring, HEADS_PER_CTA * head_dim * 4) + stats  # ∪ f32 staging; stats outside
         exchange = 2 * HEADS_PER_CTA * TILE * 4
         p = 2 * HEADS_PER_CTA * TILE * itemsize if self.pv_form == "interpret" else 0
-        return q + ring + exchange + 2 * HEADS_PER_CTA * 4 + p
+        return q + union + exchange + p
 
 
 def _unsupported(q, kv_pages, ring_size, compressed_pages, topk_indices, kv_scales, compressed_scales,
@@ -243,6 +250,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
     dtype = q.dtype
     itemsize = jnp.dtype(dtype).itemsize
     fp8 = kv_pages.dtype == jnp.float8_e4m3fn
+    scales_in_smem = fp8 and config.fp8_scales_smem
     slots = config.num_slots
     page_size = kv_pages.shape[1]
     hca = compressed_pages is not None
@@ -258,7 +266,9 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
     def body(q_ref, meta_ref, kv_ref, table_ref, comp_ref, ctable_ref, scales_ref, acc_out, max_out, sum_out, q_smem,
              union, x_smem, stats_smem, p_smem, q_bar, kv_bar, consumed_bar, x_written, x_read, done_bar):  # fmt: skip
         ring, stage_smem = union
-        kv_smem, work_smem = ring if fp8 else (ring, None)  # FP8: the e4m3 ring, each consumer's f16 tile half
+        kv_smem, work_smem, scales_smem = ring if fp8 else (ring, None, None)  # FP8: + each consumer's f16 tile half
+        if scales_in_smem:  # the stats share the output's part of the union, the scales the ring's
+            stage_smem, stats_smem = stage_smem
         bh, sp, wg = lax.axis_index("bh"), lax.axis_index("sp"), lax.axis_index("wg")
         bi = lax.div(bh, jnp.int32(hg))
         h0 = lax.rem(bh, jnp.int32(hg)) * HEADS_PER_CTA
@@ -276,6 +286,8 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
             plgpu.set_max_registers(232, action="increase")
             plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(h0, HEADS_PER_CTA), pl.ds(w * dh, dh)], q_smem.at[w],
                                     q_bar.at[w])  # fmt: skip
+            if scales_in_smem:  # the second arrival on q_bar[w]
+                plgpu.copy_gmem_to_smem(scales_ref.at[:, pl.ds(w * dh, dh)], scales_smem.at[w], q_bar.at[w])
             row_layout = wgmma_layout.reduce(1)
             m_i = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_FLOOR, F32), row_layout)
             l_i = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), F32), row_layout)
@@ -306,9 +318,12 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                     for c in range(dh // _FP8_CHUNK):
                         cols = pl.ds(c * _FP8_CHUNK, _FP8_CHUNK)
                         raw = plgpu.load(kv_half.at[:, cols], layout=wgmma_layout)
-                        # from GMEM (1 KiB a pool, L1-resident): SMEM has no 2 KiB left at D = 512
-                        sc = plgpu.load(scales_ref.at[pool, pl.ds(w * dh + c * _FP8_CHUNK, _FP8_CHUNK)],
-                                        layout=wgmma_layout.reduce(0), optimized=False)  # fmt: skip
+                        if scales_in_smem:
+                            sc = plgpu.load(scales_smem.at[w, pool, cols], layout=wgmma_layout.reduce(0),
+                                            optimized=False)  # fmt: skip
+                        else:
+                            sc = plgpu.load(scales_ref.at[pool, pl.ds(w * dh + c * _FP8_CHUNK, _FP8_CHUNK)],
+                                            layout=wgmma_layout.reduce(0), optimized=False)  # fmt: skip
                         vals = raw.astype(jnp.float16) * lax.broadcast_in_dim(sc, (TILE, _FP8_CHUNK), [1])
                         work_smem.at[w, :, cols][...] = jnp.where(keep, vals, jnp.zeros_like(vals))
                     plgpu.commit_smem()
@@ -415,19 +430,23 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
 
     elems_128b = 128 // itemsize
     ring = plgpu.SMEM((slots * 2, TILE, dh), dtype, transforms=_tiled(elems_128b, itemsize))
-    if fp8:  # the TMA'd e4m3 ring (64-byte swizzle: 64-column conversion chunks) and each consumer's f16 tile half
+    out_staging = plgpu.SMEM((2, HEADS_PER_CTA, dh), F32, transforms=_tiled(32, 4))
+    stats = plgpu.SMEM((2, HEADS_PER_CTA), F32)  # (max, sum) staging
+    if fp8:  # the TMA'd e4m3 ring (64-byte swizzle: 64-column conversion chunks), each consumer's f16 tile half, and
+        # the [half, pool, channel] scales (with the stats beside the output staging: 2 KiB less at D = 512 than
+        # with both outside the union, which is what makes room for the scales)
         ring = (plgpu.SMEM((slots * 2, TILE, dh), kv_pages.dtype, transforms=_tiled(_FP8_CHUNK, 1)),
-                plgpu.SMEM((2, TILE, dh), dtype, transforms=_tiled(elems_128b, itemsize)))
+                plgpu.SMEM((2, TILE, dh), dtype, transforms=_tiled(elems_128b, itemsize)),
+                plgpu.SMEM((2, 2, dh), jnp.float16) if scales_in_smem else None)  # fmt: skip
+        if scales_in_smem:
+            out_staging, stats = (out_staging, stats), None
     scratch = [
         plgpu.SMEM((2, HEADS_PER_CTA, dh), dtype, transforms=_tiled(elems_128b, itemsize)),  # Q halves
-        plgpu.RefUnion(  # KV ring [slot · 2 + half] (FP8: + the f16 halves) ∪ f32 output staging [half]
-            ring,
-            plgpu.SMEM((2, HEADS_PER_CTA, dh), F32, transforms=_tiled(32, 4)),
-        ),
+        plgpu.RefUnion(ring, out_staging),  # KV ring [slot · 2 + half] (FP8: + more) ∪ f32 output staging [half]
         plgpu.SMEM((2, HEADS_PER_CTA, TILE), F32, transforms=_tiled(32, 4)),  # partial-logit exchange
-        plgpu.SMEM((2, HEADS_PER_CTA), F32),  # (max, sum) staging
+        stats,
         plgpu.SMEM((2, HEADS_PER_CTA, TILE), dtype, transforms=_tiled(elems_128b, itemsize)) if interp_pv else None,
-        plgpu.Barrier(num_barriers=2),  # q halves
+        plgpu.Barrier(num_barriers=2, num_arrivals=2 if scales_in_smem else 1),  # q halves (+ their scales)
         plgpu.Barrier(num_barriers=2 * slots),  # kv halves full
         plgpu.Barrier(num_barriers=2 * slots),  # kv halves consumed
         plgpu.Barrier(num_arrivals=2),  # exchange written
