@@ -79,7 +79,8 @@ class MgpuDecodeConfig:
     num_slots:  key tiles in flight (SMEM ring depth), >= 1; 2 is what fits at D = 512.
     num_splits: key-axis splits per (request, head block); None: `decode.default_num_splits` (one wave).
     fp8_scales_smem: FP8 pages: the channel scales in SMEM (True: loaded once, kept in the ring's share of the SMEM
-                union, as the output stats are in the output's), or read from GMEM at every conversion (False).
+                union, as the output stats are in the output's), or read from GMEM at every conversion (False, the
+                form run and timed on an H200; True lowers and passes the interpreter, not yet run on a GPU).
     approx_math: Mosaic `approx_math` (fast exp2 / reciprocal).
     pv_form:    "run_state" (P·V accumulated in place, the GPU form) or "interpret" (P through SMEM into a fresh
                 accumulator, then added: the only form the CPU Mosaic interpreter runs; not for the GPU).
@@ -98,7 +99,7 @@ class MgpuDecodeConfig:
 
     num_slots: int = 2
     num_splits: int | None = None
-    fp8_scales_smem: bool = True
+    fp8_scales_smem: bool = False
     approx_math: bool = True
     pv_form: str = "run_state"
     auto_barriers: bool = True
