@@ -32,13 +32,13 @@ Design (docs/KERNEL_NOTES.md, "Paged decode attention" → "The Mosaic decode ke
   max [64], sum [64]) to its split's slot and `decode._combine_splits` adds the sink once. A split with no tiles
   writes the empty state. After the loop the KV ring is dead, so the f32 accumulator is staged for its TMA store
   in the ring's SMEM (a `RefUnion`), once both consumers are past their last P·V.
-
 - FP8 pages (float8_e4m3fn with per-channel scales, one [D] vector per pool): the kernel runs in f16 (q rounded to
   f16; e4m3 → f16 is exact and one instruction per two values, where Mosaic has no direct e4m3 → bf16). The ring
   holds e4m3 tiles (half the bytes to load); each consumer converts its half of a tile into its own f16 tile, 64
-  channels at a time, times the pool's scales (read from GMEM: SMEM has no 2 KiB to spare), with rows outside
-  [lo, hi) zeroed, then releases the e4m3 slot and runs the same matmuls on the f16 tile (docs/KERNEL_NOTES.md,
-  the seventeenth session's queue and BENCHMARKS "FP8 pages").
+  channels at a time, times the pool's scales (read from GMEM, or kept in SMEM with `fp8_scales_smem`), with rows
+  outside [lo, hi) zeroed, then releases the e4m3 slot and runs the same matmuls on the f16 tile
+  (docs/KERNEL_NOTES.md DC17). The scales are rounded to f16 and multiplied in f16: they must be normal f16 values
+  (6.1e-5 .. 65504, as an FP8 cache's amax / 448 scales of RMS-normed rows are), and so must value × scale.
 
 SMEM at D = 512, 2 slots: Q 64 KiB + KV ring 128 KiB (= the f32 output staging) + exchange 32 KiB + stats 0.5 KiB.
 FP8 pages: the ring is 2 × 32 KiB of e4m3 + the two consumers' f16 tile halves, 64 KiB: the same 128 KiB.
@@ -433,9 +433,9 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
     ring = plgpu.SMEM((slots * 2, TILE, dh), dtype, transforms=_tiled(elems_128b, itemsize))
     out_staging = plgpu.SMEM((2, HEADS_PER_CTA, dh), F32, transforms=_tiled(32, 4))
     stats = plgpu.SMEM((2, HEADS_PER_CTA), F32)  # (max, sum) staging
-    if fp8:  # the TMA'd e4m3 ring (64-byte swizzle: 64-column conversion chunks), each consumer's f16 tile half, and
-        # the [half, pool, channel] scales (with the stats beside the output staging: 2 KiB less at D = 512 than
-        # with both outside the union, which is what makes room for the scales)
+    if fp8:  # the TMA'd e4m3 ring (64-byte swizzle: 64-column conversion chunks), each consumer's f16 tile half and,
+        # with fp8_scales_smem, the [half, pool, channel] scales, while the stats join the output staging's group:
+        # the union grows by 1.5 KiB and fits at D = 512, where 2 KiB of scales beside it were 120 B over the limit
         ring = (plgpu.SMEM((slots * 2, TILE, dh), kv_pages.dtype, transforms=_tiled(_FP8_CHUNK, 1)),
                 plgpu.SMEM((2, TILE, dh), dtype, transforms=_tiled(elems_128b, itemsize)),
                 plgpu.SMEM((2, 2, dh), jnp.float16) if scales_in_smem else None)  # fmt: skip
