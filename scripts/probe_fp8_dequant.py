@@ -75,7 +75,7 @@ def staged_call(x, *, form="infer", slots=2, interpret=None):
     converts each into a 128-byte-swizzled f16 SMEM tile (the layout a f16 wgmma reads), 128 columns at a time,
     registers in `form`'s layout ("infer": Mosaic's choice; "tma_only": no conversion, the loads alone). f16, not
     bf16: e4m3 → f16 is one instruction for two values on Hopper (e4m3 ⊂ f16, exact); Mosaic refuses e4m3 → bf16
-    without an f32 step. The scales are left out: per-channel scales fold into q and the output."""
+    without an f32 step. The scales are left out (the decode kernel's FP8 form multiplies them in here, DC17)."""
     g, t, rows, d = x.shape
 
     def kernel(x_ref, o_ref, stage, dst, bars):
@@ -124,8 +124,9 @@ def transpose_call(x, *, slots=3, interpret=None):
     """x [G, T, 64, D] e4m3 → [G, D, 64] e4m3, the last tile of each CTA's walk transposed: the V operand an e4m3
     P·V wgmma needs (keys contiguous: fp8 wgmma takes no transposed operands). As `staged_call`, but each tile is
     loaded from SMEM 128 columns at a time in the 8-bit WGMMA layout and stored through a transposed view into a
-    64-byte-swizzled [D, 64] tile (no 8-bit ldmatrix / stmatrix .trans before Blackwell: Mosaic falls back to
-    plain stores)."""
+    64-byte-swizzled [D, 64] tile (Mosaic has no 8-bit ldmatrix / stmatrix .trans before Blackwell). Exact in the
+    CPU interpreter; jax 0.11.2 does not compile it for Hopper (docs/BENCHMARKS.md, "FP8 pages: the SMEM → SMEM
+    forms")."""
     g, t, rows, d = x.shape
 
     def kernel(x_ref, o_ref, stage, dst, bars):
@@ -163,8 +164,8 @@ def transpose_call(x, *, slots=3, interpret=None):
 def _patch_arch_query():
     """jax 0.11.2's Mosaic asks for the architecture from an insertion point outside any module when it plans an
     8-bit transfer through a transposed SMEM view, and fails ("Cannot retrieve the architecture: no module found",
-    on an H200 too: this session's call 7). For this probe only: fall back to the device's own architecture, as
-    Mosaic itself does when there is no insertion point at all."""
+    on an H200 too: the seventeenth session's call 7). For this probe only: fall back to the device's own
+    architecture, as Mosaic itself does when there is no insertion point at all."""
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
     if getattr(mgpu_utils.get_arch, "_probe_patched", False):
