@@ -69,6 +69,29 @@ def dequant_call(x, scales, *, interpret=None):
 STAGED_FORMS = ("tma_only", "infer", "WGMMA", "WGMMA_UPCAST_2X")
 
 
+def _walk_tiles(x_ref, o_ref, stage, dst, bars, slots, on_tile):
+    """A CTA's walk over its tiles x_ref[cta, i] through `slots` SMEM slots by TMA, `slots - 1` ahead:
+    on_tile(i, slot) once tile i has landed (its slot is refilled in iteration i + 1, after it returns). Then `dst`
+    goes to o_ref[cta]."""
+    cta, t = jax.lax.axis_index("cta"), x_ref.shape[1]
+    for k in range(min(slots - 1, t)):
+        plgpu.copy_gmem_to_smem(x_ref.at[cta, k], stage.at[k], bars.at[k])
+
+    @pl.loop(0, t)
+    def _(i):
+        ahead = i + slots - 1  # its slot's tile was handled in iteration i - 1: free
+
+        @pl.when(ahead < t)
+        def _():
+            plgpu.copy_gmem_to_smem(x_ref.at[cta, ahead], stage.at[ahead % slots], bars.at[ahead % slots])
+
+        plgpu.barrier_wait(bars.at[i % slots])
+        on_tile(i, i % slots)
+
+    plgpu.copy_smem_to_gmem(dst, o_ref.at[cta])
+    plgpu.wait_smem_to_gmem(0)
+
+
 def staged_call(x, *, form="infer", slots=2, interpret=None):
     """x [G, T, 64, D] e4m3 → [G, 64, D] f16, the last tile of each CTA's walk. Each CTA streams its T tiles through
     `slots` 128-byte-swizzled e4m3 SMEM slots by TMA (tiles i + 1 .. i + slots - 1 load while tile i converts) and
@@ -79,10 +102,6 @@ def staged_call(x, *, form="infer", slots=2, interpret=None):
     g, t, rows, d = x.shape
 
     def kernel(x_ref, o_ref, stage, dst, bars):
-        cta = jax.lax.axis_index("cta")
-        for k in range(min(slots - 1, t)):
-            plgpu.copy_gmem_to_smem(x_ref.at[cta, k], stage.at[k], bars.at[k])
-
         def convert(slot):
             for c in range(d // 128):
                 src = stage.at[slot, :, pl.ds(c * 128, 128)]
@@ -90,25 +109,16 @@ def staged_call(x, *, form="infer", slots=2, interpret=None):
                 dst.at[:, pl.ds(c * 128, 128)][...] = v.astype(jnp.float16)
             plgpu.commit_smem()
 
-        @pl.loop(0, t)
-        def _(i):
-            ahead = i + slots - 1  # its slot was converted in iteration i - 1: free
-
-            @pl.when(ahead < t)
-            def _():
-                plgpu.copy_gmem_to_smem(x_ref.at[cta, ahead], stage.at[ahead % slots], bars.at[ahead % slots])
-
-            plgpu.barrier_wait(bars.at[i % slots])
+        def on_tile(i, slot):
             if form != "tma_only":
-                convert(i % slots)
+                convert(slot)
             else:  # keep the loads live: the last tile converted once
 
                 @pl.when(i == t - 1)
                 def _():
-                    convert(i % slots)
+                    convert(slot)
 
-        plgpu.copy_smem_to_gmem(dst, o_ref.at[cta])
-        plgpu.wait_smem_to_gmem(0)
+        _walk_tiles(x_ref, o_ref, stage, dst, bars, slots, on_tile)
 
     kw = {} if interpret is None else dict(interpret=interpret)
     sw8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
@@ -130,26 +140,13 @@ def transpose_call(x, *, slots=3, interpret=None):
     g, t, rows, d = x.shape
 
     def kernel(x_ref, o_ref, stage, dst, bars):
-        cta = jax.lax.axis_index("cta")
-        for k in range(min(slots - 1, t)):
-            plgpu.copy_gmem_to_smem(x_ref.at[cta, k], stage.at[k], bars.at[k])
-
-        @pl.loop(0, t)
-        def _(i):
-            ahead = i + slots - 1
-
-            @pl.when(ahead < t)
-            def _():
-                plgpu.copy_gmem_to_smem(x_ref.at[cta, ahead], stage.at[ahead % slots], bars.at[ahead % slots])
-
-            plgpu.barrier_wait(bars.at[i % slots])
+        def on_tile(i, slot):
             for c in range(d // 128):
-                v = plgpu.load(stage.at[i % slots, :, pl.ds(c * 128, 128)], layout=plgpu.Layout.WGMMA_8BIT)
+                v = plgpu.load(stage.at[slot, :, pl.ds(c * 128, 128)], layout=plgpu.Layout.WGMMA_8BIT)
                 dst.at[pl.ds(c * 128, 128), :].transpose((1, 0))[...] = v
             plgpu.commit_smem()
 
-        plgpu.copy_smem_to_gmem(dst, o_ref.at[cta])
-        plgpu.wait_smem_to_gmem(0)
+        _walk_tiles(x_ref, o_ref, stage, dst, bars, slots, on_tile)
 
     kw = {} if interpret is None else dict(interpret=interpret)
     sw8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
