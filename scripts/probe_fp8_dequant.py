@@ -69,27 +69,37 @@ def dequant_call(x, scales, *, interpret=None):
 STAGED_FORMS = ("tma_only", "infer", "WGMMA", "WGMMA_UPCAST_2X")
 
 
-def _walk_tiles(x_ref, o_ref, stage, dst, bars, slots, on_tile):
-    """A CTA's walk over its tiles x_ref[cta, i] through `slots` SMEM slots by TMA, `slots - 1` ahead:
-    on_tile(i, slot) once tile i has landed (its slot is refilled in iteration i + 1, after it returns). Then `dst`
-    goes to o_ref[cta]."""
-    cta, t = jax.lax.axis_index("cta"), x_ref.shape[1]
-    for k in range(min(slots - 1, t)):
-        plgpu.copy_gmem_to_smem(x_ref.at[cta, k], stage.at[k], bars.at[k])
+def _walk_tiles(x, dst, slots, on_tile, interpret):
+    """One CTA per x[cta] ([G, T, 64, D] e4m3) walks its T tiles through `slots` 128-byte-swizzled SMEM slots by
+    TMA, `slots - 1` ahead: on_tile(i, slot, stage, dst) once tile i has landed (its slot is refilled in iteration
+    i + 1, after it returns). Then the SMEM buffer `dst` (a plgpu.SMEM) goes out: → [G, *dst.shape]."""
+    g, t, rows, d = x.shape
 
-    @pl.loop(0, t)
-    def _(i):
-        ahead = i + slots - 1  # its slot's tile was handled in iteration i - 1: free
+    def kernel(x_ref, o_ref, stage, dst_ref, bars):
+        cta = jax.lax.axis_index("cta")
+        for k in range(min(slots - 1, t)):
+            plgpu.copy_gmem_to_smem(x_ref.at[cta, k], stage.at[k], bars.at[k])
 
-        @pl.when(ahead < t)
-        def _():
-            plgpu.copy_gmem_to_smem(x_ref.at[cta, ahead], stage.at[ahead % slots], bars.at[ahead % slots])
+        @pl.loop(0, t)
+        def _(i):
+            ahead = i + slots - 1  # its slot's tile was handled in iteration i - 1: free
 
-        plgpu.barrier_wait(bars.at[i % slots])
-        on_tile(i, i % slots)
+            @pl.when(ahead < t)
+            def _():
+                plgpu.copy_gmem_to_smem(x_ref.at[cta, ahead], stage.at[ahead % slots], bars.at[ahead % slots])
 
-    plgpu.copy_smem_to_gmem(dst, o_ref.at[cta])
-    plgpu.wait_smem_to_gmem(0)
+            plgpu.barrier_wait(bars.at[i % slots])
+            on_tile(i, i % slots, stage, dst_ref)
+
+        plgpu.copy_smem_to_gmem(dst_ref, o_ref.at[cta])
+        plgpu.wait_smem_to_gmem(0)
+
+    kw = {} if interpret is None else dict(interpret=interpret)
+    sw8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((g, *dst.shape), dst.dtype),
+                        scratch_types=[plgpu.SMEM((slots, rows, d), jnp.float8_e4m3fn, transforms=sw8), dst,
+                                       plgpu.Barrier(num_barriers=slots)],
+                        grid=(g,), grid_names=("cta",), num_threads=1, thread_name="wg", **kw)(x)  # fmt: skip
 
 
 def staged_call(x, *, form="infer", slots=2, interpret=None):
@@ -99,35 +109,26 @@ def staged_call(x, *, form="infer", slots=2, interpret=None):
     registers in `form`'s layout ("infer": Mosaic's choice; "tma_only": no conversion, the loads alone). f16, not
     bf16: e4m3 → f16 is one instruction for two values on Hopper (e4m3 ⊂ f16, exact); Mosaic refuses e4m3 → bf16
     without an f32 step. The scales are left out (the decode kernel's FP8 form multiplies them in here, DC17)."""
-    g, t, rows, d = x.shape
+    t, rows, d = x.shape[1:]
 
-    def kernel(x_ref, o_ref, stage, dst, bars):
-        def convert(slot):
-            for c in range(d // 128):
-                src = stage.at[slot, :, pl.ds(c * 128, 128)]
-                v = src[...] if form in ("infer", "tma_only") else plgpu.load(src, layout=getattr(plgpu.Layout, form))
-                dst.at[:, pl.ds(c * 128, 128)][...] = v.astype(jnp.float16)
-            plgpu.commit_smem()
+    def convert(slot, stage, dst):
+        for c in range(d // 128):
+            src = stage.at[slot, :, pl.ds(c * 128, 128)]
+            v = src[...] if form in ("infer", "tma_only") else plgpu.load(src, layout=getattr(plgpu.Layout, form))
+            dst.at[:, pl.ds(c * 128, 128)][...] = v.astype(jnp.float16)
+        plgpu.commit_smem()
 
-        def on_tile(i, slot):
-            if form != "tma_only":
-                convert(slot)
-            else:  # keep the loads live: the last tile converted once
+    def on_tile(i, slot, stage, dst):
+        if form != "tma_only":
+            convert(slot, stage, dst)
+        else:  # keep the loads live: the last tile converted once
 
-                @pl.when(i == t - 1)
-                def _():
-                    convert(slot)
+            @pl.when(i == t - 1)
+            def _():
+                convert(slot, stage, dst)
 
-        _walk_tiles(x_ref, o_ref, stage, dst, bars, slots, on_tile)
-
-    kw = {} if interpret is None else dict(interpret=interpret)
-    sw8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
     sw16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((g, rows, d), jnp.float16),
-                        scratch_types=[plgpu.SMEM((slots, rows, d), jnp.float8_e4m3fn, transforms=sw8),
-                                       plgpu.SMEM((rows, d), jnp.float16, transforms=sw16),
-                                       plgpu.Barrier(num_barriers=slots)],
-                        grid=(g,), grid_names=("cta",), num_threads=1, thread_name="wg", **kw)(x)  # fmt: skip
+    return _walk_tiles(x, plgpu.SMEM((rows, d), jnp.float16, transforms=sw16), slots, on_tile, interpret)
 
 
 def transpose_call(x, *, slots=3, interpret=None):
@@ -137,25 +138,16 @@ def transpose_call(x, *, slots=3, interpret=None):
     64-byte-swizzled [D, 64] tile (Mosaic has no 8-bit ldmatrix / stmatrix .trans before Blackwell). Exact in the
     CPU interpreter; jax 0.11.2 does not compile it for Hopper (docs/BENCHMARKS.md, "FP8 pages: the SMEM → SMEM
     forms")."""
-    g, t, rows, d = x.shape
+    rows, d = x.shape[2:]
 
-    def kernel(x_ref, o_ref, stage, dst, bars):
-        def on_tile(i, slot):
-            for c in range(d // 128):
-                v = plgpu.load(stage.at[slot, :, pl.ds(c * 128, 128)], layout=plgpu.Layout.WGMMA_8BIT)
-                dst.at[pl.ds(c * 128, 128), :].transpose((1, 0))[...] = v
-            plgpu.commit_smem()
+    def on_tile(i, slot, stage, dst):
+        for c in range(d // 128):
+            v = plgpu.load(stage.at[slot, :, pl.ds(c * 128, 128)], layout=plgpu.Layout.WGMMA_8BIT)
+            dst.at[pl.ds(c * 128, 128), :].transpose((1, 0))[...] = v
+        plgpu.commit_smem()
 
-        _walk_tiles(x_ref, o_ref, stage, dst, bars, slots, on_tile)
-
-    kw = {} if interpret is None else dict(interpret=interpret)
-    sw8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
     sw64 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
-    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((g, d, rows), jnp.float8_e4m3fn),
-                        scratch_types=[plgpu.SMEM((slots, rows, d), jnp.float8_e4m3fn, transforms=sw8),
-                                       plgpu.SMEM((d, rows), jnp.float8_e4m3fn, transforms=sw64),
-                                       plgpu.Barrier(num_barriers=slots)],
-                        grid=(g,), grid_names=("cta",), num_threads=1, thread_name="wg", **kw)(x)  # fmt: skip
+    return _walk_tiles(x, plgpu.SMEM((d, rows), jnp.float8_e4m3fn, transforms=sw64), slots, on_tile, interpret)
 
 
 def _patch_arch_query():
