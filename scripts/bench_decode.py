@@ -24,9 +24,9 @@ Variants (`--variants`, applied to the items named by `--variant-items`): `name:
 (block_kv, num_stages, num_warps, block_h, num_splits, and spx = a multiple of the default split count), and
 `impl=mgpu`: `dsv4.pallas.decode_mgpu.paged_decode_attention_mgpu` (the Mosaic GPU kernel; window and HCA layers,
 bf16 pages, or fp8 ones with `--scales channel`; sp / spx set its split count, sl its num_slots, ab=0 turns its
-auto_barriers off, fs=0 reads fp8 scales from GMEM; stream=1, compute=1, noxchg=1, nosm=1 set its debug flags
-stream_only, compute_only, skip_exchange, skip_softmax (measurement forms: they fail the check); the Triton keys do
-not apply).
+auto_barriers off, fs=1 keeps fp8 scales in SMEM; stream=1, compute=1, noxchg=1, nosm=1, noconv=1 set its debug
+flags stream_only, compute_only, skip_exchange, skip_softmax, skip_convert (measurement forms: they fail the check);
+the Triton keys do not apply).
 `--impl mgpu` runs the main sweep on it too.
 """
 
@@ -64,7 +64,8 @@ GPU_VARIANTS = "default;mgpu:impl=mgpu;mgpu-stream:impl=mgpu,stream=1;mgpu-compu
 SMOKE_VARIANTS = "default;kv16:kv=16;spx2:spx=2"
 IMPLS = ("triton", "mgpu")
 MGPU_KEYS = {"sl": "num_slots", "ab": "auto_barriers", "fs": "fp8_scales_smem"}
-DEBUG_KEYS = {"stream": "stream_only", "compute": "compute_only", "noxchg": "skip_exchange", "nosm": "skip_softmax"}
+DEBUG_KEYS = {"stream": "stream_only", "compute": "compute_only", "noxchg": "skip_exchange", "nosm": "skip_softmax",
+              "noconv": "skip_convert"}  # fmt: skip
 
 
 def parse_args():

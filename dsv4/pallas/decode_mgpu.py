@@ -69,7 +69,7 @@ TILE = 64  # key rows per step: a bf16 wgmma K (P·V) must be a multiple of 64
 _FP8_CHUNK = 64  # FP8 pages: channels per e4m3 → f16 conversion chunk (a 64-byte-swizzled e4m3 tile's width)
 _SMEM_LIMIT = 227 * 1024
 _PV_FORMS = ("run_state", "interpret")
-_DEBUG_FLAGS = ("stream_only", "compute_only", "skip_exchange", "skip_softmax")
+_DEBUG_FLAGS = ("stream_only", "compute_only", "skip_exchange", "skip_softmax", "skip_convert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,9 @@ class MgpuDecodeConfig:
                 no matmuls: the kernel's load path alone), "compute_only" (only the first `num_slots` tiles are
                 loaded; every later step computes on whatever its slot holds: the consumers alone),
                 "skip_exchange" (no partial-logit exchange: each warpgroup uses twice its own partial), "skip_softmax"
-                (P = the logits, no max / exp2 / sums / rescale). With any of them the output is meaningless.
+                (P = the logits, no max / exp2 / sums / rescale), "skip_convert" (FP8 pages: no e4m3 → f16
+                conversion; the matmuls read whatever the f16 tile holds). With any of them the output is
+                meaningless.
     """
 
     num_slots: int = 2
@@ -263,6 +265,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
     compute_only = "compute_only" in config.debug
     skip_exchange = "skip_exchange" in config.debug
     skip_softmax = "skip_softmax" in config.debug
+    skip_convert = "skip_convert" in config.debug
 
     def body(q_ref, meta_ref, kv_ref, table_ref, comp_ref, ctable_ref, scales_ref, acc_out, max_out, sum_out, q_smem,
              union, x_smem, stats_smem, p_smem, q_bar, kv_bar, consumed_bar, x_written, x_read, done_bar):  # fmt: skip
@@ -316,7 +319,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                     pool = jnp.where(is_win, 0, 1)
                     rows = plgpu.broadcasted_iota(jnp.int32, (TILE, _FP8_CHUNK), 0, layout=wgmma_layout) + base
                     keep = (rows >= lo) & (rows < hi)
-                    for c in range(dh // _FP8_CHUNK):
+                    for c in range(0 if skip_convert else dh // _FP8_CHUNK):
                         cols = pl.ds(c * _FP8_CHUNK, _FP8_CHUNK)
                         raw = plgpu.load(kv_half.at[:, cols], layout=wgmma_layout)
                         if scales_in_smem:
