@@ -129,7 +129,7 @@ def core_attention_jnp(
 # the Triton kernel on an H200, its S = 1 tests pass, and inside the model each layer's output is as close to a
 # float32 reference as jnp's (2.05e-3 against 2.08e-3). The model check's one miss (7.1e-2 at the first decode step)
 # is that random model's sensitivity there: rounding-sized noise on jnp's own attention moves those logits by up to
-# 7.1e-2 (docs/KERNEL_NOTES.md, "One-token chunks on the Mosaic kernel"). False sends them to the Triton kernel.
+# 7.1e-2 (docs/BENCHMARKS.md, "One-token chunks on the Mosaic kernel"). False sends them to the Triton kernel.
 MOSAIC_ONE_TOKEN = True
 
 

@@ -14,7 +14,7 @@ on the same random weights and the same ragged batch, each path from its own cac
   1.2x the largest logit change that noise caused there. Some steps of this random model sit near a discrete flip:
   at the FP8 run's first decode step, 9 of 12 noise seeds moved the logits by 6.5-7.1e-2 and 3 by 1.6-1.9e-2, while
   each layer's Mosaic output there was as close to a float32 reference as jnp's (2.05e-3 against 2.08e-3;
-  `scripts/probe_step0.py`, docs/KERNEL_NOTES.md "One-token chunks on the Mosaic kernel").
+  `scripts/probe_step0.py`, docs/BENCHMARKS.md "One-token chunks on the Mosaic kernel").
 Prints the per-chunk and per-step time of each path (not a benchmark: one small model, a few steps).
 
     PYTHONPATH=. python3 scripts/check_decode_gpu.py                    # one H200: 64 heads x 512, 3 layers
@@ -170,15 +170,16 @@ def main():
             jax.block_until_ready(out[impl])
             times[impl].append(time.perf_counter() - t)
         active = np.asarray(valid) > 0
-        err = rel_err(np.asarray(out["pallas"])[active], np.asarray(out["jnp"])[active])
+        ref = np.asarray(out["jnp"])[active]
+        err = rel_err(np.asarray(out["pallas"])[active], ref)
         floor = []
         for seed in range(args.noise_seeds if args.noise > 0 else 0):
             NOISE["seed"] = seed
             noisy = np.asarray(_step(g_noisy, state, before, jnp.asarray(tok[:, None]), valid)[0])
-            floor.append(rel_err(noisy[active], np.asarray(out["jnp"])[active]))
+            floor.append(rel_err(noisy[active], ref))
         # A step may exceed the tolerance by as much as rounding-sized noise in jnp's own attention moves the logits
-        # there (20% margin): that measures the model's sensitivity, not the kernel (KERNEL_NOTES, the sixteenth
-        # session's step 0).
+        # there (20% margin): that measures the model's sensitivity, not the kernel (docs/BENCHMARKS.md, "One-token
+        # chunks on the Mosaic kernel").
         allowed = max(tol, 1.2 * max(floor, default=0.0))
         worst_over = max(worst_over, err / allowed)
         worst = max(worst, err)

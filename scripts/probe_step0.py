@@ -49,6 +49,7 @@ from dsv4.attention import (  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_decode_gpu import NOISE, _step, config, noisy_core  # noqa: E402
+from check_decode_gpu import rel_err as rel  # noqa: E402
 
 RECORDS: list[dict] = []
 
@@ -74,11 +75,6 @@ def recording_core(q, kv, q_pos, kv_pos, sinks, *, sliding_window, scale, compre
     jax.debug.callback(lambda **a: RECORDS.append(dict(static, **{k: np.asarray(v) for k, v in a.items()})),
                        **arrays)  # fmt: skip
     return out
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def run_cores(r: dict, mosaic_ok: bool, interpret: bool) -> dict:
