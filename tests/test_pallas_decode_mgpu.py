@@ -53,9 +53,14 @@ def test_decode_meta_by_hand():
     np.testing.assert_array_equal(got, np.asarray(want, np.int32))
 
 
-@pytest.mark.parametrize("hca, auto_barriers, fp8", [(False, True, False), (True, True, False), (True, False, False),
-                                                     (False, True, True), (True, True, True)])  # fmt: skip
-def test_lowers_for_h200(hca, auto_barriers, fp8):
+@pytest.mark.parametrize("hca, fp8, config", [
+    (False, False, MgpuDecodeConfig()), (True, False, MgpuDecodeConfig()),
+    (True, False, MgpuDecodeConfig(auto_barriers=False)), (False, True, MgpuDecodeConfig()),
+    (True, True, MgpuDecodeConfig()), (True, False, MgpuDecodeConfig(pv_chunks=4)),
+    (True, True, MgpuDecodeConfig(pv_chunks=4)), (True, True, MgpuDecodeConfig(fp8_layout="upcast2x")),
+    (True, True, MgpuDecodeConfig(fp8_layout="upcast4x")),
+])  # fmt: skip
+def test_lowers_for_h200(hca, fp8, config):
     """V4 shapes (D = 512: the shared-memory plan is at its limit, FP8 pages included)."""
     b, h, d, ps = 8, 64, 512, 64
     sds = jax.ShapeDtypeStruct
@@ -73,7 +78,7 @@ def test_lowers_for_h200(hca, auto_barriers, fp8):
 
     def f(q, kv, tables, lens, sinks, *rest):
         return paged_decode_attention_mgpu(q, kv, tables, lens, sinks, sliding_window=128, scale=0.04,
-                                           config=MgpuDecodeConfig(auto_barriers=auto_barriers),
+                                           config=config,
                                            **dict(zip(names, rest)))  # fmt: skip
 
     with abstract_gpu_mesh():
@@ -92,15 +97,15 @@ def fp8_channel_cache(inputs):
     return out
 
 
-def _run_interpreted(seq_lens, *, ring_size=None, num_splits=2, rate=4, fp8=False, scales_smem=False):
+def _run_interpreted(seq_lens, *, ring_size=None, num_splits=2, rate=4, fp8=False, pv_chunks=1, head_dim=128):
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-    inputs, _ = make_cache(0, seq_lens, heads=64, head_dim=128, window=128, page_size=64, ring_size=ring_size,
+    inputs, _ = make_cache(0, seq_lens, heads=64, head_dim=head_dim, window=128, page_size=64, ring_size=ring_size,
                            rate=rate, compressed_page_size=64, dtype=jnp.float32 if fp8 else jnp.bfloat16)  # fmt: skip
     if fp8:
         inputs = fp8_channel_cache(inputs)
-    kw = dict(sliding_window=128, scale=128**-0.5, ring_size=ring_size)
-    config = MgpuDecodeConfig(pv_form="interpret", num_splits=num_splits, fp8_scales_smem=scales_smem)
+    kw = dict(sliding_window=128, scale=head_dim**-0.5, ring_size=ring_size)
+    config = MgpuDecodeConfig(pv_form="interpret", num_splits=num_splits, pv_chunks=pv_chunks)
     got = np.asarray(paged_decode_attention_mgpu(**inputs, **kw, config=config, interpret=InterpretGPUParams()),
                      np.float32)  # fmt: skip
     if fp8:  # the kernel runs in f16: measure it against float32 math on the same e4m3 values
@@ -126,17 +131,22 @@ def test_interpreter_matches_reference(seq_lens, ring_size, num_splits):
     _run_interpreted(seq_lens, ring_size=ring_size, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("seq_lens, ring_size, num_splits, rate, scales_smem", [
-    ([0, 1, 65, 300], None, 5, 4, False),  # as above, FP8 pages: the ring and the entries with different scales
-    ([127, 700, 1000], 192, 1, 4, False),
-    ([3, 200], None, 2, None, False),  # window only
-    ([0, 1, 65, 300], None, 5, 4, True),  # the scales kept in SMEM
+def test_interpreter_pv_chunks_match_reference():
+    """P·V in two column chunks per consumer (D = 256: 64 channels each), each chunk of a slot refilled by its own
+    TMA as soon as its wgmma is done: one split walks 7 tiles through the two-slot ring, so every chunk barrier
+    turns over several phases."""
+    _run_interpreted([127, 700, 1000], ring_size=192, num_splits=1, pv_chunks=2, head_dim=256)
+
+
+@pytest.mark.parametrize("seq_lens, ring_size, num_splits, rate", [
+    ([0, 1, 65, 300], None, 5, 4),  # as above, FP8 pages: the ring and the entries with different scales
+    ([127, 700, 1000], 192, 1, 4),
+    ([3, 200], None, 2, None),  # window only
 ])  # fmt: skip
-def test_interpreter_fp8_pages_match_reference(seq_lens, ring_size, num_splits, rate, scales_smem):
+def test_interpreter_fp8_pages_match_reference(seq_lens, ring_size, num_splits, rate):
     """e4m3 pages with per-channel scales: each consumer converts its half of a tile to f16 in SMEM, times the
-    scale, masked rows zeroed, before its matmuls."""
-    _run_interpreted(seq_lens, ring_size=ring_size, num_splits=num_splits, rate=rate, fp8=True,
-                     scales_smem=scales_smem)  # fmt: skip
+    scale (kept in SMEM), masked rows zeroed, before its matmuls."""
+    _run_interpreted(seq_lens, ring_size=ring_size, num_splits=num_splits, rate=rate, fp8=True)
 
 
 def _small(heads=64, head_dim=128, page_size=64, dtype=jnp.bfloat16):
@@ -186,11 +196,22 @@ def test_refuses_what_it_cannot_run(change, match):
                                     sliding_window=128, scale=0.1)  # fmt: skip
 
 
+def test_refuses_pv_chunks_narrower_than_a_swizzle_tile():
+    q, pages = _small()  # D = 128: each consumer's half is one 64-channel tile
+    with pytest.raises(ValueError, match="pv_chunks=2 needs D/2=64 to be a multiple of 128"):
+        paged_decode_attention_mgpu(q, pages, jnp.ones((1, 2), jnp.int32), jnp.ones(1, jnp.int32),
+                                    jnp.zeros(q.shape[1], jnp.float32), sliding_window=128, scale=0.1,
+                                    config=MgpuDecodeConfig(pv_chunks=2))  # fmt: skip
+    with pytest.raises(ValueError, match="pv_chunks=0"):
+        MgpuDecodeConfig(pv_chunks=0)
+
+
 @gpu
 @requires_gpu
 @pytest.mark.parametrize("hca, config", [
     (False, MgpuDecodeConfig()), (True, MgpuDecodeConfig()), (True, MgpuDecodeConfig(num_splits=1)),
     (False, MgpuDecodeConfig(auto_barriers=False)), (True, MgpuDecodeConfig(auto_barriers=False)),
+    (False, MgpuDecodeConfig(pv_chunks=4)), (True, MgpuDecodeConfig(pv_chunks=4, num_splits=1)),
 ])  # fmt: skip
 def test_gpu_matches_reference_at_v4_shapes(hca, config):
     seq_lens = [1, 63, 64, 65, 128, 129, 1000, 20_000, 0, 77_777]
@@ -211,14 +232,16 @@ def test_gpu_matches_reference_at_v4_shapes(hca, config):
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("hca, scales_smem", [(False, False), (True, False), (True, True)])
-def test_gpu_fp8_pages_match_reference_at_v4_shapes(hca, scales_smem):
+@pytest.mark.parametrize("hca, config", [
+    (False, MgpuDecodeConfig()), (True, MgpuDecodeConfig()), (True, MgpuDecodeConfig(pv_chunks=4)),
+    (True, MgpuDecodeConfig(fp8_layout="upcast2x")), (True, MgpuDecodeConfig(fp8_layout="upcast4x")),
+])  # fmt: skip
+def test_gpu_fp8_pages_match_reference_at_v4_shapes(hca, config):
     seq_lens = [1, 63, 64, 65, 128, 129, 1000, 20_000, 0, 77_777]
     inputs, _ = make_cache(1, seq_lens, heads=64, head_dim=512, window=128, page_size=64,
                            rate=4 if hca else None, compressed_page_size=64, dtype=jnp.float32)  # fmt: skip
     inputs = fp8_channel_cache(inputs)
     kw = dict(sliding_window=128, scale=512**-0.5)
-    config = MgpuDecodeConfig(fp8_scales_smem=scales_smem)
     poison = dict(inputs, q=jnp.full_like(inputs["q"], jnp.nan))
     jax.block_until_ready(paged_decode_attention_mgpu(**poison, **kw, config=config))
     got = np.asarray(paged_decode_attention_mgpu(**inputs, **kw, config=config), np.float32)

@@ -204,13 +204,42 @@ def online_softmax_step(s, col, lo, hi, logit_scale, m_i, l_i, acc):
     return p, m_new, l_new, acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
 
-def pv_through_smem(acc, p16, p_smem, kv_half):
+def pv_through_smem(acc, p16, p_smem, v, *, release=None):
     """acc + P · V with P staged in SMEM (`p_smem`, this warpgroup's [64, block_kv] buffer) into a fresh
     accumulator: the only P·V form the CPU Mosaic interpreter runs (its wgmma needs SMEM operands and a new
-    accumulator). Twice O's registers, so not a GPU configuration. Shared by the prefill and decode kernels."""
+    accumulator). Twice O's registers, so not a GPU configuration. Shared by the prefill and decode kernels.
+    v: V's SMEM ref, or a list of refs holding its column chunks in order (as `pv_in_place_chunked`, with
+    release(j) after chunk j's product)."""
     p_smem[...] = p16
     plgpu.commit_smem()
-    return pv_with_p_in_smem(acc, p_smem, kv_half, in_place=False)
+    chunks = v if isinstance(v, list) else [v]
+    cw = acc.shape[1] // len(chunks)
+    parts = []
+    for j, v_j in enumerate(chunks):
+        parts.append(pv_with_p_in_smem(acc[:, j * cw:(j + 1) * cw], p_smem, v_j, in_place=False))
+        if release is not None:
+            release(j)
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def pv_in_place_chunked(acc, p16, v_chunks, *, release=None):
+    """acc + P · V accumulated in place (`pl.run_state`, the GPU form), P from registers, V given as a list of SMEM
+    refs holding its column chunks in order (one ref: the whole V). One wgmma per chunk (into acc's matching
+    columns), all issued at once, then release(j) for each chunk j as soon as its wgmma has completed (`wgmma_wait`),
+    so that a producer can refill that chunk of V's slot while the rest still runs. release None: the caller
+    releases the slot itself."""
+    chunks = len(v_chunks)
+    cw = acc.shape[1] // chunks
+
+    def pv(acc_ref):
+        for j, v_j in enumerate(v_chunks):
+            plgpu.wgmma(acc_ref if chunks == 1 else acc_ref.at[:, pl.ds(j * cw, cw)], p16, v_j)
+        if release is not None:
+            for j in range(chunks):
+                plgpu.wgmma_wait(chunks - 1 - j)
+                release(j)
+
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
 
 
 def pv_with_p_in_smem(acc, p_smem, kv_half, *, in_place: bool):

@@ -35,13 +35,17 @@ Design (docs/KERNEL_NOTES.md, "Paged decode attention" → "The Mosaic decode ke
 - FP8 pages (float8_e4m3fn with per-channel scales, one [D] vector per pool): the kernel runs in f16 (q rounded to
   f16; e4m3 → f16 is exact and one instruction per two values, where Mosaic has no direct e4m3 → bf16). The ring
   holds e4m3 tiles (half the bytes to load); each consumer converts its half of a tile into its own f16 tile, 64
-  channels at a time, times the pool's scales (read from GMEM, or kept in SMEM with `fp8_scales_smem`), with rows
-  outside [lo, hi) zeroed, then releases the e4m3 slot and runs the same matmuls on the f16 tile
-  (docs/KERNEL_NOTES.md DC17). The scales are rounded to f16 and multiplied in f16: they must be normal f16 values
-  (6.1e-5 .. 65504, as an FP8 cache's amax / 448 scales of RMS-normed rows are), and so must value × scale.
+  channels at a time, times the pool's scales (loaded into SMEM with Q), with rows outside [lo, hi) zeroed, then
+  releases the e4m3 slot and runs the same matmuls on the f16 tile (docs/KERNEL_NOTES.md DC17, DC18). The scales
+  are rounded to f16 and multiplied in f16: they must be normal f16 values (6.1e-5 .. 65504, as an FP8 cache's
+  amax / 448 scales of RMS-normed rows are), and so must value × scale.
+- `pv_chunks` > 1: each consumer's P·V runs as that many wgmmas over column chunks of its half, and each chunk of
+  the slot goes back to the producer (which loads it by its own TMA) as soon as its wgmma is done, instead of the
+  whole half after the last one: the next tile's loads start up to a P·V earlier (docs/KERNEL_NOTES.md DC19).
 
 SMEM at D = 512, 2 slots: Q 64 KiB + KV ring 128 KiB (= the f32 output staging) + exchange 32 KiB + stats 0.5 KiB.
-FP8 pages: the ring is 2 × 32 KiB of e4m3 + the two consumers' f16 tile halves, 64 KiB: the same 128 KiB.
+FP8 pages: the ring is 2 × 32 KiB of e4m3 + the two consumers' f16 tile halves, 64 KiB, and the scales (2 KiB) beside
+them; the stats move into the output staging's share of the union.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsv4.pallas.attention_mgpu import online_softmax_step, pv_through_smem, swap_with_other
+from dsv4.pallas.attention_mgpu import online_softmax_step, pv_in_place_chunked, pv_through_smem, swap_with_other
 from dsv4.pallas.decode import _check_inputs, _combine_splits, default_num_splits
 
 __all__ = ["MgpuDecodeConfig", "mgpu_decode_supported", "paged_decode_attention_mgpu", "unsupported_reason"]
@@ -69,7 +73,12 @@ TILE = 64  # key rows per step: a bf16 wgmma K (P·V) must be a multiple of 64
 _FP8_CHUNK = 64  # FP8 pages: channels per e4m3 → f16 conversion chunk (a 64-byte-swizzled e4m3 tile's width)
 _SMEM_LIMIT = 227 * 1024
 _PV_FORMS = ("run_state", "interpret")
-_DEBUG_FLAGS = ("stream_only", "compute_only", "skip_exchange", "skip_softmax", "skip_convert")
+_DEBUG_FLAGS = ("stream_only", "compute_only", "skip_exchange", "skip_softmax", "skip_convert", "skip_scale",
+                "skip_mask")  # fmt: skip
+# FP8 pages: the register layout of the e4m3 → f16 conversion (its SMEM loads and stores). WGMMA: 2-byte e4m3
+# loads and 4-byte f16 stores; the upcast layouts hold 4 (2x) or 8 (4x) consecutive values a thread.
+_FP8_LAYOUTS = {"wgmma": plgpu.Layout.WGMMA, "upcast2x": plgpu.Layout.WGMMA_UPCAST_2X,
+                "upcast4x": plgpu.Layout.WGMMA_UPCAST_4X}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +87,11 @@ class MgpuDecodeConfig:
 
     num_slots:  key tiles in flight (SMEM ring depth), >= 1; 2 is what fits at D = 512.
     num_splits: key-axis splits per (request, head block); None: `decode.default_num_splits` (one wave).
-    fp8_scales_smem: FP8 pages: the channel scales in SMEM (True: loaded once, kept in the ring's share of the SMEM
-                union, as the output stats are in the output's), or read from GMEM at every conversion (False, the
-                form run and timed on an H200; True lowers and passes the interpreter, not yet run on a GPU).
+    pv_chunks:  column chunks of each consumer's P·V, each released to the producer (and refilled by its own TMA)
+                as soon as its wgmma completes; 1: the half-tile at once. D / 2 must be a multiple of 64 · pv_chunks
+                (whole 128-byte swizzle tiles).
+    fp8_layout: FP8 pages: the register layout of the e4m3 → f16 conversion, one of "wgmma" (2-byte e4m3 loads),
+                "upcast2x" (4-byte), "upcast4x" (8-byte); the f16 tile is stored from the same layout.
     approx_math: Mosaic `approx_math` (fast exp2 / reciprocal).
     pv_form:    "run_state" (P·V accumulated in place, the GPU form) or "interpret" (P through SMEM into a fresh
                 accumulator, then added: the only form the CPU Mosaic interpreter runs; not for the GPU).
@@ -95,13 +106,15 @@ class MgpuDecodeConfig:
                 loaded; every later step computes on whatever its slot holds: the consumers alone),
                 "skip_exchange" (no partial-logit exchange: each warpgroup uses twice its own partial), "skip_softmax"
                 (P = the logits, no max / exp2 / sums / rescale), "skip_convert" (FP8 pages: no e4m3 → f16
-                conversion; the matmuls read whatever the f16 tile holds). With any of them the output is
-                meaningless.
+                conversion; the matmuls read whatever the f16 tile holds), "skip_scale" / "skip_mask" (FP8 pages:
+                the conversion without its scale multiply / without zeroing the rows outside [lo, hi)). With any
+                of them the output is meaningless.
     """
 
     num_slots: int = 2
     num_splits: int | None = None
-    fp8_scales_smem: bool = False
+    pv_chunks: int = 1
+    fp8_layout: str = "wgmma"
     approx_math: bool = True
     pv_form: str = "run_state"
     auto_barriers: bool = True
@@ -110,8 +123,12 @@ class MgpuDecodeConfig:
     def __post_init__(self):
         if self.num_slots < 1:
             raise ValueError(f"MgpuDecodeConfig.num_slots={self.num_slots} must be >= 1")
+        if self.pv_chunks < 1:
+            raise ValueError(f"MgpuDecodeConfig.pv_chunks={self.pv_chunks} must be >= 1")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"MgpuDecodeConfig.num_splits={self.num_splits} must be None or >= 1")
+        if self.fp8_layout not in _FP8_LAYOUTS:
+            raise ValueError(f"MgpuDecodeConfig.fp8_layout={self.fp8_layout!r} must be one of {tuple(_FP8_LAYOUTS)}")
         if self.pv_form not in _PV_FORMS:
             raise ValueError(f"MgpuDecodeConfig.pv_form={self.pv_form!r} must be one of {_PV_FORMS}")
         if not isinstance(self.debug, tuple) or any(f not in _DEBUG_FLAGS for f in self.debug):
@@ -122,7 +139,7 @@ class MgpuDecodeConfig:
         q = HEADS_PER_CTA * head_dim * itemsize
         ring = self.num_slots * TILE * head_dim * (1 if fp8 else itemsize) + (TILE * head_dim * itemsize if fp8 else 0)
         stats = 2 * HEADS_PER_CTA * 4
-        if fp8 and self.fp8_scales_smem:  # scales in the ring's part of the union, the stats in the output's
+        if fp8:  # the scales in the ring's part of the union, the stats in the output's
             union = max(ring + 2 * head_dim * 2, HEADS_PER_CTA * head_dim * 4 + stats)
         else:
             union = max(ring, HEADS_PER_CTA * head_dim * 4) + stats  # ∪ f32 staging; stats outside
@@ -165,6 +182,8 @@ def _unsupported(q, kv_pages, ring_size, compressed_pages, topk_indices, kv_scal
     if compressed_pages is not None and compressed_pages.shape[1] % TILE:
         return f"compressed page size {compressed_pages.shape[1]} (compressed_pages.shape={compressed_pages.shape}) " \
                f"must be a multiple of {TILE}"  # fmt: skip
+    if (d // 2) % (TILE * config.pv_chunks):
+        return f"pv_chunks={config.pv_chunks} needs D/2={d // 2} to be a multiple of {TILE * config.pv_chunks}"
     if config.smem_bytes(d, fp8=fp8) > _SMEM_LIMIT:
         return f"{config} needs {config.smem_bytes(d, fp8=fp8)} B of shared memory at D={d}; limit {_SMEM_LIMIT}"
     return None
@@ -192,9 +211,9 @@ class _TileStream:
     body from its refs; `first` / `n_steps` are the CTA's split of the request's tiles."""
 
     def __init__(self, meta_ref, table_ref, ctable_ref, kv_ref, comp_ref, *, bi, sp, num_splits, ring_size,
-                 page_size, cps, dh):  # fmt: skip
+                 page_size, cps):  # fmt: skip
         self.refs = (table_ref, ctable_ref, kv_ref, comp_ref)
-        self.bi, self.ring_size, self.page_size, self.cps, self.dh = bi, ring_size, page_size, cps, dh
+        self.bi, self.ring_size, self.page_size, self.cps = bi, ring_size, page_size, cps
         self.n_wt, self.s0, self.n_w, self.count = (meta_ref[bi, k] for k in range(4))
         self.n_tiles = self.n_wt + lax.div(self.count + (TILE - 1), jnp.int32(TILE))
         per = lax.div(self.n_tiles + (num_splits - 1), jnp.int32(num_splits))
@@ -225,11 +244,11 @@ class _TileStream:
             row0 = jnp.where(is_win, row0, lax.rem(base, jnp.int32(self.cps)))
         return is_win, page, row0
 
-    def on_tile(self, loc, half, op):
-        """op(GMEM view) of half `half` ([64 rows, D/2]) of the tile at loc = locate(step)."""
+    def on_tile(self, loc, col0, width, op):
+        """op(GMEM view) of channels [col0, col0 + width) ([64 rows, width]) of the tile at loc = locate(step)."""
         _, _, kv_ref, comp_ref = self.refs
         is_win, page, row0 = loc
-        cols = pl.ds(half * self.dh, self.dh)
+        cols = pl.ds(col0, width)
 
         @pl.when(is_win)
         def _():
@@ -253,7 +272,8 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
     dtype = q.dtype
     itemsize = jnp.dtype(dtype).itemsize
     fp8 = kv_pages.dtype == jnp.float8_e4m3fn
-    scales_in_smem = fp8 and config.fp8_scales_smem
+    nc = config.pv_chunks
+    cw = dh // nc  # channels per P·V chunk (and per TMA)
     slots = config.num_slots
     page_size = kv_pages.shape[1]
     hca = compressed_pages is not None
@@ -266,31 +286,41 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
     skip_exchange = "skip_exchange" in config.debug
     skip_softmax = "skip_softmax" in config.debug
     skip_convert = "skip_convert" in config.debug
+    skip_scale = "skip_scale" in config.debug
+    skip_mask = "skip_mask" in config.debug
+    conv_layout = _FP8_LAYOUTS[config.fp8_layout]
 
     def body(q_ref, meta_ref, kv_ref, table_ref, comp_ref, ctable_ref, scales_ref, acc_out, max_out, sum_out, q_smem,
              union, x_smem, stats_smem, p_smem, q_bar, kv_bar, consumed_bar, x_written, x_read, done_bar):  # fmt: skip
         ring, stage_smem = union
-        kv_smem, work_smem, scales_smem = ring if fp8 else (ring, None, None)  # FP8: + each consumer's f16 tile half
-        if scales_in_smem:  # the stats share the output's part of the union, the scales the ring's
+        kv_smem, work_smem, scales_smem = ring if fp8 else (ring, None, None)  # FP8: + f16 tile halves, scales
+        if fp8:  # the stats share the output's part of the union, the scales the ring's
             stage_smem, stats_smem = stage_smem
         bh, sp, wg = lax.axis_index("bh"), lax.axis_index("sp"), lax.axis_index("wg")
         bi = lax.div(bh, jnp.int32(hg))
         h0 = lax.rem(bh, jnp.int32(hg)) * HEADS_PER_CTA
         ts = _TileStream(meta_ref, table_ref, ctable_ref, kv_ref, comp_ref, bi=bi, sp=sp, num_splits=num_splits,
-                         ring_size=ring_size, page_size=page_size, cps=cps, dh=dh)
+                         ring_size=ring_size, page_size=page_size, cps=cps)
         first, n_steps, tile_bounds, locate, on_tile = ts.first, ts.n_steps, ts.tile_bounds, ts.locate, ts.on_tile
 
-        def issue(step, loc, half):
-            """TMA of step `step`'s tile half `half` (at loc) into its ring slot."""
+        def issue(step, loc, half, j):
+            """TMA of step `step`'s tile half `half`, chunk j (at loc) into its ring slot."""
             slot = lax.rem(step, jnp.int32(slots))
-            on_tile(loc, half, lambda src: plgpu.copy_gmem_to_smem(src, kv_smem.at[slot * 2 + half],
-                                                                   kv_bar.at[slot * 2 + half]))  # fmt: skip
+            dst = kv_smem.at[slot * 2 + half, j]
+            on_tile(loc, half * dh + j * cw, cw,
+                    lambda src: plgpu.copy_gmem_to_smem(src, dst, kv_bar.at[slot * 2 + half]))  # fmt: skip
+
+        def release(slot, w):
+            """Give warpgroup w's half of `slot` back to the producer, every chunk."""
+            for j in range(nc):
+                plgpu.barrier_arrive(consumed_bar.at[(slot * 2 + w) * nc + j])
 
         def consumer(w):
             plgpu.set_max_registers(232, action="increase")
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(h0, HEADS_PER_CTA), pl.ds(w * dh, dh)], q_smem.at[w],
-                                    q_bar.at[w])  # fmt: skip
-            if scales_in_smem:  # the second arrival on q_bar[w]
+            for j in range(nc):
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(h0, HEADS_PER_CTA), pl.ds(w * dh + j * cw, cw)],
+                                        q_smem.at[w, j], q_bar.at[w])  # fmt: skip
+            if fp8:  # one more arrival on q_bar[w]
                 plgpu.copy_gmem_to_smem(scales_ref.at[:, pl.ds(w * dh, dh)], scales_smem.at[w], q_bar.at[w])
             row_layout = wgmma_layout.reduce(1)
             m_i = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_FLOOR, F32), row_layout)
@@ -301,7 +331,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
             def step_fn(i, carry):
                 acc, m_i, l_i = carry
                 slot = lax.rem(i, jnp.int32(slots))
-                kv_half = kv_smem.at[slot * 2 + w]
+                kv_half = kv_smem.at[slot * 2 + w]  # [nc, 64 rows, cw]: this warpgroup's half, by chunk
                 if compute_only:
                     @pl.when(i < slots)
                     def _():
@@ -309,7 +339,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                 else:
                     plgpu.barrier_wait(kv_bar.at[slot * 2 + w])
                 if stream_only:
-                    plgpu.barrier_arrive(consumed_bar.at[slot * 2 + w])
+                    release(slot, w)
                     return carry
                 is_win, base, lo, hi = tile_bounds(first + i)
 
@@ -317,33 +347,36 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                     # e4m3 → f16 (exact) × the pool's channel scale, rows outside [lo, hi) zeroed, into this
                     # warpgroup's own f16 tile half; then the e4m3 slot half goes back to the producer
                     pool = jnp.where(is_win, 0, 1)
-                    rows = plgpu.broadcasted_iota(jnp.int32, (TILE, _FP8_CHUNK), 0, layout=wgmma_layout) + base
+                    rows = plgpu.broadcasted_iota(jnp.int32, (TILE, _FP8_CHUNK), 0, layout=conv_layout) + base
                     keep = (rows >= lo) & (rows < hi)
                     for c in range(0 if skip_convert else dh // _FP8_CHUNK):
-                        cols = pl.ds(c * _FP8_CHUNK, _FP8_CHUNK)
-                        raw = plgpu.load(kv_half.at[:, cols], layout=wgmma_layout)
-                        if scales_in_smem:
-                            sc = plgpu.load(scales_smem.at[w, pool, cols], layout=wgmma_layout.reduce(0),
-                                            optimized=False)  # fmt: skip
-                        else:
-                            sc = plgpu.load(scales_ref.at[pool, pl.ds(w * dh + c * _FP8_CHUNK, _FP8_CHUNK)],
-                                            layout=wgmma_layout.reduce(0), optimized=False)  # fmt: skip
-                        vals = raw.astype(jnp.float16) * lax.broadcast_in_dim(sc, (TILE, _FP8_CHUNK), [1])
-                        work_smem.at[w, :, cols][...] = jnp.where(keep, vals, jnp.zeros_like(vals))
+                        j, off = divmod(c * _FP8_CHUNK, cw)
+                        cols = pl.ds(off, _FP8_CHUNK)
+                        vals = plgpu.load(kv_half.at[j, :, cols], layout=conv_layout).astype(jnp.float16)
+                        if not skip_scale:
+                            sc = plgpu.load(scales_smem.at[w, pool, pl.ds(c * _FP8_CHUNK, _FP8_CHUNK)],
+                                            layout=conv_layout.reduce(0), optimized=False)  # fmt: skip
+                            vals = vals * plgpu.layout_cast(lax.broadcast_in_dim(sc, (TILE, _FP8_CHUNK), [1]),
+                                                            conv_layout)  # fmt: skip
+                        if not skip_mask:
+                            vals = jnp.where(keep, vals, jnp.zeros_like(vals))
+                        work_smem.at[w, j, :, cols][...] = vals
                     plgpu.commit_smem()
                     if not compute_only:
-                        plgpu.barrier_arrive(consumed_bar.at[slot * 2 + w])
+                        release(slot, w)
                     kv_half = work_smem.at[w]
                 else:
                     @pl.when((base < lo) | (base + TILE > hi))
                     def _():  # rows outside [lo, hi) may hold anything (NaN): zero this warpgroup's half of them
-                        rows = plgpu.broadcasted_iota(jnp.int32, (TILE, dh), 0, layout=wgmma_layout) + base
-                        tile = plgpu.load(kv_half, layout=wgmma_layout)
-                        kv_half[...] = jnp.where((rows >= lo) & (rows < hi), tile, jnp.zeros_like(tile))
+                        rows = plgpu.broadcasted_iota(jnp.int32, (TILE, cw), 0, layout=wgmma_layout) + base
+                        for j in range(nc):
+                            tile = plgpu.load(kv_half.at[j], layout=wgmma_layout)
+                            kv_half.at[j][...] = jnp.where((rows >= lo) & (rows < hi), tile, jnp.zeros_like(tile))
                         plgpu.commit_smem()
 
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem.at[w], kv_half.transpose((1, 0)))
+                    for j in range(nc):
+                        plgpu.wgmma(acc_ref, q_smem.at[w, j], kv_half.at[j].transpose((1, 0)))
                     return acc_ref[...]
 
                 s_part = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, TILE), F32))  # [64 heads, 64 keys]
@@ -360,15 +393,14 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                     col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, TILE), 1, layout=wgmma_layout) + base
                     p, m_new, l_new, acc = online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
                 p16 = p.astype(dtype)
+                # bf16 pages: chunk j of the slot half goes back as soon as its P·V is done (FP8: released above)
+                release_chunk = None if (compute_only or fp8) else (
+                    lambda j: plgpu.barrier_arrive(consumed_bar.at[(slot * 2 + w) * nc + j]))  # fmt: skip
+                v_chunks = [kv_half.at[j] for j in range(nc)]
                 if interp_pv:
-                    acc = pv_through_smem(acc, p16, p_smem.at[w], kv_half)
+                    acc = pv_through_smem(acc, p16, p_smem.at[w], v_chunks, release=release_chunk)
                 else:
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, kv_half)
-
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                if not (compute_only or fp8):
-                    plgpu.barrier_arrive(consumed_bar.at[slot * 2 + w])
+                    acc = pv_in_place_chunked(acc, p16, v_chunks, release=release_chunk)
                 return acc, m_new, l_new
 
             acc, m_i, l_i = lax.fori_loop(0, n_steps, step_fn, (acc, m_i, l_i))
@@ -413,11 +445,12 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                 slot = lax.rem(i, jnp.int32(slots))
                 loc_next = locate(i + 1)
                 for half in range(2):
-                    @pl.when(i >= slots)
-                    def _():
-                        plgpu.barrier_wait(consumed_bar.at[slot * 2 + half])
+                    for j in range(nc):
+                        @pl.when(i >= slots)
+                        def _():
+                            plgpu.barrier_wait(consumed_bar.at[(slot * 2 + half) * nc + j])
 
-                    issue(i, loc, half)
+                        issue(i, loc, half, j)
                 return loc_next
 
             first_loc = locate(jnp.int32(0))
@@ -430,29 +463,30 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
             def _(i):
                 slot = lax.rem(i, jnp.int32(slots))
                 for half in range(2):
-                    plgpu.barrier_wait(consumed_bar.at[slot * 2 + half])
+                    for j in range(nc):
+                        plgpu.barrier_wait(consumed_bar.at[(slot * 2 + half) * nc + j])
 
     elems_128b = 128 // itemsize
-    ring = plgpu.SMEM((slots * 2, TILE, dh), dtype, transforms=_tiled(elems_128b, itemsize))
+    # Every [64 rows, cw] chunk its own contiguous block: a TMA's SMEM destination must be contiguous
+    ring = plgpu.SMEM((slots * 2, nc, TILE, cw), dtype, transforms=_tiled(elems_128b, itemsize))
     out_staging = plgpu.SMEM((2, HEADS_PER_CTA, dh), F32, transforms=_tiled(32, 4))
     stats = plgpu.SMEM((2, HEADS_PER_CTA), F32)  # (max, sum) staging
-    if fp8:  # the TMA'd e4m3 ring (64-byte swizzle: 64-column conversion chunks), each consumer's f16 tile half and,
-        # with fp8_scales_smem, the [half, pool, channel] scales, while the stats join the output staging's group:
-        # the union grows by 1.5 KiB and fits at D = 512, where 2 KiB of scales beside it were 120 B over the limit
-        ring = (plgpu.SMEM((slots * 2, TILE, dh), kv_pages.dtype, transforms=_tiled(_FP8_CHUNK, 1)),
-                plgpu.SMEM((2, TILE, dh), dtype, transforms=_tiled(elems_128b, itemsize)),
-                plgpu.SMEM((2, 2, dh), jnp.float16) if scales_in_smem else None)  # fmt: skip
-        if scales_in_smem:
-            out_staging, stats = (out_staging, stats), None
+    if fp8:  # the TMA'd e4m3 ring (64-byte swizzle: 64-column conversion chunks), each consumer's f16 tile half and
+        # the [half, pool, channel] scales, while the stats join the output staging's group: the union grows by
+        # 1.5 KiB and fits at D = 512, where 2 KiB of scales beside it were 120 B over the limit
+        ring = (plgpu.SMEM((slots * 2, nc, TILE, cw), kv_pages.dtype, transforms=_tiled(_FP8_CHUNK, 1)),
+                plgpu.SMEM((2, nc, TILE, cw), dtype, transforms=_tiled(elems_128b, itemsize)),
+                plgpu.SMEM((2, 2, dh), jnp.float16))  # fmt: skip
+        out_staging, stats = (out_staging, stats), None
     scratch = [
-        plgpu.SMEM((2, HEADS_PER_CTA, dh), dtype, transforms=_tiled(elems_128b, itemsize)),  # Q halves
+        plgpu.SMEM((2, nc, HEADS_PER_CTA, cw), dtype, transforms=_tiled(elems_128b, itemsize)),  # Q halves by chunk
         plgpu.RefUnion(ring, out_staging),  # KV ring [slot · 2 + half] (FP8: + more) ∪ f32 output staging [half]
         plgpu.SMEM((2, HEADS_PER_CTA, TILE), F32, transforms=_tiled(32, 4)),  # partial-logit exchange
         stats,
         plgpu.SMEM((2, HEADS_PER_CTA, TILE), dtype, transforms=_tiled(elems_128b, itemsize)) if interp_pv else None,
-        plgpu.Barrier(num_barriers=2, num_arrivals=2 if scales_in_smem else 1),  # q halves (+ their scales)
-        plgpu.Barrier(num_barriers=2 * slots),  # kv halves full
-        plgpu.Barrier(num_barriers=2 * slots),  # kv halves consumed
+        plgpu.Barrier(num_barriers=2, num_arrivals=nc + int(fp8)),  # q halves (one TMA a chunk; + FP8 scales)
+        plgpu.Barrier(num_barriers=2 * slots, num_arrivals=nc),  # kv halves full (one TMA a chunk)
+        plgpu.Barrier(num_barriers=2 * slots * nc),  # kv half chunks consumed
         plgpu.Barrier(num_arrivals=2),  # exchange written
         plgpu.Barrier(num_arrivals=2),  # exchange read
         plgpu.Barrier(num_arrivals=2),  # both consumers done with the ring
