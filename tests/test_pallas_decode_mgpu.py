@@ -57,7 +57,7 @@ def test_decode_meta_by_hand():
     (False, False, MgpuDecodeConfig()), (True, False, MgpuDecodeConfig()),
     (True, False, MgpuDecodeConfig(auto_barriers=False)), (False, True, MgpuDecodeConfig()),
     (True, True, MgpuDecodeConfig()), (True, False, MgpuDecodeConfig(pv_chunks=4)),
-    (True, True, MgpuDecodeConfig(pv_chunks=4)), (True, True, MgpuDecodeConfig(fp8_layout="upcast2x")),
+    (True, True, MgpuDecodeConfig(pv_chunks=4)), (True, True, MgpuDecodeConfig(fp8_layout="wgmma")),
     (True, True, MgpuDecodeConfig(fp8_layout="upcast4x")),
 ])  # fmt: skip
 def test_lowers_for_h200(hca, fp8, config):
@@ -234,7 +234,7 @@ def test_gpu_matches_reference_at_v4_shapes(hca, config):
 @requires_gpu
 @pytest.mark.parametrize("hca, config", [
     (False, MgpuDecodeConfig()), (True, MgpuDecodeConfig()), (True, MgpuDecodeConfig(pv_chunks=4)),
-    (True, MgpuDecodeConfig(fp8_layout="upcast2x")), (True, MgpuDecodeConfig(fp8_layout="upcast4x")),
+    (True, MgpuDecodeConfig(fp8_layout="wgmma")), (True, MgpuDecodeConfig(fp8_layout="upcast4x")),
 ])  # fmt: skip
 def test_gpu_fp8_pages_match_reference_at_v4_shapes(hca, config):
     seq_lens = [1, 63, 64, 65, 128, 129, 1000, 20_000, 0, 77_777]
