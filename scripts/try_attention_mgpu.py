@@ -46,9 +46,6 @@ VARIANTS = {
     "mgpu-ws-kv64x2-store": MgpuConfig(variant="ws", block_kv=64, num_slots=2, pv_form="store", persistent=False),
     "mgpu-persistent": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True),
     "mgpu-persistent-nobar": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, auto_barriers=False),
-    # P·V in 2 / 4 column chunks a consumer, each chunk of a slot refilled as soon as its wgmma is done
-    "mgpu-persistent-pc2": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, pv_chunks=2),
-    "mgpu-persistent-pc4": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, pv_chunks=4),
 }
 
 

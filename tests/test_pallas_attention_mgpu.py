@@ -45,10 +45,7 @@ def make_inputs(seed, *, batch=1, seq=37, heads=64, head_dim=512, rate=None, off
 
 def _config(variant, **kw):
     """"ws" (persistent: one CTA per SM looping over tokens, the default), "ws-per-token" (one CTA per token),
-    "prefetch"; "-nobar" appended: without Pallas' automatic SMEM-store barriers; "-pcN": pv_chunks=N."""
-    if "-pc" in variant:
-        variant, _, n = variant.rpartition("-pc")
-        return _config(variant, pv_chunks=int(n), **kw)
+    "prefetch"; "-nobar" appended: without Pallas' automatic SMEM-store barriers."""
     if variant.endswith("-nobar"):
         return _config(variant.removesuffix("-nobar"), auto_barriers=False, **kw)
     if variant == "ws-per-token":
@@ -64,7 +61,7 @@ def _reference(q, kv, q_pos, sinks, compressed, *, window, scale, rate):
 # ---------------------------------------------------------------------------------------------
 # CPU
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar", "ws-pc4", "ws-per-token-pc2"])
+@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar"])
 @pytest.mark.parametrize("hca", [False, True])
 @pytest.mark.parametrize("s", [1024, 301])  # 301: T % 8 != 0 (the TMA's GMEM view tiles rows by 8: padded)
 def test_lowers_for_cuda_at_real_shapes(variant, hca, s):
@@ -156,18 +153,6 @@ def test_interpreter_persistent(batch, heads, num_ctas, seq):
     _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, window=window, rate=rate)
 
 
-@pytest.mark.parametrize("persistent", [True, False])
-def test_interpreter_pv_chunks(persistent):
-    """pv_chunks=2 at D = 256 (64 channels a chunk): each consumer's P·V in two wgmmas, each chunk of a slot
-    refilled by its own TMA once its wgmma is done; persistent: O staged chunk by chunk in the last KV tile, whose
-    chunks go back after the stores (items run back to back through the ring)."""
-    window, rate, bk = 40, 1, 64
-    q, kv, q_pos, sinks, compressed = make_inputs(5, seq=9, head_dim=256, rate=rate, offset=100)
-    config = MgpuConfig(variant="ws", block_kv=bk, pv_form="interpret", persistent=persistent, num_ctas=3,
-                        pv_chunks=2)  # fmt: skip
-    _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, window=window, rate=rate)
-
-
 @pytest.mark.parametrize("variant", ["prefetch", "ws"])
 def test_interpreter_with_a_halo_before_q(variant):
     """kv_offset: kv holds 13 rows (positions 37..49, a sequence shard's halo; 13 is not a multiple of the 8-row TMA
@@ -251,12 +236,6 @@ def test_rejects_bad_config():
     assert not MgpuConfig(block_kv=32, pv_form="interpret").is_persistent  # O is staged in a 64-row KV tile
     with pytest.raises(ValueError, match="num_ctas"):
         MgpuConfig(num_ctas=-1)
-    with pytest.raises(ValueError, match="pv_chunks=2 needs variant='ws'"):
-        MgpuConfig(variant="prefetch", pv_chunks=2)
-    with pytest.raises(ValueError, match="pv_chunks=2 needs D/2=64 to be a multiple of 128"):
-        v4_attention_mgpu(jnp.zeros((1, 8, 64, 128), jnp.bfloat16), jnp.zeros((1, 8, 128), jnp.bfloat16),
-                          jnp.zeros((1, 8), jnp.int32), jnp.zeros((64,), jnp.float32), sliding_window=128, scale=1.0,
-                          config=MgpuConfig(pv_chunks=2))  # fmt: skip
     with pytest.raises(ValueError, match="shared memory"):
         v4_attention_mgpu(jnp.zeros((1, 8, 64, 512), jnp.bfloat16), jnp.zeros((1, 8, 512), jnp.bfloat16),
                           jnp.zeros((1, 8), jnp.int32), jnp.zeros((64,), jnp.float32), sliding_window=128, scale=1.0,
@@ -268,8 +247,7 @@ def test_rejects_bad_config():
 # ---------------------------------------------------------------------------------------------
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar", "ws-per-token-nobar", "ws-pc2",
-                                     "ws-pc4", "ws-per-token-pc4"])
+@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch", "ws-nobar", "ws-per-token-nobar"])
 @pytest.mark.parametrize("hca", [False, True])
 @pytest.mark.parametrize("seq", [37, 301])
 def test_gpu_matches_reference(variant, hca, seq):

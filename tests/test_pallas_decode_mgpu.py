@@ -55,8 +55,9 @@ def test_decode_meta_by_hand():
 
 @pytest.mark.parametrize("hca, fp8, config", [
     (False, False, MgpuDecodeConfig()), (True, False, MgpuDecodeConfig()),
-    (True, False, MgpuDecodeConfig(auto_barriers=False)), (False, True, MgpuDecodeConfig()),
+    (True, False, MgpuDecodeConfig(auto_barriers=True)), (False, True, MgpuDecodeConfig()),
     (True, True, MgpuDecodeConfig()), (True, False, MgpuDecodeConfig(pv_chunks=4)),
+    (True, False, MgpuDecodeConfig(pv_chunks=1)), (True, True, MgpuDecodeConfig(pv_chunks=1, auto_barriers=True)),
     (True, True, MgpuDecodeConfig(pv_chunks=4)), (True, True, MgpuDecodeConfig(fp8_layout="wgmma")),
     (True, True, MgpuDecodeConfig(fp8_layout="upcast4x")),
 ])  # fmt: skip
@@ -210,7 +211,7 @@ def test_refuses_pv_chunks_narrower_than_a_swizzle_tile():
 @requires_gpu
 @pytest.mark.parametrize("hca, config", [
     (False, MgpuDecodeConfig()), (True, MgpuDecodeConfig()), (True, MgpuDecodeConfig(num_splits=1)),
-    (False, MgpuDecodeConfig(auto_barriers=False)), (True, MgpuDecodeConfig(auto_barriers=False)),
+    (False, MgpuDecodeConfig(auto_barriers=True)), (True, MgpuDecodeConfig(pv_chunks=1, auto_barriers=True)),
     (False, MgpuDecodeConfig(pv_chunks=4)), (True, MgpuDecodeConfig(pv_chunks=4, num_splits=1)),
 ])  # fmt: skip
 def test_gpu_matches_reference_at_v4_shapes(hca, config):
@@ -233,7 +234,7 @@ def test_gpu_matches_reference_at_v4_shapes(hca, config):
 @gpu
 @requires_gpu
 @pytest.mark.parametrize("hca, config", [
-    (False, MgpuDecodeConfig()), (True, MgpuDecodeConfig()), (True, MgpuDecodeConfig(pv_chunks=4)),
+    (False, MgpuDecodeConfig()), (True, MgpuDecodeConfig()), (True, MgpuDecodeConfig(pv_chunks=1, auto_barriers=True)),
     (True, MgpuDecodeConfig(fp8_layout="wgmma")), (True, MgpuDecodeConfig(fp8_layout="upcast4x")),
 ])  # fmt: skip
 def test_gpu_fp8_pages_match_reference_at_v4_shapes(hca, config):

@@ -107,9 +107,6 @@ class MgpuConfig:
                 order it, and O's staging store comes after the wgmmas that read that buffer have completed and
                 before `commit_smem` (fence and barrier). On one H200 it made no difference (docs/KERNEL_NOTES.md
                 E12), so True stays.
-    pv_chunks:  column chunks of each consumer's P·V ("ws" only), each released to the producer (which loads it by
-                its own TMA) as soon as its wgmma completes; 1: the half-tile at once. D / 2 must be a multiple of
-                64 · pv_chunks. The decode kernel's form of the same (docs/KERNEL_NOTES.md DC19, E19).
     """
 
     block_kv: int = 64
@@ -137,7 +134,6 @@ class MgpuConfig:
     persistent: bool | None = None
     num_ctas: int = 0
     auto_barriers: bool = True
-    pv_chunks: int = 1
 
     def __post_init__(self):
         # NOTE: P·V reduces over block_kv; a bf16 wgmma K must be a multiple of 64 (found by lowering, block_kv=32
@@ -157,12 +153,6 @@ class MgpuConfig:
             raise ValueError("MgpuConfig.debug 'no_exchange' needs variant='ws' (consumed barriers guard both halves)")
         if self.variant not in _VARIANTS:
             raise ValueError(f"MgpuConfig.variant={self.variant!r} must be one of {_VARIANTS}")
-        if self.pv_chunks < 1:
-            raise ValueError(f"MgpuConfig.pv_chunks={self.pv_chunks} must be >= 1")
-        if self.pv_chunks > 1 and (self.variant != "ws" or self.debug
-                                   or self.pv_form not in ("run_state", "interpret")):  # fmt: skip
-            raise ValueError(f"MgpuConfig.pv_chunks={self.pv_chunks} needs variant='ws', no debug flags and pv_form "
-                             f"'run_state' or 'interpret'; got {self.variant!r}, {self.debug!r}, {self.pv_form!r}")
         if self.num_ctas < 0:
             raise ValueError(f"MgpuConfig.num_ctas={self.num_ctas} must be >= 0 (0: one per SM)")
         if self.persistent and not self._persistent_applies():
@@ -320,9 +310,6 @@ def _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window
             raise ValueError(f"HCA mode needs compress_rate >= 1, got {compress_rate!r}")
     elif compress_rate is not None:
         raise ValueError("compress_rate given without compressed")
-    if (d // 2) % (64 * config.pv_chunks):
-        raise ValueError(f"MgpuConfig.pv_chunks={config.pv_chunks} needs D/2={d // 2} to be a multiple of "
-                         f"{64 * config.pv_chunks}")  # fmt: skip
     if config.smem_bytes(d) > _SMEM_LIMIT:
         raise ValueError(f"{config} needs {config.smem_bytes(d)} B of shared memory at D={d}; limit {_SMEM_LIMIT}")
 
@@ -391,8 +378,6 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     dtype = q.dtype
     dh = d // 2
     bk, slots = config.block_kv, config.num_slots
-    nc = config.pv_chunks
-    cw = dh // nc  # channels per P·V chunk (and per TMA)
     dbg = frozenset(config.debug)
     unaligned = "unaligned_window" in dbg
     no_exchange = "no_exchange" in dbg
@@ -453,11 +438,11 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                 n_win = jnp.maximum(lax.div(win_hi - 1 - win_start, jnp.int32(bk)) + 1, 1)
             return _Item(tok, bi, h0, n_vis, n_hca_tiles, row, win_lo, win_hi, win_start, n_hca_tiles + n_win)
 
-        def issue(it: _Item, step, slot, half, j=0):
-            """TMA of item `it`'s step `step`, tile half `half`, chunk j, into ring slot `slot`."""
-            dst = kv_smem.at[slot * 2 + half, j]
+        def issue(it: _Item, step, slot, half):
+            """TMA of item `it`'s step `step`, tile half `half`, into ring slot `slot`."""
+            dst = kv_smem.at[slot * 2 + half]
             bar = kv_bar.at[slot * 2 + half]
-            cols = pl.ds(half * dh + j * cw, cw)
+            cols = pl.ds(half * dh, dh)
             if hca:
                 @pl.when(step < it.n_hca_tiles)
                 def _():
@@ -475,10 +460,8 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                 plgpu.set_max_registers(232, action="increase")
 
             def load_q(it: _Item):  # this warpgroup's Q half and its own copy of the sinks
-                for j in range(nc):
-                    plgpu.copy_gmem_to_smem(
-                        q_ref.at[it.bi, it.tok, pl.ds(it.h0, HEADS_PER_CTA), pl.ds(w * dh + j * cw, cw)],
-                        q_smem.at[w, j], q_bar.at[w])  # fmt: skip
+                plgpu.copy_gmem_to_smem(q_ref.at[it.bi, it.tok, pl.ds(it.h0, HEADS_PER_CTA), pl.ds(w * dh, dh)],
+                                        q_smem.at[w], q_bar.at[w])  # fmt: skip
                 plgpu.copy_gmem_to_smem(sinks_ref.at[pl.ds(it.h0, HEADS_PER_CTA)], sink_smem.at[w], sink_bar.at[w])
 
             first = plan(0)
@@ -510,15 +493,14 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                         plgpu.barrier_wait(kv_bar.at[slot * 2 + 1 - w])
 
                         def qk_full(acc_ref):
-                            plgpu.wgmma(acc_ref, q_smem.at[0, 0], kv_smem.at[slot * 2, 0].transpose((1, 0)))
-                            plgpu.wgmma(acc_ref, q_smem.at[1, 0], kv_smem.at[slot * 2 + 1, 0].transpose((1, 0)))
+                            plgpu.wgmma(acc_ref, q_smem.at[0], kv_smem.at[slot * 2].transpose((1, 0)))
+                            plgpu.wgmma(acc_ref, q_smem.at[1], kv_smem.at[slot * 2 + 1].transpose((1, 0)))
                             return acc_ref[...]
 
                         s_full = pl.run_scoped(qk_full, plgpu.ACC((HEADS_PER_CTA, bk), F32))
                     else:
                         def qk(acc_ref):
-                            for j in range(nc):
-                                plgpu.wgmma(acc_ref, q_smem.at[w, j], kv_half.at[j].transpose((1, 0)))
+                            plgpu.wgmma(acc_ref, q_smem.at[w], kv_half.transpose((1, 0)))
                             return acc_ref[...]
 
                         s_part = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, bk), F32))  # [64, bk]
@@ -556,32 +538,25 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                                 dst = dbg_ref.at[it.bi, it.tok, w, k, pl.ds(it.h0, HEADS_PER_CTA)]
                                 plgpu.copy_smem_to_gmem(dump_smem.at[w, k], dst)
 
-                    v_chunks = [kv_half.at[j] for j in range(nc)]
-                    release_chunk = None  # pv_chunks > 1: chunk j of the slot half goes back once its P·V is done
-                    if nc > 1:
-                        def release_chunk(j):
-                            @pl.when((i < it.n_steps - 1) if persistent else True)
-                            def _():
-                                plgpu.barrier_arrive(consumed_bar.at[(slot * 2 + w) * nc + j])
-
                     if config.pv_form == "run_state":  # accumulate into acc in place (the bundled FA3 form)
-                        acc = pv_in_place_chunked(acc, p16, v_chunks, release=release_chunk)
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, kv_half)
+
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     elif config.pv_form == "store":
                         def pv(acc_ref):
                             acc_ref[...] = acc
-                            plgpu.wgmma(acc_ref, p16, v_chunks[0])
+                            plgpu.wgmma(acc_ref, p16, kv_half)
                             return acc_ref[...]
 
                         acc = pl.run_scoped(pv, plgpu.ACC((HEADS_PER_CTA, dh), F32))
                     elif config.pv_form == "p_smem":  # P through SMEM (A operand from SMEM), in-place accumulate
                         p_smem[w] = p16
                         plgpu.commit_smem()
-                        acc = pv_with_p_in_smem(acc, p_smem.at[w], v_chunks[0], in_place=True)
+                        acc = pv_with_p_in_smem(acc, p_smem.at[w], kv_half, in_place=True)
                     else:  # "interpret"
-                        acc = pv_through_smem(acc, p16, p_smem.at[w], v_chunks, release=release_chunk)
-                    if nc > 1:
-                        pass  # released chunk by chunk above
-                    elif persistent:  # the item's last slot is released after the epilogue has staged O in it
+                        acc = pv_through_smem(acc, p16, p_smem.at[w], kv_half)
+                    if persistent:  # the item's last slot is released after the epilogue has staged O in it
                         @pl.when(i < it.n_steps - 1)
                         def _():
                             plgpu.barrier_arrive(consumed_bar.at[slot * 2 + w])
@@ -608,19 +583,16 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                     # O is staged in the item's last KV tile half (same shape and transforms as a Q half): Q already
                     # holds the next item's rows. The slot goes back to the producer once the store has read it.
                     last = lax.rem(g0 + it.n_steps - 1, jnp.int32(slots)) * 2 + w
-                    rows = slice(None) if bk == HEADS_PER_CTA else pl.ds(0, HEADS_PER_CTA)
-                    stages = [kv_smem.at[last, j, rows] for j in range(nc)]
-                else:  # O in the Q buffer (Q is dead by now)
-                    stages = [q_smem.at[w, j] for j in range(nc)]
-                for j, stage in enumerate(stages):
-                    stage[...] = out if nc == 1 else out[:, j * cw:(j + 1) * cw]
-                plgpu.commit_smem()
-                for j, stage in enumerate(stages):
-                    plgpu.copy_smem_to_gmem(stage, dst if nc == 1 else dst.at[:, pl.ds(j * cw, cw)])
-                if persistent:  # the slot goes back once the stores have read it
+                    stage = kv_smem.at[last] if bk == HEADS_PER_CTA else kv_smem.at[last, pl.ds(0, HEADS_PER_CTA)]
+                    stage[...] = out
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(stage, dst)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    for j in range(nc):
-                        plgpu.barrier_arrive(consumed_bar.at[last * nc + j])
+                    plgpu.barrier_arrive(consumed_bar.at[last])
+                else:  # O in the Q buffer (Q is dead by now)
+                    q_smem[w] = out
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(q_smem.at[w], dst)
                 return g0 + it.n_steps
 
             if persistent:
@@ -650,12 +622,11 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                         g = g0 + i
                         slot = lax.rem(g, jnp.int32(slots))
                         for half in range(2):
-                            for j in range(nc):
-                                @pl.when(g >= slots)
-                                def _():
-                                    plgpu.barrier_wait(consumed_bar.at[(slot * 2 + half) * nc + j])
+                            @pl.when(g >= slots)
+                            def _():
+                                plgpu.barrier_wait(consumed_bar.at[slot * 2 + half])
 
-                                issue(it, i, slot, half, j)
+                            issue(it, i, slot, half)
 
                     return g0 + it.n_steps
 
@@ -666,24 +637,22 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                 def _(g):
                     slot = lax.rem(g, jnp.int32(slots))
                     for half in range(2):
-                        for j in range(nc):
-                            plgpu.barrier_wait(consumed_bar.at[(slot * 2 + half) * nc + j])
+                        plgpu.barrier_wait(consumed_bar.at[slot * 2 + half])
 
     def tiled(minor, itemsize=jnp.dtype(dtype).itemsize):
         return plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(minor * itemsize)
 
     elems_128b = 128 // jnp.dtype(dtype).itemsize
     scratch = [
-        # Every [rows, cw] chunk is its own contiguous block: a TMA's SMEM side must be contiguous
-        plgpu.SMEM((2, nc, HEADS_PER_CTA, cw), dtype, transforms=tiled(elems_128b)),  # Q halves, then O halves
-        plgpu.SMEM((slots * 2, nc, bk, cw), dtype, transforms=tiled(elems_128b)),  # KV ring: [slot · 2 + half, j]
+        plgpu.SMEM((2, HEADS_PER_CTA, dh), dtype, transforms=tiled(elems_128b)),  # Q halves, then O halves
+        plgpu.SMEM((slots * 2, bk, dh), dtype, transforms=tiled(elems_128b)),  # KV ring: [slot · 2 + half]
         plgpu.SMEM((2, HEADS_PER_CTA, bk), F32, transforms=() if plain_exchange else tiled(32, 4)),  # partial logits
         plgpu.SMEM((2, HEADS_PER_CTA), F32),  # sinks (log2 domain), one copy per consumer
-        plgpu.Barrier(num_barriers=2, num_arrivals=nc),  # q halves (one TMA a chunk)
+        plgpu.Barrier(num_barriers=2),  # q halves
         plgpu.Barrier(num_barriers=2),  # sinks
-        plgpu.Barrier(num_barriers=2 * slots, num_arrivals=nc),  # kv halves full (one TMA a chunk)
-        # kv half chunks consumed (ws only; both consumers read both halves in the no_exchange debug form)
-        plgpu.Barrier(num_arrivals=2 if no_exchange else 1, num_barriers=2 * slots * nc) if ws else None,
+        plgpu.Barrier(num_barriers=2 * slots),  # kv halves full
+        # kv halves consumed (ws only; both consumers read both halves in the no_exchange debug form)
+        plgpu.Barrier(num_arrivals=2 if no_exchange else 1, num_barriers=2 * slots) if ws else None,
         plgpu.Barrier(num_arrivals=2),  # exchange written
         plgpu.Barrier(num_arrivals=2),  # exchange read
         # P for the P·V wgmma (pv_form "p_smem" / "interpret")

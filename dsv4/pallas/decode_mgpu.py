@@ -40,9 +40,9 @@ Design (docs/KERNEL_NOTES.md, "Paged decode attention" → "The Mosaic decode ke
   DC17–DC19). The scales
   are rounded to f16 and multiplied in f16: they must be normal f16 values (6.1e-5 .. 65504, as an FP8 cache's
   amax / 448 scales of RMS-normed rows are), and so must value × scale.
-- `pv_chunks` > 1: each consumer's P·V runs as that many wgmmas over column chunks of its half, and each chunk of
-  the slot goes back to the producer (which loads it by its own TMA) as soon as its wgmma is done, instead of the
-  whole half after the last one: the next tile's loads start up to a P·V earlier (docs/KERNEL_NOTES.md DC19).
+- `pv_chunks` (2 at D = 512): each consumer's P·V runs as that many wgmmas over column chunks of its half (and its
+  Q·Kᵀ as as many over K), and each chunk of the slot goes back to the producer (which loads it by its own TMA) as
+  soon as its wgmma is done, instead of the whole half after the last one (docs/KERNEL_NOTES.md DC19).
 
 SMEM at D = 512, 2 slots: Q 64 KiB + KV ring 128 KiB (= the f32 output staging) + exchange 32 KiB + stats 0.5 KiB.
 FP8 pages: the ring is 2 × 32 KiB of e4m3 + the two consumers' f16 tile halves, 64 KiB, and the scales (2 KiB) beside
@@ -90,7 +90,9 @@ class MgpuDecodeConfig:
     num_splits: key-axis splits per (request, head block); None: `decode.default_num_splits` (one wave).
     pv_chunks:  column chunks of each consumer's P·V, each released to the producer (and refilled by its own TMA)
                 as soon as its wgmma completes; 1: the half-tile at once. D / 2 must be a multiple of 64 · pv_chunks
-                (whole 128-byte swizzle tiles).
+                (whole 128-byte swizzle tiles); None: 2 where D / 2 allows it, else 1. On one H200 at 512K, batch
+                32 (DC19), 2 made bf16 pages 3–5% faster than 1 and FP8 pages 18% (there the slot is released
+                after the conversion, so the gain is the chunked matmuls' code, not the loads); 4 was slower.
     fp8_layout: FP8 pages: the register layout of the e4m3 → f16 conversion, one of "wgmma" (2-byte e4m3 loads),
                 "upcast2x" (4-byte), "upcast4x" (8-byte); the f16 tile is stored from the same layout. On one
                 H200 both upcast layouts made the full-cache read 8% faster than "wgmma" (docs/KERNEL_NOTES.md DC19).
@@ -101,8 +103,10 @@ class MgpuDecodeConfig:
                 `CompilerParams.unsafe_no_auto_barriers`). The per-step store of the partial logits into the exchange
                 buffer is one; the exchange's own mbarriers (each thread arrives after its own write or read)
                 already order it, the masked-row zeroing reads and writes each element from its owner thread, and
-                every store a TMA or wgmma reads is followed by `commit_smem` (fence and barrier). Not yet measured
-                on a GPU (docs/KERNEL_NOTES.md decode item 1b); True until it is.
+                every store a TMA or wgmma reads, or another thread reads back (the FP8 conversion's, read again
+                by the edge rows' zeroing in another layout), is followed by `commit_smem` (fence and barrier). On
+                one H200 the full-cache read at 512K was 2% faster without them on bf16 pages (DC16, and again in
+                the nineteenth session) and 4.5–7% on FP8 pages (DC19), so False is the default.
     debug:      measurement switches, a tuple of: "stream_only" (the consumers wait for each tile and release it,
                 no matmuls: the kernel's load path alone), "compute_only" (only the first `num_slots` tiles are
                 loaded; every later step computes on whatever its slot holds: the consumers alone),
@@ -115,18 +119,18 @@ class MgpuDecodeConfig:
 
     num_slots: int = 2
     num_splits: int | None = None
-    pv_chunks: int = 1
+    pv_chunks: int | None = None
     fp8_layout: str = "upcast2x"
     approx_math: bool = True
     pv_form: str = "run_state"
-    auto_barriers: bool = True
+    auto_barriers: bool = False
     debug: tuple = ()
 
     def __post_init__(self):
         if self.num_slots < 1:
             raise ValueError(f"MgpuDecodeConfig.num_slots={self.num_slots} must be >= 1")
-        if self.pv_chunks < 1:
-            raise ValueError(f"MgpuDecodeConfig.pv_chunks={self.pv_chunks} must be >= 1")
+        if self.pv_chunks is not None and self.pv_chunks < 1:
+            raise ValueError(f"MgpuDecodeConfig.pv_chunks={self.pv_chunks} must be None or >= 1")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"MgpuDecodeConfig.num_splits={self.num_splits} must be None or >= 1")
         if self.fp8_layout not in _FP8_LAYOUTS:
@@ -135,6 +139,12 @@ class MgpuDecodeConfig:
             raise ValueError(f"MgpuDecodeConfig.pv_form={self.pv_form!r} must be one of {_PV_FORMS}")
         if not isinstance(self.debug, tuple) or any(f not in _DEBUG_FLAGS for f in self.debug):
             raise ValueError(f"MgpuDecodeConfig.debug={self.debug!r} must be a tuple of flags from {_DEBUG_FLAGS}")
+
+    def resolved_pv_chunks(self, head_dim: int) -> int:
+        """`pv_chunks` at this head dim, None resolved: 2 where each half holds two 64-channel tiles, else 1."""
+        if self.pv_chunks is not None:
+            return self.pv_chunks
+        return 2 if (head_dim // 2) % (2 * TILE) == 0 else 1
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, fp8: bool = False) -> int:
         """Shared memory at this head dim; fp8: e4m3 pages (an e4m3 ring, one f16 tile, the scales)."""
@@ -184,7 +194,7 @@ def _unsupported(q, kv_pages, ring_size, compressed_pages, topk_indices, kv_scal
     if compressed_pages is not None and compressed_pages.shape[1] % TILE:
         return f"compressed page size {compressed_pages.shape[1]} (compressed_pages.shape={compressed_pages.shape}) " \
                f"must be a multiple of {TILE}"  # fmt: skip
-    if (d // 2) % (TILE * config.pv_chunks):
+    if config.pv_chunks is not None and (d // 2) % (TILE * config.pv_chunks):
         return f"pv_chunks={config.pv_chunks} needs D/2={d // 2} to be a multiple of {TILE * config.pv_chunks}"
     if config.smem_bytes(d, fp8=fp8) > _SMEM_LIMIT:
         return f"{config} needs {config.smem_bytes(d, fp8=fp8)} B of shared memory at D={d}; limit {_SMEM_LIMIT}"
@@ -274,7 +284,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
     dtype = q.dtype
     itemsize = jnp.dtype(dtype).itemsize
     fp8 = kv_pages.dtype == jnp.float8_e4m3fn
-    nc = config.pv_chunks
+    nc = config.resolved_pv_chunks(d)
     cw = dh // nc  # channels per P·V chunk (and per TMA)
     slots = config.num_slots
     page_size = kv_pages.shape[1]
