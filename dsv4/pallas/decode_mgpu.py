@@ -37,9 +37,8 @@ Design (docs/KERNEL_NOTES.md, "Paged decode attention" → "The Mosaic decode ke
   holds e4m3 tiles (half the bytes to load); each consumer converts its half of a tile into its own f16 tile, 64
   channels at a time, times the pool's scales (loaded into SMEM with Q), releases the e4m3 slot, zeroes the rows
   outside [lo, hi) of an edge tile as bf16 pages do, and runs the same matmuls on the f16 tile (docs/KERNEL_NOTES.md
-  DC17–DC19). The scales
-  are rounded to f16 and multiplied in f16: they must be normal f16 values (6.1e-5 .. 65504, as an FP8 cache's
-  amax / 448 scales of RMS-normed rows are), and so must value × scale.
+  DC17–DC20). The scales are rounded to f16 and multiplied in f16: they must be normal f16 values (6.1e-5 .. 65504,
+  as an FP8 cache's amax / 448 scales of RMS-normed rows are), and so must value × scale.
 - `pv_chunks` (2 at D = 512): each consumer's P·V runs as that many wgmmas over column chunks of its half (and its
   Q·Kᵀ as as many over K), and each chunk of the slot goes back to the producer (which loads it by its own TMA) as
   soon as its wgmma is done, instead of the whole half after the last one (docs/KERNEL_NOTES.md DC19).
@@ -112,8 +111,8 @@ class MgpuDecodeConfig:
                 loaded; every later step computes on whatever its slot holds: the consumers alone),
                 "skip_exchange" (no partial-logit exchange: each warpgroup uses twice its own partial), "skip_softmax"
                 (P = the logits, no max / exp2 / sums / rescale), "skip_convert" (FP8 pages: no e4m3 → f16
-                conversion; the matmuls read whatever the f16 tile holds), "skip_scale" / "skip_mask" (FP8 pages:
-                the conversion without its scale multiply / without zeroing the rows outside [lo, hi)). With any
+                conversion; the matmuls read whatever the f16 tile holds), "skip_scale" (FP8 pages: the conversion
+                without its scale multiply), "skip_mask" (edge tiles' rows outside [lo, hi) not zeroed). With any
                 of them the output is meaningless.
     """
 
