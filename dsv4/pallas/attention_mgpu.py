@@ -204,18 +204,17 @@ def online_softmax_step(s, col, lo, hi, logit_scale, m_i, l_i, acc):
     return p, m_new, l_new, acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
 
-def pv_through_smem(acc, p16, p_smem, v, *, release=None):
+def pv_through_smem(acc, p16, p_smem, v_chunks, *, release=None):
     """acc + P · V with P staged in SMEM (`p_smem`, this warpgroup's [64, block_kv] buffer) into a fresh
     accumulator: the only P·V form the CPU Mosaic interpreter runs (its wgmma needs SMEM operands and a new
     accumulator). Twice O's registers, so not a GPU configuration. Shared by the prefill and decode kernels.
-    v: V's SMEM ref, or a list of refs holding its column chunks in order (as `pv_in_place_chunked`, with
-    release(j) after chunk j's product)."""
+    v_chunks: SMEM refs holding V's column chunks in order (one ref: the whole V), as `pv_in_place_chunked`, with
+    release(j) after chunk j's product."""
     p_smem[...] = p16
     plgpu.commit_smem()
-    chunks = v if isinstance(v, list) else [v]
-    cw = acc.shape[1] // len(chunks)
+    cw = acc.shape[1] // len(v_chunks)
     parts = []
-    for j, v_j in enumerate(chunks):
+    for j, v_j in enumerate(v_chunks):
         parts.append(pv_with_p_in_smem(acc[:, j * cw:(j + 1) * cw], p_smem, v_j, in_place=False))
         if release is not None:
             release(j)
@@ -555,7 +554,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                         plgpu.commit_smem()
                         acc = pv_with_p_in_smem(acc, p_smem.at[w], kv_half, in_place=True)
                     else:  # "interpret"
-                        acc = pv_through_smem(acc, p16, p_smem.at[w], kv_half)
+                        acc = pv_through_smem(acc, p16, p_smem.at[w], [kv_half])
                     if persistent:  # the item's last slot is released after the epilogue has staged O in it
                         @pl.when(i < it.n_steps - 1)
                         def _():

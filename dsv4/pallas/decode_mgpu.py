@@ -321,10 +321,14 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
             on_tile(loc, half * dh + j * cw, cw,
                     lambda src: plgpu.copy_gmem_to_smem(src, dst, kv_bar.at[slot * 2 + half]))  # fmt: skip
 
+        def consumed(slot, half, j):
+            """The barrier that hands chunk j of `slot`'s half `half` back to the producer."""
+            return consumed_bar.at[(slot * 2 + half) * nc + j]
+
         def release(slot, w):
             """Give warpgroup w's half of `slot` back to the producer, every chunk."""
             for j in range(nc):
-                plgpu.barrier_arrive(consumed_bar.at[(slot * 2 + w) * nc + j])
+                plgpu.barrier_arrive(consumed(slot, w, j))
 
         def consumer(w):
             plgpu.set_max_registers(232, action="increase")
@@ -375,13 +379,14 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
 
                 # NOTE: the zeroing is a second pass on edge tiles only; inside the FP8 conversion it ran on every
                 # tile and cost 23% of the full-cache read (DC19)
-                @pl.when(((base < lo) | (base + TILE > hi)) & (not skip_mask))
-                def _():  # rows outside [lo, hi) may hold anything (NaN): zero this warpgroup's half of them
-                    rows = plgpu.broadcasted_iota(jnp.int32, (TILE, cw), 0, layout=wgmma_layout) + base
-                    for j in range(nc):
-                        tile = plgpu.load(kv_half.at[j], layout=wgmma_layout)
-                        kv_half.at[j][...] = jnp.where((rows >= lo) & (rows < hi), tile, jnp.zeros_like(tile))
-                    plgpu.commit_smem()
+                if not skip_mask:
+                    @pl.when((base < lo) | (base + TILE > hi))
+                    def _():  # rows outside [lo, hi) may hold anything (NaN): zero this warpgroup's half of them
+                        rows = plgpu.broadcasted_iota(jnp.int32, (TILE, cw), 0, layout=wgmma_layout) + base
+                        for j in range(nc):
+                            tile = plgpu.load(kv_half.at[j], layout=wgmma_layout)
+                            kv_half.at[j][...] = jnp.where((rows >= lo) & (rows < hi), tile, jnp.zeros_like(tile))
+                        plgpu.commit_smem()
 
                 def qk(acc_ref):
                     for j in range(nc):
@@ -404,7 +409,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                 p16 = p.astype(dtype)
                 # bf16 pages: chunk j of the slot half goes back as soon as its P·V is done (FP8: released above)
                 release_chunk = None if (compute_only or fp8) else (
-                    lambda j: plgpu.barrier_arrive(consumed_bar.at[(slot * 2 + w) * nc + j]))  # fmt: skip
+                    lambda j: plgpu.barrier_arrive(consumed(slot, w, j)))  # fmt: skip
                 v_chunks = [kv_half.at[j] for j in range(nc)]
                 if interp_pv:
                     acc = pv_through_smem(acc, p16, p_smem.at[w], v_chunks, release=release_chunk)
@@ -457,7 +462,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                     for j in range(nc):
                         @pl.when(i >= slots)
                         def _():
-                            plgpu.barrier_wait(consumed_bar.at[(slot * 2 + half) * nc + j])
+                            plgpu.barrier_wait(consumed(slot, half, j))
 
                         issue(i, loc, half, j)
                 return loc_next
@@ -473,7 +478,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                 slot = lax.rem(i, jnp.int32(slots))
                 for half in range(2):
                     for j in range(nc):
-                        plgpu.barrier_wait(consumed_bar.at[(slot * 2 + half) * nc + j])
+                        plgpu.barrier_wait(consumed(slot, half, j))
 
     elems_128b = 128 // itemsize
     # Every [64 rows, cw] chunk its own contiguous block: a TMA's SMEM destination must be contiguous
