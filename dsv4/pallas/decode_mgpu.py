@@ -426,9 +426,15 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
 
                 # NOTE: the zeroing is a second pass on edge tiles only; inside the FP8 conversion it ran on every
                 # tile and cost 23% of the full-cache read (DC19)
-                # NOTE: rows outside [lo, hi) may hold anything, NaN included. Their logits are replaced by -inf
-                # with a select (NaN does not leak), and their V values are zeroed in the Vᵀ fragments below (8-bit
-                # arrays take no select in Mosaic, so the e4m3 slot itself is left as it is).
+                if not skip_mask:
+                    @pl.when((base < lo) | (base + TILE > hi))
+                    def _():  # rows outside [lo, hi) may hold anything (NaN): zero this warpgroup's half of them
+                        rows = plgpu.broadcasted_iota(jnp.int32, (TILE, cw), 0, layout=wgmma_layout) + base
+                        for j in range(nc):
+                            tile = plgpu.load(kv_half.at[j], layout=wgmma_layout)
+                            kv_half.at[j][...] = jnp.where((rows >= lo) & (rows < hi), tile, jnp.zeros_like(tile))
+                        plgpu.commit_smem()
+
                 def qk(acc_ref):
                     for j in range(nc):
                         plgpu.wgmma(acc_ref, q_smem.at[w, j], kv_half.at[j].transpose((1, 0)))
