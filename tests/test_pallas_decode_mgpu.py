@@ -61,6 +61,8 @@ def test_decode_meta_by_hand():
     (True, True, MgpuDecodeConfig(pv_chunks=4)), (True, True, MgpuDecodeConfig(fp8_layout="wgmma")),
     (True, True, MgpuDecodeConfig(fp8_layout="upcast4x")), (False, True, MgpuDecodeConfig(fp8_mode="direct")),
     (True, True, MgpuDecodeConfig(fp8_mode="direct")), (True, True, MgpuDecodeConfig(fp8_mode="direct", num_slots=3)),
+    (True, True, MgpuDecodeConfig(fp8_mode="direct", direct_groups=2, direct_q_terms=3)),
+    (True, True, MgpuDecodeConfig(fp8_mode="direct", direct_groups=1)),
 ])  # fmt: skip
 def test_lowers_for_h200(hca, fp8, config):
     """V4 shapes (D = 512: the shared-memory plan is at its limit, FP8 pages included)."""
@@ -239,6 +241,8 @@ def test_gpu_matches_reference_at_v4_shapes(hca, config):
     (True, MgpuDecodeConfig(fp8_layout="wgmma")), (True, MgpuDecodeConfig(fp8_layout="upcast4x")),
     (False, MgpuDecodeConfig(fp8_mode="direct")), (True, MgpuDecodeConfig(fp8_mode="direct")),
     (True, MgpuDecodeConfig(fp8_mode="direct", num_splits=1)), (True, MgpuDecodeConfig(fp8_mode="direct", num_slots=3)),
+    (True, MgpuDecodeConfig(fp8_mode="direct", direct_q_terms=3)),
+    (True, MgpuDecodeConfig(fp8_mode="direct", direct_q_terms=3, direct_groups=2)),
 ])  # fmt: skip
 def test_gpu_fp8_pages_match_reference_at_v4_shapes(hca, config):
     seq_lens = [1, 63, 64, 65, 128, 129, 1000, 20_000, 0, 77_777]

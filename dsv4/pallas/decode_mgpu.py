@@ -100,6 +100,9 @@ class MgpuDecodeConfig:
     fp8_mode:   FP8 pages: "convert" (each consumer converts its half of a tile to f16 in SMEM, then f16 wgmmas) or
                 "direct" (D = 512, GPU only: no conversion pass; Q·Kᵀ as two e4m3 wgmmas on the e4m3 slot, q split
                 into two e4m3 terms, and P·V transposed with Vᵀ built in registers: `_decode_call_direct`).
+    direct_groups: "direct": Vᵀ fragment groups (of 4) built at a time, their wgmmas completed before the next
+                build (4: all at once, 64 registers; 2 or 1: fewer live registers, the tile's words loaded again).
+    direct_q_terms: "direct": e4m3 terms of q (2: ≈ 8 bits; 3: ≈ 12, near f16's 11, one more Q·Kᵀ wgmma).
     approx_math: Mosaic `approx_math` (fast exp2 / reciprocal).
     pv_form:    "run_state" (P·V accumulated in place, the GPU form) or "interpret" (P through SMEM into a fresh
                 accumulator, then added: the only form the CPU Mosaic interpreter runs; not for the GPU).
@@ -126,6 +129,8 @@ class MgpuDecodeConfig:
     pv_chunks: int | None = None
     fp8_layout: str = "upcast2x"
     fp8_mode: str = "convert"
+    direct_groups: int = 4
+    direct_q_terms: int = 2
     approx_math: bool = True
     pv_form: str = "run_state"
     auto_barriers: bool = False
@@ -140,6 +145,9 @@ class MgpuDecodeConfig:
             raise ValueError(f"MgpuDecodeConfig.num_splits={self.num_splits} must be None or >= 1")
         if self.fp8_layout not in _FP8_LAYOUTS:
             raise ValueError(f"MgpuDecodeConfig.fp8_layout={self.fp8_layout!r} must be one of {tuple(_FP8_LAYOUTS)}")
+        if self.direct_groups not in (1, 2, 4) or self.direct_q_terms not in (2, 3):
+            raise ValueError(f"MgpuDecodeConfig.direct_groups={self.direct_groups} must be 1, 2 or 4 and "
+                             f"direct_q_terms={self.direct_q_terms} 2 or 3")  # fmt: skip
         if self.fp8_mode not in _FP8_MODES:
             raise ValueError(f"MgpuDecodeConfig.fp8_mode={self.fp8_mode!r} must be one of {_FP8_MODES}")
         if self.pv_form not in _PV_FORMS:
@@ -158,7 +166,7 @@ class MgpuDecodeConfig:
         if fp8 and self.fp8_mode == "direct":  # Q in two e4m3 terms; ring, exchange, P, α, scales ∪ Oᵀ staging
             loop = self.num_slots * TILE * head_dim + 2 * HEADS_PER_CTA * TILE * (4 + 2) + 2 * HEADS_PER_CTA * 4 \
                 + 2 * head_dim * 2 + 4 * HEADS_PER_CTA * 4  # fmt: skip
-            return 2 * HEADS_PER_CTA * head_dim + max(loop, HEADS_PER_CTA * head_dim * 4 + 2 * HEADS_PER_CTA * 4)
+            return self.direct_q_terms * HEADS_PER_CTA * head_dim + max(loop, HEADS_PER_CTA * head_dim * 4 + 2 * HEADS_PER_CTA * 4)
         q = HEADS_PER_CTA * head_dim * itemsize
         ring = self.num_slots * TILE * head_dim * (1 if fp8 else itemsize) + (TILE * head_dim * itemsize if fp8 else 0)
         stats = 2 * HEADS_PER_CTA * 4
@@ -552,10 +560,10 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
     )(*args)
 
 
-def _direct_inputs(q, kv_scales, comp_scales, scale):
-    """FP8 pages, "direct" mode: q folded with each pool's channel scales and split into two e4m3 terms per
-    (token, head), hi = e4m3(x) and lo = e4m3(x − hi) with x = q·s / qs, qs = max_d |q·s| / 448; S = qs · (hi + lo)·k8
-    in one f32 accumulator (two e4m3 wgmmas). → q8 [2 pools, 2 terms, B, H, D] e4m3, qsc [2 pools, B, H] f32 (qs ·
+def _direct_inputs(q, kv_scales, comp_scales, scale, terms: int = 2):
+    """FP8 pages, "direct" mode: q folded with each pool's channel scales and split into `terms` e4m3 terms per
+    (token, head), hi = e4m3(x), lo = e4m3(x − hi), ... with x = q·s / qs, qs = max_d |q·s| / 448; S = qs · Σ terms·k8
+    in one f32 accumulator (one e4m3 wgmma a term). → q8 [2 pools, terms, B, H, D] e4m3, qsc [2 pools, B, H] f32 (qs ·
     scale · log2 e: the logit scale of each row), vscales [2 pools, D] f16 (V's channel scales, applied in
     registers)."""
     s = jnp.stack([kv_scales, comp_scales]).astype(F32)  # [2, D]
@@ -563,9 +571,11 @@ def _direct_inputs(q, kv_scales, comp_scales, scale):
     amax = jnp.max(jnp.abs(qp), axis=-1)
     qs = jnp.where(amax > 0, amax / 448.0, 1.0)
     x = qp / qs[..., None]
-    hi = x.astype(jnp.float8_e4m3fn)
-    lo = (x - hi.astype(F32)).astype(jnp.float8_e4m3fn)
-    return jnp.stack([hi, lo], axis=1), qs * (float(scale) * LOG2E), s.astype(jnp.float16)
+    parts = []
+    for _ in range(terms):  # each term the e4m3 rounding of what the previous ones left
+        parts.append(x.astype(jnp.float8_e4m3fn))
+        x = x - parts[-1].astype(F32)
+    return jnp.stack(parts, axis=1), qs * (float(scale) * LOG2E), s.astype(jnp.float16)
 
 
 def _decode_call_direct(q8, qsc, meta, kv_pages, block_tables, compressed_pages, compressed_block_tables, vscales, *,
@@ -577,7 +587,7 @@ def _decode_call_direct(q8, qsc, meta, kv_pages, block_tables, compressed_pages,
     registers. Q holds one pool's scales: a CTA whose split runs from window tiles into compressed ones reloads its Q
     halves at the first compressed tile. → (accᵀ [B, splits, 2, 256, H] f32 with row m of half w = channel
     w·256 + 4·(m % 64) + m // 64, max [B, splits, H], sum [B, splits, H])."""
-    _, _, b, h, d = q8.shape
+    _, terms, b, h, d = q8.shape
     hg = h // HEADS_PER_CTA
     dh = d // 2
     nc = config.resolved_pv_chunks(d)
@@ -613,7 +623,7 @@ def _decode_call_direct(q8, qsc, meta, kv_pages, block_tables, compressed_pages,
             return consumed_bar.at[(slot * 2 + half) * nc + j]
 
         def load_q(w, pool, bar):
-            for t in range(2):
+            for t in range(terms):
                 for j in range(nc):
                     plgpu.copy_gmem_to_smem(
                         q_ref.at[pool, t, bi, pl.ds(h0, HEADS_PER_CTA), pl.ds(w * dh + j * cw, cw)],
@@ -654,7 +664,7 @@ def _decode_call_direct(q8, qsc, meta, kv_pages, block_tables, compressed_pages,
                 # with a select (NaN does not leak), and their V values are zeroed in the Vᵀ fragments below (8-bit
                 # arrays take no select in Mosaic, so the e4m3 slot itself is left as it is).
                 def qk(acc_ref):
-                    for t in range(2):
+                    for t in range(terms):
                         for j in range(nc):
                             plgpu.wgmma(acc_ref, q_smem.at[t, w, j], kv_half.at[j].transpose((1, 0)))
                     return acc_ref[...]
@@ -676,22 +686,25 @@ def _decode_call_direct(q8, qsc, meta, kv_pages, block_tables, compressed_pages,
                 p_smem[w] = p.astype(jnp.float16)
                 a_smem[w] = alpha
                 plgpu.commit_smem()
-                frags = vt_fragments(kv_half, vs_smem.at[w, pool], cw=cw)
-                if not compute_only:
-                    release(slot, w)
+                alpha_col = plgpu.load(a_smem.at[w], layout=col_layout, optimized=False)
+                acc = acc * lax.broadcast_in_dim(alpha_col, acc.shape, [1])
                 if not skip_mask:
                     key = plgpu.broadcasted_iota(jnp.int32, (64, TILE), 1, layout=wgmma_layout) + base
                     keep = (key >= lo) & (key < hi)
-                    frags = [jnp.where(keep, f, jnp.zeros_like(f)) for f in frags]
-                alpha_col = plgpu.load(a_smem.at[w], layout=col_layout, optimized=False)
-                acc = acc * lax.broadcast_in_dim(alpha_col, acc.shape, [1])
 
                 def pv(acc_ref):
-                    for mg in range(GROUPS):
-                        plgpu.wgmma(acc_ref.at[pl.ds(64 * mg, 64)], frags[mg], p_smem.at[w].transpose((1, 0)))
-                    plgpu.wgmma_wait(0)
+                    for g0 in range(0, GROUPS, config.direct_groups):
+                        batch = range(g0, g0 + config.direct_groups)
+                        frags = vt_fragments(kv_half, vs_smem.at[w, pool], cw=cw, groups=batch)
+                        for mg, f in zip(batch, frags):
+                            if not skip_mask:
+                                f = jnp.where(keep, f, jnp.zeros_like(f))
+                            plgpu.wgmma(acc_ref.at[pl.ds(64 * mg, 64)], f, p_smem.at[w].transpose((1, 0)))
+                        plgpu.wgmma_wait(0)
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                if not compute_only:  # every Vᵀ fragment of this slot is built
+                    release(slot, w)
                 return acc, m_new, l_new
 
             def release(slot, w):
@@ -745,10 +758,10 @@ def _decode_call_direct(q8, qsc, meta, kv_pages, block_tables, compressed_pages,
     out_group = (plgpu.SMEM((2, dh, HEADS_PER_CTA), F32, transforms=_tiled(32, 4)),  # Oᵀ staging [half]
                  plgpu.SMEM((2, HEADS_PER_CTA), F32))  # (max, sum) fmt: skip
     scratch = [
-        plgpu.SMEM((2, 2, nc, HEADS_PER_CTA, cw), e4m3, transforms=f8_tiles),  # Q [term, half, chunk]
+        plgpu.SMEM((terms, 2, nc, HEADS_PER_CTA, cw), e4m3, transforms=f8_tiles),  # Q [term, half, chunk]
         plgpu.RefUnion(loop_group, out_group),
-        plgpu.Barrier(num_barriers=2, num_arrivals=2 * nc + 2),  # Q terms by chunk, V scales, logit scales
-        plgpu.Barrier(num_barriers=2, num_arrivals=2 * nc),  # Q reloaded for the compressed pool
+        plgpu.Barrier(num_barriers=2, num_arrivals=terms * nc + 2),  # Q terms by chunk, V scales, logit scales
+        plgpu.Barrier(num_barriers=2, num_arrivals=terms * nc),  # Q reloaded for the compressed pool
         plgpu.Barrier(num_barriers=2 * slots, num_arrivals=nc),
         plgpu.Barrier(num_barriers=2 * slots * nc),
         plgpu.Barrier(num_arrivals=2),
@@ -841,7 +854,7 @@ def paged_decode_attention_mgpu(
             raise ValueError("paged_decode_attention_mgpu: fp8_mode='direct' runs on a GPU only (inline Mosaic GPU "
                              "code: the CPU interpreter cannot run it)")  # fmt: skip
         comp = kv_scales if compressed_scales is None else compressed_scales
-        q8, qsc, vscales = _direct_inputs(q, kv_scales, comp, scale)
+        q8, qsc, vscales = _direct_inputs(q, kv_scales, comp, scale, config.direct_q_terms)
         acc_t, row_max, row_sum = _decode_call_direct(q8, qsc, meta, kv_pages, block_tables, compressed_pages,
                                                       compressed_block_tables, vscales, ring_size=ring_size,
                                                       num_splits=num_splits, config=config)  # fmt: skip

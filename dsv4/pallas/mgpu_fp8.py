@@ -100,17 +100,19 @@ class _V:
         return self._op(o, "xori")
 
 
-def vt_fragments(half_ref, scales_ref, *, cw: int):
+def vt_fragments(half_ref, scales_ref, *, cw: int, groups=tuple(range(GROUPS))):
     """In a consumer warpgroup: half_ref an e4m3 [nc, 64, cw] SMEM half-slot (tiling (8, 64), 64-byte swizzle),
     scales_ref its f16 [256] channel scales → GROUPS f16 [64, 64] arrays in the WGMMA layout, group mg holding
     (row r, key k) = half[k, 4r + mg] · scales[4r + mg] (module docstring). The loads are plain `ld.shared`: the
-    caller orders them after the tile's TMA (its barrier wait) and before any refill (it releases the slot after)."""
+    caller orders them after the tile's TMA (its barrier wait) and before any refill (it releases the slot after).
+    groups: build only these groups (→ that many arrays): fewer live registers, the same words loaded again."""
+    groups = tuple(groups)
     sds = plgpu.ShapeDtypeStruct((64, KEYS), jnp.float16, layout=plgpu.Layout.WGMMA)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=(plgpu.TilingTransform((8, 64)),
                                                              plgpu.SwizzleTransform(_SWIZZLE))),
                                   plgpu.RefType()),
-                       return_type=tuple([sds] * GROUPS))  # fmt: skip
+                       return_type=tuple([sds] * len(groups)))  # fmt: skip
     def build(ctx, half, scales):
         del ctx
         from jax.experimental.mosaic import gpu as mgpu
@@ -133,17 +135,17 @@ def vt_fragments(half_ref, scales_ref, *, cw: int):
         for h in range(2):
             r = wi * 16 + (lane // 4 + h * 8)
             sc4 = llvm.load(v4f16, utils.getelementptr(sbase, [(r * 4).v], f16))  # channels 4r .. 4r + 3
-            for mg in range(GROUPS):
+            for mg in groups:
                 scale[mg, h] = vector.broadcast(v2f16, vector.extract(sc4, dynamic_position=[],
                                                                       static_position=[mg]))  # fmt: skip
             for kb in range(KEYS // 8):
                 w0, w1 = (llvm.load(i32, utils.getelementptr(base, [vt_word_offset(wi, lane, h, kb, t, cw=cw).v], i8))
                           for t in range(2))  # fmt: skip
-                for mg in range(GROUPS):
+                for mg in groups:
                     pair = utils.prmt(w0, w1, utils.c(mg | ((4 + mg) << 4), i32))  # byte mg of w0, then of w1
                     regs8[mg][0, kb, 0, 0, h, 0, 0, 0, 0] = utils.bitcast(arith.trunci(i16, pair), v2f8)
         out = []
-        for mg in range(GROUPS):
+        for mg in groups:
             x16 = mgpu.FragmentedArray(_registers=regs8[mg], _layout=layout, _is_signed=None).astype(f16)
             regs16 = x16.registers.copy()
             for idx in np.ndindex(reg_shape):
