@@ -573,7 +573,9 @@ def _direct_inputs(q, kv_scales, comp_scales, scale, terms: int = 2):
     x = qp / qs[..., None]
     parts = []
     for _ in range(terms):  # each term the e4m3 rounding of what the previous ones left
-        parts.append(x.astype(jnp.float8_e4m3fn))
+        # NOTE: the barrier keeps XLA from folding f32 → e4m3 → f32 into f32 (excess precision, on by default on
+        # GPU): without it every term after the first is 0 there (twentieth session, call 3)
+        parts.append(lax.optimization_barrier(x.astype(jnp.float8_e4m3fn)))
         x = x - parts[-1].astype(F32)
     return jnp.stack(parts, axis=1), qs * (float(scale) * LOG2E), s.astype(jnp.float16)
 
