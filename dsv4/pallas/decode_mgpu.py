@@ -62,7 +62,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsv4.pallas.attention_mgpu import online_softmax_step, pv_in_place_chunked, pv_through_smem, swap_with_other
 from dsv4.pallas.decode import _check_inputs, _combine_splits, default_num_splits
-from dsv4.pallas.mgpu_fp8 import GROUPS, vt_fragments
 
 __all__ = ["MgpuDecodeConfig", "mgpu_decode_supported", "paged_decode_attention_mgpu", "unsupported_reason"]
 
@@ -74,7 +73,6 @@ TILE = 64  # key rows per step: a bf16 wgmma K (P·V) must be a multiple of 64
 _FP8_CHUNK = 64  # FP8 pages: channels per e4m3 → f16 conversion chunk (a 64-byte-swizzled e4m3 tile's width)
 _SMEM_LIMIT = 227 * 1024
 _PV_FORMS = ("run_state", "interpret")
-_FP8_MODES = ("convert", "direct")
 _DEBUG_FLAGS = ("stream_only", "compute_only", "skip_exchange", "skip_softmax", "skip_convert", "skip_scale",
                 "skip_mask")  # fmt: skip
 # FP8 pages: the register layout of the e4m3 → f16 conversion (its SMEM loads and stores). WGMMA: 2-byte e4m3
@@ -97,12 +95,6 @@ class MgpuDecodeConfig:
     fp8_layout: FP8 pages: the register layout of the e4m3 → f16 conversion, one of "wgmma" (2-byte e4m3 loads),
                 "upcast2x" (4-byte), "upcast4x" (8-byte); the f16 tile is stored from the same layout. On one
                 H200 both upcast layouts made the full-cache read 8% faster than "wgmma" (docs/KERNEL_NOTES.md DC19).
-    fp8_mode:   FP8 pages: "convert" (each consumer converts its half of a tile to f16 in SMEM, then f16 wgmmas) or
-                "direct" (D = 512, GPU only: no conversion pass; Q·Kᵀ as two e4m3 wgmmas on the e4m3 slot, q split
-                into two e4m3 terms, and P·V transposed with Vᵀ built in registers: `_decode_call_direct`).
-    direct_groups: "direct": Vᵀ fragment groups (of 4) built at a time, their wgmmas completed before the next
-                build (4: all at once, 64 registers; 2 or 1: fewer live registers, the tile's words loaded again).
-    direct_q_terms: "direct": e4m3 terms of q (2: ≈ 8 bits; 3: ≈ 12, near f16's 11, one more Q·Kᵀ wgmma).
     approx_math: Mosaic `approx_math` (fast exp2 / reciprocal).
     pv_form:    "run_state" (P·V accumulated in place, the GPU form) or "interpret" (P through SMEM into a fresh
                 accumulator, then added: the only form the CPU Mosaic interpreter runs; not for the GPU).
@@ -128,9 +120,6 @@ class MgpuDecodeConfig:
     num_splits: int | None = None
     pv_chunks: int | None = None
     fp8_layout: str = "upcast2x"
-    fp8_mode: str = "convert"
-    direct_groups: int = 4
-    direct_q_terms: int = 2
     approx_math: bool = True
     pv_form: str = "run_state"
     auto_barriers: bool = False
@@ -145,11 +134,6 @@ class MgpuDecodeConfig:
             raise ValueError(f"MgpuDecodeConfig.num_splits={self.num_splits} must be None or >= 1")
         if self.fp8_layout not in _FP8_LAYOUTS:
             raise ValueError(f"MgpuDecodeConfig.fp8_layout={self.fp8_layout!r} must be one of {tuple(_FP8_LAYOUTS)}")
-        if self.direct_groups not in (1, 2, 4) or self.direct_q_terms not in (2, 3):
-            raise ValueError(f"MgpuDecodeConfig.direct_groups={self.direct_groups} must be 1, 2 or 4 and "
-                             f"direct_q_terms={self.direct_q_terms} 2 or 3")  # fmt: skip
-        if self.fp8_mode not in _FP8_MODES:
-            raise ValueError(f"MgpuDecodeConfig.fp8_mode={self.fp8_mode!r} must be one of {_FP8_MODES}")
         if self.pv_form not in _PV_FORMS:
             raise ValueError(f"MgpuDecodeConfig.pv_form={self.pv_form!r} must be one of {_PV_FORMS}")
         if not isinstance(self.debug, tuple) or any(f not in _DEBUG_FLAGS for f in self.debug):
@@ -163,10 +147,6 @@ class MgpuDecodeConfig:
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, fp8: bool = False) -> int:
         """Shared memory at this head dim; fp8: e4m3 pages (an e4m3 ring, one f16 tile, the scales)."""
-        if fp8 and self.fp8_mode == "direct":  # Q in two e4m3 terms; ring, exchange, P, α, scales ∪ Oᵀ staging
-            loop = self.num_slots * TILE * head_dim + 2 * HEADS_PER_CTA * TILE * (4 + 2) + 2 * HEADS_PER_CTA * 4 \
-                + 2 * head_dim * 2 + 4 * HEADS_PER_CTA * 4  # fmt: skip
-            return self.direct_q_terms * HEADS_PER_CTA * head_dim + max(loop, HEADS_PER_CTA * head_dim * 4 + 2 * HEADS_PER_CTA * 4)
         q = HEADS_PER_CTA * head_dim * itemsize
         ring = self.num_slots * TILE * head_dim * (1 if fp8 else itemsize) + (TILE * head_dim * itemsize if fp8 else 0)
         stats = 2 * HEADS_PER_CTA * 4
@@ -213,8 +193,6 @@ def _unsupported(q, kv_pages, ring_size, compressed_pages, topk_indices, kv_scal
     if compressed_pages is not None and compressed_pages.shape[1] % TILE:
         return f"compressed page size {compressed_pages.shape[1]} (compressed_pages.shape={compressed_pages.shape}) " \
                f"must be a multiple of {TILE}"  # fmt: skip
-    if fp8 and config.fp8_mode == "direct" and d != 512:
-        return f"fp8_mode='direct' needs D=512 (its Vᵀ fragments are built for 256 channels a consumer), got D={d}"
     if config.pv_chunks is not None and (d // 2) % (TILE * config.pv_chunks):
         return f"pv_chunks={config.pv_chunks} needs D/2={d // 2} to be a multiple of {TILE * config.pv_chunks}"
     if config.smem_bytes(d, fp8=fp8) > _SMEM_LIMIT:
@@ -560,240 +538,6 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
     )(*args)
 
 
-def _direct_inputs(q, kv_scales, comp_scales, scale, terms: int = 2):
-    """FP8 pages, "direct" mode: q folded with each pool's channel scales and split into `terms` e4m3 terms per
-    (token, head), hi = e4m3(x), lo = e4m3(x − hi), ... with x = q·s / qs, qs = max_d |q·s| / 448; S = qs · Σ terms·k8
-    in one f32 accumulator (one e4m3 wgmma a term). → q8 [2 pools, terms, B, H, D] e4m3, qsc [2 pools, B, H] f32 (qs ·
-    scale · log2 e: the logit scale of each row), vscales [2 pools, D] f16 (V's channel scales, applied in
-    registers)."""
-    s = jnp.stack([kv_scales, comp_scales]).astype(F32)  # [2, D]
-    qp = q.astype(F32)[None] * s[:, None, None, :]  # [2, B, H, D]
-    amax = jnp.max(jnp.abs(qp), axis=-1)
-    qs = jnp.where(amax > 0, amax / 448.0, 1.0)
-    x = qp / qs[..., None]
-    parts = []
-    for _ in range(terms):  # each term the e4m3 rounding of what the previous ones left
-        # NOTE: the barrier keeps XLA from folding f32 → e4m3 → f32 into f32 (excess precision, on by default on
-        # GPU): without it every term after the first is 0 there (twentieth session, call 3)
-        parts.append(lax.optimization_barrier(x.astype(jnp.float8_e4m3fn)))
-        x = x - parts[-1].astype(F32)
-    return jnp.stack(parts, axis=1), qs * (float(scale) * LOG2E), s.astype(jnp.float16)
-
-
-def _decode_call_direct(q8, qsc, meta, kv_pages, block_tables, compressed_pages, compressed_block_tables, vscales, *,
-                        ring_size, num_splits, config: MgpuDecodeConfig):  # fmt: skip
-    """FP8 pages without the SMEM conversion (`fp8_mode="direct"`, D = 512): S = Q·Kᵀ as two e4m3 wgmmas on the
-    e4m3 slot itself (q in two e4m3 terms, `_direct_inputs`), and P·V transposed, Oᵀ [256 channels, 64 heads] per
-    consumer = Vᵀ · Pᵀ with Vᵀ assembled in registers from the e4m3 slot (`mgpu_fp8.vt_fragments`: exact e4m3 → f16
-    times the channel scale) and P in f16 through SMEM. The slot goes back to the producer once its Vᵀ is in
-    registers. Q holds one pool's scales: a CTA whose split runs from window tiles into compressed ones reloads its Q
-    halves at the first compressed tile. → (accᵀ [B, splits, 2, 256, H] f32 with row m of half w = channel
-    w·256 + 4·(m % 64) + m // 64, max [B, splits, H], sum [B, splits, H])."""
-    _, terms, b, h, d = q8.shape
-    hg = h // HEADS_PER_CTA
-    dh = d // 2
-    nc = config.resolved_pv_chunks(d)
-    cw = dh // nc
-    slots = config.num_slots
-    page_size = kv_pages.shape[1]
-    hca = compressed_pages is not None
-    cps = compressed_pages.shape[1] if hca else TILE
-    wgmma_layout = plgpu.Layout.WGMMA
-    row_layout, col_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
-    compute_only = "compute_only" in config.debug
-    skip_exchange = "skip_exchange" in config.debug
-    skip_mask = "skip_mask" in config.debug
-    e4m3 = jnp.float8_e4m3fn
-
-    def body(q_ref, qsc_ref, meta_ref, kv_ref, table_ref, comp_ref, ctable_ref, vs_ref, acc_out, max_out, sum_out,
-             q_smem, union, q_bar, q2_bar, kv_bar, consumed_bar, x_written, x_read, done_bar):  # fmt: skip
-        (kv_smem, x_smem, p_smem, a_smem, vs_smem, qsc_smem), (stage_smem, stats_smem) = union
-        bh, sp, wg = lax.axis_index("bh"), lax.axis_index("sp"), lax.axis_index("wg")
-        bi = lax.div(bh, jnp.int32(hg))
-        h0 = lax.rem(bh, jnp.int32(hg)) * HEADS_PER_CTA
-        ts = _TileStream(meta_ref, table_ref, ctable_ref, kv_ref, comp_ref, bi=bi, sp=sp, num_splits=num_splits,
-                         ring_size=ring_size, page_size=page_size, cps=cps)
-        first, n_steps, tile_bounds, locate, on_tile = ts.first, ts.n_steps, ts.tile_bounds, ts.locate, ts.on_tile
-
-        def issue(step, loc, half, j):
-            slot = lax.rem(step, jnp.int32(slots))
-            dst = kv_smem.at[slot * 2 + half, j]
-            on_tile(loc, half * dh + j * cw, cw,
-                    lambda src: plgpu.copy_gmem_to_smem(src, dst, kv_bar.at[slot * 2 + half]))  # fmt: skip
-
-        def consumed(slot, half, j):
-            return consumed_bar.at[(slot * 2 + half) * nc + j]
-
-        def load_q(w, pool, bar):
-            for t in range(terms):
-                for j in range(nc):
-                    plgpu.copy_gmem_to_smem(
-                        q_ref.at[pool, t, bi, pl.ds(h0, HEADS_PER_CTA), pl.ds(w * dh + j * cw, cw)],
-                        q_smem.at[t, w, j], bar)  # fmt: skip
-
-        def consumer(w):
-            plgpu.set_max_registers(232, action="increase")
-            pool0 = jnp.where(first < ts.n_wt, 0, 1)
-            load_q(w, pool0, q_bar.at[w])
-            plgpu.copy_gmem_to_smem(vs_ref.at[:, pl.ds(w * dh, dh)], vs_smem.at[w], q_bar.at[w])
-            plgpu.copy_gmem_to_smem(qsc_ref.at[:, bi, pl.ds(h0, HEADS_PER_CTA)], qsc_smem.at[w], q_bar.at[w])
-            # the step at which a split that starts in the window reaches the compressed tiles (-1: never)
-            switch = jnp.where((first < ts.n_wt) & (ts.n_wt - first < n_steps), ts.n_wt - first, -1)
-            m_i = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_FLOOR, F32), row_layout)
-            l_i = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), F32), row_layout)
-            acc = plgpu.layout_cast(jnp.zeros((dh, HEADS_PER_CTA), F32), wgmma_layout)  # Oᵀ
-            plgpu.barrier_wait(q_bar.at[w])
-
-            def step_fn(i, carry):
-                acc, m_i, l_i = carry
-                slot = lax.rem(i, jnp.int32(slots))
-                kv_half = kv_smem.at[slot * 2 + w]  # [nc, 64 rows, cw] e4m3
-                if compute_only:
-                    @pl.when(i < slots)
-                    def _():
-                        plgpu.barrier_wait(kv_bar.at[slot * 2 + w])
-                else:
-                    plgpu.barrier_wait(kv_bar.at[slot * 2 + w])
-                is_win, base, lo, hi = tile_bounds(first + i)
-                pool = jnp.where(is_win, 0, 1)
-
-                @pl.when(i == switch)
-                def _():  # Q's scales are the window pool's: reload this half with the compressed pool's
-                    load_q(w, 1, q2_bar.at[w])
-                    plgpu.barrier_wait(q2_bar.at[w])
-
-                # NOTE: rows outside [lo, hi) may hold anything, NaN included. Their logits are replaced by -inf
-                # with a select (NaN does not leak), and their V values are zeroed in the Vᵀ fragments below (8-bit
-                # arrays take no select in Mosaic, so the e4m3 slot itself is left as it is).
-                def qk(acc_ref):
-                    for t in range(terms):
-                        for j in range(nc):
-                            plgpu.wgmma(acc_ref, q_smem.at[t, w, j], kv_half.at[j].transpose((1, 0)))
-                    return acc_ref[...]
-
-                s_part = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, TILE), F32))
-                if skip_exchange:  # debug
-                    s_full = s_part + s_part
-                else:
-                    s_full = s_part + swap_with_other(x_smem, w, s_part, x_written, x_read, layout=wgmma_layout,
-                                                      wait_read=i > 0)  # fmt: skip
-                qsc = plgpu.load(qsc_smem.at[w, pool], layout=row_layout, optimized=False)
-                col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, TILE), 1, layout=wgmma_layout) + base
-                logits = jnp.where((col >= lo) & (col < hi), s_full * lax.broadcast_in_dim(qsc, s_full.shape, [0]),
-                                   -jnp.inf)  # fmt: skip
-                m_new = jnp.maximum(m_i, logits.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-                l_new = l_i * alpha + p.sum(axis=1)
-                p_smem[w] = p.astype(jnp.float16)
-                a_smem[w] = alpha
-                plgpu.commit_smem()
-                alpha_col = plgpu.load(a_smem.at[w], layout=col_layout, optimized=False)
-                acc = acc * lax.broadcast_in_dim(alpha_col, acc.shape, [1])
-                if not skip_mask:
-                    key = plgpu.broadcasted_iota(jnp.int32, (64, TILE), 1, layout=wgmma_layout) + base
-                    keep = (key >= lo) & (key < hi)
-
-                def pv(acc_ref):
-                    for g0 in range(0, GROUPS, config.direct_groups):
-                        batch = range(g0, g0 + config.direct_groups)
-                        frags = vt_fragments(kv_half, vs_smem.at[w, pool], cw=cw, groups=batch)
-                        for mg, f in zip(batch, frags):
-                            if not skip_mask:
-                                f = jnp.where(keep, f, jnp.zeros_like(f))
-                            plgpu.wgmma(acc_ref.at[pl.ds(64 * mg, 64)], f, p_smem.at[w].transpose((1, 0)))
-                        plgpu.wgmma_wait(0)
-
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                if not compute_only:  # every Vᵀ fragment of this slot is built
-                    release(slot, w)
-                return acc, m_new, l_new
-
-            def release(slot, w):
-                for j in range(nc):
-                    plgpu.barrier_arrive(consumed(slot, w, j))
-
-            acc, m_i, l_i = lax.fori_loop(0, n_steps, step_fn, (acc, m_i, l_i))
-
-            if not skip_exchange:
-                @pl.when(n_steps > 0)
-                def _():
-                    plgpu.barrier_wait(x_read)  # observe the last exchange phase
-
-            plgpu.barrier_arrive(done_bar)  # the union's first group is dead once both consumers are here
-            plgpu.barrier_wait(done_bar)
-            stage_smem[w] = acc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(stage_smem.at[w], acc_out.at[bi, sp, w, :, pl.ds(h0, HEADS_PER_CTA)])
-
-            @pl.when(w == 0)
-            def _():
-                stats_smem[0] = m_i
-                stats_smem[1] = l_i
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(stats_smem.at[0], max_out.at[bi, sp, pl.ds(h0, HEADS_PER_CTA)])
-                plgpu.copy_smem_to_gmem(stats_smem.at[1], sum_out.at[bi, sp, pl.ds(h0, HEADS_PER_CTA)])
-
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(wg == 0)
-        def _():
-            consumer(0)
-
-        @pl.when(wg == 1)
-        def _():
-            consumer(1)
-
-        @pl.when(wg == 2)
-        def _():
-            _produce(locate, issue, consumed, n_steps, slots=slots, nc=nc, compute_only=compute_only)
-
-    f8_tiles = _tiled(_FP8_CHUNK, 1)
-    loop_group = (
-        plgpu.SMEM((slots * 2, nc, TILE, cw), e4m3, transforms=f8_tiles),  # KV ring [slot · 2 + half, chunk]
-        plgpu.SMEM((2, HEADS_PER_CTA, TILE), F32, transforms=_tiled(32, 4)),  # partial-logit exchange
-        plgpu.SMEM((2, HEADS_PER_CTA, TILE), jnp.float16, transforms=_tiled(64, 2)),  # P [heads, keys] per consumer
-        plgpu.SMEM((2, HEADS_PER_CTA), F32),  # α, rows → columns
-        plgpu.SMEM((2, 2, dh), jnp.float16),  # V's channel scales [consumer, pool, channel]
-        plgpu.SMEM((2, 2, HEADS_PER_CTA), F32),  # logit scales [consumer, pool, head]
-    )
-    out_group = (plgpu.SMEM((2, dh, HEADS_PER_CTA), F32, transforms=_tiled(32, 4)),  # Oᵀ staging [half]
-                 plgpu.SMEM((2, HEADS_PER_CTA), F32))  # (max, sum) fmt: skip
-    scratch = [
-        plgpu.SMEM((terms, 2, nc, HEADS_PER_CTA, cw), e4m3, transforms=f8_tiles),  # Q [term, half, chunk]
-        plgpu.RefUnion(loop_group, out_group),
-        plgpu.Barrier(num_barriers=2, num_arrivals=terms * nc + 2),  # Q terms by chunk, V scales, logit scales
-        plgpu.Barrier(num_barriers=2, num_arrivals=terms * nc),  # Q reloaded for the compressed pool
-        plgpu.Barrier(num_barriers=2 * slots, num_arrivals=nc),
-        plgpu.Barrier(num_barriers=2 * slots * nc),
-        plgpu.Barrier(num_arrivals=2),
-        plgpu.Barrier(num_arrivals=2),
-        plgpu.Barrier(num_arrivals=2),
-    ]
-    out_type = (jax.ShapeDtypeStruct((b, num_splits, 2, dh, h), F32), jax.ShapeDtypeStruct((b, num_splits, h), F32),
-                jax.ShapeDtypeStruct((b, num_splits, h), F32))  # fmt: skip
-    args = (q8, qsc, meta, kv_pages, block_tables) + ((compressed_pages, compressed_block_tables) if hca else ())
-    args += (vscales,)
-
-    def kernel_body(*refs):
-        q_ref, qsc_ref, meta_ref, kv_ref, table_ref = refs[:5]
-        comp_ref, ctable_ref, rest = (refs[5], refs[6], refs[7:]) if hca else (None, None, refs[5:])
-        return body(q_ref, qsc_ref, meta_ref, kv_ref, table_ref, comp_ref, ctable_ref, *rest)
-
-    return plgpu.kernel(
-        kernel_body,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(b * hg, num_splits),
-        grid_names=("bh", "sp"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=config.approx_math, reduction_scratch_bytes=0,
-                                             lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                             unsafe_no_auto_barriers=not config.auto_barriers),  # fmt: skip
-    )(*args)
-
-
 def decode_meta(seq_lens, *, sliding_window: int, ring_size: int, compressed_lens=None, capacity: int = 0):
     """Per-request tile bounds → int32 [B, 4] = (window visits n_wt, first unwrapped ring slot s0, window slots n_w,
     compressed entries count) (see the module docstring)."""
@@ -851,18 +595,6 @@ def paged_decode_attention_mgpu(
     if num_splits is None:
         max_tiles = pl.cdiv(sliding_window + TILE - 1, TILE) + pl.cdiv(capacity, TILE)
         num_splits = default_num_splits(b * (h // HEADS_PER_CTA), max_tiles)
-    if kv_pages.dtype == jnp.float8_e4m3fn and config.fp8_mode == "direct":
-        if interpret:
-            raise ValueError("paged_decode_attention_mgpu: fp8_mode='direct' runs on a GPU only (inline Mosaic GPU "
-                             "code: the CPU interpreter cannot run it)")  # fmt: skip
-        comp = kv_scales if compressed_scales is None else compressed_scales
-        q8, qsc, vscales = _direct_inputs(q, kv_scales, comp, scale, config.direct_q_terms)
-        acc_t, row_max, row_sum = _decode_call_direct(q8, qsc, meta, kv_pages, block_tables, compressed_pages,
-                                                      compressed_block_tables, vscales, ring_size=ring_size,
-                                                      num_splits=num_splits, config=config)  # fmt: skip
-        # row m of half w is channel w·256 + 4·(m % 64) + m // 64
-        acc = acc_t.reshape(b, num_splits, 2, GROUPS, 64, h).transpose(0, 1, 5, 2, 4, 3).reshape(b, num_splits, h, -1)
-        return _combine_splits(acc, row_max, row_sum, sinks, q.dtype)
     channel_scales, qk = None, q
     if kv_pages.dtype == jnp.float8_e4m3fn:
         comp = kv_scales if compressed_scales is None else compressed_scales  # (window only: an unread copy)
