@@ -24,9 +24,10 @@ Variants (`--variants`, applied to the items named by `--variant-items`): `name:
 (block_kv, num_stages, num_warps, block_h, num_splits, and spx = a multiple of the default split count), and
 `impl=mgpu`: `dsv4.pallas.decode_mgpu.paged_decode_attention_mgpu` (the Mosaic GPU kernel; window and HCA layers,
 bf16 pages, or fp8 ones with `--scales channel`; sp / spx set its split count, sl its num_slots, ab=0 turns its
-auto_barriers off, pc its pv_chunks, fl its fp8_layout (wgmma, upcast2x, upcast4x); stream=1, compute=1, noxchg=1,
-nosm=1, noconv=1, noscale=1, nomask=1 set its debug flags stream_only, compute_only, skip_exchange, skip_softmax,
-skip_convert, skip_scale, skip_mask (measurement forms: they fail the check);
+auto_barriers off, pc its pv_chunks, fl its fp8_layout (wgmma, upcast2x, upcast4x), rc its consumers' register
+count (the producer gets the rest of 512); stream=1, compute=1, noxchg=1, nosm=1, noconv=1, noscale=1, nomask=1 set
+its debug flags stream_only, compute_only, skip_exchange, skip_softmax, skip_convert, skip_scale, skip_mask
+(measurement forms: they fail the check);
 the Triton keys do not apply).
 `--impl mgpu` runs the main sweep on it too.
 """
@@ -64,7 +65,7 @@ VARIANT_KEYS = {"kv": "block_kv", "s": "num_stages", "w": "num_warps", "h": "blo
 GPU_VARIANTS = "default;mgpu:impl=mgpu;mgpu-stream:impl=mgpu,stream=1;mgpu-compute:impl=mgpu,compute=1"
 SMOKE_VARIANTS = "default;kv16:kv=16;spx2:spx=2"
 IMPLS = ("triton", "mgpu")
-MGPU_KEYS = {"sl": "num_slots", "ab": "auto_barriers", "pc": "pv_chunks", "fl": "fp8_layout"}
+MGPU_KEYS = {"sl": "num_slots", "ab": "auto_barriers", "pc": "pv_chunks", "fl": "fp8_layout", "rc": "registers"}
 DEBUG_KEYS = {"stream": "stream_only", "compute": "compute_only", "noxchg": "skip_exchange", "nosm": "skip_softmax",
               "noconv": "skip_convert", "noscale": "skip_scale", "nomask": "skip_mask"}  # fmt: skip
 
@@ -131,7 +132,10 @@ def parse_variants(text: str) -> list[Variant]:
                 flags = dict(extra.get("mgpu", ())).get("debug", ()) + (DEBUG_KEYS[k],)
                 extra["mgpu"] = tuple(kv for kv in extra.get("mgpu", ()) if kv[0] != "debug") + (("debug", flags),)
             elif k in MGPU_KEYS:
-                value = bool(int(v)) if k == "ab" else v if k == "fl" else int(v)
+                if k == "rc":  # the consumers' count; the producer takes what is left of 512
+                    value = (int(v), 512 - 2 * int(v))
+                else:
+                    value = bool(int(v)) if k == "ab" else v if k == "fl" else int(v)
                 extra["mgpu"] = extra.get("mgpu", ()) + ((MGPU_KEYS[k], value),)
             elif k == "impl":
                 if v not in IMPLS:

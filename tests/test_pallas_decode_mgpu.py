@@ -59,7 +59,7 @@ def test_decode_meta_by_hand():
     (True, True, MgpuDecodeConfig()), (True, False, MgpuDecodeConfig(pv_chunks=4)),
     (True, False, MgpuDecodeConfig(pv_chunks=1)), (True, True, MgpuDecodeConfig(pv_chunks=1, auto_barriers=True)),
     (True, True, MgpuDecodeConfig(pv_chunks=4)), (True, True, MgpuDecodeConfig(fp8_layout="wgmma")),
-    (True, True, MgpuDecodeConfig(fp8_layout="upcast4x")),
+    (True, True, MgpuDecodeConfig(fp8_layout="upcast4x")), (True, True, MgpuDecodeConfig(registers=(240, 32))),
 ])  # fmt: skip
 def test_lowers_for_h200(hca, fp8, config):
     """V4 shapes (D = 512: the shared-memory plan is at its limit, FP8 pages included)."""

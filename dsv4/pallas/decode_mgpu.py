@@ -106,6 +106,8 @@ class MgpuDecodeConfig:
                 by the edge rows' zeroing in another layout), is followed by `commit_smem` (fence and barrier). On
                 one H200 the full-cache read at 512K was 2% faster without them on bf16 pages (DC16, and again in
                 the nineteenth session) and 4.5–7% on FP8 pages (DC19), so False is the default.
+    registers:  (each consumer's, the producer's) register count per thread after `setmaxnreg`: multiples of 8,
+                the producer >= 24, 2 · consumer + producer <= 512 (the register file over 3 warpgroups).
     debug:      measurement switches, a tuple of: "stream_only" (the consumers wait for each tile and release it,
                 no matmuls: the kernel's load path alone), "compute_only" (only the first `num_slots` tiles are
                 loaded; every later step computes on whatever its slot holds: the consumers alone),
@@ -123,6 +125,7 @@ class MgpuDecodeConfig:
     approx_math: bool = True
     pv_form: str = "run_state"
     auto_barriers: bool = False
+    registers: tuple = (232, 40)
     debug: tuple = ()
 
     def __post_init__(self):
@@ -136,6 +139,10 @@ class MgpuDecodeConfig:
             raise ValueError(f"MgpuDecodeConfig.fp8_layout={self.fp8_layout!r} must be one of {tuple(_FP8_LAYOUTS)}")
         if self.pv_form not in _PV_FORMS:
             raise ValueError(f"MgpuDecodeConfig.pv_form={self.pv_form!r} must be one of {_PV_FORMS}")
+        c, pr = self.registers
+        if c % 8 or pr % 8 or pr < 24 or 2 * c + pr > 512:
+            raise ValueError(f"MgpuDecodeConfig.registers={self.registers} must be multiples of 8, the producer's >= "
+                             f"24, with 2 · consumer + producer <= 512")  # fmt: skip
         if not isinstance(self.debug, tuple) or any(f not in _DEBUG_FLAGS for f in self.debug):
             raise ValueError(f"MgpuDecodeConfig.debug={self.debug!r} must be a tuple of flags from {_DEBUG_FLAGS}")
 
@@ -271,10 +278,10 @@ class _TileStream:
                 op(comp_ref.at[page, pl.ds(row0, TILE), cols])
 
 
-def _produce(locate, issue, consumed, n_steps, *, slots, nc, compute_only=False):
+def _produce(locate, issue, consumed, n_steps, *, slots, nc, registers=40, compute_only=False):
     """The TMA producer warpgroup: every step's tile, both halves, chunk by chunk, each chunk once its slot's
     previous tile has been released; then it observes the last releases (barrier discipline)."""
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(registers, action="decrease")
 
     # NOTE: each page id is read from its block table one iteration before it is used, so that the global load's
     # latency overlaps a barrier wait instead of stalling the TMA issue.
@@ -364,7 +371,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                 plgpu.barrier_arrive(consumed(slot, w, j))
 
         def consumer(w):
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(config.registers[0], action="increase")
             for j in range(nc):
                 plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(h0, HEADS_PER_CTA), pl.ds(w * dh + j * cw, cw)],
                                         q_smem.at[w, j], q_bar.at[w])  # fmt: skip
@@ -485,7 +492,8 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
 
         @pl.when(wg == 2)
         def _():
-            _produce(locate, issue, consumed, n_steps, slots=slots, nc=nc, compute_only=compute_only)
+            _produce(locate, issue, consumed, n_steps, slots=slots, nc=nc, registers=config.registers[1],
+                     compute_only=compute_only)  # fmt: skip
 
     elems_128b = 128 // itemsize
     # Every [64 rows, cw] chunk its own contiguous block: a TMA's SMEM destination must be contiguous
