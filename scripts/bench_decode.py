@@ -25,7 +25,7 @@ Variants (`--variants`, applied to the items named by `--variant-items`): `name:
 `impl=mgpu`: `dsv4.pallas.decode_mgpu.paged_decode_attention_mgpu` (the Mosaic GPU kernel; window and HCA layers,
 bf16 pages, or fp8 ones with `--scales channel`; sp / spx set its split count, sl its num_slots, ab=0 turns its
 auto_barriers off, pc its pv_chunks, fl its fp8_layout (wgmma, upcast2x, upcast4x), rc its consumers' register
-count (the producer gets the rest of 512); stream=1, compute=1, noxchg=1, nosm=1, noconv=1, noscale=1, nomask=1 set
+count (the producer gets the rest of 504); stream=1, compute=1, noxchg=1, nosm=1, noconv=1, noscale=1, nomask=1 set
 its debug flags stream_only, compute_only, skip_exchange, skip_softmax, skip_convert, skip_scale, skip_mask
 (measurement forms: they fail the check);
 the Triton keys do not apply).
@@ -132,8 +132,8 @@ def parse_variants(text: str) -> list[Variant]:
                 flags = dict(extra.get("mgpu", ())).get("debug", ()) + (DEBUG_KEYS[k],)
                 extra["mgpu"] = tuple(kv for kv in extra.get("mgpu", ()) if kv[0] != "debug") + (("debug", flags),)
             elif k in MGPU_KEYS:
-                if k == "rc":  # the consumers' count; the producer takes what is left of 512
-                    value = (int(v), 512 - 2 * int(v))
+                if k == "rc":  # the consumers' count; the producer takes what is left of 504 (MgpuDecodeConfig)
+                    value = (int(v), 504 - 2 * int(v))
                 else:
                     value = bool(int(v)) if k == "ab" else v if k == "fl" else int(v)
                 extra["mgpu"] = extra.get("mgpu", ()) + ((MGPU_KEYS[k], value),)

@@ -107,7 +107,10 @@ class MgpuDecodeConfig:
                 one H200 the full-cache read at 512K was 2% faster without them on bf16 pages (DC16, and again in
                 the nineteenth session) and 4.5–7% on FP8 pages (DC19), so False is the default.
     registers:  (each consumer's, the producer's) register count per thread after `setmaxnreg`: multiples of 8,
-                the producer >= 24, 2 · consumer + producer <= 512 (the register file over 3 warpgroups).
+                the producer >= 24, 2 · consumer + producer <= 504. (240, 32) hung on the GPU (twentieth session,
+                call 5), most likely in `setmaxnreg.inc`: it can only move the registers the CTA was launched with,
+                384 threads at ptxas' 168 each (65536 / 384, rounded down to 8), 3 · 168 = 504 a lane. So the
+                default (232, 40) is the whole budget.
     debug:      measurement switches, a tuple of: "stream_only" (the consumers wait for each tile and release it,
                 no matmuls: the kernel's load path alone), "compute_only" (only the first `num_slots` tiles are
                 loaded; every later step computes on whatever its slot holds: the consumers alone),
@@ -140,9 +143,9 @@ class MgpuDecodeConfig:
         if self.pv_form not in _PV_FORMS:
             raise ValueError(f"MgpuDecodeConfig.pv_form={self.pv_form!r} must be one of {_PV_FORMS}")
         c, pr = self.registers
-        if c % 8 or pr % 8 or pr < 24 or 2 * c + pr > 512:
+        if c % 8 or pr % 8 or pr < 24 or 2 * c + pr > 504:
             raise ValueError(f"MgpuDecodeConfig.registers={self.registers} must be multiples of 8, the producer's >= "
-                             f"24, with 2 · consumer + producer <= 512")  # fmt: skip
+                             f"24, with 2 · consumer + producer <= 504 (3 warpgroups launched at 168)")  # fmt: skip
         if not isinstance(self.debug, tuple) or any(f not in _DEBUG_FLAGS for f in self.debug):
             raise ValueError(f"MgpuDecodeConfig.debug={self.debug!r} must be a tuple of flags from {_DEBUG_FLAGS}")
 
