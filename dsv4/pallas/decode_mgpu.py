@@ -281,9 +281,10 @@ class _TileStream:
                 op(comp_ref.at[page, pl.ds(row0, TILE), cols])
 
 
-def _produce(locate, issue, consumed, n_steps, *, slots, nc, registers=40, compute_only=False):
+def _produce(locate, issue, consumed, n_steps, *, slots, nc, registers, compute_only=False):
     """The TMA producer warpgroup: every step's tile, both halves, chunk by chunk, each chunk once its slot's
-    previous tile has been released; then it observes the last releases (barrier discipline)."""
+    previous tile has been released; then it observes the last releases (barrier discipline). registers: its
+    setmaxnreg count (MgpuDecodeConfig.registers[1])."""
     plgpu.set_max_registers(registers, action="decrease")
 
     # NOTE: each page id is read from its block table one iteration before it is used, so that the global load's
