@@ -125,11 +125,12 @@ def core_attention_jnp(
     return out[:, :s]
 
 
-# NOTE: one-token chunks (decode steps over an FP8 cache with attention_impl="pallas") on the Mosaic kernel: 2.2-11x
-# the Triton kernel on an H200, its S = 1 tests pass, and inside the model each layer's output is as close to a
-# float32 reference as jnp's (2.05e-3 against 2.08e-3). The model check's one miss (7.1e-2 at the first decode step)
-# is that random model's sensitivity there: rounding-sized noise on jnp's own attention moves those logits by up to
-# 7.1e-2 (docs/BENCHMARKS.md, "One-token chunks on the Mosaic kernel"). False sends them to the Triton kernel.
+# NOTE: one-token chunks on the Mosaic kernel: decode steps with attention_impl="pallas" whose cache the paged decode
+# kernel does not take (`Attention._decode_kernel_applies`; every FP8-cache step until that kernel took split FP8
+# rows). 2.2-11x the Triton kernel on an H200, its S = 1 tests pass, and inside the model each layer's output is as
+# close to a float32 reference as jnp's (2.05e-3 against 2.08e-3). The model check's one miss (7.1e-2 at the first
+# decode step) is that random model's sensitivity there: rounding-sized noise on jnp's own attention moves those
+# logits by up to 7.1e-2 (docs/BENCHMARKS.md, "One-token chunks on the Mosaic kernel"). False sends them to Triton.
 MOSAIC_ONE_TOKEN = True
 
 
@@ -652,8 +653,8 @@ class Attention(nnx.Module):
 
         The chunk's own K=V rows are used as the cache would give them back (`KVStore.round_trip`), so an
         FP8 cache gives the same result whatever the chunking, as a bf16 one does. With attention_impl="pallas" a
-        one-token chunk (a decode step) over unquantized stores runs the paged decode kernel on the cache itself
-        (`_decode_paged`) instead of reading every entry out densely."""
+        one-token chunk (a decode step) runs the paged decode kernel on the cache itself, bf16 or FP8
+        (`_decode_paged`), instead of reading every entry out densely."""
         b, n, _ = x.shape
         positions = start[:, None] + jnp.arange(n)[None]  # [B, n] global positions (RoPE angles in float32)
         real = jnp.arange(n)[None] < valid[:, None]
@@ -711,32 +712,58 @@ class Attention(nnx.Module):
 
     def _decode_kernel_applies(self, state: dict, dtype) -> bool:
         """Whether a one-token step runs `dsv4.pallas.decode.paged_decode_attention` (static): with
-        attention_impl="pallas", and every store it reads unquantized in the compute dtype (the FP8 formats keep
-        their RoPE channels in bf16 beside the e4m3 ones, a row the kernel does not take)."""
+        attention_impl="pallas", and every store it reads in a form the kernel takes: unquantized in the compute
+        dtype, or FP8 (its nope channels e4m3 beside bf16 RoPE channels, scales per tensor, per channel or per
+        row and 64-channel tile)."""
+        from dsv4.pallas.attention import SCALE_TILE
+
         if self.attention_impl != "pallas":
             return False
         stores = [state["window"]] + ([state["compressor"]["entries"]] if self.layer_type != SLIDING else [])
-        return all(not st.fmt.quantized and next(iter(st.stored.values())).dtype == dtype for st in stores)
+
+        def takes(st) -> bool:
+            if not st.fmt.quantized:
+                return st.stored["values"].dtype == dtype
+            return st.fmt.scaling != "tile" or st.fmt.tile == SCALE_TILE
+
+        return all(takes(st) for st in stores)
+
+    @staticmethod
+    def _kernel_rows(store) -> dict[str, jax.Array | None]:
+        """A store's leaves as the decode kernel takes them: pages [P, R, ·] (page axis first: a dense store's
+        request slots are its pages), FP8 scales in float32 ([n] per channel, or [P, R, tiles]), RoPE pages."""
+        if not store.fmt.quantized:
+            return dict(pages=store.stored["values"], scales=None, rope=None)
+        nope = store.stored["nope"]
+        if store.fmt.scaling == "tile":  # NOTE: e8m0 scales are widened here, a pass over 1 byte per 64 values
+            scales = store.stored["scale"].astype(F32)
+        else:  # per tensor or per channel: one state for the whole array
+            scales = jnp.broadcast_to(store.scale["scale"].astype(F32), nope.shape[-1:])
+        return dict(pages=nope, scales=scales, rope=store.stored.get("rope"))
 
     def _decode_paged(self, q: jax.Array, end: jax.Array, valid: jax.Array, new: dict,
                       block_table: jax.Array | None, topk: jax.Array | None) -> jax.Array:  # fmt: skip
         """The one-token step by the paged decode kernel, straight from the cache: the ring (the new token already
         written) as one page per slot, the compressed entries through the request's block table (each token page
-        holds page_tokens / rate entries), HCA every complete entry, CSA the indexer's picks. → [B, 1, H, D]."""
+        holds page_tokens / rate entries), HCA every complete entry, CSA the indexer's picks; FP8 stores as they
+        are (split rows: e4m3 nope channels, bf16 RoPE channels). → [B, 1, H, D]."""
         from dsv4.pallas.decode import paged_decode_attention
 
         b = q.shape[0]
         per_slot = jnp.arange(b, dtype=jnp.int32)[:, None]  # slot b's dense rows are "page" b
         seq_lens = jnp.where(valid > 0, end, 0).astype(jnp.int32)  # 0: an idle slot (output 0, dropped)
-        kw = {}
+        ring = self._kernel_rows(new["window"])
+        kw = dict(kv_scales=ring["scales"], kv_rope_pages=ring["rope"])
         if self.layer_type != SLIDING:
             entries = new["compressor"]["entries"]
             if entries.capacity(block_table) > 0:
-                kw = dict(compressed_pages=entries.stored["values"],
+                rows = self._kernel_rows(entries)
+                kw.update(compressed_pages=rows["pages"], compressed_scales=rows["scales"],
+                          compressed_rope_pages=rows["rope"],
                           compressed_block_tables=block_table if entries.paged else per_slot,
                           compressed_lens=seq_lens // self.compressor.rate,
                           topk_indices=None if topk is None else topk[:, 0])  # fmt: skip
-        out = paged_decode_attention(q[:, 0], new["window"].stored["values"], per_slot, seq_lens, self.sinks[...],
+        out = paged_decode_attention(q[:, 0], ring["pages"], per_slot, seq_lens, self.sinks[...],
                                      sliding_window=self.sliding_window, scale=self.head_dim**-0.5,
                                      interpret=jax.default_backend() != "gpu", **kw)  # fmt: skip
         return out[:, None]

@@ -3,10 +3,11 @@ on the same random weights and the same ragged batch, each path from its own cac
 - the chunked prefill: each chunk after the first runs its window / HCA attention on the Mosaic kernel from the
   cache's ring (`kv_prefix`; the first chunk, with no ring yet, and CSA layers take the Triton kernel); every
   chunk's last logits must agree;
-- the decode through the paged decode kernel on the cache itself (KERNEL_NOTES decode item 8), or with an FP8
-  cache (`--kv-format fp8-channel`) through the attention core on the dense read-out (one token at a time, on the
-  Mosaic kernel for window / HCA, the library's default, or the Triton one with `--one-token triton`): logits must
-  agree and the greedy tokens match. With an FP8 cache both paths decode from the jnp path's cache (each step's new
+- the decode through the paged decode kernel on the cache itself (KERNEL_NOTES decode item 8), bf16 or, with
+  `--kv-format fp8-channel` (or another FP8 format), its split rows as stored (e4m3 nope channels and their
+  scales, bf16 RoPE channels; the Triton kernel): logits must agree and the greedy tokens match. (`--one-token`
+  picks the kernel of one-token chunks, which decode steps now take only where the paged kernel does not take
+  the cache.) With an FP8 cache both paths decode from the jnp path's cache (each step's new
   cache from the Pallas path is dropped): two caches written from slightly different bf16 values round apart in
   FP8, and that would be measured, not the attention route.
 - the noise floor of each decode step (bf16): the jnp path again, with rounding-sized Gaussian noise (`--noise`,
@@ -96,8 +97,7 @@ def main():
     p.add_argument("--small", action="store_true", help="4 heads x 64 (CPU smoke)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--kv-format", default=None, help="cache format (dsv4.cache.layout.FORMAT_NAMES; default: the "
-                   "model dtype, unquantized). An FP8 format sends the Pallas path's decode steps through the "
-                   "attention core (see --one-token; CSA on the Triton kernel), not the paged kernel")
+                   "model dtype, unquantized). FP8 formats reach the paged kernel as split rows (Triton)")
     p.add_argument("--one-token", choices=("triton", "mosaic"), default=None,
                    help="which kernel takes one-token chunks (dsv4.attention.MOSAIC_ONE_TOKEN; default: the "
                         "library's, mosaic)")  # fmt: skip

@@ -197,6 +197,63 @@ def test_fp8_matches_reference(mode, kv_layout, compressed_layout):
     assert_close(got, want, jnp.bfloat16)
 
 
+def split_rows(pages, layout, rope_dim):
+    """pages [P, ps, D] f32 → the cache's split FP8 rows: (nope float8_e4m3fn [P, ps, n], f32 scales, rope bf16
+    [P, ps, Dr]) with n = D - Dr, scales per channel [n] or per row and 64-channel tile [P, ps, ceil(n / 64)] (the
+    last tile short when n is not a multiple of 64), as `dsv4.cache.quant.quantize` lays them out."""
+    n = pages.shape[-1] - rope_dim
+    nope, rope = pages[..., :n], pages[..., n:].astype(jnp.bfloat16)
+    finite = jnp.abs(jnp.nan_to_num(nope, nan=0.0))
+    if layout == "channel":
+        scales = jnp.maximum(finite.max(axis=(0, 1)), 1e-6) / 448.0  # [n]
+        full = scales
+    else:
+        tiles = -(-n // SCALE_TILE)
+        padded = jnp.pad(finite, ((0, 0), (0, 0), (0, tiles * SCALE_TILE - n)))
+        scales = jnp.maximum(padded.reshape(*finite.shape[:2], tiles, SCALE_TILE).max(-1), 1e-6) / 448.0
+        full = jnp.repeat(scales, SCALE_TILE, axis=-1)[..., :n]
+    return (nope / full).astype(jnp.float8_e4m3fn), scales.astype(jnp.float32), rope
+
+
+def whole_rows(nope, scales, rope):
+    """Split rows back to whole bf16 rows the way the cache reads them (`dsv4.cache.quant.dequantize`)."""
+    from dsv4.cache.layout import KVFormat
+    from dsv4.cache.quant import dequantize
+
+    tile = scales.ndim == 3
+    fmt = KVFormat("t", dtype="float8_e4m3fn", scaling="tile" if tile else "channel", rope_dim=rope.shape[-1])
+    stored = dict(nope=nope, rope=rope, **({"scale": scales} if tile else {}))
+    return dequantize(stored, fmt, None if tile else {"scale": scales}, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("mode, head_dim, rope_dim, kv_layout, compressed_layout", [
+    ("hca", 128, 16, "tile", "channel"),  # n = 112: two scale tiles, the second 48 channels
+    ("csa", 128, 64, "channel", "tile"),
+    ("csa", 32, 8, "tile", "tile"),  # D < 64: each channel's tile scale gathered (the tiny models' shapes)
+])  # fmt: skip
+def test_split_fp8_rows_match_the_whole_rows_they_dequantize_to(mode, head_dim, rope_dim, kv_layout,
+                                                               compressed_layout):  # fmt: skip
+    """The cache's FP8 rows (nope channels e4m3 + scales, RoPE channels bf16 in their own pages): the kernel on the
+    split rows equals the whole-row reference on the rows `dsv4.cache.quant.dequantize` gives back, and the reference
+    on the split rows equals it too. NaN in every unwritten slot (the nope pages' NaN becomes e4m3 NaN)."""
+    inputs, _ = make_cache(12, [5, 64, 200], head_dim=head_dim, rate=4, dtype=jnp.float32)
+    inputs["q"] = inputs["q"].astype(jnp.bfloat16)
+    kw = dict(sliding_window=16, scale=head_dim**-0.5)
+    if mode == "csa":
+        kw["topk_indices"] = make_topk(12, inputs["compressed_lens"], k=20)
+    split = dict(inputs)
+    split["kv_pages"], kv_scales, split["kv_rope_pages"] = split_rows(inputs["kv_pages"], kv_layout, rope_dim)
+    split["compressed_pages"], c_scales, split["compressed_rope_pages"] = split_rows(
+        inputs["compressed_pages"], compressed_layout, rope_dim)  # fmt: skip
+    whole = dict(inputs, kv_pages=whole_rows(split["kv_pages"], kv_scales, split["kv_rope_pages"]),
+                 compressed_pages=whole_rows(split["compressed_pages"], c_scales, split["compressed_rope_pages"]))
+    got, want_split = run_both(split, kv_scales=kv_scales, compressed_scales=c_scales, **kw)
+    want = np.asarray(paged_decode_attention_reference(**whole, **kw), np.float32)
+    assert_close(got, want, jnp.bfloat16)
+    assert_close(want_split, want, jnp.bfloat16)
+    assert np.abs(want_split - want).max() < 1e-2  # the same rows, one rounding apart at most
+
+
 # ---------------------------------------------------------------------------------------------
 # The decode reference against the prefill reference (tokens unpaged, query at position L - 1).
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +320,16 @@ def test_input_validation_names_shapes():
         paged_decode_attention(**inputs, topk_indices=jnp.zeros((3, 4), jnp.int32), **call)
     with pytest.raises(ValueError, match="does not divide num_heads=6"):
         paged_decode_attention(**make_cache(10, [3], heads=6)[0], **call, block_sizes=BlockSizes(block_h=4))
+    nope, scales, rope = split_rows(inputs["kv_pages"], "channel", 8)
+    split = dict(window_only, kv_pages=nope, kv_scales=scales, kv_rope_pages=rope)
+    with pytest.raises(ValueError, match=r"kv_rope_pages.shape=\(\d+, 8, 4\) must be .* D = 32"):
+        paged_decode_attention(**dict(split, kv_rope_pages=rope[..., :4]), **call)
+    with pytest.raises(ValueError, match="kv_pages must hold the FP8 nope channels"):
+        paged_decode_attention(**dict(split, kv_pages=inputs["kv_pages"][..., :24], kv_scales=None), **call)
+    with pytest.raises(ValueError, match=r"kv_scales.shape=\(32,\) fits neither per-channel \(24,\)"):
+        paged_decode_attention(**dict(split, kv_scales=jnp.ones(32, jnp.float32)), **call)
+    with pytest.raises(ValueError, match="split rows .* whole rows only"):
+        paged_decode_attention(**split, **call, impl="mgpu")
     with pytest.raises(ValueError, match="tile rows"):  # tl.dot needs >= 16 rows when compiled
         paged_decode_attention(**window_only, sliding_window=16, scale=0.1)
 
@@ -279,7 +346,7 @@ def test_default_num_splits_fills_one_wave():
     assert default_num_splits(8, 2, 132) == 2
 
 
-@pytest.mark.parametrize("mode", ["window", "hca", "csa-fp8"])
+@pytest.mark.parametrize("mode", ["window", "hca", "csa-fp8", "csa-fp8-split"])
 def test_lowers_to_triton_at_real_shapes(mode, monkeypatch):
     from jax._src.pallas.triton import lowering as triton_lowering
 
@@ -306,9 +373,15 @@ def test_lowers_to_triton_at_real_shapes(mode, monkeypatch):
         )
     if mode.startswith("csa"):
         dynamic["topk_indices"] = sds((b, 512), jnp.int32)
-    if "fp8" in mode:
+    if mode == "csa-fp8":
         dynamic.update(kv_scales=sds((d,), jnp.float32),
                        compressed_scales=sds((pages, page_size, d // SCALE_TILE), jnp.float32))  # fmt: skip
+    if mode == "csa-fp8-split":  # the cache's FP8 rows: 448 e4m3 channels (7 scale tiles) + 64 bf16 RoPE channels
+        n = d - 64
+        dynamic.update(kv_pages=sds((pages, page_size, n), dtype), compressed_pages=sds((pages, page_size, n), dtype),
+                       kv_scales=sds((n,), jnp.float32), compressed_scales=sds((pages, page_size, 7), jnp.float32),
+                       kv_rope_pages=sds((pages, page_size, 64), jnp.bfloat16),
+                       compressed_rope_pages=sds((pages, page_size, 64), jnp.bfloat16))  # fmt: skip
     names = tuple(dynamic)
 
     def fn(*arrays):
@@ -320,7 +393,7 @@ def test_lowers_to_triton_at_real_shapes(mode, monkeypatch):
     [result] = modules
     assert result.module.operation.verify()
     # splits: min(132 SMs // 8 programs = 16, key blocks): window 2 blocks; HCA 2 + 6400 / 64; CSA 2 + 512 / 64
-    assert list(result.grid) == [b, 1, {"window": 2, "hca": 16, "csa-fp8": 10}[mode]]
+    assert list(result.grid) == [b, 1, {"window": 2, "hca": 16, "csa-fp8": 10, "csa-fp8-split": 10}[mode]]
     assert str(result.module).count("tt.dot") == (2 if mode == "window" else 4)
 
 
@@ -329,7 +402,7 @@ def test_lowers_to_triton_at_real_shapes(mode, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("mode", ["window", "hca", "csa", "csa-fp8"])
+@pytest.mark.parametrize("mode", ["window", "hca", "csa", "csa-fp8", "hca-fp8-split", "csa-fp8-split"])
 def test_gpu_matches_reference_at_real_shapes(mode):
     seq_lens = [1, 63, 64, 65, 128, 129, 1000, 5000]
     inputs, _ = make_cache(11, seq_lens, heads=64, head_dim=512, window=128, page_size=64, compressed_page_size=64,
@@ -341,6 +414,11 @@ def test_gpu_matches_reference_at_real_shapes(mode):
         inputs["kv_pages"], kw["kv_scales"] = quantize(inputs["kv_pages"].astype(jnp.float32), "channel")
         pages = inputs["compressed_pages"].astype(jnp.float32)
         inputs["compressed_pages"], kw["compressed_scales"] = quantize(pages, "tile")
+    if mode.endswith("split"):  # the cache's rows: 448 e4m3 channels (7 scale tiles) + 64 bf16 RoPE channels
+        inputs["kv_pages"], kw["kv_scales"], kw["kv_rope_pages"] = split_rows(
+            inputs["kv_pages"].astype(jnp.float32), "channel", 64)  # fmt: skip
+        inputs["compressed_pages"], kw["compressed_scales"], kw["compressed_rope_pages"] = split_rows(
+            inputs["compressed_pages"].astype(jnp.float32), "tile", 64)  # fmt: skip
     got = np.asarray(paged_decode_attention(**inputs, **kw, out_init=jnp.nan), np.float32)
     want = np.asarray(paged_decode_attention_reference(**inputs, **kw), np.float32)
     assert_close(got, want, jnp.bfloat16)

@@ -11,8 +11,9 @@ the one KV head that is both K and V. Layout of this file (see dsv4/pallas/READM
                                      softmax state (max, sum, acc) for its share of the keys.
 - `paged_decode_attention`           the public jitted entry: checks shapes/dtypes, computes per-request bounds,
                                      calls `pl.pallas_call`, and combines the splits exactly in jnp. On Hopper,
-                                     window and HCA layers with bf16 pages go to `dsv4.pallas.decode_mgpu` (the
-                                     Mosaic GPU kernel, same contract) unless impl="triton".
+                                     window and HCA layers with bf16 pages (or whole FP8 rows with per-channel
+                                     scales) go to `dsv4.pallas.decode_mgpu` (the Mosaic GPU kernel, same
+                                     contract) unless impl="triton".
 - `paged_decode_attention_reference` the spec in plain jnp (gathers every key, materialized mask), for tests.
 
 Cache layout (the cache subsystem adapts to this; dsv4/cache/README.md sizes the page groups):
@@ -35,6 +36,9 @@ Cache layout (the cache subsystem adapts to this; dsv4/cache/README.md sizes the
         [0, compressed_lens[b]) are ignored). The list is taken as is: no causal check beyond that.
     FP8 (optional): kv_pages / compressed_pages float8_e4m3fn with float32 scales, value = f32(fp8) · scale:
         per channel [D], or per token and 64-channel tile [P, page_size, D // 64] (paged like the values).
+    Split FP8 rows (optional; the cache's own FP8 formats, `dsv4.cache.layout.KVFormat`): kv_pages /
+        compressed_pages hold a row's first D - Dr channels in FP8, scaled over those channels, and kv_rope_pages /
+        compressed_rope_pages [P, page_size, Dr] its RoPE channels (bf16), paged alike: the row is their join.
     Block-table entries past what a request uses are never dereferenced (any id, e.g. the null page 0).
 
 NOTE: flash-decoding. The keys of one request (window blocks, then compressed blocks, `block_kv` keys each) are
@@ -123,8 +127,9 @@ class BlockSizes:
 # ---------------------------------------------------------------------------------------------
 # Input checks shared by the kernel entry and the reference.
 # ---------------------------------------------------------------------------------------------
-def _check_scales(name, scales, pages, pages_name) -> str | None:
-    """Validates FP8 scales for pages [P, page_size, D]; → "channel", "tile" or None (not FP8)."""
+def _check_scales(name, scales, pages, pages_name, *, mixed=False) -> str | None:
+    """Validates FP8 scales for pages [P, page_size, n]; → "channel", "tile" or None (not FP8). mixed: the pages
+    hold only a row's first n channels (its RoPE channels are in their own pages), and a short last tile is fine."""
     p, page_size, d = pages.shape
     if pages.dtype != FP8:
         if scales is not None:
@@ -136,23 +141,41 @@ def _check_scales(name, scales, pages, pages_name) -> str | None:
         raise ValueError(f"{name} must be float32, got {scales.dtype}")
     if scales.shape == (d,):
         return "channel"
-    if d % SCALE_TILE == 0 and scales.shape == (p, page_size, d // SCALE_TILE):
+    tiles = -(-d // SCALE_TILE)
+    if (mixed or d % SCALE_TILE == 0) and scales.shape == (p, page_size, tiles):
         return "tile"
     raise ValueError(
         f"{name}.shape={scales.shape} fits neither per-channel ({d},) nor per-token-tile "
-        f"({p}, {page_size}, {d // SCALE_TILE}) (D % {SCALE_TILE} == 0) for {pages_name}.shape={pages.shape}"
+        f"({p}, {page_size}, {tiles}) ({'' if mixed else f'D % {SCALE_TILE} == 0, '}one scale per {SCALE_TILE} "
+        f"channels) for {pages_name}.shape={pages.shape}"
     )
 
 
+def _check_rope_pages(rope, pages, d, rope_name, pages_name) -> None:
+    """A split row: pages [P, ps, D - Dr] FP8 (the nope channels) beside rope [P, ps, Dr] (the RoPE channels)."""
+    if pages.dtype != FP8:
+        raise ValueError(f"{rope_name} given, so {pages_name} must hold the FP8 nope channels; got {pages.dtype}")
+    if rope.ndim != 3 or rope.shape[:2] != pages.shape[:2] or rope.shape[2] < 1 or pages.shape[2] + rope.shape[2] != d:
+        raise ValueError(f"{rope_name}.shape={rope.shape} must be ({pages.shape[0]}, {pages.shape[1]}, Dr) with "
+                         f"{pages_name}.shape[2] + Dr = D = {d} ({pages_name}.shape={pages.shape})")  # fmt: skip
+    if rope.dtype not in (jnp.bfloat16, jnp.float16, F32):
+        raise ValueError(f"{rope_name}.dtype={rope.dtype} must be bfloat16, float16 or float32")
+
+
 def _check_inputs(q, kv_pages, block_tables, seq_lens, sinks, *, sliding_window, ring_size, compressed_pages,
-                  compressed_block_tables, compressed_lens, topk_indices, kv_scales, compressed_scales):  # fmt: skip
+                  compressed_block_tables, compressed_lens, topk_indices, kv_scales, compressed_scales,
+                  kv_rope_pages=None, compressed_rope_pages=None):  # fmt: skip
     """Raises ValueError (with shapes) on malformed inputs; → (ring_size, kv scale layout, compressed scale layout)."""
     if q.ndim != 3 or kv_pages.ndim != 3:
         raise ValueError(f"expected q [B, H, D] and kv_pages [P, page_size, D], got q.shape={q.shape}, "
                          f"kv_pages.shape={kv_pages.shape}")  # fmt: skip
     b, h, d = q.shape
     page_size = kv_pages.shape[1]
-    if kv_pages.shape[2] != d or kv_pages.shape[0] == 0 or page_size == 0:
+    if kv_rope_pages is not None:
+        _check_rope_pages(kv_rope_pages, kv_pages, d, "kv_rope_pages", "kv_pages")
+    elif kv_pages.shape[2] != d:
+        raise ValueError(f"kv_pages.shape={kv_pages.shape} must be (P >= 1, page_size >= 1, D = {d})")
+    if kv_pages.shape[0] == 0 or page_size == 0:
         raise ValueError(f"kv_pages.shape={kv_pages.shape} must be (P >= 1, page_size >= 1, D = {d})")
     if q.dtype not in (jnp.bfloat16, jnp.float16, F32):
         raise ValueError(f"q.dtype={q.dtype} must be bfloat16, float16 or float32")
@@ -173,15 +196,19 @@ def _check_inputs(q, kv_pages, block_tables, seq_lens, sinks, *, sliding_window,
         raise ValueError(f"block_tables must be int32 [B, >= ceil(ring_size / page_size)] = ({b}, >= {ring_pages}) "
                          f"for ring_size={ring_size}, page_size={page_size}; got {block_tables.dtype} "
                          f"{block_tables.shape}")  # fmt: skip
-    kv_layout = _check_scales("kv_scales", kv_scales, kv_pages, "kv_pages")
+    kv_layout = _check_scales("kv_scales", kv_scales, kv_pages, "kv_pages", mixed=kv_rope_pages is not None)
     compressed_layout = None
     if compressed_pages is None:
-        if any(x is not None for x in (compressed_block_tables, compressed_lens, topk_indices, compressed_scales)):
-            raise ValueError("compressed_block_tables / compressed_lens / topk_indices / compressed_scales given "
-                             "without compressed_pages")  # fmt: skip
+        if any(x is not None for x in (compressed_block_tables, compressed_lens, topk_indices, compressed_scales,
+                                       compressed_rope_pages)):  # fmt: skip
+            raise ValueError("compressed_block_tables / compressed_lens / topk_indices / compressed_scales / "
+                             "compressed_rope_pages given without compressed_pages")  # fmt: skip
     else:
-        if compressed_pages.ndim != 3 or compressed_pages.shape[2] != d or 0 in compressed_pages.shape:
+        width = d if compressed_rope_pages is None else compressed_pages.shape[-1]
+        if compressed_pages.ndim != 3 or compressed_pages.shape[2] != width or 0 in compressed_pages.shape:
             raise ValueError(f"compressed_pages.shape={compressed_pages.shape} must be (Pc >= 1, cps >= 1, D = {d})")
+        if compressed_rope_pages is not None:
+            _check_rope_pages(compressed_rope_pages, compressed_pages, d, "compressed_rope_pages", "compressed_pages")
         if compressed_pages.dtype not in (q.dtype, FP8):
             raise ValueError(f"compressed_pages.dtype={compressed_pages.dtype} must be q.dtype={q.dtype} or "
                              "float8_e4m3fn")  # fmt: skip
@@ -198,23 +225,26 @@ def _check_inputs(q, kv_pages, block_tables, seq_lens, sinks, *, sliding_window,
                                          or topk_indices.shape[1] == 0 or topk_indices.dtype != jnp.int32):  # fmt: skip
             raise ValueError(f"topk_indices must be int32 [B, K >= 1] with B = {b}, got {topk_indices.dtype} "
                              f"{topk_indices.shape}")  # fmt: skip
-        compressed_layout = _check_scales("compressed_scales", compressed_scales, compressed_pages, "compressed_pages")
+        compressed_layout = _check_scales("compressed_scales", compressed_scales, compressed_pages, "compressed_pages",
+                                          mixed=compressed_rope_pages is not None)  # fmt: skip
     return ring_size, kv_layout, compressed_layout
 
 
 # ---------------------------------------------------------------------------------------------
 # Reference: the spec, every key gathered and masked. Fine for small shapes only.
 # ---------------------------------------------------------------------------------------------
-def _gather_reference(pages, scales, table, entry, dtype):
-    """pages [P, ps, D], table [B, n], entry int32 [B, N] (>= 0) → dequantized rows [B, N, D] in `dtype`."""
-    page_size = pages.shape[1]
+def _gather_reference(pages, scales, table, entry, dtype, rope=None):
+    """pages [P, ps, n], table [B, m], entry int32 [B, N] (>= 0) → dequantized rows [B, N, D] in `dtype` (D = n,
+    or n + Dr with the RoPE channels' own pages rope [P, ps, Dr] appended)."""
+    page_size, n = pages.shape[1:]
     page = jnp.take_along_axis(table, entry // page_size, axis=1)  # [B, N]
     row = entry % page_size
-    values = pages[page, row]  # [B, N, D]
-    if scales is None:
-        return values.astype(dtype)
-    full = scales[None, None, :] if scales.ndim == 1 else jnp.repeat(scales[page, row], SCALE_TILE, axis=-1)
-    return (values.astype(F32) * full).astype(dtype)
+    values = pages[page, row]  # [B, N, n]
+    if scales is not None:
+        full = scales[None, None, :] if scales.ndim == 1 else jnp.repeat(scales[page, row], SCALE_TILE, -1)[..., :n]
+        values = values.astype(F32) * full
+    values = values.astype(dtype)
+    return values if rope is None else jnp.concatenate([values, rope[page, row].astype(dtype)], axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "ring_size"))
@@ -234,6 +264,8 @@ def paged_decode_attention_reference(
     topk_indices: jax.Array | None = None,
     kv_scales: jax.Array | None = None,
     compressed_scales: jax.Array | None = None,
+    kv_rope_pages: jax.Array | None = None,
+    compressed_rope_pages: jax.Array | None = None,
 ) -> jax.Array:
     """Paged V4 decode attention straight from the spec (same arguments as `paged_decode_attention`). → [B, H, D].
 
@@ -244,12 +276,13 @@ def paged_decode_attention_reference(
         q, kv_pages, block_tables, seq_lens, sinks, sliding_window=sliding_window, ring_size=ring_size,
         compressed_pages=compressed_pages, compressed_block_tables=compressed_block_tables,
         compressed_lens=compressed_lens, topk_indices=topk_indices, kv_scales=kv_scales,
-        compressed_scales=compressed_scales,
+        compressed_scales=compressed_scales, kv_rope_pages=kv_rope_pages, compressed_rope_pages=compressed_rope_pages,
     )  # fmt: skip
     b = q.shape[0]
     token = seq_lens[:, None] - sliding_window + jnp.arange(sliding_window)  # [B, W]: the window's positions
     mask = token >= 0
-    keys = _gather_reference(kv_pages, kv_scales, block_tables, jnp.where(mask, token, 0) % ring_size, q.dtype)
+    keys = _gather_reference(kv_pages, kv_scales, block_tables, jnp.where(mask, token, 0) % ring_size, q.dtype,
+                             kv_rope_pages)  # fmt: skip
     if compressed_pages is not None:
         capacity = compressed_block_tables.shape[1] * compressed_pages.shape[1]
         count = jnp.minimum(compressed_lens, capacity)[:, None]  # [B, 1]
@@ -259,7 +292,7 @@ def paged_decode_attention_reference(
             entry = topk_indices
         cmask = (entry >= 0) & (entry < count)  # [B, N]
         entries = _gather_reference(compressed_pages, compressed_scales, compressed_block_tables,
-                                    jnp.where(cmask, entry, 0), q.dtype)  # fmt: skip
+                                    jnp.where(cmask, entry, 0), q.dtype, compressed_rope_pages)  # fmt: skip
         keys = jnp.concatenate([keys, entries], axis=1)  # [B, W + N, D]
         mask = jnp.concatenate([mask, cmask], axis=1)
     keys = jnp.where(mask[..., None], keys, 0)  # rows nobody wrote may hold anything (NaN): 0 · NaN is NaN
@@ -276,15 +309,51 @@ def paged_decode_attention_reference(
 # ---------------------------------------------------------------------------------------------
 # Kernel.
 # ---------------------------------------------------------------------------------------------
+def _load_rows(ref, scales_ref, rope_ref, scale_layout, rows, row_valid, d, compute_dtype):
+    """Gathers rows int32 [N] and dequantizes them to `compute_dtype` → [N, d]; invalid rows are 0.
+
+    Whole rows (rope_ref None) are `attention._load_values`'. Split rows, the cache's FP8 formats: ref holds the
+    first n = d - Dr channels in FP8 (scales per channel [n] or per row and 64-channel tile [rows, ceil(n / 64)]),
+    rope_ref the last Dr in their own dtype. Both are read as d-wide masked loads (Triton tiles are powers of two;
+    n is not, 448 of 512 for V4) and joined by a select, rounded as `dsv4.cache.quant.dequantize` rounds.
+    """
+    if rope_ref is None:
+        return _load_values(ref, scales_ref, scale_layout, rows, row_valid, compute_dtype)
+    n = ref.shape[-1]
+    col = jnp.arange(d)
+    nope, valid = col < n, row_valid[:, None]
+    # NOTE: clamped column ids: masked lanes are never read, but the interpreter gathers them all.
+    raw = plgpu.load(ref.at[rows[:, None], jnp.minimum(col, n - 1)[None, :]], mask=valid & nope[None, :])
+    values = jnp.where(valid & nope[None, :], raw.astype(F32), 0.0)  # [N, d] (no FP8 `other`: see _load_values)
+    if scale_layout == "channel":
+        values = values * plgpu.load(scales_ref.at[jnp.minimum(col, n - 1)], mask=nope, other=0.0)[None, :]
+    else:
+        tiles = scales_ref.shape[-1]
+        if d % SCALE_TILE == 0:  # one load per tile, broadcast over its 64 channels
+            t = jnp.arange(d // SCALE_TILE)
+            s = plgpu.load(scales_ref.at[rows[:, None], jnp.minimum(t, tiles - 1)[None, :]],
+                           mask=valid & (t < tiles)[None, :], other=0.0)  # fmt: skip  # [N, d // 64]
+            s = jnp.broadcast_to(s[:, :, None], (*s.shape, SCALE_TILE)).reshape(values.shape)
+        else:  # d < 64 (small test shapes): one tile, its scale gathered for each channel
+            tile = jnp.minimum(col // SCALE_TILE, tiles - 1)
+            s = plgpu.load(scales_ref.at[rows[:, None], tile[None, :]], mask=valid & nope[None, :], other=0.0)
+        values = values * s
+    rope = plgpu.load(rope_ref.at[rows[:, None], jnp.maximum(col - n, 0)[None, :]], mask=valid & ~nope[None, :],
+                      other=0)  # fmt: skip
+    return jnp.where(nope[None, :], values.astype(compute_dtype), rope.astype(compute_dtype))
+
+
 def paged_decode_attention_kernel(
     q_ref,  # [block_h, D]
     meta_ref,  # [4]: seq_len, window tokens visible, compressed items to scan, compressed entries present
     block_table_ref,  # [max_pages]
-    kv_ref,  # [P · page_size, D] (pages flattened)
-    kv_scales_ref,  # [D] or [P · page_size, D // 64] or None
+    kv_ref,  # [P · page_size, D] (pages flattened), or [P · page_size, D - Dr] FP8 beside kv_rope_ref
+    kv_scales_ref,  # [D] or [P · page_size, D // 64] or None (per the channels kv_ref holds)
+    kv_rope_ref,  # [P · page_size, Dr] or None: the RoPE channels of split rows
     compressed_table_ref,  # [max_compressed_pages] or None
-    compressed_ref,  # [Pc · cps, D] or None
+    compressed_ref,  # [Pc · cps, D] or None (or the nope channels, as kv_ref)
     compressed_scales_ref,  # [D] or [Pc · cps, D // 64] or None
+    compressed_rope_ref,  # [Pc · cps, Dr] or None
     topk_ref,  # [K] or None
     acc_init_ref,  # aliased partial buffers or None; never read
     max_init_ref,
@@ -332,7 +401,8 @@ def paged_decode_attention_kernel(
         slot = lax.rem(first_token + j, ring_size)  # ring slot (positions are >= 0)
         page = plgpu.load(block_table_ref.at[lax.div(slot, page_size)], mask=valid, other=0)  # [N]
         row = jnp.where(valid, page * page_size + lax.rem(slot, page_size), 0)
-        keys = _load_values(kv_ref, kv_scales_ref, kv_scale_layout, row, valid, compute_dtype)  # [N, D]
+        keys = _load_rows(kv_ref, kv_scales_ref, kv_rope_ref, kv_scale_layout, row, valid, head_dim,
+                          compute_dtype)  # fmt: skip  # [N, D]
         return step(carry, q, keys, jnp.broadcast_to(valid[None, :], (block_h, block_kv)))
 
     carry = lax.fori_loop(jnp.minimum(lo, n_window_blocks), jnp.minimum(hi, n_window_blocks), window_body, carry)
@@ -349,8 +419,8 @@ def paged_decode_attention_kernel(
             entry = jnp.where(valid, entry, 0)
             page = plgpu.load(compressed_table_ref.at[lax.div(entry, compressed_page_size)], mask=valid, other=0)
             row = jnp.where(valid, page * compressed_page_size + lax.rem(entry, compressed_page_size), 0)
-            keys = _load_values(compressed_ref, compressed_scales_ref, compressed_scale_layout, row, valid,
-                                compute_dtype)  # fmt: skip  # [N, D]
+            keys = _load_rows(compressed_ref, compressed_scales_ref, compressed_rope_ref, compressed_scale_layout, row,
+                              valid, head_dim, compute_dtype)  # fmt: skip  # [N, D]
             return step(carry, q, keys, jnp.broadcast_to(valid[None, :], (block_h, block_kv)))
 
         start = jnp.maximum(lo, n_window_blocks) - n_window_blocks
@@ -395,6 +465,8 @@ def paged_decode_attention(
     topk_indices: jax.Array | None = None,
     kv_scales: jax.Array | None = None,
     compressed_scales: jax.Array | None = None,
+    kv_rope_pages: jax.Array | None = None,
+    compressed_rope_pages: jax.Array | None = None,
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool = False,
     out_init: float | jax.Array | None = None,
@@ -412,6 +484,10 @@ def paged_decode_attention(
     compressed_pages [Pc, cps, D], compressed_block_tables [B, max_cpages] int32, compressed_lens [B] int32:
                   the compressed pool (HCA when topk_indices is None; CSA with topk_indices [B, K] int32)
     kv_scales / compressed_scales: float32 [D] (per channel) or [pages, page_size, D // 64] (per token, 64-tiles)
+    kv_rope_pages [P, page_size, Dr] / compressed_rope_pages [Pc, cps, Dr]: split rows, as the cache's FP8 formats
+                  store them (`dsv4.cache.layout.KVFormat`): the pages beside them hold the first D - Dr channels
+                  in FP8, scaled over those channels ([D - Dr], or [pages, page_size, ceil((D - Dr) / 64)]), and
+                  these the RoPE channels in bf16 / f16 / f32. Triton only (the Mosaic kernel takes whole rows).
     block_sizes:  tiles, split count and launch parameters; interpret: run in the Pallas interpreter (CPU).
     out_init:     testing hook; the kernel's partial buffers (acc, max, sum per split) start filled with this value
                   (aliased), so anything the kernel fails to write reaches the output (pass NaN to poison).
@@ -427,7 +503,7 @@ def paged_decode_attention(
         q, kv_pages, block_tables, seq_lens, sinks, sliding_window=sliding_window, ring_size=ring_size,
         compressed_pages=compressed_pages, compressed_block_tables=compressed_block_tables,
         compressed_lens=compressed_lens, topk_indices=topk_indices, kv_scales=kv_scales,
-        compressed_scales=compressed_scales,
+        compressed_scales=compressed_scales, kv_rope_pages=kv_rope_pages, compressed_rope_pages=compressed_rope_pages,
     )  # fmt: skip
     if impl not in ("auto", "triton", "mgpu"):
         raise ValueError(f"impl={impl!r} must be 'auto', 'triton' or 'mgpu'")
@@ -435,9 +511,13 @@ def paged_decode_attention(
         from dsv4.pallas import decode_mgpu as dm  # local: decode_mgpu imports this module
 
         config = dm.MgpuDecodeConfig(num_splits=block_sizes.num_splits)
-        why = dm.unsupported_reason(q, kv_pages, sliding_window=sliding_window, ring_size=ring_size,
-                                    compressed_pages=compressed_pages, topk_indices=topk_indices, kv_scales=kv_scales,
-                                    compressed_scales=compressed_scales, config=config)  # fmt: skip
+        if kv_rope_pages is not None or compressed_rope_pages is not None:
+            why = "split rows (kv_rope_pages / compressed_rope_pages): the Mosaic kernel takes whole rows only"
+        else:
+            why = dm.unsupported_reason(q, kv_pages, sliding_window=sliding_window, ring_size=ring_size,
+                                        compressed_pages=compressed_pages, topk_indices=topk_indices,
+                                        kv_scales=kv_scales, compressed_scales=compressed_scales,
+                                        config=config)  # fmt: skip
         if impl == "mgpu" and why:
             raise ValueError(f"paged_decode_attention(impl='mgpu'): {why}")
         if impl == "mgpu" or (not why and not interpret and out_init is None and _is_hopper()):
@@ -483,17 +563,18 @@ def paged_decode_attention(
         return pages.reshape(pages.shape[0] * pages.shape[1], *pages.shape[2:])
 
     def scale_spec(layout, scales):
-        if layout == "channel":
-            return pl.BlockSpec((d,), lambda i, j, s: (0,))
-        if layout == "tile":
-            return pl.BlockSpec(scales.shape, lambda i, j, s: (0, 0))
-        return None
+        return None if layout is None else pl.BlockSpec(scales.shape, lambda i, j, s: (0,) * scales.ndim)
+
+    def full_spec(x):
+        return None if x is None else pl.BlockSpec(x.shape, lambda i, j, s: (0,) * x.ndim)
 
     kv_flat, kv_scales_flat = flat(kv_pages), kv_scales if kv_layout != "tile" else flat(kv_scales)
-    compressed_flat = compressed_scales_flat = None
+    kv_rope_flat = None if kv_rope_pages is None else flat(kv_rope_pages)
+    compressed_flat = compressed_scales_flat = compressed_rope_flat = None
     if compressed_pages is not None:
         compressed_flat = flat(compressed_pages)
         compressed_scales_flat = compressed_scales if compressed_layout != "tile" else flat(compressed_scales)
+        compressed_rope_flat = None if compressed_rope_pages is None else flat(compressed_rope_pages)
 
     acc_spec = pl.BlockSpec((None, None, block_h, d), lambda i, j, s: (i, s, j, 0))
     stat_spec = pl.BlockSpec((None, None, block_h), lambda i, j, s: (i, s, j))
@@ -508,18 +589,20 @@ def paged_decode_attention(
         pl.BlockSpec((None, block_tables.shape[1]), lambda i, j, s: (i, 0)),  # block_tables
         pl.BlockSpec(kv_flat.shape, lambda i, j, s: (0, 0)),  # kv pages
         scale_spec(kv_layout, kv_scales_flat),
+        full_spec(kv_rope_flat),
         None
         if compressed_pages is None
         else pl.BlockSpec((None, compressed_block_tables.shape[1]), lambda i, j, s: (i, 0)),  # fmt: skip
         None if compressed_pages is None else pl.BlockSpec(compressed_flat.shape, lambda i, j, s: (0, 0)),
         scale_spec(compressed_layout, compressed_scales_flat),
+        full_spec(compressed_rope_flat),
         None if topk_indices is None else pl.BlockSpec((None, topk_indices.shape[1]), lambda i, j, s: (i, 0)),
         None if out_init is None else acc_spec,
         None if out_init is None else stat_spec,
         None if out_init is None else stat_spec,
     ]
-    args = (q, meta, block_tables, kv_flat, kv_scales_flat, compressed_block_tables, compressed_flat,
-            compressed_scales_flat, topk_indices, *inits)  # fmt: skip
+    args = (q, meta, block_tables, kv_flat, kv_scales_flat, kv_rope_flat, compressed_block_tables, compressed_flat,
+            compressed_scales_flat, compressed_rope_flat, topk_indices, *inits)  # fmt: skip
     n_args = sum(a is not None for a in args)  # pallas_call numbers inputs after dropping the Nones
     kernel = functools.partial(
         paged_decode_attention_kernel, sliding_window=sliding_window, ring_size=ring_size, page_size=page_size,

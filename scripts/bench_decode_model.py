@@ -1,0 +1,158 @@
+"""The model's decode step at long context, by cache format and decode route, from one prefilled cache.
+
+    PYTHONPATH=. python3 scripts/bench_decode_model.py --contexts 128k,512k --out $OUT/dm     # one H200
+    PYTHONPATH=. python3 scripts/bench_decode_model.py --small --contexts 600 --steps 3       # CPU smoke (interpreted)
+
+Routes (one jitted `forward_chunk` each, the same weights, each timed for `--steps` steps from the same cache):
+    kernel  attention_impl="pallas": a one-token step runs `dsv4.pallas.decode.paged_decode_attention` on the cache
+            itself (bf16 rows; or FP8 ones as stored, e4m3 nope channels beside bf16 RoPE channels);
+    dense   the same model with that kernel switched off: every stored row of the ring and the compressed pool is
+            dequantized into a dense copy, then the attention core runs a one-token chunk over it (the route every
+            FP8-cache step took before split rows reached the kernel);
+    jnp     attention_impl="jnp" (the dense copy, then XLA attention).
+The lightning indexer's keys are read densely by every route (the indexer scores every key anyway).
+
+Model: scripts/check_decode_gpu.py's (V4-Flash attention shapes: 64 heads x 512, window 128, CSA 4:1 with a
+64 x 128 indexer keeping 512, HCA 128:1; narrow residual stream, few experts; layers sliding, CSA, HCA), bf16,
+random weights. `--batch` requests of `ctx`, ctx - 333, ... tokens, prefilled in 8K chunks on the kernel route, in
+256-token pages of a permuted block table. Per route: median ms per step over steps 1.. (step 0 compiles), and the
+logits' relative L2 distance from the kernel route's at step 0, where every route starts from the same cache (all
+routes then decode the same tokens, each writing its own cache: FP8 caches written from bf16-noise-apart rows round
+apart by whole FP8 steps, so later steps would measure that, not the route).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from check_decode_gpu import config, rel_err  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import dsv4  # noqa: E402
+from dsv4.attention import Attention  # noqa: E402
+
+ROUTES = ("kernel", "dense", "jnp")
+
+
+def parse_length(text: str) -> int:
+    text = text.strip().lower()
+    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+
+
+def make_step(dense: bool):
+    """A fresh jitted step (its own trace cache); dense: traced with the paged decode kernel switched off."""
+
+    def step(graphdef, state, cache, tokens, valid):
+        return nnx.merge(graphdef, state).forward_chunk(cache, tokens, valid)
+
+    jitted = jax.jit(step)
+    if not dense:
+        return jitted
+
+    def run(*args):
+        original = Attention._decode_kernel_applies
+        Attention._decode_kernel_applies = lambda self, state, dtype: False  # read at trace time only
+        try:
+            return jitted(*args)
+        finally:
+            Attention._decode_kernel_applies = original
+
+    return run
+
+
+def bench_one(cfg, ctx, batch, kv_format, args, models):
+    lens = np.array([ctx - 333 * i for i in range(batch)])
+    page_tokens, max_len = 256, ctx + args.steps + 256
+    cols = -(-max_len // page_tokens)
+    cache = models["jnp"].init_cache(batch, max_len=max_len, kv_format=kv_format, page_tokens=page_tokens,
+                                     num_pages=batch * cols + 1)  # fmt: skip
+    pages = np.random.default_rng(1).permutation(np.arange(1, batch * cols + 1)).reshape(batch, cols)
+    cache["block_table"] = jnp.asarray(pages, jnp.int32)
+    cache = jax.device_put(cache, jax.devices()[0])
+    prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, (batch, ctx)).astype(np.int32)
+    graphs = {name: nnx.split(model)[0] for name, model in models.items()}
+    state = nnx.split(models["jnp"])[1]
+    prefill = make_step(dense=False)
+    t0 = time.perf_counter()
+    for start in range(0, ctx, args.chunk):
+        n = min(args.chunk, ctx - start)
+        tokens = np.zeros((batch, args.chunk), np.int32)
+        tokens[:, :n] = prompt[:, start : start + n]
+        valid = np.clip(lens - start, 0, n).astype(np.int32)
+        logits, cache = prefill(graphs["pallas"], state, cache, jnp.asarray(tokens), jnp.asarray(valid))
+    jax.block_until_ready(logits)
+    print(f"  prefill {ctx} x {batch} ({kv_format}): {time.perf_counter() - t0:.1f} s", flush=True)
+    first = np.asarray(logits).argmax(-1).astype(np.int32)
+    rows, outs = [], {}
+    for route in args.routes:
+        graph = graphs["jnp" if route == "jnp" else "pallas"]
+        step = make_step(dense=route == "dense")
+        c, tok, times, outs[route] = cache, first, [], []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            out, c = step(graph, state, c, jnp.asarray(tok[:, None]), jnp.ones((batch,), jnp.int32))
+            jax.block_until_ready(out)
+            times.append(time.perf_counter() - t)
+            outs[route].append(np.asarray(out, np.float32))
+            tok = np.asarray(outs["kernel" if "kernel" in outs else route][len(outs[route]) - 1]).argmax(-1)
+            tok = tok.astype(np.int32)
+        del c
+        ms = statistics.median(times[1:] or times) * 1e3
+        base = "kernel" if "kernel" in outs else args.routes[0]
+        err = rel_err(outs[route][0], outs[base][0])
+        rows.append(dict(ctx=ctx, batch=batch, cache=kv_format, route=route, ms=ms, compile_s=times[0],
+                         step0_rel_err=err))  # fmt: skip
+        print(f"  {route:6s} {ms:8.2f} ms / step (first {times[0]:.1f} s), step 0 logits vs {base} {err:.2e}",
+              flush=True)  # fmt: skip
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--contexts", default="128k,512k")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--formats", default="fp8-channel,bf16", help="cache formats (dsv4.cache.layout.FORMAT_NAMES)")
+    p.add_argument("--routes", default=",".join(ROUTES), help=f"subset of {ROUTES}")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--chunk", type=int, default=8192)
+    p.add_argument("--small", action="store_true", help="4 heads x 64 (CPU smoke)")
+    p.add_argument("--out", default=None, help="write the rows as JSON to OUT.json")
+    args = p.parse_args()
+    args.routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+    if any(r not in ROUTES for r in args.routes):
+        p.error(f"--routes must name some of {ROUTES}, got {args.routes}")
+    cfg = config(args.small)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}, steps {args.steps}", flush=True)
+    models = {impl: dsv4.init_random(cfg, seed=0, dtype=jnp.bfloat16, attention_impl=impl)
+              for impl in ("jnp", "pallas")}  # fmt: skip
+    rows = []
+    for ctx in map(parse_length, args.contexts.split(",")):
+        for kv_format in args.formats.split(","):
+            rows += bench_one(cfg, ctx, args.batch, kv_format.strip(), args, models)
+    print("\n| ctx | B | cache | route | ms / step | vs kernel | step 0 logits rel L2 vs kernel |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        kernel = next((k["ms"] for k in rows if k["route"] == "kernel" and k["ctx"] == r["ctx"]
+                       and k["cache"] == r["cache"]), None)  # fmt: skip
+        ratio = f"{r['ms'] / kernel:.2f}x" if kernel else "-"
+        print(f"| {r['ctx']} | {r['batch']} | {r['cache']} | {r['route']} | {r['ms']:.2f} | {ratio} | "
+              f"{r['step0_rel_err']:.2e} |")  # fmt: skip
+    if args.out:
+        Path(args.out + ".json").write_text(json.dumps(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
+                                                            rows=rows), indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
