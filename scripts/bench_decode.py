@@ -65,6 +65,7 @@ VARIANT_KEYS = {"kv": "block_kv", "s": "num_stages", "w": "num_warps", "h": "blo
 GPU_VARIANTS = "default;mgpu:impl=mgpu;mgpu-stream:impl=mgpu,stream=1;mgpu-compute:impl=mgpu,compute=1"
 SMOKE_VARIANTS = "default;kv16:kv=16;spx2:spx=2"
 IMPLS = ("triton", "mgpu")
+EXTRA_KEYS = ("kv_scales", "compressed_scales", "kv_rope_pages", "compressed_rope_pages")
 MGPU_KEYS = {"sl": "num_slots", "ab": "auto_barriers", "pc": "pv_chunks", "fl": "fp8_layout", "rc": "registers"}
 DEBUG_KEYS = {"stream": "stream_only", "compute": "compute_only", "noxchg": "skip_exchange", "nosm": "skip_softmax",
               "noconv": "skip_convert", "noscale": "skip_scale", "nomask": "skip_mask"}  # fmt: skip
@@ -76,7 +77,8 @@ def parse_args():
     p.add_argument("--contexts", default=None, help="context lengths (GPU default 32k,128k,512k)")
     p.add_argument("--batches", default=None, help="batch sizes (GPU default 1,32)")
     p.add_argument("--layers", default="hca,csa,sweep", help="layer kinds: hca, csa, sweep")
-    p.add_argument("--dtypes", default="bf16,fp8", help="page dtypes: bf16, fp8")
+    p.add_argument("--dtypes", default="bf16,fp8", help="page dtypes: bf16, fp8 (whole e4m3 rows), fp8s (the cache's "
+                   "split rows: e4m3 nope channels, bf16 RoPE channels; Triton only)")
     p.add_argument("--sweep-contexts", default=None, help="contexts of the sweep (default: the largest)")
     p.add_argument("--scales", choices=("tile", "channel"), default="tile", help="fp8 scale layout")
     p.add_argument("--calls", type=int, default=None, help="decode calls per jitted step (GPU default 8)")
@@ -241,7 +243,7 @@ class Bench:
             def one(*args, **kw):
                 return dc.paged_decode_attention(*args, block_sizes=block_sizes, interpret=interpret, impl="triton",
                                                  **kw)
-        extra = {k: pool[k] for k in ("kv_scales", "compressed_scales") if k in pool}
+        extra = {k: pool[k] for k in EXTRA_KEYS if k in pool}
 
         def step(kv_pages, compressed_pages, sinks, extra, q, ring, comp, picks, seq_lens, compressed_lens):
             outs = []
@@ -271,9 +273,10 @@ class Bench:
         if bs.num_splits is None and variant.split_factor != 1:
             bs = dataclasses.replace(bs, num_splits=variant.split_factor * self.splits(layer, ctx, batch, bs, impl))
         where = f"{layer} ctx={ctx} B={batch} {dtype_name} {name}"
-        if impl == "mgpu" and (layer == "csa" or self.interpret or (dtype_name != "bf16" and self.scales != "channel")):
-            self.log(f"SKIP {where}: the Mosaic kernel takes window / HCA layers with bf16 pages or fp8 ones with "
-                     f"per-channel scales (--scales channel), on a GPU")  # fmt: skip
+        if impl == "mgpu" and (layer == "csa" or self.interpret or dtype_name == "fp8s"
+                               or (dtype_name != "bf16" and self.scales != "channel")):  # fmt: skip
+            self.log(f"SKIP {where}: the Mosaic kernel takes window / HCA layers with bf16 pages or whole fp8 rows "
+                     f"with per-channel scales (--scales channel), on a GPU")  # fmt: skip
             return
         nbytes = decode_bytes(layer, ctx, batch, self.sh, dtype_name, self.scales)
         if self.left() < 5:
@@ -322,7 +325,7 @@ class Bench:
         if ref_bytes > self.args.check_max_bytes:
             return result
         kw = {k: v for k, v in static.items() if k in ("sliding_window", "scale")}
-        extra = {k: pool[k] for k in ("kv_scales", "compressed_scales") if k in pool}
+        extra = {k: pool[k] for k in EXTRA_KEYS if k in pool}
         want = dc.paged_decode_attention_reference(
             q[0], pool["kv_pages"], ring[0], seq_lens, pool["sinks"], compressed_pages=pool["compressed_pages"],
             compressed_block_tables=comp[0], compressed_lens=clens, topk_indices=None if picks is None else picks[0],
@@ -336,7 +339,7 @@ class Bench:
         _, arrays = self.step_inputs(pool, layer, ctx, batch, self.args.seed + 99)
         q, ring, comp, picks, seq_lens, clens = arrays
         sh = self.sh
-        extra = {k: pool[k] for k in ("kv_scales", "compressed_scales") if k in pool}
+        extra = {k: pool[k] for k in EXTRA_KEYS if k in pool}
 
         def one(q, ring, comp, picks):
             return dc.paged_decode_attention(q, pool["kv_pages"], ring, seq_lens, pool["sinks"],

@@ -886,11 +886,20 @@ def decode_entries(layer: str, ctx: int, sh: Shapes) -> tuple[int, int | None, i
     return count, None, count
 
 
+def decode_rope_dim(sh: Shapes) -> int:
+    """RoPE channels of a row kept in bf16 by the "fp8s" pages (the cache's own FP8 format): V4's 64, or 1/8 of
+    the row at smoke shapes."""
+    return min(64, sh.head_dim // 8)
+
+
 def decode_row_bytes(sh: Shapes, dtype_name: str, scales: str) -> int:
-    """Bytes of one cached row: values plus, for fp8 with per-token tile scales, 4 B per 64 channels."""
+    """Bytes of one cached row: values plus, for fp8 with per-token tile scales, 4 B per 64 channels. "fp8s": the
+    cache's split rows, e4m3 nope channels (+ their tile scales) and bf16 RoPE channels (448 + 128 B for V4)."""
     if dtype_name == "bf16":
         return sh.head_dim * 2
-    return sh.head_dim + (sh.head_dim // 64 * 4 if scales == "tile" else 0)
+    rope = decode_rope_dim(sh) if dtype_name == "fp8s" else 0
+    nope = sh.head_dim - rope
+    return nope + 2 * rope + (-(-nope // 64) * 4 if scales == "tile" else 0)
 
 
 def decode_bytes(layer: str, ctx: int, batch: int, sh: Shapes, dtype_name: str, scales: str) -> float:
@@ -936,13 +945,19 @@ def make_decode_pool(sh: Shapes, seed: int, dtype_name: str, scales: str) -> dic
     if dtype_name == "fp8":
         pool["kv_pages"], pool["kv_scales"] = quantize_pages(pool["kv_pages"], layout=scales)
         pool["compressed_pages"], pool["compressed_scales"] = quantize_pages(pool["compressed_pages"], layout=scales)
+    if dtype_name == "fp8s":  # split rows: the nope channels quantized, the RoPE channels in their own bf16 pages
+        n = d - decode_rope_dim(sh)
+        for name in ("kv", "compressed"):
+            pages = pool.pop(f"{name}_pages")
+            pool[f"{name}_rope_pages"] = pages[..., n:]
+            pool[f"{name}_pages"], pool[f"{name}_scales"] = quantize_pages(pages[..., :n], layout=scales)
     return jax.block_until_ready(pool)
 
 
 @functools.partial(jax.jit, static_argnames=("layout",))
 def quantize_pages(pages, *, layout: str):
     """bf16 pages [P, ps, D] → (float8_e4m3fn pages, f32 scales): per channel [D] or per token and 64-channel tile
-    [P, ps, D // 64] (the decode kernel's two layouts)."""
+    [P, ps, D // 64] (the decode kernel's two layouts; D a multiple of 64 for tiles)."""
     x = pages.astype(F32)
     if layout == "channel":
         scales = jnp.maximum(jnp.max(jnp.abs(x), axis=(0, 1)), 1e-12) / 448.0  # [D]
