@@ -160,6 +160,8 @@ def _check_rope_pages(rope, pages, d, rope_name, pages_name) -> None:
                          f"{pages_name}.shape[2] + Dr = D = {d} ({pages_name}.shape={pages.shape})")  # fmt: skip
     if rope.dtype not in (jnp.bfloat16, jnp.float16, F32):
         raise ValueError(f"{rope_name}.dtype={rope.dtype} must be bfloat16, float16 or float32")
+    if not _is_power_of_2(rope.shape[2]):
+        raise ValueError(f"{rope_name}.shape={rope.shape}: Dr = {rope.shape[2]} must be a power of two (a Triton tile)")
 
 
 def _check_inputs(q, kv_pages, block_tables, seq_lens, sinks, *, sliding_window, ring_size, compressed_pages,
@@ -209,6 +211,9 @@ def _check_inputs(q, kv_pages, block_tables, seq_lens, sinks, *, sliding_window,
             raise ValueError(f"compressed_pages.shape={compressed_pages.shape} must be (Pc >= 1, cps >= 1, D = {d})")
         if compressed_rope_pages is not None:
             _check_rope_pages(compressed_rope_pages, compressed_pages, d, "compressed_rope_pages", "compressed_pages")
+            if kv_rope_pages is not None and kv_rope_pages.shape[-1] != compressed_rope_pages.shape[-1]:
+                raise ValueError(f"kv_rope_pages and compressed_rope_pages must hold the same RoPE channels, got "
+                                 f"{kv_rope_pages.shape[-1]} and {compressed_rope_pages.shape[-1]}")  # fmt: skip
         if compressed_pages.dtype not in (q.dtype, FP8):
             raise ValueError(f"compressed_pages.dtype={compressed_pages.dtype} must be q.dtype={q.dtype} or "
                              "float8_e4m3fn")  # fmt: skip
@@ -309,22 +314,23 @@ def paged_decode_attention_reference(
 # ---------------------------------------------------------------------------------------------
 # Kernel.
 # ---------------------------------------------------------------------------------------------
-def _load_rows(ref, scales_ref, rope_ref, scale_layout, rows, row_valid, d, compute_dtype):
+def _load_rows(ref, scales_ref, scale_layout, rows, row_valid, d, compute_dtype):
     """Gathers rows int32 [N] and dequantizes them to `compute_dtype` → [N, d]; invalid rows are 0.
 
-    Whole rows (rope_ref None) are `attention._load_values`'. Split rows, the cache's FP8 formats: ref holds the
-    first n = d - Dr channels in FP8 (scales per channel [n] or per row and 64-channel tile [rows, ceil(n / 64)]),
-    rope_ref the last Dr in their own dtype. Both are read as d-wide masked loads (Triton tiles are powers of two;
-    n is not, 448 of 512 for V4) and joined by a select, rounded as `dsv4.cache.quant.dequantize` rounds.
+    Whole rows (ref [rows, d]) are `attention._load_values`'. Split rows, the cache's FP8 formats: ref holds only
+    the first n < d channels in FP8 (scales per channel [n] or per row and 64-channel tile [rows, ceil(n / 64)]),
+    read as a d-wide masked load (Triton tiles are powers of two; n is not, 448 of 512 for V4), and channels n ..
+    d - 1 come back 0: the RoPE channels go through `_load_rope` and dots of their own. Rounded as
+    `dsv4.cache.quant.dequantize` rounds.
     """
-    if rope_ref is None:
-        return _load_values(ref, scales_ref, scale_layout, rows, row_valid, compute_dtype)
     n = ref.shape[-1]
+    if n == d:
+        return _load_values(ref, scales_ref, scale_layout, rows, row_valid, compute_dtype)
     col = jnp.arange(d)
     nope, valid = col < n, row_valid[:, None]
-    # NOTE: column offsets stay affine (col, col - n) so that Triton can vectorize the masked loads: with clamped
-    # offsets (min / max) these rows took 2-2.8x the whole-row time on an H200 (BENCHMARKS, "The cache's own FP8
-    # rows"). Masked lanes are never read on the GPU; the interpreter reads them, and the selects drop them.
+    # NOTE: column offsets stay affine, so that Triton can vectorize the masked load (BENCHMARKS, "The cache's own
+    # FP8 rows": clamped ones took 2-2.8x the whole-row time on an H200). Masked lanes are never read on the GPU;
+    # the interpreter reads them, and the select drops them.
     raw = plgpu.load(ref.at[rows[:, None], col[None, :]], mask=valid & nope[None, :])
     values = jnp.where(valid & nope[None, :], raw.astype(F32), 0.0)  # [N, d] (no FP8 `other`: see _load_values)
     if scale_layout == "channel":
@@ -339,8 +345,34 @@ def _load_rows(ref, scales_ref, rope_ref, scale_layout, rows, row_valid, d, comp
         else:  # d < 64 (small test shapes): one tile, its scale gathered for each channel
             s = plgpu.load(scales_ref.at[rows[:, None], (col // d)[None, :]], mask=valid & nope[None, :], other=0.0)
         values = values * s
-    rope = plgpu.load(rope_ref.at[rows[:, None], (col - n)[None, :]], mask=valid & ~nope[None, :], other=0)
-    return jnp.where(nope[None, :], values.astype(compute_dtype), rope.astype(compute_dtype))
+    return values.astype(compute_dtype)
+
+
+def _load_rope(rope_ref, rows, row_valid, compute_dtype):
+    """The RoPE channels of split rows: rope_ref [rows, Dr] gathered → [N, Dr] in `compute_dtype` (invalid rows 0)."""
+    dr = rope_ref.shape[-1]
+    raw = plgpu.load(rope_ref.at[rows[:, None], jnp.arange(dr)[None, :]], mask=row_valid[:, None], other=0)
+    return raw.astype(compute_dtype)
+
+
+def _split_softmax_step(carry, q, q_rope, keys, rope_keys, mask, *, logit_scale, compute_dtype):
+    """`attention._online_softmax_step` over split rows: keys [N, D] the nope channels (0 in the last Dr), rope_keys
+    [N, Dr] the RoPE ones, q_rope [M, Dr] q's last Dr channels; carry (acc [M, D], acc_rope [M, Dr], max, sum).
+    Logits as one f32 sum of the two dots; P rounded once, as for whole rows."""
+    acc, acc_rope, row_max, row_sum = carry
+    dims = (((1,), (1,)), ((), ()))
+    s = lax.dot_general(q, keys, dims, precision=lax.Precision.HIGHEST, preferred_element_type=F32)
+    s = s + lax.dot_general(q_rope, rope_keys, dims, precision=lax.Precision.HIGHEST, preferred_element_type=F32)
+    s = jnp.where(mask, s * logit_scale, -jnp.inf)
+    max_next = jnp.maximum(row_max, s.max(axis=1))  # never -inf: starts at _M_FLOOR
+    alpha = jnp.exp2(row_max - max_next)
+    p = jnp.exp2(s - max_next[:, None])
+    row_sum = row_sum * alpha + p.sum(axis=1)
+    p = p.astype(compute_dtype)
+    acc = acc * alpha[:, None] + jnp.dot(p, keys, precision=lax.Precision.HIGHEST, preferred_element_type=F32)
+    acc_rope = acc_rope * alpha[:, None] + jnp.dot(p, rope_keys, precision=lax.Precision.HIGHEST,
+                                                   preferred_element_type=F32)  # fmt: skip
+    return acc, acc_rope, max_next, row_sum
 
 
 def paged_decode_attention_kernel(
@@ -358,9 +390,11 @@ def paged_decode_attention_kernel(
     acc_init_ref,  # aliased partial buffers or None; never read
     max_init_ref,
     sum_init_ref,
-    acc_ref,  # [block_h, D] f32
+    rope_init_ref,
+    acc_ref,  # [block_h, D] f32 (split rows: their RoPE columns 0)
     max_ref,  # [block_h] f32, log2 domain
     sum_ref,  # [block_h] f32
+    rope_acc_ref,  # [block_h, Dr] f32 or None: P·V of split rows' RoPE channels (added to acc's last Dr columns)
     *,
     sliding_window: int,
     ring_size: int,
@@ -378,7 +412,7 @@ def paged_decode_attention_kernel(
     into `num_splits` contiguous runs; this program walks its run in two loops (window part, compressed part),
     gathering rows through the block tables. The state starts empty: max = -1e30 (never -inf), sum = 0, acc = 0.
     """
-    del acc_init_ref, max_init_ref, sum_init_ref, sliding_window
+    del acc_init_ref, max_init_ref, sum_init_ref, rope_init_ref, sliding_window
     block_h, head_dim = q_ref.shape
     compute_dtype = q_ref.dtype
     split = pl.program_id(2)
@@ -391,8 +425,25 @@ def paged_decode_attention_kernel(
     lo = jnp.minimum(split * per_split, n_blocks)
     hi = jnp.minimum(lo + per_split, n_blocks)
 
-    step = functools.partial(_online_softmax_step, logit_scale=scale * LOG2E, compute_dtype=compute_dtype)
+    has_rope = rope_acc_ref is not None  # some source holds split rows: the state carries acc_rope
+    dr = rope_acc_ref.shape[-1] if has_rope else 0
+    q_rope = q_ref[:, pl.ds(head_dim - dr, dr)] if has_rope else None
+    whole = functools.partial(_online_softmax_step, logit_scale=scale * LOG2E, compute_dtype=compute_dtype)
+    split_step = functools.partial(_split_softmax_step, logit_scale=scale * LOG2E, compute_dtype=compute_dtype)
+
+    def attend(carry, ref, scales_ref, rope_ref, scale_layout, row, valid):
+        keys = _load_rows(ref, scales_ref, scale_layout, row, valid, head_dim, compute_dtype)  # [N, D]
+        mask = jnp.broadcast_to(valid[None, :], (block_h, block_kv))
+        if not has_rope:
+            return whole(carry, q, keys, mask)
+        if rope_ref is None:  # whole rows beside split ones: acc_rope only rescaled (P·0)
+            zeros = jnp.zeros((block_kv, dr), compute_dtype)
+            return split_step(carry, q, q_rope, keys, zeros, mask)
+        return split_step(carry, q, q_rope, keys, _load_rope(rope_ref, row, valid, compute_dtype), mask)
+
     carry = (jnp.zeros((block_h, head_dim), F32), jnp.full((block_h,), _M_FLOOR, F32), jnp.zeros((block_h,), F32))
+    if has_rope:
+        carry = (carry[0], jnp.zeros((block_h, dr), F32), *carry[1:])
     first_token = seq_len - n_window
 
     def window_body(i, carry):
@@ -401,9 +452,7 @@ def paged_decode_attention_kernel(
         slot = lax.rem(first_token + j, ring_size)  # ring slot (positions are >= 0)
         page = plgpu.load(block_table_ref.at[lax.div(slot, page_size)], mask=valid, other=0)  # [N]
         row = jnp.where(valid, page * page_size + lax.rem(slot, page_size), 0)
-        keys = _load_rows(kv_ref, kv_scales_ref, kv_rope_ref, kv_scale_layout, row, valid, head_dim,
-                          compute_dtype)  # fmt: skip  # [N, D]
-        return step(carry, q, keys, jnp.broadcast_to(valid[None, :], (block_h, block_kv)))
+        return attend(carry, kv_ref, kv_scales_ref, kv_rope_ref, kv_scale_layout, row, valid)
 
     carry = lax.fori_loop(jnp.minimum(lo, n_window_blocks), jnp.minimum(hi, n_window_blocks), window_body, carry)
 
@@ -419,14 +468,16 @@ def paged_decode_attention_kernel(
             entry = jnp.where(valid, entry, 0)
             page = plgpu.load(compressed_table_ref.at[lax.div(entry, compressed_page_size)], mask=valid, other=0)
             row = jnp.where(valid, page * compressed_page_size + lax.rem(entry, compressed_page_size), 0)
-            keys = _load_rows(compressed_ref, compressed_scales_ref, compressed_rope_ref, compressed_scale_layout, row,
-                              valid, head_dim, compute_dtype)  # fmt: skip  # [N, D]
-            return step(carry, q, keys, jnp.broadcast_to(valid[None, :], (block_h, block_kv)))
+            return attend(carry, compressed_ref, compressed_scales_ref, compressed_rope_ref, compressed_scale_layout,
+                          row, valid)  # fmt: skip
 
         start = jnp.maximum(lo, n_window_blocks) - n_window_blocks
         stop = jnp.maximum(hi, n_window_blocks) - n_window_blocks
         carry = lax.fori_loop(start, stop, compressed_body, carry)
 
+    if has_rope:
+        rope_acc_ref[...] = carry[1]
+        carry = (carry[0], *carry[2:])
     acc, row_max, row_sum = carry
     acc_ref[...] = acc
     max_ref[...] = row_max
@@ -576,13 +627,17 @@ def paged_decode_attention(
         compressed_scales_flat = compressed_scales if compressed_layout != "tile" else flat(compressed_scales)
         compressed_rope_flat = None if compressed_rope_pages is None else flat(compressed_rope_pages)
 
+    dr = next((r.shape[-1] for r in (kv_rope_pages, compressed_rope_pages) if r is not None), 0)
     acc_spec = pl.BlockSpec((None, None, block_h, d), lambda i, j, s: (i, s, j, 0))
     stat_spec = pl.BlockSpec((None, None, block_h), lambda i, j, s: (i, s, j))
+    rope_spec = pl.BlockSpec((None, None, block_h, dr), lambda i, j, s: (i, s, j, 0)) if dr else None
     out_shape = (jax.ShapeDtypeStruct((b, num_splits, h, d), F32), jax.ShapeDtypeStruct((b, num_splits, h), F32),
-                 jax.ShapeDtypeStruct((b, num_splits, h), F32))  # fmt: skip
-    inits = (None, None, None)
+                 jax.ShapeDtypeStruct((b, num_splits, h), F32),
+                 jax.ShapeDtypeStruct((b, num_splits, h, dr), F32) if dr else None)  # fmt: skip
+    out_specs = (acc_spec, stat_spec, stat_spec, rope_spec)
+    inits = (None,) * 4
     if out_init is not None:
-        inits = tuple(jnp.full(o.shape, out_init, F32) for o in out_shape)
+        inits = tuple(None if o is None else jnp.full(o.shape, out_init, F32) for o in out_shape)
     in_specs = [
         pl.BlockSpec((None, block_h, d), lambda i, j, s: (i, j, 0)),  # q
         pl.BlockSpec((None, 4), lambda i, j, s: (i, 0)),  # meta
@@ -597,28 +652,29 @@ def paged_decode_attention(
         scale_spec(compressed_layout, compressed_scales_flat),
         full_spec(compressed_rope_flat),
         None if topk_indices is None else pl.BlockSpec((None, topk_indices.shape[1]), lambda i, j, s: (i, 0)),
-        None if out_init is None else acc_spec,
-        None if out_init is None else stat_spec,
-        None if out_init is None else stat_spec,
+        *(None if init is None else spec for init, spec in zip(inits, out_specs)),
     ]
     args = (q, meta, block_tables, kv_flat, kv_scales_flat, kv_rope_flat, compressed_block_tables, compressed_flat,
             compressed_scales_flat, compressed_rope_flat, topk_indices, *inits)  # fmt: skip
     n_args = sum(a is not None for a in args)  # pallas_call numbers inputs after dropping the Nones
+    n_out = sum(o is not None for o in out_shape)
     kernel = functools.partial(
         paged_decode_attention_kernel, sliding_window=sliding_window, ring_size=ring_size, page_size=page_size,
         compressed_page_size=compressed_page_size, scale=float(scale), num_splits=num_splits,
         kv_scale_layout=kv_layout, compressed_scale_layout=compressed_layout, block_kv=block_kv,
     )  # fmt: skip
     num_warps = block_sizes.num_warps or (8 if d >= 256 else 4)
-    acc, row_max, row_sum = pl.pallas_call(
+    acc, row_max, row_sum, rope_acc = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
-        out_specs=(acc_spec, stat_spec, stat_spec),
+        out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={} if out_init is None else {n_args - 3: 0, n_args - 2: 1, n_args - 1: 2},
+        input_output_aliases={} if out_init is None else {n_args - n_out + k: k for k in range(n_out)},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=block_sizes.num_stages),
         interpret=interpret,
         name="paged_decode_attention",
     )(*args)
+    if dr:  # split rows' RoPE channels: their P·V lands in the last Dr columns (0 in acc for those rows)
+        acc = acc.at[..., d - dr :].add(rope_acc)
     return _combine_splits(acc, row_max, row_sum, sinks, q.dtype)
