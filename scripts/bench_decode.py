@@ -21,7 +21,8 @@ item's first call is checked against `paged_decode_attention_reference` (relativ
 (--check-max-bytes).
 
 Variants (`--variants`, applied to the items named by `--variant-items`): `name:kv=64,s=3,w=8,h=32,sp=4,spx=2`
-(block_kv, num_stages, num_warps, block_h, num_splits, and spx = a multiple of the default split count), and
+(block_kv, num_stages, num_warps, block_h, num_splits, over the kernel's default tiles for the item's rows:
+`decode.default_block_sizes`; and spx = a multiple of the default split count), and
 `impl=mgpu`: `dsv4.pallas.decode_mgpu.paged_decode_attention_mgpu` (the Mosaic GPU kernel; window and HCA layers,
 bf16 pages, or fp8 ones with `--scales channel`; sp / spx set its split count, sl its num_slots, ab=0 turns its
 auto_barriers off, pc its pv_chunks, fl its fp8_layout (wgmma, upcast2x, upcast4x), rc its consumers' register
@@ -113,7 +114,7 @@ def parse_args():
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str = "default"
-    block_sizes: dc.BlockSizes = dc.BlockSizes()
+    fields: tuple = ()  # (BlockSizes field, value) pairs over the kernel's default tiles for the item's rows
     split_factor: int = 1  # num_splits = this × the default split count (when block_sizes.num_splits is None)
     impl: str = "triton"  # "mgpu": the Mosaic GPU kernel (dsv4/pallas/decode_mgpu.py)
     mgpu: tuple = ()  # (field, value) pairs of its MgpuDecodeConfig
@@ -145,7 +146,8 @@ def parse_variants(text: str) -> list[Variant]:
                 extra["impl"] = v
             else:
                 fields[VARIANT_KEYS[k]] = int(v)
-        out.append(Variant(name.strip(), dc.BlockSizes(**fields), **extra))
+        dc.BlockSizes(**fields)  # validates now, not at the item
+        out.append(Variant(name.strip(), tuple(fields.items()), **extra))
     return out
 
 
@@ -269,7 +271,8 @@ class Bench:
                                      self.sm_count)  # fmt: skip
 
     def item(self, layer, ctx, batch, dtype_name, variant=Variant()):
-        name, bs, impl = variant.name, variant.block_sizes, variant.impl
+        name, impl = variant.name, variant.impl
+        bs = dataclasses.replace(dc.default_block_sizes(dtype_name == "fp8s"), **dict(variant.fields))
         if bs.num_splits is None and variant.split_factor != 1:
             bs = dataclasses.replace(bs, num_splits=variant.split_factor * self.splits(layer, ctx, batch, bs, impl))
         where = f"{layer} ctx={ctx} B={batch} {dtype_name} {name}"

@@ -66,8 +66,8 @@ from dsv4.pallas._device import sm_count as _sm_count
 # two kernels must round identically (FP8 → q.dtype, P → q.dtype for P·V, log2-domain exp2).
 from dsv4.pallas.attention import _M_FLOOR, SCALE_TILE, _load_values, _online_softmax_step
 
-__all__ = ["BlockSizes", "default_num_splits", "paged_decode_attention", "paged_decode_attention_kernel",
-           "paged_decode_attention_reference"]
+__all__ = ["SPLIT_ROW_BLOCK_SIZES", "BlockSizes", "default_block_sizes", "default_num_splits",
+           "paged_decode_attention", "paged_decode_attention_kernel", "paged_decode_attention_reference"]
 
 F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn
@@ -122,6 +122,18 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
         if self.num_stages < 1:
             raise ValueError(f"BlockSizes.num_stages={self.num_stages} must be >= 1")
+
+
+# NOTE: split rows carry a second pair of dots (q_rope · K_ropeᵀ, P · K_rope) and their operands; at the whole-row
+# tiles (64 keys, 2 stages) Triton asked 253,952-256,512 bytes of shared memory on an H200, over its 232,448
+# (KERNEL_NOTES, DC23). They get tiles of their own, measured in BENCHMARKS, "The cache's own FP8 rows".
+SPLIT_ROW_BLOCK_SIZES = BlockSizes(block_kv=32, num_stages=1)
+
+
+def default_block_sizes(split_rows: bool) -> BlockSizes:
+    """The tiles `paged_decode_attention` uses when given none: `SPLIT_ROW_BLOCK_SIZES` for split rows (either
+    source), else `BlockSizes()`."""
+    return SPLIT_ROW_BLOCK_SIZES if split_rows else BlockSizes()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,7 +530,7 @@ def paged_decode_attention(
     compressed_scales: jax.Array | None = None,
     kv_rope_pages: jax.Array | None = None,
     compressed_rope_pages: jax.Array | None = None,
-    block_sizes: BlockSizes = BlockSizes(),
+    block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     out_init: float | jax.Array | None = None,
     impl: str = "auto",
@@ -539,7 +551,8 @@ def paged_decode_attention(
                   store them (`dsv4.cache.layout.KVFormat`): the pages beside them hold the first D - Dr channels
                   in FP8, scaled over those channels ([D - Dr], or [pages, page_size, ceil((D - Dr) / 64)]), and
                   these the RoPE channels in bf16 / f16 / f32. Triton only (the Mosaic kernel takes whole rows).
-    block_sizes:  tiles, split count and launch parameters; interpret: run in the Pallas interpreter (CPU).
+    block_sizes:  tiles, split count and launch parameters (None: `default_block_sizes`, by whether the rows are
+                  split); interpret: run in the Pallas interpreter (CPU).
     out_init:     testing hook; the kernel's partial buffers (acc, max, sum per split) start filled with this value
                   (aliased), so anything the kernel fails to write reaches the output (pass NaN to poison).
     impl:         "triton" (this file's kernel), "mgpu" (`dsv4.pallas.decode_mgpu`, the Mosaic GPU kernel: Hopper,
@@ -558,6 +571,8 @@ def paged_decode_attention(
     )  # fmt: skip
     if impl not in ("auto", "triton", "mgpu"):
         raise ValueError(f"impl={impl!r} must be 'auto', 'triton' or 'mgpu'")
+    if block_sizes is None:
+        block_sizes = default_block_sizes(kv_rope_pages is not None or compressed_rope_pages is not None)
     if impl != "triton":
         from dsv4.pallas import decode_mgpu as dm  # local: decode_mgpu imports this module
 
