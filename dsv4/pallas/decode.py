@@ -66,7 +66,7 @@ from dsv4.pallas._device import sm_count as _sm_count
 # two kernels must round identically (FP8 → q.dtype, P → q.dtype for P·V, log2-domain exp2).
 from dsv4.pallas.attention import _M_FLOOR, SCALE_TILE, _load_values, _online_softmax_step
 
-__all__ = ["SPLIT_ROW_BLOCK_SIZES", "BlockSizes", "default_block_sizes", "default_num_splits",
+__all__ = ["FP8_BLOCK_SIZES", "SPLIT_ROW_BLOCK_SIZES", "BlockSizes", "default_block_sizes", "default_num_splits",
            "paged_decode_attention", "paged_decode_attention_kernel", "paged_decode_attention_reference"]
 
 F32 = jnp.float32
@@ -128,12 +128,15 @@ class BlockSizes:
 # tiles (64 keys, 2 stages) Triton asked 253,952-256,512 bytes of shared memory on an H200, over its 232,448
 # (KERNEL_NOTES, DC23). They get tiles of their own, measured in BENCHMARKS, "The cache's own FP8 rows".
 SPLIT_ROW_BLOCK_SIZES = BlockSizes(block_kv=32, num_stages=1)
+# NOTE: whole e4m3 rows ran 1.2-1.3x faster at 1 stage than at 2 on an H200 (CSA and HCA, batch 1 and 32, 512K;
+# BENCHMARKS, "The cache's own FP8 rows"): the dequantized tile feeds the dots, so a second stage only holds bytes.
+FP8_BLOCK_SIZES = BlockSizes(num_stages=1)
 
 
-def default_block_sizes(split_rows: bool) -> BlockSizes:
+def default_block_sizes(split_rows: bool, fp8: bool = False) -> BlockSizes:
     """The tiles `paged_decode_attention` uses when given none: `SPLIT_ROW_BLOCK_SIZES` for split rows (either
-    source), else `BlockSizes()`."""
-    return SPLIT_ROW_BLOCK_SIZES if split_rows else BlockSizes()
+    source), `FP8_BLOCK_SIZES` for whole e4m3 rows (fp8: either source), else `BlockSizes()`."""
+    return SPLIT_ROW_BLOCK_SIZES if split_rows else FP8_BLOCK_SIZES if fp8 else BlockSizes()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,7 +555,7 @@ def paged_decode_attention(
                   in FP8, scaled over those channels ([D - Dr], or [pages, page_size, ceil((D - Dr) / 64)]), and
                   these the RoPE channels in bf16 / f16 / f32. Triton only (the Mosaic kernel takes whole rows).
     block_sizes:  tiles, split count and launch parameters (None: `default_block_sizes`, by whether the rows are
-                  split); interpret: run in the Pallas interpreter (CPU).
+                  split or FP8); interpret: run in the Pallas interpreter (CPU).
     out_init:     testing hook; the kernel's partial buffers (acc, max, sum per split) start filled with this value
                   (aliased), so anything the kernel fails to write reaches the output (pass NaN to poison).
     impl:         "triton" (this file's kernel), "mgpu" (`dsv4.pallas.decode_mgpu`, the Mosaic GPU kernel: Hopper,
@@ -572,7 +575,8 @@ def paged_decode_attention(
     if impl not in ("auto", "triton", "mgpu"):
         raise ValueError(f"impl={impl!r} must be 'auto', 'triton' or 'mgpu'")
     if block_sizes is None:
-        block_sizes = default_block_sizes(kv_rope_pages is not None or compressed_rope_pages is not None)
+        fp8 = any(x is not None and x.dtype == FP8 for x in (kv_pages, compressed_pages))
+        block_sizes = default_block_sizes(kv_rope_pages is not None or compressed_rope_pages is not None, fp8)
     if impl != "triton":
         from dsv4.pallas import decode_mgpu as dm  # local: decode_mgpu imports this module
 
