@@ -9,7 +9,9 @@ interchangeable implementations (`ATTENTION_IMPLS`): "jnp" (`core_attention_jnp`
 (`core_attention_pallas`: the Mosaic GPU kernel `dsv4/pallas/attention_mgpu.py` for window / HCA prefill on
 Hopper, else the Triton-lowered one in `dsv4/pallas/attention.py`), "sp" (sequence parallel over a mesh,
 `dsv4/sharding/context_parallel.py`) and "auto" (the default: Pallas for the prefill on a GPU, jnp elsewhere);
-a model picks one by name.
+a model picks one by name. Decode steps (one-token chunks) can bypass the core: with "pallas", or with "auto" on a
+GPU over an FP8 cache, they run the paged decode kernel (`dsv4/pallas/decode.py`) on the cache as stored
+(`Attention._decode_kernel_applies`).
 """
 
 from __future__ import annotations
@@ -133,6 +135,12 @@ def core_attention_jnp(
 # logits by up to 7.1e-2 (docs/BENCHMARKS.md, "One-token chunks on the Mosaic kernel"). False sends them to Triton.
 MOSAIC_ONE_TOKEN = True
 
+# NOTE: with attention_impl="auto", a decode step over an FP8 cache on a GPU runs the paged decode kernel on the
+# cache as stored; the jnp route dequantizes every stored row into a dense copy first. In the model on an H200 the
+# kernel step took 0.70-0.86x the jnp step's time at 128K and 512K context, batch 2 and 32 (docs/BENCHMARKS.md,
+# "The model's decode step by route"). bf16 caches keep the jnp route under "auto". False: jnp for every cache.
+AUTO_DECODE_KERNEL = True
+
 
 def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, scale: float,
                           compressed: CompressedKeys | None = None, kv_aligned: bool = False,
@@ -219,7 +227,8 @@ def core_attention_auto(q, kv, q_pos, kv_pos, sinks, *, kv_aligned: bool = False
     """The default: the Pallas kernels for the bf16 / f16 prefill on a GPU, the full sequence or a cached chunk
     of more than one token (the Mosaic kernel for window / HCA layers on Hopper, 1.5-1.9x the Triton one, which
     takes CSA; both beat XLA, docs/BENCHMARKS.md), and the jnp core everywhere else (CPU, float32 models, decode
-    steps)."""
+    steps; except that a decode step over an FP8 cache on a GPU skips the core for the paged decode kernel,
+    `Attention._decode_kernel_applies`)."""
     prefill = kv_aligned or (kv_prefix > 0 and q.shape[1] > 1)
     if jax.default_backend() == "gpu" and prefill and q.dtype in (jnp.bfloat16, jnp.float16):
         return core_attention_pallas(q, kv, q_pos, kv_pos, sinks, kv_aligned=kv_aligned, kv_prefix=kv_prefix,
@@ -711,15 +720,19 @@ class Attention(nnx.Module):
         return self.project_out(out, cos, sin), new
 
     def _decode_kernel_applies(self, state: dict, dtype) -> bool:
-        """Whether a one-token step runs `dsv4.pallas.decode.paged_decode_attention` (static): with
-        attention_impl="pallas", and every store it reads in a form the kernel takes: unquantized in the compute
-        dtype, or FP8 (its nope channels e4m3 beside bf16 RoPE channels, scales per tensor, per channel or per
-        row and 64-channel tile)."""
+        """Whether a one-token step runs `dsv4.pallas.decode.paged_decode_attention` (static): every store it
+        reads in a form the kernel takes (unquantized in the compute dtype, or FP8: its nope channels e4m3 beside
+        bf16 RoPE channels, scales per tensor, per channel or per row and 64-channel tile), and either
+        attention_impl="pallas", or "auto" on a GPU for FP8 stores in a 16-bit model (`AUTO_DECODE_KERNEL`)."""
         from dsv4.pallas.attention import SCALE_TILE
 
-        if self.attention_impl != "pallas":
-            return False
         stores = [state["window"]] + ([state["compressor"]["entries"]] if self.layer_type != SLIDING else [])
+        if self.attention_impl == "auto":
+            if not (AUTO_DECODE_KERNEL and jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
+                    and all(st.fmt.quantized for st in stores) and self._decode_kernel_compiles()):  # fmt: skip
+                return False
+        elif self.attention_impl != "pallas":
+            return False
 
         def takes(st) -> bool:
             if not st.fmt.quantized:
@@ -727,6 +740,14 @@ class Attention(nnx.Module):
             return st.fmt.scaling != "tile" or st.fmt.tile == SCALE_TILE
 
         return all(takes(st) for st in stores)
+
+    def _decode_kernel_compiles(self) -> bool:
+        """Whether this layer's heads fit the compiled decode kernel's tiles (`paged_decode_attention` refuses the
+        rest with a ValueError): head_dim a power of two >= 16, and 16 or more heads a program."""
+        from dsv4.pallas.decode import BlockSizes
+
+        d, h, block_h = self.head_dim, self.n_heads, BlockSizes().block_h
+        return d >= 16 and d & (d - 1) == 0 and min(h, block_h) >= 16 and h % min(h, block_h) == 0
 
     @staticmethod
     def _kernel_rows(store) -> dict[str, jax.Array | None]:

@@ -26,9 +26,9 @@ Variants (`--variants`, applied to the items named by `--variant-items`): `name:
 `impl=mgpu`: `dsv4.pallas.decode_mgpu.paged_decode_attention_mgpu` (the Mosaic GPU kernel; window and HCA layers,
 bf16 pages, or fp8 ones with `--scales channel`; sp / spx set its split count, sl its num_slots, ab=0 turns its
 auto_barriers off, pc its pv_chunks, fl its fp8_layout (wgmma, upcast2x, upcast4x), rc its consumers' register
-count (the producer gets the rest of 504), ex its exp2 form (f32, packed); stream=1, compute=1, noxchg=1, nosm=1,
-noconv=1, noscale=1, nomask=1 set its debug flags stream_only, compute_only, skip_exchange, skip_softmax,
-skip_convert, skip_scale, skip_mask (measurement forms: they fail the check); the Triton keys do not apply).
+count (the producer gets the rest of 504); stream=1, compute=1, noxchg=1, nosm=1, noconv=1, noscale=1, nomask=1 set
+its debug flags stream_only, compute_only, skip_exchange, skip_softmax, skip_convert, skip_scale, skip_mask
+(measurement forms: they fail the check); the Triton keys do not apply).
 `--impl mgpu` runs the main sweep on it too.
 """
 
@@ -66,8 +66,7 @@ GPU_VARIANTS = "default;mgpu:impl=mgpu;mgpu-stream:impl=mgpu,stream=1;mgpu-compu
 SMOKE_VARIANTS = "default;kv16:kv=16;spx2:spx=2"
 IMPLS = ("triton", "mgpu")
 EXTRA_KEYS = ("kv_scales", "compressed_scales", "kv_rope_pages", "compressed_rope_pages")
-MGPU_KEYS = {"sl": "num_slots", "ab": "auto_barriers", "pc": "pv_chunks", "fl": "fp8_layout", "rc": "registers",
-             "ex": "exp2"}
+MGPU_KEYS = {"sl": "num_slots", "ab": "auto_barriers", "pc": "pv_chunks", "fl": "fp8_layout", "rc": "registers"}
 DEBUG_KEYS = {"stream": "stream_only", "compute": "compute_only", "noxchg": "skip_exchange", "nosm": "skip_softmax",
               "noconv": "skip_convert", "noscale": "skip_scale", "nomask": "skip_mask"}  # fmt: skip
 
@@ -138,7 +137,7 @@ def parse_variants(text: str) -> list[Variant]:
                 if k == "rc":  # the consumers' count; the producer takes what is left of 504 (MgpuDecodeConfig)
                     value = (int(v), 504 - 2 * int(v))
                 else:
-                    value = bool(int(v)) if k == "ab" else v if k in ("fl", "ex") else int(v)
+                    value = bool(int(v)) if k == "ab" else v if k == "fl" else int(v)
                 extra["mgpu"] = extra.get("mgpu", ()) + ((MGPU_KEYS[k], value),)
             elif k == "impl":
                 if v not in IMPLS:

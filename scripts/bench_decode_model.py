@@ -9,7 +9,9 @@ Routes (one jitted `forward_chunk` each, the same weights, each timed for `--ste
     dense   the same model with that kernel switched off: every stored row of the ring and the compressed pool is
             dequantized into a dense copy, then the attention core runs a one-token chunk over it (the route every
             FP8-cache step took before split rows reached the kernel);
-    jnp     attention_impl="jnp" (the dense copy, then XLA attention).
+    jnp     attention_impl="jnp" (the dense copy, then XLA attention);
+    auto    attention_impl="auto", the library's default (`Attention._decode_kernel_applies` says which of the
+            above a step takes on this device and cache).
 The lightning indexer's keys are read densely by every route (the indexer scores every key anyway).
 
 Model: scripts/check_decode_gpu.py's (V4-Flash attention shapes: 64 heads x 512, window 128, CSA 4:1 with a
@@ -18,7 +20,10 @@ random weights. `--batch` requests of `ctx`, ctx - 333, ... tokens, prefilled in
 256-token pages of a permuted block table. Per route: median ms per step over steps 1.. (step 0 compiles), and the
 logits' relative L2 distance from the kernel route's at step 0, where every route starts from the same cache (all
 routes then decode the same tokens, each writing its own cache: FP8 caches written from bf16-noise-apart rows round
-apart by whole FP8 steps, so later steps would measure that, not the route).
+apart by whole FP8 steps, so later steps would measure that, not the route). Each step donates its cache, as the
+engine's does (`dsv4.runner`), so a step's time holds no copy of the cache; each route starts from its own copy of
+the prefilled one. (Before the twenty-third session the steps did not donate: each step's time then included
+writing a whole new cache.)
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from flax import nnx  # noqa: E402
 import dsv4  # noqa: E402
 from dsv4.attention import Attention  # noqa: E402
 
-ROUTES = ("kernel", "dense", "jnp")
+ROUTES = ("kernel", "dense", "jnp", "auto")
+GRAPHS = {"kernel": "pallas", "dense": "pallas", "jnp": "jnp", "auto": "auto"}  # route → attention_impl
 
 
 def parse_length(text: str) -> int:
@@ -52,12 +58,13 @@ def parse_length(text: str) -> int:
 
 
 def make_step(dense: bool):
-    """A fresh jitted step (its own trace cache); dense: traced with the paged decode kernel switched off."""
+    """A fresh jitted step (its own trace cache) that donates its cache (argument 2), as `dsv4.runner`'s does;
+    dense: traced with the paged decode kernel switched off."""
 
     def step(graphdef, state, cache, tokens, valid):
         return nnx.merge(graphdef, state).forward_chunk(cache, tokens, valid)
 
-    jitted = jax.jit(step)
+    jitted = jax.jit(step, donate_argnums=2)
     if not dense:
         return jitted
 
@@ -97,9 +104,9 @@ def bench_one(cfg, ctx, batch, kv_format, args, models):
     first = np.asarray(logits).argmax(-1).astype(np.int32)
     rows, outs = [], {}
     for route in args.routes:
-        graph = graphs["jnp" if route == "jnp" else "pallas"]
+        graph = graphs[GRAPHS[route]]
         step = make_step(dense=route == "dense")
-        c, tok, times, outs[route] = cache, first, [], []
+        c, tok, times, outs[route] = jax.tree.map(jnp.copy, cache), first, [], []  # this route's own (donated)
         for _ in range(args.steps):
             t = time.perf_counter()
             out, c = step(graph, state, c, jnp.asarray(tok[:, None]), jnp.ones((batch,), jnp.int32))
@@ -136,7 +143,7 @@ def main():
     cfg = config(args.small)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}, steps {args.steps}", flush=True)
     models = {impl: dsv4.init_random(cfg, seed=0, dtype=jnp.bfloat16, attention_impl=impl)
-              for impl in ("jnp", "pallas")}  # fmt: skip
+              for impl in sorted({"jnp", "pallas", *(GRAPHS[r] for r in args.routes)})}  # fmt: skip
     rows = []
     for ctx in map(parse_length, args.contexts.split(",")):
         for kv_format in args.formats.split(","):

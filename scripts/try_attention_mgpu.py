@@ -46,7 +46,6 @@ VARIANTS = {
     "mgpu-ws-kv64x2-store": MgpuConfig(variant="ws", block_kv=64, num_slots=2, pv_form="store", persistent=False),
     "mgpu-persistent": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True),
     "mgpu-persistent-nobar": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, auto_barriers=False),
-    "mgpu-persistent-exp2x2": MgpuConfig(variant="ws", block_kv=64, num_slots=2, persistent=True, exp2="packed"),
 }
 
 

@@ -60,7 +60,6 @@ def test_decode_meta_by_hand():
     (True, False, MgpuDecodeConfig(pv_chunks=1)), (True, True, MgpuDecodeConfig(pv_chunks=1, auto_barriers=True)),
     (True, True, MgpuDecodeConfig(pv_chunks=4)), (True, True, MgpuDecodeConfig(fp8_layout="wgmma")),
     (True, True, MgpuDecodeConfig(fp8_layout="upcast4x")), (True, True, MgpuDecodeConfig(registers=(224, 56))),
-    (True, False, MgpuDecodeConfig(exp2="packed")), (True, True, MgpuDecodeConfig(exp2="packed")),
 ])  # fmt: skip
 def test_lowers_for_h200(hca, fp8, config):
     """V4 shapes (D = 512: the shared-memory plan is at its limit, FP8 pages included)."""
@@ -86,8 +85,6 @@ def test_lowers_for_h200(hca, fp8, config):
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    # exp2="packed": the softmax's exponentials as packed 16-bit MUFU ops (f16 on FP8 pages, which run in f16)
-    assert (("ex2.approx.f16x2" if fp8 else "ex2.approx.ftz.bf16x2") in text) == (config.exp2 == "packed")
 
 
 def fp8_channel_cache(inputs):
@@ -101,8 +98,7 @@ def fp8_channel_cache(inputs):
     return out
 
 
-def _run_interpreted(seq_lens, *, ring_size=None, num_splits=2, rate=4, fp8=False, pv_chunks=1, head_dim=128,
-                     exp2="f32"):
+def _run_interpreted(seq_lens, *, ring_size=None, num_splits=2, rate=4, fp8=False, pv_chunks=1, head_dim=128):
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     inputs, _ = make_cache(0, seq_lens, heads=64, head_dim=head_dim, window=128, page_size=64, ring_size=ring_size,
@@ -110,7 +106,7 @@ def _run_interpreted(seq_lens, *, ring_size=None, num_splits=2, rate=4, fp8=Fals
     if fp8:
         inputs = fp8_channel_cache(inputs)
     kw = dict(sliding_window=128, scale=head_dim**-0.5, ring_size=ring_size)
-    config = MgpuDecodeConfig(pv_form="interpret", num_splits=num_splits, pv_chunks=pv_chunks, exp2=exp2)
+    config = MgpuDecodeConfig(pv_form="interpret", num_splits=num_splits, pv_chunks=pv_chunks)
     got = np.asarray(paged_decode_attention_mgpu(**inputs, **kw, config=config, interpret=InterpretGPUParams()),
                      np.float32)  # fmt: skip
     if fp8:  # the kernel runs in f16: measure it against float32 math on the same e4m3 values
@@ -134,13 +130,6 @@ def _run_interpreted(seq_lens, *, ring_size=None, num_splits=2, rate=4, fp8=Fals
 ])  # fmt: skip
 def test_interpreter_matches_reference(seq_lens, ring_size, num_splits):
     _run_interpreted(seq_lens, ring_size=ring_size, num_splits=num_splits)
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-def test_interpreter_packed_exp2_matches_reference(fp8):
-    """exp2="packed": the shifted logits rounded to the MMA dtype (bf16; f16 on FP8 pages) before the exponential,
-    P in that dtype (the interpreter's emulation of `ex2.approx` on 16-bit pairs)."""
-    _run_interpreted([0, 1, 65, 300], num_splits=5, fp8=fp8, exp2="packed")
 
 
 def test_interpreter_pv_chunks_match_reference():
@@ -218,8 +207,6 @@ def test_refuses_pv_chunks_narrower_than_a_swizzle_tile():
         MgpuDecodeConfig(pv_chunks=0)
     with pytest.raises(ValueError, match="registers=.240, 32.*504"):  # hangs in setmaxnreg on the GPU (call 5)
         MgpuDecodeConfig(registers=(240, 32))
-    with pytest.raises(ValueError, match="exp2='fast'"):
-        MgpuDecodeConfig(exp2="fast")
 
 
 @gpu
@@ -228,7 +215,6 @@ def test_refuses_pv_chunks_narrower_than_a_swizzle_tile():
     (False, MgpuDecodeConfig()), (True, MgpuDecodeConfig()), (True, MgpuDecodeConfig(num_splits=1)),
     (False, MgpuDecodeConfig(auto_barriers=True)), (True, MgpuDecodeConfig(pv_chunks=1, auto_barriers=True)),
     (False, MgpuDecodeConfig(pv_chunks=4)), (True, MgpuDecodeConfig(pv_chunks=4, num_splits=1)),
-    (True, MgpuDecodeConfig(exp2="packed")),
 ])  # fmt: skip
 def test_gpu_matches_reference_at_v4_shapes(hca, config):
     seq_lens = [1, 63, 64, 65, 128, 129, 1000, 20_000, 0, 77_777]
@@ -252,7 +238,6 @@ def test_gpu_matches_reference_at_v4_shapes(hca, config):
 @pytest.mark.parametrize("hca, config", [
     (False, MgpuDecodeConfig()), (True, MgpuDecodeConfig()), (True, MgpuDecodeConfig(pv_chunks=1, auto_barriers=True)),
     (True, MgpuDecodeConfig(fp8_layout="wgmma")), (True, MgpuDecodeConfig(fp8_layout="upcast4x")),
-    (True, MgpuDecodeConfig(exp2="packed")),
 ])  # fmt: skip
 def test_gpu_fp8_pages_match_reference_at_v4_shapes(hca, config):
     seq_lens = [1, 63, 64, 65, 128, 129, 1000, 20_000, 0, 77_777]

@@ -238,6 +238,45 @@ def test_decode_kernel_in_the_model_matches_the_jnp_step(paged, kv_format):
             f"step {step}"  # fmt: skip
 
 
+def _decode_route_config(heads: int, head_dim: int):
+    return dsv4.Config.from_hf({
+        "vocab_size": 64, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+        "num_attention_heads": heads, "head_dim": head_dim, "q_lora_rank": 32, "qk_rope_head_dim": 16,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 4,
+        "index_head_dim": 32, "index_topk": 8, "sliding_window": 16,
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        "mlp_layer_types": ["moe"] * 3,
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize("impl, backend, heads, dtype, kv_format, want", [
+    ("auto", "gpu", 16, jnp.bfloat16, "fp8-channel", True),  # the auto route: FP8 stores on a GPU
+    ("auto", "gpu", 16, jnp.bfloat16, "fp8-tile-e8m0", True),
+    ("auto", "gpu", 16, jnp.bfloat16, "bf16", False),  # bf16 stores keep the jnp route
+    ("auto", "cpu", 16, jnp.bfloat16, "fp8-channel", False),  # interpreted kernels are slow: jnp off the GPU
+    ("auto", "gpu", 16, jnp.float32, "fp8-channel", False),  # float32 models decode with jnp
+    ("auto", "gpu", 4, jnp.bfloat16, "fp8-channel", False),  # 4 heads: below the compiled kernel's 16 rows
+    ("pallas", "cpu", 4, jnp.bfloat16, "bf16", True),  # "pallas" asks for the kernel anywhere
+    ("pallas", "cpu", 4, jnp.bfloat16, "fp8-channel", True),
+    ("jnp", "gpu", 16, jnp.bfloat16, "fp8-channel", False),
+])  # fmt: skip
+def test_which_decode_steps_take_the_paged_kernel(monkeypatch, impl, backend, heads, dtype, kv_format, want):
+    """`Attention._decode_kernel_applies`, the static choice of a one-token step's route, worked out by hand from
+    its rule for every layer type: "pallas" takes the kernel for any cache it reads; "auto" only on a GPU, for FP8
+    stores in a 16-bit model whose heads fit the compiled kernel (16 or more a program, head_dim a power of two)."""
+    import dsv4.attention as attention
+
+    model = dsv4.init_random(_decode_route_config(heads, 32), seed=0, dtype=dtype, attention_impl=impl)
+    cache = model.init_cache(1, max_len=64, kv_format=kv_format)
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: backend)
+    for layer, state in zip(model.layers, cache["layers"]):
+        assert layer.self_attn._decode_kernel_applies(state, dtype) is want, layer.self_attn.layer_type
+    monkeypatch.setattr(attention, "AUTO_DECODE_KERNEL", False)  # the switch sends "auto" back to jnp
+    for layer, state in zip(model.layers, cache["layers"]):
+        assert layer.self_attn._decode_kernel_applies(state, dtype) is (want and impl == "pallas")
+
+
 def test_cached_chunks_hand_the_pallas_core_the_prefix_layout(monkeypatch):
     """What the Mosaic kernel relies on for cached chunks (`kv_prefix`; it places rows by index, not position):
     `Attention.forward_chunk` gives the "pallas" core the ring in position order, kv row i holding position

@@ -82,9 +82,6 @@ _VARIANTS = ("ws", "prefetch")
 _ROW_TILE = 8  # rows of the (8, 64) SMEM tile; TMA row starts in a tiled GMEM view must be multiples of it
 _PV_FORMS = ("run_state", "store", "p_smem", "interpret")
 _DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump")
-EXP2_FORMS = ("f32", "packed")
-_PACKED_EXP2 = {jnp.dtype(jnp.bfloat16): ("ex2.approx.ftz.bf16x2", "ex2.approx.ftz.bf16"),
-                jnp.dtype(jnp.float16): ("ex2.approx.f16x2", "ex2.approx.f16")}  # fmt: skip
 _SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
 
 
@@ -110,9 +107,6 @@ class MgpuConfig:
                 order it, and O's staging store comes after the wgmmas that read that buffer have completed and
                 before `commit_smem` (fence and barrier). On one H200 it made no difference (docs/KERNEL_NOTES.md
                 E12), so True stays.
-    exp2:       the softmax's exponentials: "f32" (exp2 of the float32 logits, P rounded to 16 bits after) or
-                "packed" (`packed_exp2`: the logits less the running max rounded to P's 16-bit dtype first, two
-                exponentials a MUFU op; the row sums add the rounded P that P·V uses).
     """
 
     block_kv: int = 64
@@ -140,11 +134,8 @@ class MgpuConfig:
     persistent: bool | None = None
     num_ctas: int = 0
     auto_barriers: bool = True
-    exp2: str = "f32"
 
     def __post_init__(self):
-        if self.exp2 not in EXP2_FORMS:
-            raise ValueError(f"MgpuConfig.exp2={self.exp2!r} must be one of {EXP2_FORMS}")
         # NOTE: P·V reduces over block_kv; a bf16 wgmma K must be a multiple of 64 (found by lowering, block_kv=32
         # fails "K must be a multiple of 64"). The interpreter form has no such limit (used at 32 in the CPU test).
         step = 32 if self.pv_form == "interpret" else 64
@@ -201,44 +192,15 @@ class _Item(NamedTuple):
     n_steps: jax.Array
 
 
-def packed_exp2(x, *, emulate: bool = False):
-    """exp2 of a bf16 / f16 WGMMA-layout array in its own dtype, two values a MUFU op (`ex2.approx.ftz.bf16x2`,
-    `ex2.approx.f16x2`, through `inline_mgpu`). emulate: float32 exp2 of the same 16-bit inputs, rounded back (the
-    CPU interpreter runs no inline PTX; the hardware's approximation differs by about an ulp)."""
-    if emulate:
-        return jnp.exp2(x.astype(F32)).astype(x.dtype)
-    instr = _PACKED_EXP2.get(jnp.dtype(x.dtype))
-    if instr is None:
-        raise ValueError(f"packed_exp2 takes bfloat16 or float16, got {x.dtype}")
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
-                       return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=plgpu.Layout.WGMMA))  # fmt: skip
-    def run(ctx, arr):
-        del ctx
-        from jax.experimental.mosaic.gpu import fragmented_array as fa  # the array type inline_mgpu hands over
-
-        return arr._pointwise(fa.FragmentedArray._lift_fast_packed_instr(*instr))
-
-    return run(x)
-
-
-def online_softmax_step(s, col, lo, hi, logit_scale, m_i, l_i, acc, *, p_dtype=None, emulate=False):
+def online_softmax_step(s, col, lo, hi, logit_scale, m_i, l_i, acc):
     """One step of the log2-domain online softmax on a WGMMA-layout [64, n] logit tile, shared by the prefill and
-    decode kernels: columns `col` outside [lo, hi) masked, logits = s · logit_scale. → (P [64, n], new running
-    max [64], new row sum [64], acc [64, d] rescaled to the new max). P is float32, or with p_dtype (bf16 / f16)
-    `packed_exp2` of the shifted logits rounded to p_dtype, in p_dtype (config exp2="packed"; emulate: the
-    interpreter's form)."""
+    decode kernels: columns `col` outside [lo, hi) masked, logits = s · logit_scale. → (P f32 [64, n], new running
+    max [64], new row sum [64], acc [64, d] rescaled to the new max)."""
     logits = jnp.where((col >= lo) & (col < hi), s * logit_scale, -jnp.inf)
     m_new = jnp.maximum(m_i, logits.max(axis=1))
     alpha = jnp.exp2(m_i - m_new)
-    shifted = logits - lax.broadcast_in_dim(m_new, logits.shape, [0])
-    if p_dtype is None:
-        p = jnp.exp2(shifted)
-        row = p.sum(axis=1)
-    else:
-        p = packed_exp2(shifted.astype(p_dtype), emulate=emulate)
-        row = p.astype(F32).sum(axis=1)
-    l_new = l_i * alpha + row
+    p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+    l_new = l_i * alpha + p.sum(axis=1)
     return p, m_new, l_new, acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
 
@@ -415,8 +377,6 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     dtype = q.dtype
     dh = d // 2
     bk, slots = config.block_kv, config.num_slots
-    # exp2="packed": P straight in q's dtype (emulated in the interpreter, which runs no inline PTX)
-    packed = dict(p_dtype=dtype, emulate=interpret is not None) if config.exp2 == "packed" else {}
     dbg = frozenset(config.debug)
     unaligned = "unaligned_window" in dbg
     no_exchange = "no_exchange" in dbg
@@ -564,8 +524,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                         lo = jnp.where(is_hca, 0, it.win_lo)
                         hi = jnp.where(is_hca, it.n_vis, it.win_hi)
                     col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
-                    p, m_new, l_new, acc = online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc,
-                                                               **packed)  # fmt: skip
+                    p, m_new, l_new, acc = online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
                     p16 = p.astype(dtype)
 
                     if dump:  # debug: the last step's S (unscaled, both halves summed) and P (f32) of this warpgroup

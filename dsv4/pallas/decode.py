@@ -128,7 +128,7 @@ class BlockSizes:
 # tiles (64 keys, 2 stages) Triton asked 253,952-256,512 bytes of shared memory on an H200, over its 232,448
 # (KERNEL_NOTES, DC23). They get tiles of their own, measured in BENCHMARKS, "The cache's own FP8 rows".
 SPLIT_ROW_BLOCK_SIZES = BlockSizes(block_kv=32, num_stages=1)
-# NOTE: whole e4m3 rows ran 1.2-1.3x faster at 1 stage than at 2 on an H200 (CSA and HCA, batch 1 and 32, 512K;
+# NOTE: whole e4m3 rows ran 1.1-1.3x faster at 1 stage than at 2 on an H200 (CSA and HCA, batch 1 and 32, 512K;
 # BENCHMARKS, "The cache's own FP8 rows"): the dequantized tile feeds the dots, so a second stage only holds bytes.
 FP8_BLOCK_SIZES = BlockSizes(num_stages=1)
 

@@ -60,13 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsv4.pallas.attention_mgpu import (
-    EXP2_FORMS,
-    online_softmax_step,
-    pv_in_place_chunked,
-    pv_through_smem,
-    swap_with_other,
-)
+from dsv4.pallas.attention_mgpu import online_softmax_step, pv_in_place_chunked, pv_through_smem, swap_with_other
 from dsv4.pallas.decode import _check_inputs, _combine_splits, default_num_splits
 
 __all__ = ["MgpuDecodeConfig", "mgpu_decode_supported", "paged_decode_attention_mgpu", "unsupported_reason"]
@@ -125,8 +119,6 @@ class MgpuDecodeConfig:
                 conversion; the matmuls read whatever the f16 tile holds), "skip_scale" (FP8 pages: the conversion
                 without its scale multiply), "skip_mask" (edge tiles' rows outside [lo, hi) not zeroed). With any
                 of them the output is meaningless.
-    exp2:       the softmax's exponentials, as `MgpuConfig.exp2`: "f32" or "packed" (two a MUFU op, P in the MMA
-                dtype: `ex2.approx.ftz.bf16x2` on bf16 pages, `ex2.approx.f16x2` on FP8 pages, which run in f16).
     """
 
     num_slots: int = 2
@@ -138,11 +130,8 @@ class MgpuDecodeConfig:
     auto_barriers: bool = False
     registers: tuple = (232, 40)
     debug: tuple = ()
-    exp2: str = "f32"
 
     def __post_init__(self):
-        if self.exp2 not in EXP2_FORMS:
-            raise ValueError(f"MgpuDecodeConfig.exp2={self.exp2!r} must be one of {EXP2_FORMS}")
         if self.num_slots < 1:
             raise ValueError(f"MgpuDecodeConfig.num_slots={self.num_slots} must be >= 1")
         if self.pv_chunks is not None and self.pv_chunks < 1:
@@ -355,8 +344,6 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
     skip_scale = "skip_scale" in config.debug
     skip_mask = "skip_mask" in config.debug
     conv_layout = _FP8_LAYOUTS[config.fp8_layout]
-    # exp2="packed": P straight in the MMA dtype (bf16, or f16 for FP8 pages; emulated in the interpreter)
-    packed = dict(p_dtype=dtype, emulate=interpret is not None) if config.exp2 == "packed" else {}
 
     def body(q_ref, meta_ref, kv_ref, table_ref, comp_ref, ctable_ref, scales_ref, acc_out, max_out, sum_out, q_smem,
              union, x_smem, stats_smem, p_smem, q_bar, kv_bar, consumed_bar, x_written, x_read, done_bar):  # fmt: skip
@@ -462,8 +449,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                     p, m_new, l_new = s_full, m_i, l_i
                 else:
                     col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, TILE), 1, layout=wgmma_layout) + base
-                    p, m_new, l_new, acc = online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc,
-                                                               **packed)  # fmt: skip
+                    p, m_new, l_new, acc = online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
                 p16 = p.astype(dtype)
                 # bf16 pages: chunk j of the slot half goes back as soon as its P·V is done (FP8: released above)
                 release_chunk = None if (compute_only or fp8) else (
