@@ -17,13 +17,17 @@ The lightning indexer's keys are read densely by every route (the indexer scores
 Model: scripts/check_decode_gpu.py's (V4-Flash attention shapes: 64 heads x 512, window 128, CSA 4:1 with a
 64 x 128 indexer keeping 512, HCA 128:1; narrow residual stream, few experts; layers sliding, CSA, HCA), bf16,
 random weights. `--batch` requests of `ctx`, ctx - 333, ... tokens, prefilled in 8K chunks on the kernel route, in
-256-token pages of a permuted block table. Per route: median ms per step over steps 1.. (step 0 compiles), and the
-logits' relative L2 distance from the kernel route's at step 0, where every route starts from the same cache (all
-routes then decode the same tokens, each writing its own cache: FP8 caches written from bf16-noise-apart rows round
-apart by whole FP8 steps, so later steps would measure that, not the route). Each step donates its cache, as the
-engine's does (`dsv4.runner`), so a step's time holds no copy of the cache; each route starts from its own copy of
-the prefilled one. (Before the twenty-third session the steps did not donate: each step's time then included
-writing a whole new cache.)
+256-token pages of a permuted block table. Each route first runs step 0 (it compiles) from its own copy of the
+prefilled cache; the logits' relative L2 distance from the kernel route's there is the table's last column. Then
+`--rounds` rounds, each timing every route in turn over `--steps` steps dispatched back to back (fixed random tokens,
+the same for every route; no host round trip between steps), the route's own cache carried on: ms / step is the
+median over rounds. Each step donates its cache, as the engine's does (`dsv4.runner`), so a step's time holds no copy
+of the cache.
+
+(Before the twenty-third session's second call each route's steps ran one at a time, each waiting for the host's
+argmax of the last, from an undonated cache, so every step's time also held writing a whole new cache and a host
+round trip: the same route measured 3.3 and 5.0 ms a step in one run. Tables from those runs are marked so in
+docs/BENCHMARKS.md.)
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def make_step(dense: bool):
 
 def bench_one(cfg, ctx, batch, kv_format, args, models):
     lens = np.array([ctx - 333 * i for i in range(batch)])
-    page_tokens, max_len = 256, ctx + args.steps + 256
+    page_tokens, max_len = 256, ctx + 1 + args.rounds * args.steps + 256
     cols = -(-max_len // page_tokens)
     cache = models["jnp"].init_cache(batch, max_len=max_len, kv_format=kv_format, page_tokens=page_tokens,
                                      num_pages=batch * cols + 1)  # fmt: skip
@@ -101,28 +105,39 @@ def bench_one(cfg, ctx, batch, kv_format, args, models):
         logits, cache = prefill(graphs["pallas"], state, cache, jnp.asarray(tokens), jnp.asarray(valid))
     jax.block_until_ready(logits)
     print(f"  prefill {ctx} x {batch} ({kv_format}): {time.perf_counter() - t0:.1f} s", flush=True)
-    first = np.asarray(logits).argmax(-1).astype(np.int32)
-    rows, outs = [], {}
-    for route in args.routes:
-        graph = graphs[GRAPHS[route]]
-        step = make_step(dense=route == "dense")
-        c, tok, times, outs[route] = jax.tree.map(jnp.copy, cache), first, [], []  # this route's own (donated)
-        for _ in range(args.steps):
+    first = jnp.asarray(np.asarray(logits).argmax(-1).astype(np.int32)[:, None])
+    ones = jnp.ones((batch,), jnp.int32)
+    # Steps 1.. feed fixed random tokens, the same for every route (the time does not depend on which).
+    feed = [jnp.asarray(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, (args.steps, batch, 1),
+                                                                      dtype=np.int32)]  # fmt: skip
+    steps, caches, step0, compile_s = {}, {}, {}, {}
+    for route in args.routes:  # step 0 (compiles) from the same cache: the logits compared across routes
+        steps[route] = make_step(dense=route == "dense")
+        t = time.perf_counter()
+        out, caches[route] = steps[route](graphs[GRAPHS[route]], state, jax.tree.map(jnp.copy, cache), first, ones)
+        step0[route], compile_s[route] = np.asarray(out, np.float32), time.perf_counter() - t
+    del cache
+    times = {route: [] for route in args.routes}
+    for _ in range(args.rounds):  # routes interleaved, so drift (clocks, other work) reaches them all alike
+        for route in args.routes:
+            graph, step, c = graphs[GRAPHS[route]], steps[route], caches[route]
+            jax.block_until_ready(c)
             t = time.perf_counter()
-            out, c = step(graph, state, c, jnp.asarray(tok[:, None]), jnp.ones((batch,), jnp.int32))
+            for tok in feed:  # dispatched back to back, as a serving loop that keeps tokens on the device would
+                out, c = step(graph, state, c, tok, ones)
             jax.block_until_ready(out)
-            times.append(time.perf_counter() - t)
-            outs[route].append(np.asarray(out, np.float32))
-            tok = np.asarray(outs["kernel" if "kernel" in outs else route][len(outs[route]) - 1]).argmax(-1)
-            tok = tok.astype(np.int32)
-        del c
-        ms = statistics.median(times[1:] or times) * 1e3
-        base = "kernel" if "kernel" in outs else args.routes[0]
-        err = rel_err(outs[route][0], outs[base][0])
-        rows.append(dict(ctx=ctx, batch=batch, cache=kv_format, route=route, ms=ms, compile_s=times[0],
-                         step0_rel_err=err))  # fmt: skip
-        print(f"  {route:6s} {ms:8.2f} ms / step (first {times[0]:.1f} s), step 0 logits vs {base} {err:.2e}",
-              flush=True)  # fmt: skip
+            times[route].append((time.perf_counter() - t) / args.steps)
+            caches[route] = c
+    rows = []
+    base = "kernel" if "kernel" in args.routes else args.routes[0]
+    for route in args.routes:
+        ms = statistics.median(times[route]) * 1e3
+        err = rel_err(step0[route], step0[base])
+        spread = (max(times[route]) - min(times[route])) * 1e3
+        rows.append(dict(ctx=ctx, batch=batch, cache=kv_format, route=route, ms=ms, rounds_ms=[x * 1e3 for x in
+                         times[route]], compile_s=compile_s[route], step0_rel_err=err))  # fmt: skip
+        print(f"  {route:6s} {ms:8.2f} ms / step (rounds spread {spread:.2f} ms; step 0 with its compile "
+              f"{compile_s[route]:.1f} s), step 0 logits vs {base} {err:.2e}", flush=True)  # fmt: skip
     return rows
 
 
@@ -132,7 +147,8 @@ def main():
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--formats", default="fp8-channel,bf16", help="cache formats (dsv4.cache.layout.FORMAT_NAMES)")
     p.add_argument("--routes", default=",".join(ROUTES), help=f"subset of {ROUTES}")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10, help="timed steps a round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (each times every route, in turn)")
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--small", action="store_true", help="4 heads x 64 (CPU smoke)")
     p.add_argument("--out", default=None, help="write the rows as JSON to OUT.json")
