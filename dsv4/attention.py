@@ -9,9 +9,9 @@ interchangeable implementations (`ATTENTION_IMPLS`): "jnp" (`core_attention_jnp`
 (`core_attention_pallas`: the Mosaic GPU kernel `dsv4/pallas/attention_mgpu.py` for window / HCA prefill on
 Hopper, else the Triton-lowered one in `dsv4/pallas/attention.py`), "sp" (sequence parallel over a mesh,
 `dsv4/sharding/context_parallel.py`) and "auto" (the default: Pallas for the prefill on a GPU, jnp elsewhere);
-a model picks one by name. Decode steps (one-token chunks) can bypass the core: with "pallas", or with "auto" on a
-GPU over an FP8 cache, they run the paged decode kernel (`dsv4/pallas/decode.py`) on the cache as stored
-(`Attention._decode_kernel_applies`).
+a model picks one by name. Decode steps (one-token chunks) can bypass the core: with "pallas" (or "auto" on a GPU
+over an FP8 cache, with `AUTO_DECODE_KERNEL` set) they run the paged decode kernel (`dsv4/pallas/decode.py`) on
+the cache as stored (`Attention._decode_kernel_applies`).
 """
 
 from __future__ import annotations
@@ -135,11 +135,11 @@ def core_attention_jnp(
 # logits by up to 7.1e-2 (docs/BENCHMARKS.md, "One-token chunks on the Mosaic kernel"). False sends them to Triton.
 MOSAIC_ONE_TOKEN = True
 
-# NOTE: with attention_impl="auto", a decode step over an FP8 cache on a GPU runs the paged decode kernel on the
-# cache as stored; the jnp route dequantizes every stored row into a dense copy first. In the model on an H200 the
-# kernel step took 0.70-0.86x the jnp step's time at 128K and 512K context, batch 2 and 32 (docs/BENCHMARKS.md,
-# "The model's decode step by route"). bf16 caches keep the jnp route under "auto". False: jnp for every cache.
-AUTO_DECODE_KERNEL = True
+# NOTE: True sends "auto" decode steps over an FP8 cache on a GPU to the paged decode kernel (the cache as stored)
+# instead of the jnp route (a dequantized dense copy, then XLA). Off: in the model on an H200 the two steps took the
+# same time, 3.29 against 3.28 ms (128K, batch 32) and 4.00 against 3.97 ms (512K, batch 2), within the rounds'
+# spread (docs/BENCHMARKS.md, "The model's decode step by route"), so the default stays jnp.
+AUTO_DECODE_KERNEL = False
 
 
 def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, scale: float,
@@ -227,8 +227,8 @@ def core_attention_auto(q, kv, q_pos, kv_pos, sinks, *, kv_aligned: bool = False
     """The default: the Pallas kernels for the bf16 / f16 prefill on a GPU, the full sequence or a cached chunk
     of more than one token (the Mosaic kernel for window / HCA layers on Hopper, 1.5-1.9x the Triton one, which
     takes CSA; both beat XLA, docs/BENCHMARKS.md), and the jnp core everywhere else (CPU, float32 models, decode
-    steps; except that a decode step over an FP8 cache on a GPU skips the core for the paged decode kernel,
-    `Attention._decode_kernel_applies`)."""
+    steps; with `AUTO_DECODE_KERNEL` set, a decode step over an FP8 cache on a GPU skips the core for the paged
+    decode kernel, `Attention._decode_kernel_applies`)."""
     prefill = kv_aligned or (kv_prefix > 0 and q.shape[1] > 1)
     if jax.default_backend() == "gpu" and prefill and q.dtype in (jnp.bfloat16, jnp.float16):
         return core_attention_pallas(q, kv, q_pos, kv_pos, sinks, kv_aligned=kv_aligned, kv_prefix=kv_prefix,
@@ -723,7 +723,8 @@ class Attention(nnx.Module):
         """Whether a one-token step runs `dsv4.pallas.decode.paged_decode_attention` (static): every store it
         reads in a form the kernel takes (unquantized in the compute dtype, or FP8: its nope channels e4m3 beside
         bf16 RoPE channels, scales per tensor, per channel or per row and 64-channel tile), and either
-        attention_impl="pallas", or "auto" on a GPU for FP8 stores in a 16-bit model (`AUTO_DECODE_KERNEL`)."""
+        attention_impl="pallas", or "auto" with `AUTO_DECODE_KERNEL` set, on a GPU, for FP8 stores in a 16-bit
+        model."""
         from dsv4.pallas.attention import SCALE_TILE
 
         stores = [state["window"]] + ([state["compressor"]["entries"]] if self.layer_type != SLIDING else [])

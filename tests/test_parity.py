@@ -263,16 +263,18 @@ def _decode_route_config(heads: int, head_dim: int):
 ])  # fmt: skip
 def test_which_decode_steps_take_the_paged_kernel(monkeypatch, impl, backend, heads, dtype, kv_format, want):
     """`Attention._decode_kernel_applies`, the static choice of a one-token step's route, worked out by hand from
-    its rule for every layer type: "pallas" takes the kernel for any cache it reads; "auto" only on a GPU, for FP8
-    stores in a 16-bit model whose heads fit the compiled kernel (16 or more a program, head_dim a power of two)."""
+    its rule for every layer type: "pallas" takes the kernel for any cache it reads; "auto", with
+    `AUTO_DECODE_KERNEL` set, only on a GPU, for FP8 stores in a 16-bit model whose heads fit the compiled kernel
+    (16 or more a program, head_dim a power of two), and never with it unset (the default)."""
     import dsv4.attention as attention
 
     model = dsv4.init_random(_decode_route_config(heads, 32), seed=0, dtype=dtype, attention_impl=impl)
     cache = model.init_cache(1, max_len=64, kv_format=kv_format)
     monkeypatch.setattr(attention.jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(attention, "AUTO_DECODE_KERNEL", True)
     for layer, state in zip(model.layers, cache["layers"]):
         assert layer.self_attn._decode_kernel_applies(state, dtype) is want, layer.self_attn.layer_type
-    monkeypatch.setattr(attention, "AUTO_DECODE_KERNEL", False)  # the switch sends "auto" back to jnp
+    monkeypatch.setattr(attention, "AUTO_DECODE_KERNEL", False)  # the default: "auto" decodes with jnp
     for layer, state in zip(model.layers, cache["layers"]):
         assert layer.self_attn._decode_kernel_applies(state, dtype) is (want and impl == "pallas")
 
