@@ -743,12 +743,11 @@ class Attention(nnx.Module):
         return all(takes(st) for st in stores)
 
     def _decode_kernel_compiles(self) -> bool:
-        """Whether this layer's heads fit the compiled decode kernel's tiles (`paged_decode_attention` refuses the
-        rest with a ValueError): head_dim a power of two >= 16, and 16 or more heads a program."""
-        from dsv4.pallas.decode import BlockSizes
+        """Whether this layer's heads fit the compiled decode kernel's default tiles (`paged_decode_attention`
+        refuses the rest with a ValueError)."""
+        from dsv4.pallas.decode import unsupported_shape
 
-        d, h, block_h = self.head_dim, self.n_heads, BlockSizes().block_h
-        return d >= 16 and d & (d - 1) == 0 and min(h, block_h) >= 16 and h % min(h, block_h) == 0
+        return unsupported_shape(self.n_heads, self.head_dim) is None
 
     @staticmethod
     def _kernel_rows(store) -> dict[str, jax.Array | None]:

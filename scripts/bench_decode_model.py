@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 scripts/bench_decode_model.py --contexts 128k,512k --out $OUT/dm     # one H200
     PYTHONPATH=. python3 scripts/bench_decode_model.py --small --contexts 600 --steps 3       # CPU smoke (interpreted)
 
-Routes (one jitted `forward_chunk` each, the same weights, each timed for `--steps` steps from the same cache):
+Routes (one jitted `forward_chunk` each, the same weights, each from its own copy of the same prefilled cache):
     kernel  attention_impl="pallas": a one-token step runs `dsv4.pallas.decode.paged_decode_attention` on the cache
             itself (bf16 rows; or FP8 ones as stored, e4m3 nope channels beside bf16 RoPE channels);
     dense   the same model with that kernel switched off: every stored row of the ring and the compressed pool is

@@ -238,10 +238,10 @@ def test_decode_kernel_in_the_model_matches_the_jnp_step(paged, kv_format):
             f"step {step}"  # fmt: skip
 
 
-def _decode_route_config(heads: int, head_dim: int):
+def _decode_route_config(heads: int):
     return dsv4.Config.from_hf({
         "vocab_size": 64, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 3,
-        "num_attention_heads": heads, "head_dim": head_dim, "q_lora_rank": 32, "qk_rope_head_dim": 16,
+        "num_attention_heads": heads, "head_dim": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16,
         "n_routed_experts": 4, "num_experts_per_tok": 2, "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 4,
         "index_head_dim": 32, "index_topk": 8, "sliding_window": 16,
         "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
@@ -268,7 +268,7 @@ def test_which_decode_steps_take_the_paged_kernel(monkeypatch, impl, backend, he
     (16 or more a program, head_dim a power of two), and never with it unset (the default)."""
     import dsv4.attention as attention
 
-    model = dsv4.init_random(_decode_route_config(heads, 32), seed=0, dtype=dtype, attention_impl=impl)
+    model = dsv4.init_random(_decode_route_config(heads), seed=0, dtype=dtype, attention_impl=impl)
     cache = model.init_cache(1, max_len=64, kv_format=kv_format)
     monkeypatch.setattr(attention.jax, "default_backend", lambda: backend)
     monkeypatch.setattr(attention, "AUTO_DECODE_KERNEL", True)

@@ -67,7 +67,8 @@ from dsv4.pallas._device import sm_count as _sm_count
 from dsv4.pallas.attention import _M_FLOOR, SCALE_TILE, _load_values, _online_softmax_step
 
 __all__ = ["FP8_BLOCK_SIZES", "SPLIT_ROW_BLOCK_SIZES", "BlockSizes", "default_block_sizes", "default_num_splits",
-           "paged_decode_attention", "paged_decode_attention_kernel", "paged_decode_attention_reference"]
+           "paged_decode_attention", "paged_decode_attention_kernel", "paged_decode_attention_reference",
+           "unsupported_shape"]
 
 F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn
@@ -324,6 +325,20 @@ def paged_decode_attention_reference(
     out = jnp.einsum("bhn,bnd->bhd", probs.astype(keys.dtype), keys, preferred_element_type=F32)
     out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.astype(q.dtype)
+
+
+def unsupported_shape(num_heads: int, head_dim: int, block_sizes: BlockSizes = BlockSizes(), *,
+                      compiled: bool = True) -> str | None:
+    """Why the Triton kernel cannot take q of num_heads × head_dim at these tiles (None: it can). compiled: for
+    the GPU; the interpreter also takes tile rows below the 16 a compiled `tl.dot` needs."""
+    block_h = min(block_sizes.block_h, num_heads)
+    if not _is_power_of_2(head_dim) or head_dim < _MIN_DOT_DIM:
+        return f"head dim D={head_dim} must be a power of two >= {_MIN_DOT_DIM}"
+    if num_heads % block_h:
+        return f"BlockSizes.block_h={block_sizes.block_h} does not divide num_heads={num_heads}"
+    if compiled and block_h < _MIN_DOT_DIM:
+        return f"tile rows block_h = {block_h} < {_MIN_DOT_DIM} for num_heads={num_heads}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -599,13 +614,10 @@ def paged_decode_attention(
                                                   compressed_scales=compressed_scales, config=config)  # fmt: skip
     b, h, d = q.shape
     page_size = kv_pages.shape[1]
-    if not _is_power_of_2(d) or d < _MIN_DOT_DIM:
-        raise ValueError(f"head dim D={d} (q.shape={q.shape}) must be a power of two >= {_MIN_DOT_DIM}")
+    why = unsupported_shape(h, d, block_sizes, compiled=not interpret)
+    if why:
+        raise ValueError(f"{why} (q.shape={q.shape})")
     block_h, block_kv = min(block_sizes.block_h, h), block_sizes.block_kv
-    if h % block_h:
-        raise ValueError(f"BlockSizes.block_h={block_sizes.block_h} does not divide num_heads={h} (q.shape={q.shape})")
-    if not interpret and block_h < _MIN_DOT_DIM:
-        raise ValueError(f"tile rows block_h = {block_h} < {_MIN_DOT_DIM} for q.shape={q.shape}")
 
     # Per-request bounds: (seq_len, window tokens visible, compressed items to scan, compressed entries present).
     seq_lens = jnp.maximum(seq_lens, 0)
