@@ -22,7 +22,8 @@ prefilled cache; the logits' relative L2 distance from the kernel route's there 
 `--rounds` rounds, each timing every route in turn over `--steps` steps dispatched back to back (fixed random tokens,
 the same for every route; no host round trip between steps), the route's own cache carried on: ms / step is the
 median over rounds. Each step donates its cache, as the engine's does (`dsv4.runner`), so a step's time holds no copy
-of the cache.
+of the cache. `--trace DIR` profiles each route's steps once more and prints, per step, the GPU's busy time against
+the wall time and the kernels that take the most of it (`trace_overlap.kernel_table`).
 
 (Before the twenty-third session's second call each route's steps ran one at a time, each waiting for the host's
 argmax of the last, from an undonated cache, so every step's time also held writing a whole new cache and a host
@@ -83,6 +84,39 @@ def make_step(dense: bool):
     return run
 
 
+def trace_steps(route, step, graph, state, cache, feed, ones, trace_dir, top=14):
+    """The route's steps once more (back to back, as timed) under `jax.profiler.trace`; prints the GPU's busy time
+    (the union of its kernels), the kernels' first-to-last span and the wall time, each per step, and the kernels
+    that take the most GPU time. → dict of those (and "cache": the route's cache after the steps)."""
+    from trace_overlap import kernel_table
+
+    jax.block_until_ready(cache)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        t = time.perf_counter()
+        for tok in feed:
+            out, cache = step(graph, state, cache, tok, ones)
+        jax.block_until_ready(out)
+        wall = (time.perf_counter() - t) / len(feed)
+    try:
+        table = kernel_table(trace_dir)
+    except FileNotFoundError as exc:
+        print(f"  {route} trace: {exc}", flush=True)
+        return dict(cache=cache)
+    if not table:
+        print(f"  {route} trace: no GPU kernels (CPU run?)", flush=True)
+        return dict(cache=cache)
+    gpu = table[sorted(table)[0]]
+    n = len(feed)
+    kernels = sorted(gpu["kernels"].items(), key=lambda kv: -kv[1][0])
+    busy, span = gpu["busy_us"] / n, gpu["span_us"] / n
+    print(f"  {route} trace: per step GPU busy {busy:.1f} us, kernel span {span:.1f} us, wall {wall * 1e6:.1f} us "
+          f"(under the profiler); {sum(c for _, c in gpu['kernels'].values()) / n:.0f} kernels a step", flush=True)
+    for name, (total, count) in kernels[:top]:
+        print(f"      {total / n:9.1f} us {count / n:5.1f}x  {name[:100]}", flush=True)
+    return dict(cache=cache, busy_us=busy, span_us=span, wall_us=wall * 1e6,
+                kernels=[(name, total / n, count / n) for name, (total, count) in kernels[:40]])
+
+
 def bench_one(cfg, ctx, batch, kv_format, args, models):
     lens = np.array([ctx - 333 * i for i in range(batch)])
     page_tokens, max_len = 256, ctx + 1 + args.rounds * args.steps + 256
@@ -128,6 +162,12 @@ def bench_one(cfg, ctx, batch, kv_format, args, models):
             jax.block_until_ready(out)
             times[route].append((time.perf_counter() - t) / args.steps)
             caches[route] = c
+    traces = {}
+    if args.trace:  # where a step's time goes: each route's --steps steps once more, under the profiler
+        for route in args.routes:
+            traces[route] = trace_steps(route, steps[route], graphs[GRAPHS[route]], state, caches[route], feed, ones,
+                                        f"{args.trace}/{ctx}_{batch}_{kv_format}_{route}")  # fmt: skip
+            caches[route] = traces[route].pop("cache")
     rows = []
     base = "kernel" if "kernel" in args.routes else args.routes[0]
     for route in args.routes:
@@ -135,7 +175,8 @@ def bench_one(cfg, ctx, batch, kv_format, args, models):
         err = rel_err(step0[route], step0[base])
         spread = (max(times[route]) - min(times[route])) * 1e3
         rows.append(dict(ctx=ctx, batch=batch, cache=kv_format, route=route, ms=ms, rounds_ms=[x * 1e3 for x in
-                         times[route]], compile_s=compile_s[route], step0_rel_err=err))  # fmt: skip
+                         times[route]], compile_s=compile_s[route], step0_rel_err=err,
+                         trace=traces.get(route)))  # fmt: skip
         print(f"  {route:6s} {ms:8.2f} ms / step (rounds spread {spread:.2f} ms; step 0 with its compile "
               f"{compile_s[route]:.1f} s), step 0 logits vs {base} {err:.2e}", flush=True)  # fmt: skip
     return rows
@@ -152,6 +193,8 @@ def main():
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--small", action="store_true", help="4 heads x 64 (CPU smoke)")
     p.add_argument("--out", default=None, help="write the rows as JSON to OUT.json")
+    p.add_argument("--trace", default=None, help="profile each route's steps once more (jax.profiler) into this "
+                   "directory; print where a step's GPU time goes")  # fmt: skip
     args = p.parse_args()
     args.routes = [r.strip() for r in args.routes.split(",") if r.strip()]
     if any(r not in ROUTES for r in args.routes):

@@ -51,3 +51,28 @@ def test_overlap_by_hand(tmp_path):
 def test_missing_trace_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="perfetto_trace.json.gz"):
         trace_overlap.overlap(str(tmp_path))
+
+
+def test_kernel_table_by_hand(tmp_path):
+    """Stream threads' kernels only (the module-level event on another thread of the same device is not counted
+    again), summed by name; busy time is the union of their intervals."""
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}},
+        {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Modules"}},
+        {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "tid": 8, "name": "jit_step", "ts": 0, "dur": 100},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "decode", "ts": 10, "dur": 20},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "fusion.1", "ts": 25, "dur": 10},  # overlaps decode by 5
+        {"ph": "X", "pid": 1, "tid": 7, "name": "decode", "ts": 60, "dur": 30},
+        {"ph": "X", "pid": 3, "tid": 1, "name": "decode", "ts": 0, "dur": 500},
+    ]
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = trace_overlap.kernel_table(str(path))
+    assert set(got) == {"/device:GPU:0"}
+    g = got["/device:GPU:0"]
+    assert g["kernels"] == {"decode": [50.0, 2], "fusion.1": [10.0, 1]}
+    assert g["busy_us"] == pytest.approx(25 + 30)  # [10, 35) ∪ [60, 90)
+    assert g["span_us"] == pytest.approx(80)  # 10 .. 90
