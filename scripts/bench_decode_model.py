@@ -11,7 +11,9 @@ Routes (one jitted `forward_chunk` each, the same weights, each from its own cop
             FP8-cache step took before split rows reached the kernel);
     jnp     attention_impl="jnp" (the dense copy, then XLA attention);
     auto    attention_impl="auto", the library's default (`Attention._decode_kernel_applies` says which of the
-            above a step takes on this device and cache).
+            above a step takes on this device and cache);
+    jnp-loop  jnp with the mHC Sinkhorn kernel switched off (`dsv4.layers.SINKHORN_KERNEL`): XLA's while loop, as
+            every route ran it before the twenty-fourth session.
 The lightning indexer's keys are read densely by every route (the indexer scores every key anyway).
 
 Model: scripts/check_decode_gpu.py's (V4-Flash attention shapes: 64 heads x 512, window 128, CSA 4:1 with a
@@ -53,8 +55,8 @@ from flax import nnx  # noqa: E402
 import dsv4  # noqa: E402
 from dsv4.attention import Attention  # noqa: E402
 
-ROUTES = ("kernel", "dense", "jnp", "auto")
-GRAPHS = {"kernel": "pallas", "dense": "pallas", "jnp": "jnp", "auto": "auto"}  # route → attention_impl
+ROUTES = ("kernel", "dense", "jnp", "auto", "jnp-loop")
+GRAPHS = {"kernel": "pallas", "dense": "pallas", "jnp": "jnp", "auto": "auto", "jnp-loop": "jnp"}  # → attention_impl
 
 
 def parse_length(text: str) -> int:
@@ -62,24 +64,28 @@ def parse_length(text: str) -> int:
     return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
 
 
-def make_step(dense: bool):
+def make_step(dense: bool, sinkhorn_loop: bool = False):
     """A fresh jitted step (its own trace cache) that donates its cache (argument 2), as `dsv4.runner`'s does;
-    dense: traced with the paged decode kernel switched off."""
+    dense: traced with the paged decode kernel switched off; sinkhorn_loop: with the mHC Sinkhorn kernel switched
+    off (`dsv4.layers.SINKHORN_KERNEL`)."""
+    import dsv4.layers
 
     def step(graphdef, state, cache, tokens, valid):
         return nnx.merge(graphdef, state).forward_chunk(cache, tokens, valid)
 
     jitted = jax.jit(step, donate_argnums=2)
-    if not dense:
+    if not (dense or sinkhorn_loop):
         return jitted
 
-    def run(*args):
-        original = Attention._decode_kernel_applies
-        Attention._decode_kernel_applies = lambda self, state, dtype: False  # read at trace time only
+    def run(*args):  # both switches are read at trace time only
+        original = Attention._decode_kernel_applies, dsv4.layers.SINKHORN_KERNEL
+        if dense:
+            Attention._decode_kernel_applies = lambda self, state, dtype: False
+        dsv4.layers.SINKHORN_KERNEL = original[1] and not sinkhorn_loop
         try:
             return jitted(*args)
         finally:
-            Attention._decode_kernel_applies = original
+            Attention._decode_kernel_applies, dsv4.layers.SINKHORN_KERNEL = original
 
     return run
 
@@ -146,7 +152,7 @@ def bench_one(cfg, ctx, batch, kv_format, args, models):
                                                                       dtype=np.int32)]  # fmt: skip
     steps, caches, step0, compile_s = {}, {}, {}, {}
     for route in args.routes:  # step 0 (compiles) from the same cache: the logits compared across routes
-        steps[route] = make_step(dense=route == "dense")
+        steps[route] = make_step(dense=route == "dense", sinkhorn_loop=route == "jnp-loop")
         t = time.perf_counter()
         out, caches[route] = steps[route](graphs[GRAPHS[route]], state, jax.tree.map(jnp.copy, cache), first, ones)
         step0[route], compile_s[route] = np.asarray(out, np.float32), time.perf_counter() - t

@@ -1,0 +1,119 @@
+"""dsv4/pallas/sinkhorn.py: the mHC Sinkhorn kernel against its jnp reference (interpret mode on CPU, compiled on a
+GPU), its Triton lowering for an abstract H200, and the reference against a float64 numpy Sinkhorn written here."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gpu_mesh import abstract_gpu_mesh
+
+from dsv4.pallas.sinkhorn import sinkhorn, sinkhorn_reference
+
+gpu = pytest.mark.gpu
+requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Triton-compiled kernel)")
+EPS = 1e-6
+
+
+def random_comb(seed: int, shape, hc: int) -> jax.Array:
+    """Positive matrices as the model makes them: softmax over the last axis of scaled logits, plus eps."""
+    logits = jax.random.normal(jax.random.key(seed), (*shape, hc, hc)) * 3.0
+    return jax.nn.softmax(logits, axis=-1) + EPS
+
+
+def numpy_sinkhorn(comb: np.ndarray, iters: int, eps: float) -> np.ndarray:
+    c = comb.astype(np.float64)
+    c = c / (c.sum(axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(axis=-1, keepdims=True) + eps)
+        c = c / (c.sum(axis=-2, keepdims=True) + eps)
+    return c
+
+
+@pytest.mark.parametrize("iters", [1, 20])
+def test_reference_is_sinkhorn(iters):
+    comb = random_comb(0, (2, 5), 4)
+    got = np.asarray(sinkhorn_reference(comb, iters, EPS))
+    np.testing.assert_allclose(got, numpy_sinkhorn(np.asarray(comb), iters, EPS), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(got.sum(axis=-2), 1.0, atol=1e-5)  # every round ends on the columns
+
+
+@pytest.mark.parametrize("shape, hc, iters, block_tokens", [
+    ((3, 37), 4, 3, 32),    # 111 tokens: 4 blocks, the last one masked
+    ((1, 5), 4, 20, 256),   # fewer tokens than a block; V4's 20 iterations
+    ((2, 9), 2, 4, 8),      # another hc
+])  # fmt: skip
+def test_kernel_matches_reference(shape, hc, iters, block_tokens):
+    comb = random_comb(hash((shape, hc)) % 1000, shape, hc)
+    want = np.asarray(sinkhorn_reference(comb, iters, EPS))
+    got = np.asarray(sinkhorn(comb, iters, EPS, block_tokens=block_tokens, interpret=True))
+    assert got.shape == comb.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_kernel_writes_every_token():
+    """NaN inputs everywhere but the real tokens cannot leak: every output is the token's own normalization (a
+    kernel that skipped a block or a lane would leave zeros or copy the wrong token, and fail the comparison)."""
+    comb = random_comb(3, (67,), 4)
+    comb = comb.at[::7].set(jnp.nan)  # these tokens' outputs are NaN, the others must not be
+    got = np.asarray(sinkhorn(comb, 2, EPS, block_tokens=16, interpret=True))
+    want = np.asarray(sinkhorn_reference(comb, 2, EPS))
+    nan_rows = np.zeros(67, bool)
+    nan_rows[::7] = True
+    assert np.isnan(got[nan_rows]).all() and not np.isnan(got[~nan_rows]).any()
+    np.testing.assert_allclose(got[~nan_rows], want[~nan_rows], rtol=1e-6, atol=1e-7)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match=r"\[\.\.\., hc, hc\]"):
+        sinkhorn(jnp.ones((3, 4, 2)), 2, EPS, interpret=True)
+    with pytest.raises(ValueError, match="block_tokens=24"):
+        sinkhorn(jnp.ones((3, 4, 4)), 2, EPS, block_tokens=24, interpret=True)
+    with pytest.raises(ValueError, match="iters=0"):
+        sinkhorn(jnp.ones((3, 4, 4)), 0, EPS, interpret=True)
+
+
+def test_lowers_to_triton_for_h200():
+    comb = jax.ShapeDtypeStruct((32, 1, 4, 4), jnp.float32)
+    with abstract_gpu_mesh():
+        hlo = jax.jit(lambda c: sinkhorn(c, 20, EPS)).trace(comb).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in hlo and "mhc_sinkhorn" in hlo
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("shape", [(32, 1), (1, 16384 + 3)])
+def test_gpu_matches_reference(shape):
+    comb = random_comb(7, shape, 4)
+    want = np.asarray(sinkhorn_reference(comb, 20, EPS))
+    got = np.asarray(sinkhorn(comb, 20, EPS))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+
+
+def test_hyper_connection_takes_the_kernel_on_a_gpu(monkeypatch):
+    """`dsv4.layers.sinkhorn_normalize` routes to the kernel when the backend is a GPU (forced here, the kernel
+    interpreted) and to the reference otherwise; a HyperConnection's comb is the same either way, and switching
+    `SINKHORN_KERNEL` off keeps the reference on a GPU."""
+    import dsv4.layers as layers
+    import dsv4.pallas.sinkhorn as sk
+    from dsv4.config import Config
+
+    cfg = Config.preset("tiny").replace(hc_sinkhorn_iters=3)
+    hc = layers.HyperConnection(cfg, rngs=np.random.default_rng(0))
+    streams = jax.random.normal(jax.random.key(2), (2, 5, cfg.hc_mult, cfg.hidden_size))
+    _, want, _ = hc(streams)  # CPU: the reference
+    calls, kernel = [], sk.sinkhorn
+
+    def interpreted(comb, iters, eps):
+        calls.append(comb.shape)
+        return kernel(comb, iters, eps, interpret=True)
+
+    monkeypatch.setattr(sk, "sinkhorn", interpreted)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    _, got, _ = hc(streams)
+    assert calls == [(2, 5, cfg.hc_mult, cfg.hc_mult)]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+    monkeypatch.setattr(layers, "SINKHORN_KERNEL", False)
+    hc(streams)
+    assert len(calls) == 1
