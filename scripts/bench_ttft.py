@@ -29,6 +29,8 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
                           holding pages 1..n): the seed's "FP8 paged KV" step
     chunked-fp8idx   (4f) as (4) with indexer_impl="pallas-fp8": q and keys of the lightning indexer in e4m3, the
                           scores by the Mosaic FP8 kernel (`dsv4.pallas.indexer_mgpu`) on Hopper
+    chunked-loop     (4l) as (4) with the mHC Sinkhorn normalization as XLA's while loop (`dsv4.layers.SINKHORN_KERNEL`
+                          off), as every variant ran it before the twenty-fourth session
     chunked-triton   (4t) as (4) with every chunk's attention on the Triton kernel (how (4) ran before the Mosaic
                           kernel took cached window / HCA chunks, twelfth session)
     xla-cap          (1c) as (1) with a capacity-padded batched-einsum MoE (defined in this script, not in dsv4:
@@ -136,6 +138,7 @@ from flax import nnx  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import dsv4.layers  # noqa: E402
 from dsv4 import moe as dsv4_moe  # noqa: E402
 from dsv4.attention import (  # noqa: E402
     CompressedKeys,
@@ -167,6 +170,7 @@ class Variant:
     moe: str
     kv: str | None = None  # chunked only: the cache's storage format, paged (None: dense, the model's dtype)
     indexer: str | None = None  # indexer_impl (None: "jnp" under the jnp attention, "pallas" otherwise)
+    sinkhorn_loop: bool = False  # the mHC Sinkhorn as XLA's while loop (dsv4.layers.SINKHORN_KERNEL off)
 
 
 # (4t)'s attention: the Pallas core under another name, so `Attention.forward_chunk` does not hand it the cached
@@ -182,15 +186,17 @@ VARIANTS = {v.key: v for v in [
     Variant("chunked-fp8", "(5)", "+ FP8 paged KV cache (fp8-channel)", "chunked", "pallas", "pallas", "fp8-channel"),
     Variant("chunked-fp8idx", "(4f)", "(4) + FP8 indexer (Mosaic scores)", "chunked", "pallas", "pallas",
             indexer="pallas-fp8"),
+    Variant("chunked-loop", "(4l)", "(4) with the mHC Sinkhorn as XLA's loop", "chunked", "pallas", "pallas",
+            sinkhorn_loop=True),
     Variant("chunked-triton", "(4t)", "(4) with the Triton kernel for every chunk", "chunked", TRITON_CHUNKS,
             "pallas"),
     Variant("xla-cap", "(1c)", "XLA, capacity MoE", "full", "jnp", "xla_cap"),
     Variant("pallas-attn-cap", "(2c)", "+ Pallas attn + idx, capacity MoE", "full", "pallas", "xla_cap"),
 ]}  # fmt: skip
 PRIORITY = ["pallas", "chunked", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn", "chunked-fp8idx",
-            "chunked-triton"]  # fmt: skip
-TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-triton", "chunked",
-               "chunked-fp8idx", "chunked-fp8"]  # fmt: skip
+            "chunked-triton", "chunked-loop"]  # fmt: skip
+TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-triton", "chunked-loop",
+               "chunked", "chunked-fp8idx", "chunked-fp8"]  # fmt: skip
 PAGE_TOKENS = 256  # (5)'s page size: a multiple of both compress rates
 
 
@@ -931,6 +937,9 @@ class Bench:
             self.record(seq, vkey, status="skip", note="budget")
             return
         self.use_impls(v.attention, v.moe, v.indexer)
+        if dsv4.layers.SINKHORN_KERNEL == v.sinkhorn_loop:  # read at trace time: drop programs traced the other way
+            dsv4.layers.SINKHORN_KERNEL = not v.sinkhorn_loop
+            jax.clear_caches()
         peak_before = peak_in_use()
         self._pending_mem = None
         try:
