@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gpu_mesh import abstract_gpu_mesh
 
-from dsv4.pallas.sinkhorn import sinkhorn, sinkhorn_reference
+from dsv4.pallas.sinkhorn import SinkhornBlocks, sinkhorn, sinkhorn_reference
 
 gpu = pytest.mark.gpu
 requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Triton-compiled kernel)")
@@ -47,7 +47,7 @@ def test_reference_is_sinkhorn(iters):
 def test_kernel_matches_reference(shape, hc, iters, block_tokens):
     comb = random_comb(hash((shape, hc)) % 1000, shape, hc)
     want = np.asarray(sinkhorn_reference(comb, iters, EPS))
-    got = np.asarray(sinkhorn(comb, iters, EPS, block_tokens=block_tokens, interpret=True))
+    got = np.asarray(sinkhorn(comb, iters, EPS, blocks=SinkhornBlocks(block_tokens), interpret=True))
     assert got.shape == comb.shape and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
@@ -57,7 +57,7 @@ def test_kernel_writes_every_token():
     kernel that skipped a block or a lane would leave zeros or copy the wrong token, and fail the comparison)."""
     comb = random_comb(3, (67,), 4)
     comb = comb.at[::7].set(jnp.nan)  # these tokens' outputs are NaN, the others must not be
-    got = np.asarray(sinkhorn(comb, 2, EPS, block_tokens=16, interpret=True))
+    got = np.asarray(sinkhorn(comb, 2, EPS, blocks=SinkhornBlocks(16), interpret=True))
     want = np.asarray(sinkhorn_reference(comb, 2, EPS))
     nan_rows = np.zeros(67, bool)
     nan_rows[::7] = True
@@ -69,7 +69,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"\[\.\.\., hc, hc\]"):
         sinkhorn(jnp.ones((3, 4, 2)), 2, EPS, interpret=True)
     with pytest.raises(ValueError, match="block_tokens=24"):
-        sinkhorn(jnp.ones((3, 4, 4)), 2, EPS, block_tokens=24, interpret=True)
+        SinkhornBlocks(block_tokens=24)
     with pytest.raises(ValueError, match="iters=0"):
         sinkhorn(jnp.ones((3, 4, 4)), 0, EPS, interpret=True)
 

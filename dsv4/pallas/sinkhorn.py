@@ -15,6 +15,7 @@ order; only the order of each 4-term sum may differ).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,9 +23,24 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["sinkhorn", "sinkhorn_reference"]
+__all__ = ["SinkhornBlocks", "sinkhorn", "sinkhorn_kernel", "sinkhorn_reference"]
 
 F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkhornBlocks:
+    """block_tokens: tokens per program (a power of two; fewer tokens than that run as one masked block);
+    num_warps: the launch's warps."""
+
+    block_tokens: int = 256
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_tokens", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"SinkhornBlocks.{name}={v} must be a power of two")
 
 
 def sinkhorn_reference(comb: jax.Array, iters: int, eps: float) -> jax.Array:
@@ -41,7 +57,8 @@ def sinkhorn_reference(comb: jax.Array, iters: int, eps: float) -> jax.Array:
     return jax.lax.fori_loop(0, iters - 1, step, comb)
 
 
-def _sinkhorn_kernel(c_ref, o_ref, *, hc: int, iters: int, eps: float):
+def sinkhorn_kernel(c_ref, o_ref, *, hc: int, iters: int, eps: float):
+    """c_ref, o_ref: [hc, hc, block_tokens] float32 (entry (i, j) of each of the block's matrices along the lanes)."""
     c = [[c_ref[i, j, :] for j in range(hc)] for i in range(hc)]  # c[i][j]: entry (i, j) of each token's matrix
 
     def columns(c):  # divide by the column sums (over i)
@@ -60,32 +77,29 @@ def _sinkhorn_kernel(c_ref, o_ref, *, hc: int, iters: int, eps: float):
             o_ref[i, j, :] = c[i][j]
 
 
-@functools.partial(jax.jit, static_argnames=("iters", "eps", "block_tokens", "num_warps", "interpret"))
-def sinkhorn(comb: jax.Array, iters: int, eps: float, *, block_tokens: int = 256, num_warps: int = 4,
+@functools.partial(jax.jit, static_argnames=("iters", "eps", "blocks", "interpret"))
+def sinkhorn(comb: jax.Array, iters: int, eps: float, *, blocks: SinkhornBlocks = SinkhornBlocks(),
              interpret: bool = False) -> jax.Array:  # fmt: skip
-    """`sinkhorn_reference` in one kernel. comb [..., hc, hc] → float32 [..., hc, hc]. block_tokens: tokens per
-    program (a power of two; fewer tokens than that run as one masked block)."""
+    """`sinkhorn_reference` in one kernel. comb [..., hc, hc] → float32 [..., hc, hc]."""
     *lead, hc, hc2 = comb.shape
     if hc != hc2:
         raise ValueError(f"sinkhorn: comb must be [..., hc, hc], got {list(comb.shape)}")
     if iters < 1:
         raise ValueError(f"sinkhorn: iters={iters} must be >= 1")
-    if block_tokens < 1 or block_tokens & (block_tokens - 1):
-        raise ValueError(f"sinkhorn: block_tokens={block_tokens} must be a power of two")
     n = 1
     for d in lead:
         n *= d
     if n == 0:
         return jnp.zeros(comb.shape, F32)
-    bt = min(block_tokens, pl.next_power_of_2(n))
+    bt = min(blocks.block_tokens, pl.next_power_of_2(n))
     x = jnp.moveaxis(comb.astype(F32).reshape(n, hc, hc), 0, -1)  # [hc, hc, N]: tokens along the lanes
     out = pl.pallas_call(
-        functools.partial(_sinkhorn_kernel, hc=hc, iters=iters, eps=eps),
+        functools.partial(sinkhorn_kernel, hc=hc, iters=iters, eps=eps),
         out_shape=jax.ShapeDtypeStruct(x.shape, F32),
         grid=(pl.cdiv(n, bt),),
         in_specs=[pl.BlockSpec((hc, hc, bt), lambda t: (0, 0, t))],
         out_specs=pl.BlockSpec((hc, hc, bt), lambda t: (0, 0, t)),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name="mhc_sinkhorn",
     )(x)
