@@ -136,9 +136,9 @@ def core_attention_jnp(
 MOSAIC_ONE_TOKEN = True
 
 # NOTE: True sends "auto" decode steps over an FP8 cache on a GPU to the paged decode kernel (the cache as stored)
-# instead of the jnp route (a dequantized dense copy, then XLA). Off: in the model on an H200 the two steps took the
-# same time, 3.29 against 3.28 ms (128K, batch 32) and 4.00 against 3.97 ms (512K, batch 2), within the rounds'
-# spread (docs/BENCHMARKS.md, "The model's decode step by route"), so the default stays jnp.
+# instead of the jnp route (a dequantized dense copy, then XLA). Off: in the model on an H200 the jnp step is as fast
+# or faster, 1.42 against 1.50 ms (128K, batch 32) and 1.31 against 1.34 ms (512K, batch 2), measured once the step
+# was no longer launch-bound (the mHC Sinkhorn kernel; docs/BENCHMARKS.md, "Where a decode step's time goes").
 AUTO_DECODE_KERNEL = False
 
 
