@@ -169,6 +169,15 @@ KERNELS_SCRIPT = """
         got = np.asarray(jax.jit(lambda a, b: per_sequence_shard(fn, (a,), (b,), fill=(0.0,)))(x, r))
     want = np.asarray(x * r) + 3000 + (np.arange(10) // 3)[None, :, None] * 100
     print("pad_ok", bool(got.shape == (2, 10, 3) and np.array_equal(got, want)))
+
+    # The mHC Sinkhorn kernel as `dsv4.layers.sinkhorn_normalize` runs it on a GPU under a sequence mesh (interpreted
+    # here): S = 10 over 4 shards, the padding filled with ones, against the reference.
+    from dsv4.pallas.sinkhorn import sinkhorn, sinkhorn_reference
+    comb = jax.nn.softmax(jax.random.normal(jax.random.key(5), (2, 10, 4, 4)) * 3, axis=-1) + 1e-6
+    with use_mesh(mesh):
+        got = jax.jit(lambda c: per_sequence_shard(lambda c_: sinkhorn(c_, 3, 1e-6, interpret=True), (c,),
+                                                   fill=(1.0,)))(comb)
+    print("sinkhorn_err", float(jnp.max(jnp.abs(got - sinkhorn_reference(comb, 3, 1e-6)))))
 """
 
 
@@ -176,12 +185,13 @@ def test_pallas_indexer_and_moe_run_per_sequence_shard():
     """Under a sequence mesh the Pallas indexer and MoE (custom calls XLA cannot partition) run inside shard_map on
     each shard's own tokens, and the model still matches its reference logits (tiny_long: 2 CSA layers → 2
     indexers, 4 MoE layers; Pallas interpreted on 4 CPU devices). Then `per_sequence_shard` alone: padding a length
-    that does not divide over the shards, a replicated operand, and each shard seeing only its own rows."""
+    that does not divide over the shards, a replicated operand, and each shard seeing only its own rows; and the mHC
+    Sinkhorn kernel through it, as a GPU runs it under a sequence mesh."""
     env = host_devices_env(8)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(KERNELS_SCRIPT)], env=env, capture_output=True,
                          text=True, timeout=900, cwd=ROOT)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    wanted = ("err", "shard_maps_with_pallas", "pad_ok")
+    wanted = ("err", "shard_maps_with_pallas", "pad_ok", "sinkhorn_err")
     values = dict(line.split() for line in out.stdout.strip().splitlines() if line.split()[0] in wanted)
     assert float(values["err"]) < 1e-4, values
     from dsv4.config import Config
@@ -190,6 +200,7 @@ def test_pallas_indexer_and_moe_run_per_sequence_shard():
     expected = cfg.layer_types.count("compressed_sparse_attention") + cfg.num_hidden_layers
     assert int(values["shard_maps_with_pallas"]) == expected, (values, expected)
     assert values["pad_ok"] == "True", values
+    assert float(values["sinkhorn_err"]) < 1e-6, values
 
 
 @pytest.mark.gpu
