@@ -808,5 +808,7 @@ def index_topk_two_pass(
 
     xs = (split(q, 0), split(weights, 0), split(positions, -1),
           split(q_scale, 1) if per_token_q_scale else jnp.zeros((n_chunks,), F32))  # fmt: skip
-    out = lax.map(one_chunk, xs)  # [n_chunks, B, chunk, k]
+    # One chunk (every decode step) runs straight, not as a one-trip loop: on a GPU XLA drives a while loop from the
+    # host, with a predicate copy back each trip.
+    out = lax.map(one_chunk, xs) if n_chunks > 1 else one_chunk(jax.tree.map(lambda a: a[0], xs))[None]
     return jnp.moveaxis(out, 0, 1).reshape(b, n_chunks * chunk, k)[:, :s]
