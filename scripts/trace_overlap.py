@@ -65,16 +65,28 @@ def find_trace(path: str) -> str:
     return max(hits, key=os.path.getmtime)
 
 
+def _gpu_events(path: str):
+    """The trace's complete events ("ph": "X") on GPU devices ("/device:GPU:i" in the process name).
+    → iterator of (process name, thread name, event)."""
+    path = find_trace(path)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pnames = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+              if e.get("ph") == "M" and e.get("name") == "process_name"}  # fmt: skip
+    tnames = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in events
+              if e.get("ph") == "M" and e.get("name") == "thread_name"}  # fmt: skip
+    for e in events:
+        pname = pnames.get(e.get("pid"), "")
+        if e.get("ph") == "X" and "dur" in e and "/device:GPU" in pname:
+            yield pname, tnames.get((e.get("pid"), e.get("tid")), ""), e
+
+
 def overlap(path: str) -> dict[str, dict[str, float]]:
     """→ {process name: {comm_ms, hidden_ms, exposed_ms, compute_ms, span_ms, comm_events, compute_events}}."""
-    events, names, _ = _load_events(path)
     per: dict[str, dict[str, list]] = {}
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e:
-            continue
-        pname = names.get(e.get("pid"), "")
-        if "/device:GPU" not in pname:
-            continue
+    for pname, _, e in _gpu_events(path):
         kind = "comm" if any(m.lower() in e.get("name", "").lower() for m in COMM_MARKERS) else "compute"
         per.setdefault(pname, {"comm": [], "compute": []})[kind].append((float(e["ts"]), float(e["ts"]) + e["dur"]))
     out = {}
@@ -89,43 +101,23 @@ def overlap(path: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def _load_events(path: str) -> tuple[list[dict], dict, dict]:
-    path = find_trace(path)
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    pnames = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-              if e.get("ph") == "M" and e.get("name") == "process_name"}  # fmt: skip
-    tnames = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in events
-              if e.get("ph") == "M" and e.get("name") == "thread_name"}  # fmt: skip
-    return events, pnames, tnames
-
-
 def kernel_table(path: str) -> dict[str, dict]:
     """Per GPU of a trace: the kernels by name, from its stream threads ("Stream #…"; every complete event of the
     device's process when it has none), so that module-level and op-level events are not counted twice.
     → {process name: {busy_us (union of the kernels' intervals), span_us, kernels: {name: [total_us, count]}}}."""
-    events, pnames, tnames = _load_events(path)
     per: dict[str, dict[str, list]] = {}
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e:
-            continue
-        pname = pnames.get(e.get("pid"), "")
-        if "/device:GPU" not in pname:
-            continue
-        stream = tnames.get((e.get("pid"), e.get("tid")), "").lower().startswith("stream")
-        per.setdefault(pname, {"stream": [], "other": []})["stream" if stream else "other"].append(e)
+    for pname, tname, e in _gpu_events(path):
+        per.setdefault(pname, {"stream": [], "other": []})["stream" if tname.lower().startswith("stream") else
+                                                           "other"].append(e)  # fmt: skip
     out = {}
     for pname, kinds in sorted(per.items()):
         chosen = kinds["stream"] or kinds["other"]
-        spans = [(float(e["ts"]), float(e["ts"]) + e["dur"]) for e in chosen]
         kernels: dict[str, list] = {}
         for e in chosen:
             row = kernels.setdefault(e.get("name", "?"), [0.0, 0])
             row[0] += e["dur"]
             row[1] += 1
-        busy = _union(spans)
+        busy = _union([(float(e["ts"]), float(e["ts"]) + e["dur"]) for e in chosen])
         out[pname] = dict(busy_us=_length(busy), span_us=(busy[-1][1] - busy[0][0]) if busy else 0.0, kernels=kernels)
     return out
 

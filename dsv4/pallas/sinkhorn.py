@@ -43,9 +43,10 @@ class SinkhornBlocks:
                 raise ValueError(f"SinkhornBlocks.{name}={v} must be a power of two")
 
 
-def sinkhorn_reference(comb: jax.Array, iters: int, eps: float) -> jax.Array:
+def sinkhorn_reference(comb: jax.Array, iters: int, eps: float, *, unroll: bool = False) -> jax.Array:
     """comb [..., hc, hc] (positive) → doubly stochastic [..., hc, hc], float32: columns first, then (iters - 1)
-    rounds of rows and columns, as in the reference implementation."""
+    rounds of rows and columns, as in the reference implementation. unroll: the rounds as straight-line XLA
+    (`scripts/bench_mhc.py` times that form too)."""
     comb = comb.astype(F32)
     comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
 
@@ -54,7 +55,7 @@ def sinkhorn_reference(comb: jax.Array, iters: int, eps: float) -> jax.Array:
         return c / (c.sum(axis=-2, keepdims=True) + eps)
 
     # A loop, not an unrolled Python for: 2 × 43 layers × 20 steps would bloat every compile.
-    return jax.lax.fori_loop(0, iters - 1, step, comb)
+    return jax.lax.fori_loop(0, iters - 1, step, comb, unroll=unroll)
 
 
 def sinkhorn_kernel(c_ref, o_ref, *, hc: int, iters: int, eps: float):
