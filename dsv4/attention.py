@@ -141,6 +141,11 @@ MOSAIC_ONE_TOKEN = True
 # was no longer launch-bound (the mHC Sinkhorn kernel; docs/BENCHMARKS.md, "Where a decode step's time goes").
 AUTO_DECODE_KERNEL = False
 
+# NOTE: True lets a one-token step's indexer score its keys where the cache stores them, through the block table
+# (`dsv4.pallas.indexer_paged.index_topk_paged`), whenever its top-k path is "pallas" ("auto" on a GPU for a 16-bit
+# model): no dense copy of every listed key first (`KVStore.read`). False keeps the dense route for every step.
+PAGED_INDEX_DECODE = True
+
 
 def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, scale: float,
                           compressed: CompressedKeys | None = None, kv_aligned: bool = False,
@@ -460,15 +465,19 @@ class Indexer(Compressor):
     def keys(self, x: jax.Array, rope: Rope) -> jax.Array:
         return self(x, rope)
 
-    def select(self, x: jax.Array, q_residual: jax.Array, positions: jax.Array, keys: jax.Array, rope: Rope,
-               query_chunk: int = 512) -> jax.Array:  # fmt: skip
-        """→ topk_indices [B, S, min(index_topk, C)] int32, -1 where fewer entries are visible."""
+    def _queries(self, x: jax.Array, q_residual: jax.Array, positions: jax.Array, rope: Rope):
+        """→ (q [B, S, Hi, Di] with RoPE, head weights [B, S, Hi] float32)."""
         b, s, _ = x.shape
-        n_keys = keys.shape[1]
         q = linear(q_residual, self.q_b_proj["weight"][...]).reshape(b, s, self.n_heads, self.head_dim)
         cos, sin = rope.cos_sin(positions)
         q = apply_rope(q, cos.astype(q.dtype), sin.astype(q.dtype))
-        weights = linear(x, self.scorer["weights_proj"]["weight"][...]).astype(F32) * self.n_heads**-0.5
+        return q, linear(x, self.scorer["weights_proj"]["weight"][...]).astype(F32) * self.n_heads**-0.5
+
+    def select(self, x: jax.Array, q_residual: jax.Array, positions: jax.Array, keys: jax.Array, rope: Rope,
+               query_chunk: int = 512) -> jax.Array:  # fmt: skip
+        """→ topk_indices [B, S, min(index_topk, C)] int32, -1 where fewer entries are visible."""
+        n_keys = keys.shape[1]
+        q, weights = self._queries(x, q_residual, positions, rope)
         k = min(self.topk, n_keys)
         impl = resolve_indexer_impl(self.impl, q.dtype)
         kw = dict(rate=self.rate, k=k, softmax_scale=self.head_dim**-0.5)
@@ -489,6 +498,42 @@ class Indexer(Compressor):
 
             return index_topk(q, keys, weights, positions, **kw, interpret=jax.default_backend() != "gpu")
         return index_topk_jnp(q, keys, weights, positions, **kw, query_chunk=query_chunk)
+
+    def paged_select_applies(self, store: KVStore, num_queries: int, dtype) -> bool:
+        """Whether `select_paged` serves this step (static): `PAGED_INDEX_DECODE`, a one-token step, the "pallas"
+        top-k path, and keys stored in a form the paged kernel takes (unquantized in the compute dtype, or FP8
+        split rows with scales per tensor, per channel or per row and 64-channel tile), with the compiled kernel's
+        shapes on a GPU."""
+        from dsv4.pallas.attention import SCALE_TILE
+
+        if not (PAGED_INDEX_DECODE and num_queries == 1 and resolve_indexer_impl(self.impl, dtype) == "pallas"):
+            return False
+        if store.fmt.quantized:
+            if store.fmt.scaling == "tile" and store.fmt.tile != SCALE_TILE:
+                return False
+            rope = store.fmt.rope_dim
+            if jax.default_backend() == "gpu" and (rope & (rope - 1) or store.fmt.nope_dim(self.head_dim) < 16):
+                return False
+        elif store.stored["values"].dtype != dtype:
+            return False
+        heads = self.n_heads
+        return jax.default_backend() != "gpu" or (heads >= 16 and not heads & (heads - 1))
+
+    def select_paged(self, x: jax.Array, q_residual: jax.Array, positions: jax.Array, store: KVStore,
+                     block_table: jax.Array | None, rope: Rope) -> jax.Array:  # fmt: skip
+        """`select` with the keys scored where the cache stores them (`index_topk_paged`: the stored rows gathered
+        through the block table, a dense store's slot b as page b), instead of a dense dequantized copy first.
+        → topk_indices [B, S, min(index_topk, capacity)] int32."""
+        from dsv4.pallas.indexer_paged import index_topk_paged
+
+        q, weights = self._queries(x, q_residual, positions, rope)
+        b = q.shape[0]
+        table = block_table if store.paged else jnp.arange(b, dtype=jnp.int32)[:, None]
+        rows = Attention._kernel_rows(store)
+        return index_topk_paged(q, weights, positions, rows["pages"], table, rate=self.rate,
+                                k=min(self.topk, store.capacity(block_table)), softmax_scale=self.head_dim**-0.5,
+                                key_scales=rows["scales"], key_rope_pages=rows["rope"],
+                                interpret=jax.default_backend() != "gpu")  # fmt: skip
 
 
 def quantize_rows_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -682,8 +727,12 @@ class Attention(nnx.Module):
             if self.layer_type == CSA:
                 indexer = self.compressor.indexer
                 new["indexer"] = indexer.extend(state["indexer"], x, start, valid, self.rope, block_table)
-                keys = Compressor.read(new["indexer"], x.dtype, block_table)
-                topk = indexer.select(x, q_residual, positions, keys, self.rope)
+                store = new["indexer"]["entries"]
+                if indexer.paged_select_applies(store, n, x.dtype):
+                    topk = indexer.select_paged(x, q_residual, positions, store, block_table, self.rope)
+                else:
+                    keys = Compressor.read(new["indexer"], x.dtype, block_table)
+                    topk = indexer.select(x, q_residual, positions, keys, self.rope)
             if not decode_kernel:  # the kernel reads the entries through the block table instead
                 entries = Compressor.read(new["compressor"], x.dtype, block_table)
                 if entries.shape[1] > 0:

@@ -13,8 +13,11 @@ Routes (one jitted `forward_chunk` each, the same weights, each from its own cop
     auto    attention_impl="auto", the library's default (`Attention._decode_kernel_applies` says which of the
             above a step takes on this device and cache);
     jnp-loop  jnp with the mHC Sinkhorn kernel switched off (`dsv4.layers.SINKHORN_KERNEL`): XLA's while loop, as
-            every route ran it before the twenty-fourth session.
-The lightning indexer's keys are read densely by every route (the indexer scores every key anyway).
+            every route ran it before the twenty-fourth session;
+    jnp-dense-index  jnp with the paged indexer switched off (`dsv4.attention.PAGED_INDEX_DECODE`): the CSA
+            indexer's keys read out densely (every listed page dequantized into a copy), then scored, as every route
+            did before the twenty-fifth session.
+Every other route's CSA indexer scores its keys where the cache stores them (`dsv4.pallas.indexer_paged`).
 
 Model: scripts/check_decode_gpu.py's (V4-Flash attention shapes: 64 heads x 512, window 128, CSA 4:1 with a
 64 x 128 indexer keeping 512, HCA 128:1; narrow residual stream, few experts; layers sliding, CSA, HCA), bf16,
@@ -55,8 +58,9 @@ from flax import nnx  # noqa: E402
 import dsv4  # noqa: E402
 from dsv4.attention import Attention  # noqa: E402
 
-ROUTES = ("kernel", "dense", "jnp", "auto", "jnp-loop")
-GRAPHS = {"kernel": "pallas", "dense": "pallas", "jnp": "jnp", "auto": "auto", "jnp-loop": "jnp"}  # → attention_impl
+ROUTES = ("kernel", "dense", "jnp", "auto", "jnp-loop", "jnp-dense-index")
+GRAPHS = {"kernel": "pallas", "dense": "pallas", "jnp": "jnp", "auto": "auto", "jnp-loop": "jnp",
+          "jnp-dense-index": "jnp"}  # → attention_impl  # fmt: skip
 
 
 def parse_length(text: str) -> int:
@@ -64,28 +68,31 @@ def parse_length(text: str) -> int:
     return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
 
 
-def make_step(dense: bool, sinkhorn_loop: bool = False):
+def make_step(dense: bool, sinkhorn_loop: bool = False, dense_index: bool = False):
     """A fresh jitted step (its own trace cache) that donates its cache (argument 2), as `dsv4.runner`'s does;
     dense: traced with the paged decode kernel switched off; sinkhorn_loop: with the mHC Sinkhorn kernel switched
-    off (`dsv4.layers.SINKHORN_KERNEL`)."""
+    off (`dsv4.layers.SINKHORN_KERNEL`); dense_index: with the paged indexer switched off
+    (`dsv4.attention.PAGED_INDEX_DECODE`)."""
+    import dsv4.attention
     import dsv4.layers
 
     def step(graphdef, state, cache, tokens, valid):
         return nnx.merge(graphdef, state).forward_chunk(cache, tokens, valid)
 
     jitted = jax.jit(step, donate_argnums=2)
-    if not (dense or sinkhorn_loop):
+    if not (dense or sinkhorn_loop or dense_index):
         return jitted
 
-    def run(*args):  # both switches are read at trace time only
-        original = Attention._decode_kernel_applies, dsv4.layers.SINKHORN_KERNEL
+    def run(*args):  # the switches are read at trace time only
+        original = Attention._decode_kernel_applies, dsv4.layers.SINKHORN_KERNEL, dsv4.attention.PAGED_INDEX_DECODE
         if dense:
             Attention._decode_kernel_applies = lambda self, state, dtype: False
         dsv4.layers.SINKHORN_KERNEL = original[1] and not sinkhorn_loop
+        dsv4.attention.PAGED_INDEX_DECODE = original[2] and not dense_index
         try:
             return jitted(*args)
         finally:
-            Attention._decode_kernel_applies, dsv4.layers.SINKHORN_KERNEL = original
+            Attention._decode_kernel_applies, dsv4.layers.SINKHORN_KERNEL, dsv4.attention.PAGED_INDEX_DECODE = original
 
     return run
 
@@ -152,7 +159,8 @@ def bench_one(cfg, ctx, batch, kv_format, args, models):
                                                                       dtype=np.int32)]  # fmt: skip
     steps, caches, step0, compile_s = {}, {}, {}, {}
     for route in args.routes:  # step 0 (compiles) from the same cache: the logits compared across routes
-        steps[route] = make_step(dense=route == "dense", sinkhorn_loop=route == "jnp-loop")
+        steps[route] = make_step(dense=route == "dense", sinkhorn_loop=route == "jnp-loop",
+                                 dense_index=route == "jnp-dense-index")  # fmt: skip
         t = time.perf_counter()
         out, caches[route] = steps[route](graphs[GRAPHS[route]], state, jax.tree.map(jnp.copy, cache), first, ones)
         step0[route], compile_s[route] = np.asarray(out, np.float32), time.perf_counter() - t

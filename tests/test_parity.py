@@ -279,6 +279,57 @@ def test_which_decode_steps_take_the_paged_kernel(monkeypatch, impl, backend, he
         assert layer.self_attn._decode_kernel_applies(state, dtype) is (want and impl == "pallas")
 
 
+@pytest.mark.parametrize("paged, kv_format", [(True, None), (False, None), (True, "fp8-channel"),
+                                              (False, "fp8-tile-e8m0")])  # fmt: skip
+def test_paged_indexer_in_the_model_matches_the_dense_route(monkeypatch, paged, kv_format):
+    """indexer_impl="pallas": a one-token step's CSA indexer scores its keys where the cache stores them
+    (`index_topk_paged`, interpreted here; paged through a permuted block table, or a dense store's slots as pages;
+    FP8 keys as stored: e4m3 channels, scales, bf16 RoPE channels) instead of a dense copy. A ragged batch (83 and
+    50 prompt tokens, then 4 steps, one with the second slot idle) decodes the same from one prefilled cache with
+    `PAGED_INDEX_DECODE` on and off: the paged route is taken (and only when on), every active slot's logits agree to
+    float32 noise, and the full prompt's stay on the reference's greedy logits."""
+    import dsv4.attention as attention
+    import dsv4.pallas.indexer_paged as indexer_paged
+
+    model = dsv4.load(os.path.join(FIXTURES, "tiny_long"), dtype=jnp.float32, indexer_impl="pallas")
+    ref = dict(np.load(os.path.join(FIXTURES, "tiny_long", "reference.npz")))
+    ids, generated = ref["input_ids"][0], ref["generated"][0]
+    s = ids.shape[0]
+    args = dict(page_tokens=16, num_pages=24) if paged else {}
+    if kv_format:
+        args["kv_format"] = kv_format
+    cache = model.init_cache(2, max_len=s + 16, **args)
+    if paged:
+        table = cache["block_table"]
+        pages = np.random.default_rng(5).permutation(np.arange(1, 24))[: table.size]
+        cache["block_table"] = jnp.asarray(pages.reshape(table.shape), jnp.int32)
+    graphdef, state = nnx.split(model)
+    prompt = np.zeros((2, s), np.int32)
+    prompt[0], prompt[1, :50] = ids, ids[:50]
+    calls = []
+    paged_topk = indexer_paged.index_topk_paged
+    monkeypatch.setattr(indexer_paged, "index_topk_paged", lambda *a, **k: calls.append(1) or paged_topk(*a, **k))
+
+    def decode(on: bool):
+        monkeypatch.setattr(attention, "PAGED_INDEX_DECODE", on)
+        step = jax.jit(lambda st, c, t, v: nnx.merge(graphdef, st).forward_chunk(c, t, v))  # traced anew per route
+        _, c = step(state, _committed(cache), jnp.asarray(prompt), jnp.asarray([s, 50], jnp.int32))
+        out = []
+        for i in range(4):
+            tokens = jnp.asarray([[generated[s + i]], [7 + i]], jnp.int32)
+            logits, c = step(state, c, tokens, jnp.asarray([1, 0 if i == 2 else 1], jnp.int32))
+            out.append(np.asarray(logits))
+        return np.stack(out, axis=1)  # [2, steps, vocab]
+
+    got = decode(True)
+    taken = len(calls)
+    want = decode(False)
+    assert taken > 0 and len(calls) == taken, "the paged indexer must serve the decode steps, and only when on"
+    assert rel_err(got[0], want[0]) < 1e-5
+    assert rel_err(got[1, [0, 1, 3]], want[1, [0, 1, 3]]) < 1e-5  # step 2: slot 1 idle
+    assert rel_err(got[0], ref["generate_logits"][0, 1:5]) < (0.1 if kv_format else TOL)
+
+
 def test_cached_chunks_hand_the_pallas_core_the_prefix_layout(monkeypatch):
     """What the Mosaic kernel relies on for cached chunks (`kv_prefix`; it places rows by index, not position):
     `Attention.forward_chunk` gives the "pallas" core the ring in position order, kv row i holding position
