@@ -3,8 +3,9 @@ listed row, dequantize, score), and its top-k against `index_topk_reference` on 
 
 Every kernel run starts from an output buffer of NaN (`out_init`, aliased), so a score the kernel fails to write
 shows up. Every page row nobody wrote is NaN too (also FP8 rows and their tile scales), so a wrong page or a wrong
-row within a page that reaches a visible score is caught. Data are small integers with power-of-two scales: every dot and weighted sum is exact in
-float32 in any order, so the comparisons are exact, ties are frequent, and the lowest-index rule is tested.
+row within a page that reaches a visible score is caught. Data are small integers with power-of-two scales: every
+dot and weighted sum is exact in float32 in any order, so the comparisons are exact, ties are frequent, and the
+lowest-index rule is tested.
 """
 
 from __future__ import annotations
@@ -197,8 +198,8 @@ def test_lowers_to_triton_at_v4_shapes(fmt, monkeypatch):
 @requires_gpu
 @pytest.mark.parametrize("fmt", ["whole", "fp8-channel", "fp8-tile"])
 def test_gpu_matches_reference_at_v4_shapes(fmt):
-    inputs, kw, dense_keys = make_inputs(5, fmt=fmt, batch=4, heads=64, head_dim=128, rope_dim=64, rows=64,
-                                         max_pages=40, entries=(0, 1, 1000, 2559), dtype=jnp.bfloat16, span=2)  # fmt: skip
+    shape = dict(batch=4, heads=64, head_dim=128, rope_dim=64, rows=64, max_pages=40, entries=(0, 1, 1000, 2559))
+    inputs, kw, dense_keys = make_inputs(5, fmt=fmt, dtype=jnp.bfloat16, span=2, **shape)
     got = np.asarray(index_scores_paged(**inputs, **kw, out_init=poisoned(inputs)))
     np.testing.assert_array_equal(got, np.asarray(index_scores_paged_reference(**inputs, **kw)))
     picks = np.asarray(index_topk_paged(**inputs, **kw, k=512))

@@ -241,8 +241,8 @@ def index_scores_paged(
     width = _next_power_of_2(n)  # Triton tiles are powers of two: the stored channels load as a masked tile
     if scale_layout == "tile" and width == n and n % SCALE_TILE:
         width *= 2  # NOTE: whole rows narrower than a tile (test shapes) take decode._load_rows' masked path
-    if not interpret and (h < _MIN_DOT_DIM or width < _MIN_DOT_DIM or (h & (h - 1))
-                          or (key_rope_pages is not None and key_rope_pages.shape[-1] & (key_rope_pages.shape[-1] - 1))):  # fmt: skip
+    dr = 0 if key_rope_pages is None else key_rope_pages.shape[-1]
+    if not interpret and (h < _MIN_DOT_DIM or h & (h - 1) or width < _MIN_DOT_DIM or dr & (dr - 1)):
         raise ValueError(f"q.shape={q.shape}, key channels {n}: the compiled kernel needs Hi a power of two >= "
                          f"{_MIN_DOT_DIM}, >= {_MIN_DOT_DIM} stored channels and a power-of-two RoPE width")
     q_main = jnp.pad(q[..., :n], [(0, 0)] * 3 + [(0, width - n)])  # [B, S, Hi, width]: zero past the stored part
