@@ -138,7 +138,10 @@ MOSAIC_ONE_TOKEN = True
 # NOTE: True sends "auto" decode steps over an FP8 cache on a GPU to the paged decode kernel (the cache as stored)
 # instead of the jnp route (a dequantized dense copy, then XLA). Off: in the model on an H200 the jnp step is as fast
 # or faster, 1.42 against 1.50 ms (128K, batch 32) and 1.31 against 1.34 ms (512K, batch 2), measured once the step
-# was no longer launch-bound (the mHC Sinkhorn kernel; docs/BENCHMARKS.md, "Where a decode step's time goes").
+# was no longer launch-bound (the mHC Sinkhorn kernel; docs/BENCHMARKS.md, "Where a decode step's time goes"). With
+# the paged indexer the kernel route's GPU work is 707 against jnp's 883 us a step (128K, batch 32), but the timed
+# steps were equal in two of three calls (1.07 / 1.09 ms; 512K, batch 2: 1.31 / 1.32; BENCHMARKS, "The decode step's
+# indexer over its paged keys").
 AUTO_DECODE_KERNEL = False
 
 # NOTE: True lets a one-token step's indexer score its keys where the cache stores them, through the block table
