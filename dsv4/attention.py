@@ -502,14 +502,16 @@ class Indexer(Compressor):
             return index_topk(q, keys, weights, positions, **kw, interpret=jax.default_backend() != "gpu")
         return index_topk_jnp(q, keys, weights, positions, **kw, query_chunk=query_chunk)
 
-    def paged_select_applies(self, store: KVStore, num_queries: int, dtype) -> bool:
+    def paged_select_applies(self, store: KVStore, block_table: jax.Array | None, num_queries: int, dtype) -> bool:
         """Whether `select_paged` serves this step (static): `PAGED_INDEX_DECODE`, a one-token step, the "pallas"
-        top-k path, and keys stored in a form the paged kernel takes (unquantized in the compute dtype, or FP8
-        split rows with scales per tensor, per channel or per row and 64-channel tile), with the compiled kernel's
-        shapes on a GPU."""
+        top-k path, a store with room for entries, and keys stored in a form the paged kernel takes (unquantized in
+        the compute dtype, or FP8 split rows with scales per tensor, per channel or per row and 64-channel tile),
+        with the compiled kernel's shapes on a GPU."""
         from dsv4.pallas.attention import SCALE_TILE
 
         if not (PAGED_INDEX_DECODE and num_queries == 1 and resolve_indexer_impl(self.impl, dtype) == "pallas"):
+            return False
+        if store.capacity(block_table if store.paged else None) == 0:
             return False
         if store.fmt.quantized:
             if store.fmt.scaling == "tile" and store.fmt.tile != SCALE_TILE:
@@ -731,7 +733,7 @@ class Attention(nnx.Module):
                 indexer = self.compressor.indexer
                 new["indexer"] = indexer.extend(state["indexer"], x, start, valid, self.rope, block_table)
                 store = new["indexer"]["entries"]
-                if indexer.paged_select_applies(store, n, x.dtype):
+                if indexer.paged_select_applies(store, block_table, n, x.dtype):
                     topk = indexer.select_paged(x, q_residual, positions, store, block_table, self.rope)
                 else:
                     keys = Compressor.read(new["indexer"], x.dtype, block_table)

@@ -279,6 +279,38 @@ def test_which_decode_steps_take_the_paged_kernel(monkeypatch, impl, backend, he
         assert layer.self_attn._decode_kernel_applies(state, dtype) is (want and impl == "pallas")
 
 
+@pytest.mark.parametrize("impl, backend, index_heads, kv_format, n, switch, want", [
+    ("pallas", "cpu", 4, "bf16", 1, True, True),  # "pallas" anywhere (interpreted off a GPU)
+    ("pallas", "cpu", 4, "fp8-channel", 1, True, True),
+    ("pallas", "cpu", 4, "fp8-tile-e8m0", 1, True, True),
+    ("pallas", "cpu", 4, "bf16", 2, True, False),  # a two-token chunk: the dense route
+    ("pallas", "cpu", 4, "bf16", 1, False, False),  # PAGED_INDEX_DECODE off
+    ("jnp", "gpu", 16, "bf16", 1, True, False),
+    ("auto", "cpu", 16, "bf16", 1, True, False),  # "auto" is jnp off a GPU
+    ("auto", "gpu", 16, "fp8-channel", 1, True, True),  # "auto" is pallas on a GPU for a 16-bit model
+    ("auto", "gpu", 4, "bf16", 1, True, False),  # 4 heads: below the compiled kernel's 16 dot rows
+])  # fmt: skip
+def test_which_decode_steps_take_the_paged_indexer(monkeypatch, impl, backend, index_heads, kv_format, n, switch,
+                                                    want):  # fmt: skip
+    """`Indexer.paged_select_applies`, the static choice of a step's indexer route, worked out by hand from its rule:
+    `PAGED_INDEX_DECODE`, one query a request, the "pallas" top-k path, and on a GPU the compiled kernel's shapes."""
+    import dsv4.attention as attention
+
+    hf = {"vocab_size": 64, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 1,
+          "num_attention_heads": 16, "head_dim": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16, "n_routed_experts": 4,
+          "num_experts_per_tok": 2, "o_groups": 2, "o_lora_rank": 16, "index_n_heads": index_heads,
+          "index_head_dim": 32, "index_topk": 8, "sliding_window": 16, "compress_rates":
+          {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+          "layer_types": ["compressed_sparse_attention"], "mlp_layer_types": ["moe"]}  # fmt: skip
+    model = dsv4.init_random(dsv4.Config.from_hf(hf), seed=0, dtype=jnp.bfloat16, indexer_impl=impl)
+    cache = model.init_cache(1, max_len=64, kv_format=kv_format, page_tokens=16, num_pages=6)
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(attention, "PAGED_INDEX_DECODE", switch)
+    indexer = model.layers[0].self_attn.compressor.indexer
+    store = cache["layers"][0]["indexer"]["entries"]
+    assert indexer.paged_select_applies(store, cache["block_table"], n, jnp.bfloat16) is want
+
+
 @pytest.mark.parametrize("paged, kv_format", [(True, None), (False, None), (True, "fp8-channel"),
                                               (False, "fp8-tile-e8m0")])  # fmt: skip
 def test_paged_indexer_in_the_model_matches_the_dense_route(monkeypatch, paged, kv_format):
