@@ -698,6 +698,22 @@ def _refine_interpreted(x, groups, *, group, ordered):
     return refine_top_k(x, groups, group=group, ordered=ordered, interpret=True)
 
 
+def _refine_for(selection: str, interpret: bool):
+    """`dsv4.topk.top_k`'s `refine` for a selection: "xla" → None, "kernel" → `select.refine_top_k` (interpreted
+    with `interpret`), "auto" → "kernel" on a Hopper GPU, "xla" elsewhere."""
+    if selection not in ("auto", "xla", "kernel"):
+        raise ValueError(f"selection={selection!r} must be 'auto', 'xla' or 'kernel'")
+    if selection == "auto":
+        from dsv4.pallas._device import is_hopper
+
+        selection = "kernel" if not interpret and is_hopper() else "xla"
+    if selection == "xla":
+        return None
+    from dsv4.pallas.select import refine_top_k
+
+    return _refine_interpreted if interpret else refine_top_k
+
+
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "query_chunk", "blocks", "group",
                                              "interpret", "scores_impl", "mgpu_config", "width_bands",
                                              "selection"))  # fmt: skip
@@ -764,17 +780,7 @@ def index_topk_two_pass(
 
     if width_bands < 1:
         raise ValueError(f"width_bands={width_bands} must be >= 1")
-    if selection not in ("auto", "xla", "kernel"):
-        raise ValueError(f"selection={selection!r} must be 'auto', 'xla' or 'kernel'")
-    if selection == "auto":
-        from dsv4.pallas._device import is_hopper
-
-        selection = "kernel" if not interpret and is_hopper() else "xla"
-    refine = None
-    if selection == "kernel":
-        from dsv4.pallas.select import refine_top_k
-
-        refine = _refine_interpreted if interpret else refine_top_k
+    refine = _refine_for(selection, interpret)
     widths = band_widths(c, width_bands)
     row_k_scale = k_scale is not None and k_scale.ndim == 2
 

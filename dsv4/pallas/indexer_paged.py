@@ -47,7 +47,7 @@ from dsv4.pallas.attention import SCALE_TILE
 from dsv4.pallas.decode import _gather_reference, _load_rope, _load_rows
 from dsv4.pallas.indexer import (
     _next_power_of_2,
-    _refine_interpreted,
+    _refine_for,
     _topk_of_scores,
     _visible,
     index_scores_reference,
@@ -315,17 +315,7 @@ def index_topk_paged(
     count; k may exceed C)."""
     from dsv4.topk import top_k
 
-    if selection not in ("auto", "xla", "kernel"):
-        raise ValueError(f"selection={selection!r} must be 'auto', 'xla' or 'kernel'")
-    if selection == "auto":
-        from dsv4.pallas._device import is_hopper
-
-        selection = "kernel" if not interpret and is_hopper() else "xla"
-    refine = None
-    if selection == "kernel":
-        from dsv4.pallas.select import refine_top_k
-
-        refine = _refine_interpreted if interpret else refine_top_k
+    refine = _refine_for(selection, interpret)
     scores = index_scores_paged(q, weights, positions, key_pages, block_table, rate=rate, softmax_scale=softmax_scale,
                                 key_scales=key_scales, key_rope_pages=key_rope_pages, blocks=blocks,
                                 interpret=interpret)  # fmt: skip
