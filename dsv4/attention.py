@@ -517,8 +517,8 @@ class Indexer(Compressor):
             if store.fmt.scaling == "tile" and store.fmt.tile != SCALE_TILE:
                 return False
             rope = store.fmt.rope_dim
-            if jax.default_backend() == "gpu" and (rope & (rope - 1) or store.fmt.nope_dim(self.head_dim) < 16):
-                return False
+            if rope & (rope - 1) or (jax.default_backend() == "gpu" and store.fmt.nope_dim(self.head_dim) < 16):
+                return False  # RoPE channels load as one Triton tile (a power of two), interpreted or not
         elif store.stored["values"].dtype != dtype:
             return False
         heads = self.n_heads

@@ -196,6 +196,25 @@ def test_stored_cache_formats_give_the_same_logits_for_any_chunking(kv_format):
     np.testing.assert_array_equal(whole.argmax(-1), ref["generated"][:, s : s + whole.shape[1]])
 
 
+def _ragged_decode_batch(model, ref, paged: bool, kv_format, seed: int):
+    """The decode tests' ragged batch from the tiny_long fixture: slot 0 holds the whole prompt, slot 1 its first 50
+    tokens. → (empty cache, paged through a permuted block table or dense per slot, in kv_format; prompt [2, S];
+    prompt lengths [2])."""
+    ids = ref["input_ids"][0]
+    s = ids.shape[0]
+    args = dict(page_tokens=16, num_pages=24) if paged else {}
+    if kv_format:
+        args["kv_format"] = kv_format
+    cache = model.init_cache(2, max_len=s + 16, **args)
+    if paged:  # distinct pages in a shuffled order (page 0 is the null page)
+        table = cache["block_table"]
+        pages = np.random.default_rng(seed).permutation(np.arange(1, 24))[: table.size]
+        cache["block_table"] = jnp.asarray(pages.reshape(table.shape), jnp.int32)
+    prompt = np.zeros((2, s), np.int32)
+    prompt[0], prompt[1, :50] = ids, ids[:50]
+    return cache, jnp.asarray(prompt), jnp.asarray([s, 50], jnp.int32)
+
+
 @pytest.mark.parametrize("paged, kv_format", [(True, None), (False, None), (True, "fp8-channel"),
                                               (False, "fp8-tile-e8m0")])  # fmt: skip
 def test_decode_kernel_in_the_model_matches_the_jnp_step(paged, kv_format):
@@ -210,22 +229,11 @@ def test_decode_kernel_in_the_model_matches_the_jnp_step(paged, kv_format):
     the formats test above)."""
     jnp_model, ref = fixture("tiny_long")
     kernel_model = dsv4.load(os.path.join(FIXTURES, "tiny_long"), dtype=jnp.float32, attention_impl="pallas")
-    ids, generated = ref["input_ids"][0], ref["generated"][0]
-    s = ids.shape[0]
-    lens = np.array([s, 50])
-    args = dict(page_tokens=16, num_pages=24) if paged else {}
-    if kv_format:
-        args["kv_format"] = kv_format
-    cache = jnp_model.init_cache(2, max_len=s + 16, **args)
-    if paged:
-        table = cache["block_table"]
-        pages = np.random.default_rng(11).permutation(np.arange(1, 24))[: table.size]
-        cache["block_table"] = jnp.asarray(pages.reshape(table.shape), jnp.int32)
+    generated, s = ref["generated"][0], ref["input_ids"].shape[1]
+    cache, prompt, lens = _ragged_decode_batch(jnp_model, ref, paged, kv_format, seed=11)
     g_jnp, st = nnx.split(jnp_model)
     g_kernel, _ = nnx.split(kernel_model)
-    prompt = np.zeros((2, s), np.int32)
-    prompt[0], prompt[1, :50] = ids, ids[:50]
-    _, cache = _chunk_step(g_jnp, st, _committed(cache), jnp.asarray(prompt), jnp.asarray(lens, jnp.int32))
+    _, cache = _chunk_step(g_jnp, st, _committed(cache), prompt, lens)
     kernel_cache = cache
     for step in range(5):
         tokens = jnp.asarray([[generated[s + step]], [7 + step]], jnp.int32)
@@ -325,19 +333,9 @@ def test_paged_indexer_in_the_model_matches_the_dense_route(monkeypatch, paged, 
 
     model = dsv4.load(os.path.join(FIXTURES, "tiny_long"), dtype=jnp.float32, indexer_impl="pallas")
     ref = dict(np.load(os.path.join(FIXTURES, "tiny_long", "reference.npz")))
-    ids, generated = ref["input_ids"][0], ref["generated"][0]
-    s = ids.shape[0]
-    args = dict(page_tokens=16, num_pages=24) if paged else {}
-    if kv_format:
-        args["kv_format"] = kv_format
-    cache = model.init_cache(2, max_len=s + 16, **args)
-    if paged:
-        table = cache["block_table"]
-        pages = np.random.default_rng(5).permutation(np.arange(1, 24))[: table.size]
-        cache["block_table"] = jnp.asarray(pages.reshape(table.shape), jnp.int32)
+    generated, s = ref["generated"][0], ref["input_ids"].shape[1]
+    cache, prompt, lens = _ragged_decode_batch(model, ref, paged, kv_format, seed=5)
     graphdef, state = nnx.split(model)
-    prompt = np.zeros((2, s), np.int32)
-    prompt[0], prompt[1, :50] = ids, ids[:50]
     calls = []
     paged_topk = indexer_paged.index_topk_paged
     monkeypatch.setattr(indexer_paged, "index_topk_paged", lambda *a, **k: calls.append(1) or paged_topk(*a, **k))
@@ -345,7 +343,7 @@ def test_paged_indexer_in_the_model_matches_the_dense_route(monkeypatch, paged, 
     def decode(on: bool):
         monkeypatch.setattr(attention, "PAGED_INDEX_DECODE", on)
         step = jax.jit(lambda st, c, t, v: nnx.merge(graphdef, st).forward_chunk(c, t, v))  # traced anew per route
-        _, c = step(state, _committed(cache), jnp.asarray(prompt), jnp.asarray([s, 50], jnp.int32))
+        _, c = step(state, _committed(cache), prompt, lens)
         out = []
         for i in range(4):
             tokens = jnp.asarray([[generated[s + i]], [7 + i]], jnp.int32)

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from dsv4.pallas.attention import SCALE_TILE
-from dsv4.pallas.decode import _gather_reference, _load_rope, _load_rows
+from dsv4.pallas.decode import _check_rope_pages, _check_scales, _gather_reference, _load_rope, _load_rows
 from dsv4.pallas.indexer import (
     _next_power_of_2,
     _refine_for,
@@ -185,27 +185,16 @@ def _check_inputs(q, weights, positions, key_pages, key_scales, key_rope_pages, 
                          f"{block_table.shape}")  # fmt: skip
     if key_pages.ndim != 3:
         raise ValueError(f"key_pages must be [pages, rows_per_page, n], got shape {key_pages.shape}")
-    pages, rows, n = key_pages.shape
-    if key_pages.dtype != FP8:
-        if key_pages.dtype != q.dtype or n != d:
-            raise ValueError(f"unquantized key_pages must be {q.dtype} [P, R, {d}] (q's dtype and Di), got "
-                             f"{key_pages.dtype} {key_pages.shape}")  # fmt: skip
-        if key_scales is not None or key_rope_pages is not None:
-            raise ValueError("unquantized key_pages take no key_scales and no key_rope_pages")
-        return None
-    dr = 0 if key_rope_pages is None else key_rope_pages.shape[-1]
-    if key_rope_pages is not None and key_rope_pages.shape != (pages, rows, dr):
-        raise ValueError(f"key_rope_pages must be [{pages}, {rows}, Dr], got {key_rope_pages.shape}")
-    if n + dr != d:
-        raise ValueError(f"key_pages' {n} channels + key_rope_pages' {dr} must make q's Di = {d}")
-    if key_scales is None:
-        raise ValueError("FP8 key_pages need key_scales")
-    if key_scales.shape == (n,):
-        return "channel"
-    if key_scales.shape == (pages, rows, -(-n // SCALE_TILE)):
-        return "tile"
-    raise ValueError(f"key_scales must be per channel [{n}] or per {SCALE_TILE}-channel tile "
-                     f"[{pages}, {rows}, {-(-n // SCALE_TILE)}], got {key_scales.shape}")  # fmt: skip
+    n = key_pages.shape[-1]
+    if key_pages.dtype != FP8 and (key_pages.dtype != q.dtype or n != d):
+        raise ValueError(f"unquantized key_pages must be {q.dtype} [P, R, {d}] (q's dtype and Di), got "
+                         f"{key_pages.dtype} {key_pages.shape}")  # fmt: skip
+    if key_rope_pages is not None:
+        _check_rope_pages(key_rope_pages, key_pages, d, "key_rope_pages", "key_pages")
+    elif n != d:
+        raise ValueError(f"key_pages.shape={key_pages.shape} holds {n} of q's Di = {d} channels: the other "
+                         f"{d - n} come as key_rope_pages")  # fmt: skip
+    return _check_scales("key_scales", key_scales, key_pages, "key_pages", mixed=key_rope_pages is not None)
 
 
 @functools.partial(jax.jit, static_argnames=("rate", "softmax_scale", "blocks", "interpret"))
@@ -241,10 +230,9 @@ def index_scores_paged(
     width = _next_power_of_2(n)  # Triton tiles are powers of two: the stored channels load as a masked tile
     if scale_layout == "tile" and width == n and n % SCALE_TILE:
         width *= 2  # NOTE: whole rows narrower than a tile (test shapes) take decode._load_rows' masked path
-    dr = 0 if key_rope_pages is None else key_rope_pages.shape[-1]
-    if not interpret and (h < _MIN_DOT_DIM or h & (h - 1) or width < _MIN_DOT_DIM or dr & (dr - 1)):
+    if not interpret and (h < _MIN_DOT_DIM or h & (h - 1) or width < _MIN_DOT_DIM):
         raise ValueError(f"q.shape={q.shape}, key channels {n}: the compiled kernel needs Hi a power of two >= "
-                         f"{_MIN_DOT_DIM}, >= {_MIN_DOT_DIM} stored channels and a power-of-two RoPE width")
+                         f"{_MIN_DOT_DIM} and >= {_MIN_DOT_DIM} stored channels")
     q_main = jnp.pad(q[..., :n], [(0, 0)] * 3 + [(0, width - n)])  # [B, S, Hi, width]: zero past the stored part
     q_rope = None if key_rope_pages is None else q[..., n:]
     weights = weights.astype(F32) * softmax_scale
@@ -258,8 +246,7 @@ def index_scores_paged(
         return None if x is None else pl.BlockSpec(x.shape, lambda j, i: (0,) * x.ndim)
 
     keys_flat = flat(key_pages)
-    scales = None if scale_layout is None else (flat(key_scales) if scale_layout == "tile" else key_scales)
-    scales = None if scales is None else scales.astype(F32)
+    scales = flat(key_scales) if scale_layout == "tile" else key_scales  # float32 (checked)
     rope_flat = None if key_rope_pages is None else flat(key_rope_pages)
     out_spec = pl.BlockSpec((None, s, span), lambda j, i: (i, 0, j))
     in_specs = [
@@ -331,9 +318,8 @@ def index_scores_paged_reference(q, weights, positions, key_pages, block_table, 
                                  key_scales=None, key_rope_pages=None) -> jax.Array:  # fmt: skip
     """`index_scores_paged` from the spec: every row the table lists gathered and dequantized to q's dtype (as
     `KVStore.read` does), then `indexer.index_scores_reference`. → float32 [B, S, C]."""
-    scale_layout = _check_inputs(q, weights, positions, key_pages, key_scales, key_rope_pages, block_table)
+    _check_inputs(q, weights, positions, key_pages, key_scales, key_rope_pages, block_table)
     capacity = block_table.shape[1] * key_pages.shape[1]
     entry = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (q.shape[0], capacity))
-    scales = None if scale_layout is None else key_scales.astype(F32)
-    keys = _gather_reference(key_pages, scales, block_table, entry, q.dtype, rope=key_rope_pages)  # [B, C, Di]
+    keys = _gather_reference(key_pages, key_scales, block_table, entry, q.dtype, rope=key_rope_pages)  # [B, C, Di]
     return index_scores_reference(q, keys, weights.astype(F32), positions, rate=rate, softmax_scale=softmax_scale)
