@@ -26,7 +26,11 @@ random weights. `--batch` requests of `ctx`, ctx - 333, ... tokens, prefilled in
 prefilled cache; the logits' relative L2 distance from the kernel route's there is the table's last column. Then
 `--rounds` rounds, each timing every route in turn over `--steps` steps dispatched back to back (fixed random tokens,
 the same for every route; no host round trip between steps), the route's own cache carried on: ms / step is the
-median over rounds. Each step donates its cache, as the engine's does (`dsv4.runner`), so a step's time holds no copy
+median over rounds, and "host ms / step" the median time the host took to hand the steps to the runtime (where it
+is close to ms / step, the step waits on its dispatch, not on the GPU). Each step is called as `dsv4.runner`
+calls it, the GraphDef closed over and the weights a flat list; `--calling static` adds each route called the old
+way (the GraphDef a static argument hashed every call, the nnx State flattened every call) as ROUTE:static. Each
+step donates its cache, as the engine's does (`dsv4.runner`), so a step's time holds no copy
 of the cache. `--trace DIR` profiles each route's steps once more and prints, per step, the GPU's busy time against
 the wall time and the kernels that take the most of it (`trace_overlap.kernel_table`).
 
@@ -68,18 +72,31 @@ def parse_length(text: str) -> int:
     return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
 
 
-def make_step(dense: bool, sinkhorn_loop: bool = False, dense_index: bool = False):
-    """A fresh jitted step (its own trace cache) that donates its cache (argument 2), as `dsv4.runner`'s does;
-    dense: traced with the paged decode kernel switched off; sinkhorn_loop: with the mHC Sinkhorn kernel switched
-    off (`dsv4.layers.SINKHORN_KERNEL`); dense_index: with the paged indexer switched off
-    (`dsv4.attention.PAGED_INDEX_DECODE`)."""
+def make_step(dense: bool, sinkhorn_loop: bool = False, dense_index: bool = False, graph=None, state_def=None):
+    """A fresh jitted step (its own trace cache) that donates its cache, as `dsv4.runner`'s does; dense: traced
+    with the paged decode kernel switched off; sinkhorn_loop: with the mHC Sinkhorn kernel switched off
+    (`dsv4.layers.SINKHORN_KERNEL`); dense_index: with the paged indexer switched off
+    (`dsv4.attention.PAGED_INDEX_DECODE`).
+
+    graph None: step(graphdef, state, cache, tokens, valid), the GraphDef a static argument and the nnx State a
+    pytree, so every call hashes the one and flattens the other (the convention before the twenty-fourth session's
+    runner). Otherwise step(leaves, cache, tokens, valid) closes over `graph` and `state_def` (the treedef of the
+    state) and takes the weights as a flat list, as `dsv4.runner._Programs` does."""
     import dsv4.attention
     import dsv4.layers
 
-    def step(graphdef, state, cache, tokens, valid):
-        return nnx.merge(graphdef, state).forward_chunk(cache, tokens, valid)
+    if graph is None:
 
-    jitted = jax.jit(step, donate_argnums=2)
+        def step(graphdef, state, cache, tokens, valid):
+            return nnx.merge(graphdef, state).forward_chunk(cache, tokens, valid)
+
+        jitted = jax.jit(step, donate_argnums=2)
+    else:
+
+        def step(leaves, cache, tokens, valid):
+            return nnx.merge(graph, jax.tree.unflatten(state_def, leaves)).forward_chunk(cache, tokens, valid)
+
+        jitted = jax.jit(step, donate_argnums=1)
     if not (dense or sinkhorn_loop or dense_index):
         return jitted
 
@@ -97,7 +114,7 @@ def make_step(dense: bool, sinkhorn_loop: bool = False, dense_index: bool = Fals
     return run
 
 
-def trace_steps(route, step, graph, state, cache, feed, ones, trace_dir, top=14):
+def trace_steps(route, call, cache, feed, trace_dir, top=14):
     """The route's steps once more (back to back, as timed) under `jax.profiler.trace`; prints the GPU's busy time
     (the union of its kernels), the kernels' first-to-last span and the wall time, each per step, and the kernels
     that take the most GPU time. → dict of those (and "cache": the route's cache after the steps)."""
@@ -107,7 +124,7 @@ def trace_steps(route, step, graph, state, cache, feed, ones, trace_dir, top=14)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         t = time.perf_counter()
         for tok in feed:
-            out, cache = step(graph, state, cache, tok, ones)
+            out, cache = call(cache, tok)
         jax.block_until_ready(out)
         wall = (time.perf_counter() - t) / len(feed)
     try:
@@ -122,12 +139,20 @@ def trace_steps(route, step, graph, state, cache, feed, ones, trace_dir, top=14)
     n = len(feed)
     kernels = sorted(gpu["kernels"].items(), key=lambda kv: -kv[1][0])
     busy, span = gpu["busy_us"] / n, gpu["span_us"] / n
-    print(f"  {route} trace: per step GPU busy {busy:.1f} us, kernel span {span:.1f} us, wall {wall * 1e6:.1f} us "
-          f"(under the profiler); {sum(c for _, c in gpu['kernels'].values()) / n:.0f} kernels a step", flush=True)
+    print(
+        f"  {route} trace: per step GPU busy {busy:.1f} us, kernel span {span:.1f} us, wall {wall * 1e6:.1f} us "
+        f"(under the profiler); {sum(c for _, c in gpu['kernels'].values()) / n:.0f} kernels a step",
+        flush=True,
+    )
     for name, (total, count) in kernels[:top]:
         print(f"      {total / n:9.1f} us {count / n:5.1f}x  {name[:100]}", flush=True)
-    return dict(cache=cache, busy_us=busy, span_us=span, wall_us=wall * 1e6,
-                kernels=[(name, total / n, count / n) for name, (total, count) in kernels[:40]])
+    return dict(
+        cache=cache,
+        busy_us=busy,
+        span_us=span,
+        wall_us=wall * 1e6,
+        kernels=[(name, total / n, count / n) for name, (total, count) in kernels[:40]],
+    )
 
 
 def bench_one(cfg, ctx, batch, kv_format, args, models):
@@ -157,42 +182,60 @@ def bench_one(cfg, ctx, batch, kv_format, args, models):
     # Steps 1.. feed fixed random tokens, the same for every route (the time does not depend on which).
     feed = [jnp.asarray(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, (args.steps, batch, 1),
                                                                       dtype=np.int32)]  # fmt: skip
-    steps, caches, step0, compile_s = {}, {}, {}, {}
-    for route in args.routes:  # step 0 (compiles) from the same cache: the logits compared across routes
-        steps[route] = make_step(dense=route == "dense", sinkhorn_loop=route == "jnp-loop",
-                                 dense_index=route == "jnp-dense-index")  # fmt: skip
+    state_leaves, state_def = jax.tree.flatten(state)
+    variants = [route if calling == "closed" else f"{route}:{calling}" for route in args.routes
+                for calling in args.calling]  # fmt: skip
+    calls, caches, step0, compile_s = {}, {}, {}, {}
+    for name in variants:  # step 0 (compiles) from the same cache: the logits compared across routes
+        route, _, calling = name.partition(":")
+        switches = dict(dense=route == "dense", sinkhorn_loop=route == "jnp-loop",
+                        dense_index=route == "jnp-dense-index")  # fmt: skip
+        if calling == "static":
+            step = make_step(**switches)
+            calls[name] = lambda c, tok, step=step, graph=graphs[GRAPHS[route]]: step(graph, state, c, tok, ones)
+        else:
+            step = make_step(**switches, graph=graphs[GRAPHS[route]], state_def=state_def)
+            calls[name] = lambda c, tok, step=step: step(state_leaves, c, tok, ones)
         t = time.perf_counter()
-        out, caches[route] = steps[route](graphs[GRAPHS[route]], state, jax.tree.map(jnp.copy, cache), first, ones)
-        step0[route], compile_s[route] = np.asarray(out, np.float32), time.perf_counter() - t
+        out, caches[name] = calls[name](jax.tree.map(jnp.copy, cache), first)
+        step0[name], compile_s[name] = np.asarray(out, np.float32), time.perf_counter() - t
     del cache
-    times = {route: [] for route in args.routes}
+    times = {name: [] for name in variants}
+    host = {name: [] for name in variants}
     for _ in range(args.rounds):  # routes interleaved, so drift (clocks, other work) reaches them all alike
-        for route in args.routes:
-            graph, step, c = graphs[GRAPHS[route]], steps[route], caches[route]
+        for name in variants:
+            call, c = calls[name], caches[name]
             jax.block_until_ready(c)
             t = time.perf_counter()
             for tok in feed:  # dispatched back to back, as a serving loop that keeps tokens on the device would
-                out, c = step(graph, state, c, tok, ones)
+                out, c = call(c, tok)
+            dispatched = time.perf_counter()  # the host's part: every step handed to the runtime
             jax.block_until_ready(out)
-            times[route].append((time.perf_counter() - t) / args.steps)
-            caches[route] = c
+            times[name].append((time.perf_counter() - t) / args.steps)
+            host[name].append((dispatched - t) / args.steps)
+            caches[name] = c
     traces = {}
     if args.trace:  # where a step's time goes: each route's --steps steps once more, under the profiler
-        for route in args.routes:
-            traces[route] = trace_steps(route, steps[route], graphs[GRAPHS[route]], state, caches[route], feed, ones,
-                                        f"{args.trace}/{ctx}_{batch}_{kv_format}_{route}")  # fmt: skip
-            caches[route] = traces[route].pop("cache")
+        for name in variants:
+            traces[name] = trace_steps(
+                name,
+                calls[name],
+                caches[name],
+                feed,
+                f"{args.trace}/{ctx}_{batch}_{kv_format}_{name.replace(':', '_')}",
+            )
+            caches[name] = traces[name].pop("cache")
     rows = []
-    base = "kernel" if "kernel" in args.routes else args.routes[0]
-    for route in args.routes:
-        ms = statistics.median(times[route]) * 1e3
-        err = rel_err(step0[route], step0[base])
-        spread = (max(times[route]) - min(times[route])) * 1e3
-        rows.append(dict(ctx=ctx, batch=batch, cache=kv_format, route=route, ms=ms, rounds_ms=[x * 1e3 for x in
-                         times[route]], compile_s=compile_s[route], step0_rel_err=err,
-                         trace=traces.get(route)))  # fmt: skip
-        print(f"  {route:6s} {ms:8.2f} ms / step (rounds spread {spread:.2f} ms; step 0 with its compile "
-              f"{compile_s[route]:.1f} s), step 0 logits vs {base} {err:.2e}", flush=True)  # fmt: skip
+    base = "kernel" if "kernel" in variants else variants[0]
+    for name in variants:
+        ms, host_ms = statistics.median(times[name]) * 1e3, statistics.median(host[name]) * 1e3
+        err = rel_err(step0[name], step0[base])
+        spread = (max(times[name]) - min(times[name])) * 1e3
+        rows.append(dict(ctx=ctx, batch=batch, cache=kv_format, route=name, ms=ms, host_ms=host_ms,
+                         rounds_ms=[x * 1e3 for x in times[name]], rounds_host_ms=[x * 1e3 for x in host[name]],
+                         compile_s=compile_s[name], step0_rel_err=err, trace=traces.get(name)))  # fmt: skip
+        print(f"  {name:15s} {ms:8.2f} ms / step, host {host_ms:.2f} ms / step (rounds spread {spread:.2f} ms; step 0 "
+              f"with its compile {compile_s[name]:.1f} s), step 0 logits vs {base} {err:.2e}", flush=True)  # fmt: skip
     return rows
 
 
@@ -205,6 +248,13 @@ def main():
     p.add_argument("--steps", type=int, default=10, help="timed steps a round")
     p.add_argument("--rounds", type=int, default=3, help="rounds (each times every route, in turn)")
     p.add_argument("--chunk", type=int, default=8192)
+    p.add_argument(
+        "--calling",
+        default="closed",
+        help="how each step is called, comma-separated: closed (the "
+        "runner's: the GraphDef closed over, the weights a flat list) and/or static (the GraphDef a static "
+        "argument, hashed every call; the State flattened every call); static rows are named ROUTE:static",
+    )
     p.add_argument("--small", action="store_true", help="4 heads x 64 (CPU smoke)")
     p.add_argument("--out", default=None, help="write the rows as JSON to OUT.json")
     p.add_argument("--trace", default=None, help="profile each route's steps once more (jax.profiler) into this "
@@ -213,6 +263,9 @@ def main():
     args.routes = [r.strip() for r in args.routes.split(",") if r.strip()]
     if any(r not in ROUTES for r in args.routes):
         p.error(f"--routes must name some of {ROUTES}, got {args.routes}")
+    args.calling = [c.strip() for c in args.calling.split(",") if c.strip()]
+    if not args.calling or any(c not in ("closed", "static") for c in args.calling):
+        p.error(f"--calling must name closed and/or static, got {args.calling}")
     cfg = config(args.small)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}, steps {args.steps}", flush=True)
     models = {impl: dsv4.init_random(cfg, seed=0, dtype=jnp.bfloat16, attention_impl=impl)
@@ -221,14 +274,14 @@ def main():
     for ctx in map(parse_length, args.contexts.split(",")):
         for kv_format in args.formats.split(","):
             rows += bench_one(cfg, ctx, args.batch, kv_format.strip(), args, models)
-    print("\n| ctx | B | cache | route | ms / step | vs kernel | step 0 logits rel L2 vs kernel |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| ctx | B | cache | route | ms / step | host ms / step | vs kernel | step 0 logits rel L2 vs kernel |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         kernel = next((k["ms"] for k in rows if k["route"] == "kernel" and k["ctx"] == r["ctx"]
                        and k["cache"] == r["cache"]), None)  # fmt: skip
         ratio = f"{r['ms'] / kernel:.2f}x" if kernel else "-"
-        print(f"| {r['ctx']} | {r['batch']} | {r['cache']} | {r['route']} | {r['ms']:.2f} | {ratio} | "
-              f"{r['step0_rel_err']:.2e} |")  # fmt: skip
+        print(f"| {r['ctx']} | {r['batch']} | {r['cache']} | {r['route']} | {r['ms']:.2f} | {r['host_ms']:.2f} | "
+              f"{ratio} | {r['step0_rel_err']:.2e} |")  # fmt: skip
     if args.out:
         Path(args.out + ".json").write_text(json.dumps(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
                                                             rows=rows), indent=1))  # fmt: skip
