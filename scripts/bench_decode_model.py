@@ -29,7 +29,8 @@ the same for every route; no host round trip between steps), the route's own cac
 median over rounds, and "host ms / step" the median time the host took to hand the steps to the runtime (where it
 is close to ms / step, the step waits on its dispatch, not on the GPU). Each step is called as `dsv4.runner`
 calls it, the GraphDef closed over and the weights a flat list; `--calling static` adds each route called the old
-way (the GraphDef a static argument hashed every call, the nnx State flattened every call) as ROUTE:static. Each
+way (the GraphDef a static argument hashed every call, the nnx State flattened every call) as ROUTE:static, and
+`--calling opts` each route closed over and compiled with `--compiler-options` as ROUTE:opts. Each
 step donates its cache, as the engine's does (`dsv4.runner`), so a step's time holds no copy
 of the cache. `--trace DIR` profiles each route's steps once more and prints, per step, the GPU's busy time against
 the wall time and the kernels that take the most of it (`trace_overlap.kernel_table`).
@@ -72,7 +73,14 @@ def parse_length(text: str) -> int:
     return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
 
 
-def make_step(dense: bool, sinkhorn_loop: bool = False, dense_index: bool = False, graph=None, state_def=None):
+def make_step(
+    dense: bool,
+    sinkhorn_loop: bool = False,
+    dense_index: bool = False,
+    graph=None,
+    state_def=None,
+    compiler_options=None,
+):
     """A fresh jitted step (its own trace cache) that donates its cache, as `dsv4.runner`'s does; dense: traced
     with the paged decode kernel switched off; sinkhorn_loop: with the mHC Sinkhorn kernel switched off
     (`dsv4.layers.SINKHORN_KERNEL`); dense_index: with the paged indexer switched off
@@ -81,7 +89,8 @@ def make_step(dense: bool, sinkhorn_loop: bool = False, dense_index: bool = Fals
     graph None: step(graphdef, state, cache, tokens, valid), the GraphDef a static argument and the nnx State a
     pytree, so every call hashes the one and flattens the other (the convention before the twenty-fourth session's
     runner). Otherwise step(leaves, cache, tokens, valid) closes over `graph` and `state_def` (the treedef of the
-    state) and takes the weights as a flat list, as `dsv4.runner._Programs` does."""
+    state) and takes the weights as a flat list, as `dsv4.runner._Programs` does; compiler_options: XLA options for
+    that jit (`jax.jit(compiler_options=...)`)."""
     import dsv4.attention
     import dsv4.layers
 
@@ -96,7 +105,7 @@ def make_step(dense: bool, sinkhorn_loop: bool = False, dense_index: bool = Fals
         def step(leaves, cache, tokens, valid):
             return nnx.merge(graph, jax.tree.unflatten(state_def, leaves)).forward_chunk(cache, tokens, valid)
 
-        jitted = jax.jit(step, donate_argnums=1)
+        jitted = jax.jit(step, donate_argnums=1, compiler_options=compiler_options)
     if not (dense or sinkhorn_loop or dense_index):
         return jitted
 
@@ -194,7 +203,8 @@ def bench_one(cfg, ctx, batch, kv_format, args, models):
             step = make_step(**switches)
             calls[name] = lambda c, tok, step=step, graph=graphs[GRAPHS[route]]: step(graph, state, c, tok, ones)
         else:
-            step = make_step(**switches, graph=graphs[GRAPHS[route]], state_def=state_def)
+            options = args.compiler_options if calling == "opts" else None
+            step = make_step(**switches, graph=graphs[GRAPHS[route]], state_def=state_def, compiler_options=options)
             calls[name] = lambda c, tok, step=step: step(state_leaves, c, tok, ones)
         t = time.perf_counter()
         out, caches[name] = calls[name](jax.tree.map(jnp.copy, cache), first)
@@ -202,6 +212,7 @@ def bench_one(cfg, ctx, batch, kv_format, args, models):
     del cache
     times = {name: [] for name in variants}
     host = {name: [] for name in variants}
+    last = {}  # each variant's logits after its last round: every variant ran the same tokens from the same cache
     for _ in range(args.rounds):  # routes interleaved, so drift (clocks, other work) reaches them all alike
         for name in variants:
             call, c = calls[name], caches[name]
@@ -213,7 +224,7 @@ def bench_one(cfg, ctx, batch, kv_format, args, models):
             jax.block_until_ready(out)
             times[name].append((time.perf_counter() - t) / args.steps)
             host[name].append((dispatched - t) / args.steps)
-            caches[name] = c
+            caches[name], last[name] = c, out
     traces = {}
     if args.trace:  # where a step's time goes: each route's --steps steps once more, under the profiler
         for name in variants:
@@ -231,11 +242,16 @@ def bench_one(cfg, ctx, batch, kv_format, args, models):
         ms, host_ms = statistics.median(times[name]) * 1e3, statistics.median(host[name]) * 1e3
         err = rel_err(step0[name], step0[base])
         spread = (max(times[name]) - min(times[name])) * 1e3
+        route = name.partition(":")[0]  # a ROUTE:calling variant's last logits against the closed call's
+        same = rel_err(np.asarray(last[name], np.float32), np.asarray(last[route], np.float32)) if (
+            route != name and route in last) else None  # fmt: skip
         rows.append(dict(ctx=ctx, batch=batch, cache=kv_format, route=name, ms=ms, host_ms=host_ms,
                          rounds_ms=[x * 1e3 for x in times[name]], rounds_host_ms=[x * 1e3 for x in host[name]],
-                         compile_s=compile_s[name], step0_rel_err=err, trace=traces.get(name)))  # fmt: skip
+                         compile_s=compile_s[name], step0_rel_err=err, last_vs_closed=same,
+                         trace=traces.get(name)))  # fmt: skip
         print(f"  {name:15s} {ms:8.2f} ms / step, host {host_ms:.2f} ms / step (rounds spread {spread:.2f} ms; step 0 "
-              f"with its compile {compile_s[name]:.1f} s), step 0 logits vs {base} {err:.2e}", flush=True)  # fmt: skip
+              f"with its compile {compile_s[name]:.1f} s), step 0 logits vs {base} {err:.2e}"
+              + ("" if same is None else f"; last logits vs {route} {same:.2e}"), flush=True)  # fmt: skip
     return rows
 
 
@@ -255,6 +271,12 @@ def main():
         "runner's: the GraphDef closed over, the weights a flat list) and/or static (the GraphDef a static "
         "argument, hashed every call; the State flattened every call); static rows are named ROUTE:static",
     )
+    p.add_argument(
+        "--compiler-options",
+        default="",
+        help="KEY=VALUE;... XLA options (as in XLA_FLAGS, without "
+        "the dashes) for the steps of --calling opts: closed over, compiled with these",
+    )
     p.add_argument("--small", action="store_true", help="4 heads x 64 (CPU smoke)")
     p.add_argument("--out", default=None, help="write the rows as JSON to OUT.json")
     p.add_argument("--trace", default=None, help="profile each route's steps once more (jax.profiler) into this "
@@ -264,8 +286,11 @@ def main():
     if any(r not in ROUTES for r in args.routes):
         p.error(f"--routes must name some of {ROUTES}, got {args.routes}")
     args.calling = [c.strip() for c in args.calling.split(",") if c.strip()]
-    if not args.calling or any(c not in ("closed", "static") for c in args.calling):
-        p.error(f"--calling must name closed and/or static, got {args.calling}")
+    if not args.calling or any(c not in ("closed", "static", "opts") for c in args.calling):
+        p.error(f"--calling must name some of closed, static, opts; got {args.calling}")
+    args.compiler_options = dict(kv.split("=", 1) for kv in args.compiler_options.split(";") if kv.strip())
+    if "opts" in args.calling and not args.compiler_options:
+        p.error("--calling opts needs --compiler-options")
     cfg = config(args.small)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}, steps {args.steps}", flush=True)
     models = {impl: dsv4.init_random(cfg, seed=0, dtype=jnp.bfloat16, attention_impl=impl)
