@@ -125,9 +125,10 @@ def make_step(
 
 def trace_steps(route, call, cache, feed, trace_dir, top=14):
     """The route's steps once more (back to back, as timed) under `jax.profiler.trace`; prints the GPU's busy time
-    (the union of its kernels), the kernels' first-to-last span and the wall time, each per step, and the kernels
-    that take the most GPU time. → dict of those (and "cache": the route's cache after the steps)."""
-    from trace_overlap import kernel_table
+    (the union of its kernels), the kernels' first-to-last span and the wall time, each per step, the kernels
+    that take the most GPU time, and the host's events that take the most host time (`trace_overlap.host_table`).
+    → dict of those (and "cache": the route's cache after the steps)."""
+    from trace_overlap import host_table, kernel_table
 
     jax.block_until_ready(cache)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -136,32 +137,34 @@ def trace_steps(route, call, cache, feed, trace_dir, top=14):
             out, cache = call(cache, tok)
         jax.block_until_ready(out)
         wall = (time.perf_counter() - t) / len(feed)
+    n = len(feed)
     try:
-        table = kernel_table(trace_dir)
+        table, host = kernel_table(trace_dir), host_table(trace_dir)
     except FileNotFoundError as exc:
         print(f"  {route} trace: {exc}", flush=True)
         return dict(cache=cache)
+    host = sorted(
+        ((k, v) for k, v in host.items() if not k.startswith("$")), key=lambda kv: -kv[1][0]
+    )  # no Python frames
+    result = dict(cache=cache, wall_us=wall * 1e6, host=[(name, total / n, count / n)
+                                                          for name, (total, count, _) in host[:60]])  # fmt: skip
     if not table:
         print(f"  {route} trace: no GPU kernels (CPU run?)", flush=True)
-        return dict(cache=cache)
-    gpu = table[sorted(table)[0]]
-    n = len(feed)
-    kernels = sorted(gpu["kernels"].items(), key=lambda kv: -kv[1][0])
-    busy, span = gpu["busy_us"] / n, gpu["span_us"] / n
-    print(
-        f"  {route} trace: per step GPU busy {busy:.1f} us, kernel span {span:.1f} us, wall {wall * 1e6:.1f} us "
-        f"(under the profiler); {sum(c for _, c in gpu['kernels'].values()) / n:.0f} kernels a step",
-        flush=True,
-    )
-    for name, (total, count) in kernels[:top]:
-        print(f"      {total / n:9.1f} us {count / n:5.1f}x  {name[:100]}", flush=True)
-    return dict(
-        cache=cache,
-        busy_us=busy,
-        span_us=span,
-        wall_us=wall * 1e6,
-        kernels=[(name, total / n, count / n) for name, (total, count) in kernels[:40]],
-    )
+    else:
+        gpu = table[sorted(table)[0]]
+        kernels = sorted(gpu["kernels"].items(), key=lambda kv: -kv[1][0])
+        busy, span = gpu["busy_us"] / n, gpu["span_us"] / n
+        print(f"  {route} trace: per step GPU busy {busy:.1f} us, kernel span {span:.1f} us, wall {wall * 1e6:.1f} us "
+              f"(under the profiler); {sum(c for _, c in gpu['kernels'].values()) / n:.0f} kernels a step",
+              flush=True)  # fmt: skip
+        for name, (total, count) in kernels[:top]:
+            print(f"      {total / n:9.1f} us {count / n:5.1f}x  {name[:100]}", flush=True)
+        result.update(busy_us=busy, span_us=span,
+                      kernels=[(name, total / n, count / n) for name, (total, count) in kernels[:40]])  # fmt: skip
+    print(f"    {route} host events per step (nested events each counted):", flush=True)
+    for name, (total, count, threads) in host[: top + 6]:
+        print(f"      {total / n:9.1f} us {count / n:6.1f}x  {name[:90]}  [{len(threads)} thread(s)]", flush=True)
+    return result
 
 
 def bench_one(cfg, ctx, batch, kv_format, args, models):

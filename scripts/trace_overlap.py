@@ -83,6 +83,35 @@ def _gpu_events(path: str):
             yield pname, tnames.get((e.get("pid"), e.get("tid")), ""), e
 
 
+def _host_events(path: str):
+    """The trace's complete events ("ph": "X") off the GPU devices: the host's threads (Python, the runtime's
+    dispatch, the driver's API calls). → iterator of (thread name, event)."""
+    path = find_trace(path)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pnames = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+              if e.get("ph") == "M" and e.get("name") == "process_name"}  # fmt: skip
+    tnames = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in events
+              if e.get("ph") == "M" and e.get("name") == "thread_name"}  # fmt: skip
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and "/device:GPU" not in pnames.get(e.get("pid"), ""):
+            yield tnames.get((e.get("pid"), e.get("tid")), str(e.get("tid"))), e
+
+
+def host_table(path: str) -> dict[str, list]:
+    """The host's events of a trace by name (nested events are each counted, so totals overlap): where the host's
+    time to dispatch a program goes. → {name: [total_us, count, thread names]}."""
+    out: dict[str, list] = {}
+    for tname, e in _host_events(path):
+        row = out.setdefault(e.get("name", "?"), [0.0, 0, set()])
+        row[0] += e["dur"]
+        row[1] += 1
+        row[2].add(tname)
+    return out
+
+
 def overlap(path: str) -> dict[str, dict[str, float]]:
     """→ {process name: {comm_ms, hidden_ms, exposed_ms, compute_ms, span_ms, comm_events, compute_events}}."""
     per: dict[str, dict[str, list]] = {}
@@ -152,8 +181,10 @@ def main() -> None:
     if not rows:
         print("no GPU device events in the trace", file=sys.stderr)
     for pname, r in rows.items():
-        print(f"{pname}: comm {r['comm_ms']:.2f} ms ({r['comm_events']} kernels), hidden {r['hidden_ms']:.2f}, "
-              f"exposed {r['exposed_ms']:.2f}; compute {r['compute_ms']:.2f} ms; span {r['span_ms']:.2f} ms")
+        print(
+            f"{pname}: comm {r['comm_ms']:.2f} ms ({r['comm_events']} kernels), hidden {r['hidden_ms']:.2f}, "
+            f"exposed {r['exposed_ms']:.2f}; compute {r['compute_ms']:.2f} ms; span {r['span_ms']:.2f} ms"
+        )
 
 
 if __name__ == "__main__":
