@@ -30,7 +30,9 @@ median over rounds, and "host ms / step" the median time the host took to hand t
 is close to ms / step, the step waits on its dispatch, not on the GPU). Each step is called as `dsv4.runner`
 calls it, the GraphDef closed over and the weights a flat list; `--calling static` adds each route called the old
 way (the GraphDef a static argument hashed every call, the nnx State flattened every call) as ROUTE:static, and
-`--calling opts` each route closed over and compiled with `--compiler-options` as ROUTE:opts. Each
+`--calling opts` each route closed over and compiled with `--compiler-options` as ROUTE:opts, `--calling donate`
+each route closed over with the last step's logits donated to the next (so the output's address stays put) as
+ROUTE:donate; `--same-tokens` feeds one token array to every step (so the input's address stays put too). Each
 step donates its cache, as the engine's does (`dsv4.runner`), so a step's time holds no copy
 of the cache. `--trace DIR` profiles each route's steps once more and prints, per step, the GPU's busy time against
 the wall time and the kernels that take the most of it (`trace_overlap.kernel_table`).
@@ -80,6 +82,7 @@ def make_step(
     graph=None,
     state_def=None,
     compiler_options=None,
+    donate_logits=False,
 ):
     """A fresh jitted step (its own trace cache) that donates its cache, as `dsv4.runner`'s does; dense: traced
     with the paged decode kernel switched off; sinkhorn_loop: with the mHC Sinkhorn kernel switched off
@@ -90,7 +93,8 @@ def make_step(
     pytree, so every call hashes the one and flattens the other (the convention before the twenty-fourth session's
     runner). Otherwise step(leaves, cache, tokens, valid) closes over `graph` and `state_def` (the treedef of the
     state) and takes the weights as a flat list, as `dsv4.runner._Programs` does; compiler_options: XLA options for
-    that jit (`jax.jit(compiler_options=...)`)."""
+    that jit (`jax.jit(compiler_options=...)`); donate_logits: step(leaves, cache, tokens, valid, logits_in)
+    donates the last step's logits too, so that the new logits take their buffer (a stable output address)."""
     import dsv4.attention
     import dsv4.layers
 
@@ -102,10 +106,11 @@ def make_step(
         jitted = jax.jit(step, donate_argnums=2)
     else:
 
-        def step(leaves, cache, tokens, valid):
+        def step(leaves, cache, tokens, valid, *logits_in):  # logits_in: only to be donated, never read
             return nnx.merge(graph, jax.tree.unflatten(state_def, leaves)).forward_chunk(cache, tokens, valid)
 
-        jitted = jax.jit(step, donate_argnums=1, compiler_options=compiler_options)
+        donate = (1, 4) if donate_logits else 1
+        jitted = jax.jit(step, donate_argnums=donate, compiler_options=compiler_options)
     if not (dense or sinkhorn_loop or dense_index):
         return jitted
 
@@ -194,6 +199,8 @@ def bench_one(cfg, ctx, batch, kv_format, args, models):
     # Steps 1.. feed fixed random tokens, the same for every route (the time does not depend on which).
     feed = [jnp.asarray(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, (args.steps, batch, 1),
                                                                       dtype=np.int32)]  # fmt: skip
+    if args.same_tokens:  # one array for every step: its device address does not change between steps
+        feed = [feed[0]] * len(feed)
     state_leaves, state_def = jax.tree.flatten(state)
     variants = [route if calling == "closed" else f"{route}:{calling}" for route in args.routes
                 for calling in args.calling]  # fmt: skip
@@ -207,8 +214,19 @@ def bench_one(cfg, ctx, batch, kv_format, args, models):
             calls[name] = lambda c, tok, step=step, graph=graphs[GRAPHS[route]]: step(graph, state, c, tok, ones)
         else:
             options = args.compiler_options if calling == "opts" else None
-            step = make_step(**switches, graph=graphs[GRAPHS[route]], state_def=state_def, compiler_options=options)
-            calls[name] = lambda c, tok, step=step: step(state_leaves, c, tok, ones)
+            step = make_step(**switches, graph=graphs[GRAPHS[route]], state_def=state_def, compiler_options=options,
+                             donate_logits=calling == "donate")  # fmt: skip
+            if calling == "donate":
+                held = {"out": jnp.zeros(logits.shape, logits.dtype)}  # the last step's logits, donated to the next
+
+                def donating(c, tok, step=step, held=held):
+                    out, c = step(state_leaves, c, tok, ones, held.pop("out"))
+                    held["out"] = out
+                    return out, c
+
+                calls[name] = donating
+            else:
+                calls[name] = lambda c, tok, step=step: step(state_leaves, c, tok, ones)
         t = time.perf_counter()
         out, caches[name] = calls[name](jax.tree.map(jnp.copy, cache), first)
         step0[name], compile_s[name] = np.asarray(out, np.float32), time.perf_counter() - t
@@ -280,6 +298,7 @@ def main():
         help="KEY=VALUE;... XLA options (as in XLA_FLAGS, without "
         "the dashes) for the steps of --calling opts: closed over, compiled with these",
     )
+    p.add_argument("--same-tokens", action="store_true", help="feed every step the same token array")
     p.add_argument("--small", action="store_true", help="4 heads x 64 (CPU smoke)")
     p.add_argument("--out", default=None, help="write the rows as JSON to OUT.json")
     p.add_argument("--trace", default=None, help="profile each route's steps once more (jax.profiler) into this "
@@ -289,8 +308,8 @@ def main():
     if any(r not in ROUTES for r in args.routes):
         p.error(f"--routes must name some of {ROUTES}, got {args.routes}")
     args.calling = [c.strip() for c in args.calling.split(",") if c.strip()]
-    if not args.calling or any(c not in ("closed", "static", "opts") for c in args.calling):
-        p.error(f"--calling must name some of closed, static, opts; got {args.calling}")
+    if not args.calling or any(c not in ("closed", "static", "opts", "donate") for c in args.calling):
+        p.error(f"--calling must name some of closed, static, opts, donate; got {args.calling}")
     args.compiler_options = dict(kv.split("=", 1) for kv in args.compiler_options.split(";") if kv.strip())
     if "opts" in args.calling and not args.compiler_options:
         p.error("--calling opts needs --compiler-options")
