@@ -298,6 +298,13 @@ def main():
         help="KEY=VALUE;... XLA options (as in XLA_FLAGS, without "
         "the dashes) for the steps of --calling opts: closed over, compiled with these",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="the model's (sliding, CSA, HCA) layers this many times: "
+        "3 layers leave the step host-bound (docs/BENCHMARKS.md), more put the GPU's work above the host's",
+    )
     p.add_argument("--same-tokens", action="store_true", help="feed every step the same token array")
     p.add_argument("--small", action="store_true", help="4 heads x 64 (CPU smoke)")
     p.add_argument("--out", default=None, help="write the rows as JSON to OUT.json")
@@ -313,8 +320,12 @@ def main():
     args.compiler_options = dict(kv.split("=", 1) for kv in args.compiler_options.split(";") if kv.strip())
     if "opts" in args.calling and not args.compiler_options:
         p.error("--calling opts needs --compiler-options")
-    cfg = config(args.small)
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}, steps {args.steps}", flush=True)
+    cfg = config(args.small, args.repeats)
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}, steps {args.steps}, "
+        f"{cfg.num_hidden_layers} layers",
+        flush=True,
+    )
     models = {impl: dsv4.init_random(cfg, seed=0, dtype=jnp.bfloat16, attention_impl=impl)
               for impl in sorted({"jnp", "pallas", *(GRAPHS[r] for r in args.routes)})}  # fmt: skip
     rows = []

@@ -48,16 +48,17 @@ import dsv4.attention  # noqa: E402
 from dsv4.config import Config  # noqa: E402
 
 
-def config(small: bool) -> Config:
+def config(small: bool, repeats: int = 1) -> Config:
+    """The check's model; repeats: the (sliding, CSA, HCA) pattern that many times (3 · repeats layers)."""
     heads, head_dim, idx_heads, idx_dim, topk = (4, 64, 4, 32, 16) if small else (64, 512, 64, 128, 512)
     return Config.from_hf({
-        "vocab_size": 1024, "hidden_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 3,
+        "vocab_size": 1024, "hidden_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 3 * repeats,
         "num_attention_heads": heads, "head_dim": head_dim, "q_lora_rank": 256, "qk_rope_head_dim": 16 if small else 64,
         "n_routed_experts": 8, "num_experts_per_tok": 2, "o_groups": 2, "o_lora_rank": 128,
         "index_n_heads": idx_heads, "index_head_dim": idx_dim, "index_topk": topk, "sliding_window": 128,
         "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
-        "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
-        "mlp_layer_types": ["moe"] * 3, "max_position_embeddings": 1 << 20,
+        "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"] * repeats,
+        "mlp_layer_types": ["moe"] * 3 * repeats, "max_position_embeddings": 1 << 20,
     })  # fmt: skip
 
 
