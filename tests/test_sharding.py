@@ -103,12 +103,72 @@ def test_two_processes_under_jax_distributed_match_one(tmp_path):
               "--num-processes", "2", "--cpu-devices", "2", "--model", os.path.join(FIXTURES, "tiny_long"),
               "--token-ids-file", str(tmp_path / "ids.npy")]  # fmt: skip
     save = ["--save-logits", str(tmp_path / "out.npy")]
-    procs = [subprocess.Popen([*common, "--process-id", str(i), *(save if i == 0 else [])],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [*common, "--process-id", str(i), *(save if i == 0 else [])],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
     assert "2 processes, 4 devices" in outs[0]
     want = np.load(os.path.join(FIXTURES, "tiny_long", "reference.npz"))["logits"][:, -1]
     got = np.load(tmp_path / "out.npy")
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+
+
+PAGED_INDEX_SCRIPT = """
+    import contextlib, numpy as np, jax, jax.numpy as jnp, dsv4
+    from flax import nnx
+    import dsv4.attention as attention
+    import dsv4.pallas.indexer_paged as indexer_paged
+    from dsv4.sharding import make_mesh, shard_model, use_mesh
+    model = dsv4.load("tests/fixtures/tiny_long", dtype=jnp.float32, indexer_impl="pallas")
+    ref = dict(np.load("tests/fixtures/tiny_long/reference.npz"))
+    ids, generated = ref["input_ids"][0], ref["generated"][0]
+    s = ids.shape[0]
+    calls = []
+    paged_topk = indexer_paged.index_topk_paged
+    indexer_paged.index_topk_paged = lambda *a, **k: calls.append(1) or paged_topk(*a, **k)
+
+    def decode(paged_index, mesh):
+        attention.PAGED_INDEX_DECODE = paged_index
+        cache = model.init_cache(2, max_len=s + 16, page_tokens=16, num_pages=24, kv_format="fp8-channel")
+        pages = np.random.default_rng(5).permutation(np.arange(1, 24))[: cache["block_table"].size]
+        cache["block_table"] = jnp.asarray(pages.reshape(cache["block_table"].shape), jnp.int32)
+        prompt = np.zeros((2, s), np.int32)
+        prompt[0], prompt[1, :50] = ids, ids[:50]
+        graphdef, state = nnx.split(model)
+        step = jax.jit(lambda st, c, t, v: nnx.merge(graphdef, st).forward_chunk(c, t, v))
+        out = []
+        with use_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            _, c = step(state, cache, jnp.asarray(prompt), jnp.asarray([s, 50], jnp.int32))
+            for i in range(2):
+                tokens = jnp.asarray([[generated[s + i]], [7 + i]], jnp.int32)
+                logits, c = step(state, c, tokens, jnp.ones((2,), jnp.int32))
+                out.append(np.asarray(logits))
+        return np.stack(out, 1)
+
+    one = decode(True, None)
+    mesh = make_mesh(4)
+    shard_model(model, mesh)
+    before = len(calls)
+    paged = decode(True, mesh)
+    taken = len(calls) - before
+    dense = decode(False, mesh)
+    rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    print(before, taken, len(calls) - before - taken, rel(paged, dense), rel(paged, one))
+"""
+
+
+def test_paged_indexer_under_a_sequence_parallel_mesh():
+    """A decode step's paged indexer (`index_topk_paged`, interpreted) under a 4-device mesh, the model sharded as
+    for sequence and expert parallelism: XLA places the unpartitioned custom call, and a ragged batch over a
+    permuted FP8 block table decodes the same logits as the dense route under the same mesh and as one device."""
+    one_device, taken, dense_calls, vs_dense, vs_one = _run(PAGED_INDEX_SCRIPT, devices=4).split()
+    assert int(one_device) > 0 and int(taken) > 0 and int(dense_calls) == 0, "the paged route: on, and only when on"
+    assert float(vs_dense) < 1e-5 and float(vs_one) < 1e-5
