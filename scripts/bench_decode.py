@@ -77,21 +77,14 @@ def parse_args():
     p.add_argument("--contexts", default=None, help="context lengths (GPU default 32k,128k,512k)")
     p.add_argument("--batches", default=None, help="batch sizes (GPU default 1,32)")
     p.add_argument("--layers", default="hca,csa,sweep", help="layer kinds: hca, csa, sweep")
-    p.add_argument(
-        "--dtypes",
-        default="bf16,fp8",
-        help="page dtypes: bf16, fp8 (whole e4m3 rows), fp8s (the cache's "
-        "split rows: e4m3 nope channels, bf16 RoPE channels; Triton only)",
-    )
+    p.add_argument("--dtypes", default="bf16,fp8", help="page dtypes: bf16, fp8 (whole e4m3 rows), fp8s (the cache's "
+                   "split rows: e4m3 nope channels, bf16 RoPE channels; Triton only)")
     p.add_argument("--sweep-contexts", default=None, help="contexts of the sweep (default: the largest)")
     p.add_argument("--scales", choices=("tile", "channel"), default="tile", help="fp8 scale layout")
     p.add_argument("--calls", type=int, default=None, help="decode calls per jitted step (GPU default 8)")
     p.add_argument("--variants", default=None, help=f"BlockSizes variants (GPU default {GPU_VARIANTS!r})")
-    p.add_argument(
-        "--variant-items",
-        default="hca:512k:32,sweep:512k:1,sweep:512k:32",
-        help="layer:context:batch items the variants run on (both dtypes)",
-    )
+    p.add_argument("--variant-items", default="hca:512k:32,sweep:512k:1,sweep:512k:32",
+                   help="layer:context:batch items the variants run on (both dtypes)")
     p.add_argument("--impl", choices=IMPLS, default="triton", help="kernel of the main sweep (variants name theirs)")
     p.add_argument("--per-call", action="store_true", help="also time the first item one call per dispatch")
     p.add_argument("--check-max-bytes", type=float, default=8e9, help="skip the reference check above this")
@@ -248,12 +241,9 @@ class Bench:
                 assert topk_indices is None
                 return dcm.paged_decode_attention_mgpu(q, kv_pages, ring, seq_lens, sinks, config=config, **kw)
         else:
-
             def one(*args, **kw):
-                return dc.paged_decode_attention(
-                    *args, block_sizes=block_sizes, interpret=interpret, impl="triton", **kw
-                )
-
+                return dc.paged_decode_attention(*args, block_sizes=block_sizes, interpret=interpret, impl="triton",
+                                                 **kw)
         extra = {k: pool[k] for k in EXTRA_KEYS if k in pool}
 
         def step(kv_pages, compressed_pages, sinks, extra, q, ring, comp, picks, seq_lens, compressed_lens):

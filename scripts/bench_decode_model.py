@@ -75,15 +75,8 @@ def parse_length(text: str) -> int:
     return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
 
 
-def make_step(
-    dense: bool,
-    sinkhorn_loop: bool = False,
-    dense_index: bool = False,
-    graph=None,
-    state_def=None,
-    compiler_options=None,
-    donate_logits=False,
-):
+def make_step(dense: bool, sinkhorn_loop: bool = False, dense_index: bool = False, graph=None, state_def=None,
+              compiler_options=None, donate_logits=False):  # fmt: skip
     """A fresh jitted step (its own trace cache) that donates its cache, as `dsv4.runner`'s does; dense: traced
     with the paged decode kernel switched off; sinkhorn_loop: with the mHC Sinkhorn kernel switched off
     (`dsv4.layers.SINKHORN_KERNEL`); dense_index: with the paged indexer switched off
@@ -148,9 +141,8 @@ def trace_steps(route, call, cache, feed, trace_dir, top=14):
     except FileNotFoundError as exc:
         print(f"  {route} trace: {exc}", flush=True)
         return dict(cache=cache)
-    host = sorted(
-        ((k, v) for k, v in host.items() if not k.startswith("$")), key=lambda kv: -kv[1][0]
-    )  # no Python frames
+    host = sorted(((k, v) for k, v in host.items() if not k.startswith("$")),  # "$...": Python frames
+                  key=lambda kv: -kv[1][0])  # fmt: skip
     result = dict(cache=cache, wall_us=wall * 1e6, host=[(name, total / n, count / n)
                                                           for name, (total, count, _) in host[:60]])  # fmt: skip
     if not table:
@@ -249,13 +241,8 @@ def bench_one(cfg, ctx, batch, kv_format, args, models):
     traces = {}
     if args.trace:  # where a step's time goes: each route's --steps steps once more, under the profiler
         for name in variants:
-            traces[name] = trace_steps(
-                name,
-                calls[name],
-                caches[name],
-                feed,
-                f"{args.trace}/{ctx}_{batch}_{kv_format}_{name.replace(':', '_')}",
-            )
+            traces[name] = trace_steps(name, calls[name], caches[name], feed,
+                                       f"{args.trace}/{ctx}_{batch}_{kv_format}_{name.replace(':', '_')}")  # fmt: skip
             caches[name] = traces[name].pop("cache")
     rows = []
     base = "kernel" if "kernel" in variants else variants[0]
@@ -285,26 +272,16 @@ def main():
     p.add_argument("--steps", type=int, default=10, help="timed steps a round")
     p.add_argument("--rounds", type=int, default=3, help="rounds (each times every route, in turn)")
     p.add_argument("--chunk", type=int, default=8192)
-    p.add_argument(
-        "--calling",
-        default="closed",
-        help="how each step is called, comma-separated: closed (the "
-        "runner's: the GraphDef closed over, the weights a flat list) and/or static (the GraphDef a static "
-        "argument, hashed every call; the State flattened every call); static rows are named ROUTE:static",
-    )
-    p.add_argument(
-        "--compiler-options",
-        default="",
-        help="KEY=VALUE;... XLA options (as in XLA_FLAGS, without "
-        "the dashes) for the steps of --calling opts: closed over, compiled with these",
-    )
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="the model's (sliding, CSA, HCA) layers this many times: "
-        "3 layers leave the step host-bound (docs/BENCHMARKS.md), more put the GPU's work above the host's",
-    )
+    p.add_argument("--calling", default="closed", help="how each step is called, comma-separated: closed (the "
+                   "runner's: the GraphDef closed over, the weights a flat list), static (the GraphDef a static "
+                   "argument, hashed every call; the State flattened every call), opts (closed, compiled with "
+                   "--compiler-options), donate (closed, the last logits donated to the next step); rows other "
+                   "than closed are named ROUTE:CALLING")  # fmt: skip
+    p.add_argument("--compiler-options", default="", help="KEY=VALUE;... XLA options (as in XLA_FLAGS, without "
+                   "the dashes) for the steps of --calling opts")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=1, help="the model's (sliding, CSA, HCA) layers this many times: "
+                   "3 layers leave the step host-bound (docs/BENCHMARKS.md), more put the GPU's work above the "
+                   "host's")  # fmt: skip
     p.add_argument("--same-tokens", action="store_true", help="feed every step the same token array")
     p.add_argument("--small", action="store_true", help="4 heads x 64 (CPU smoke)")
     p.add_argument("--out", default=None, help="write the rows as JSON to OUT.json")
@@ -321,11 +298,8 @@ def main():
     if "opts" in args.calling and not args.compiler_options:
         p.error("--calling opts needs --compiler-options")
     cfg = config(args.small, args.repeats)
-    print(
-        f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}, steps {args.steps}, "
-        f"{cfg.num_hidden_layers} layers",
-        flush=True,
-    )
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}, steps {args.steps}, "
+          f"{cfg.num_hidden_layers} layers", flush=True)  # fmt: skip
     models = {impl: dsv4.init_random(cfg, seed=0, dtype=jnp.bfloat16, attention_impl=impl)
               for impl in sorted({"jnp", "pallas", *(GRAPHS[r] for r in args.routes)})}  # fmt: skip
     rows = []

@@ -108,11 +108,8 @@ def section_scores(args, rows_out):
             name = f"{'fp8' if fp8 else 'bf16'} rows={blocks.rows}{'-qT' if blocks.q_transposed else ''} " \
                    f"bq={blocks.block_q} bc={blocks.block_c} w={blocks.num_warps} st={blocks.num_stages}"  # fmt: skip
             try:
-                f = jax.jit(
-                    functools.partial(
-                        index_scores, rate=RATE, softmax_scale=DI**-0.5, blocks=blocks, interpret=INTERPRET
-                    )
-                )
+                f = jax.jit(functools.partial(index_scores, rate=RATE, softmax_scale=DI**-0.5, blocks=blocks,
+                                              interpret=INTERPRET))
                 first, t = timed(lambda: f(**inp), reps=args.reps)
                 row = dict(section="scores", name=name, ms=t * 1e3, tflops=flops / t / 1e12, first_s=first)
                 print(f"  scores {name:55s} {t * 1e3:8.2f} ms {flops / t / 1e12:7.1f} TF/s (first {first:.1f} s)",
@@ -211,29 +208,13 @@ def section_full(args, rows_out):
                      for cname, config in mgpu[: args.full_mgpu] for bands in args.bands
                      for sel in args.selection]  # fmt: skip
         for name, fn, inp in (
-            (
-                "two-pass fp8",
-                functools.partial(
-                    index_topk_two_pass,
-                    **static,
-                    blocks=blocks,
-                    group=args.group,
-                    interpret=INTERPRET,
-                    width_bands=args.bands[0],
-                ),
-                inp8,
-            ),
+            ("two-pass fp8", functools.partial(index_topk_two_pass, **static, blocks=blocks, group=args.group,
+                                                interpret=INTERPRET, width_bands=args.bands[0]), inp8),
             *mgpu_runs,
-            (
-                "two-pass bf16",
-                functools.partial(index_topk_two_pass, **static, blocks=blocks, group=args.group, interpret=INTERPRET),
-                "bf16",
-            ),
-            (
-                "xla bf16",
-                functools.partial(index_topk_jnp, rate=RATE, k=args.k, softmax_scale=DI**-0.5, query_chunk=1024),
-                "bf16",
-            ),
+            ("two-pass bf16", functools.partial(index_topk_two_pass, **static, blocks=blocks, group=args.group,
+                                                 interpret=INTERPRET), "bf16"),
+            ("xla bf16", functools.partial(index_topk_jnp, rate=RATE, k=args.k, softmax_scale=DI**-0.5,
+                                           query_chunk=1024), "bf16"),
             ("stream fp8", functools.partial(index_topk, **static, interpret=INTERPRET), inp8),
         ):
             if args.full_names and not any(name.startswith(x) for x in args.full_names.split(",")):
@@ -295,22 +276,13 @@ def main():
     p.add_argument("--block-c", type=int, default=128)
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--triton-tilings", type=int, default=13, help="the first N Triton tilings of the scores section")
-    p.add_argument(
-        "--mgpu-configs",
-        default="t8-s2048:tokens=8,span=2048,slots=4",
-        help="Mosaic FP8 scores configs 'name:tokens=,span=,slots=;...' (the first is used by full)",
-    )
-    p.add_argument(
-        "--bands",
-        default="1",
-        help="full: index_topk_two_pass width_bands values to time (mgpu; the first also for the Triton fp8 run)",
-    )
+    p.add_argument("--mgpu-configs", default="t8-s2048:tokens=8,span=2048,slots=4",
+                   help="Mosaic FP8 scores configs 'name:tokens=,span=,slots=;...' (the first is used by full)")
+    p.add_argument("--bands", default="1", help="full: index_topk_two_pass width_bands values to time (mgpu; the first "
+                                                "also for the Triton fp8 run)")
     p.add_argument("--full-mgpu", type=int, default=1, help="full: time the first N --mgpu-configs")
-    p.add_argument(
-        "--selection",
-        default="auto",
-        help="full: index_topk_two_pass selection values (mgpu; comma: auto, xla, kernel)",
-    )
+    p.add_argument("--selection", default="auto", help="full: index_topk_two_pass selection values (mgpu; comma: "
+                                                      "auto, xla, kernel)")
     p.add_argument("--full-names", default="", help="full: only runs whose names start with one of these (comma)")
     p.add_argument("--xla-max", type=int, default=131072)
     p.add_argument("--stream-max", type=int, default=32768)

@@ -186,9 +186,8 @@ _SMOKE = "--smoke" in sys.argv
 if _SMOKE:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     # Every helper jit compiles for XLA:CPU too: the fast options (see FAST_CPU_COMPILE) for all of them.
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    ).strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                               " --xla_llvm_disable_expensive_passes=true").strip()
 else:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
@@ -301,9 +300,8 @@ def parse_variants(text: str, block_sizes_cls, on_error, keys=None) -> list[tupl
 
 
 def parse_args():
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, Pallas in interpret mode")
     p.add_argument("--out", type=Path, help="also write bench_kernels.json and bench_kernels.log here")
     p.add_argument("--lengths", default=None, help="sequence lengths, e.g. 32768,131072,524288 (or 32k,128k,512k)")
@@ -321,47 +319,29 @@ def parse_args():
                         "(default --budget + 90; 0 = off)")  # fmt: skip
     g = p.add_argument_group("indexer / decode / moe sections")
     g.add_argument("--indexer-lengths", default=None, help="indexer S values (GPU default 32k,128k,512k)")
-    g.add_argument(
-        "--indexer-xla-fp8",
-        action="store_true",
-        help="also time index_topk_jnp on fp8 inputs (XLA's fp8 dot autotuning can compile for minutes)",
-    )
-    g.add_argument(
-        "--indexer-xla-max-call",
-        type=float,
-        default=None,
-        help="skip the XLA indexer above the smallest S when one call is predicted longer (s, default 5)",
-    )
+    g.add_argument("--indexer-xla-fp8", action="store_true",
+                   help="also time index_topk_jnp on fp8 inputs (XLA's fp8 dot autotuning can compile for minutes)")
+    g.add_argument("--indexer-xla-max-call", type=float, default=None,
+                   help="skip the XLA indexer above the smallest S when one call is predicted longer (s, default 5)")
     g.add_argument("--indexer-stream-max", type=int, default=None,
                    help="largest S for the streaming indexer kernel index_topk (~30x slower than the two-pass path; "
                         "GPU default 32768, every S in --smoke)")  # fmt: skip
     g.add_argument("--decode-contexts", default=None, help="decode context lengths (GPU default 32k,128k,512k)")
     g.add_argument("--decode-batches", default=None, help="decode batch sizes (GPU default 1,32)")
-    g.add_argument(
-        "--decode-fp8-scales",
-        choices=("tile", "channel"),
-        default="tile",
-        help="fp8 page scales: per token and 64-channel tile (default) or per channel",
-    )
+    g.add_argument("--decode-fp8-scales", choices=("tile", "channel"), default="tile",
+                   help="fp8 page scales: per token and 64-channel tile (default) or per channel")
     g.add_argument("--decode-sweep-dtypes", default=None, help="dtypes of the full-cache sweep (GPU default bf16,fp8)")
     g.add_argument("--moe-tokens", default=None, help="MoE token counts (GPU default 8k,64k,512k)")
     g.add_argument("--moe-modes", default="bf16,w8a8", help="Pallas MoE modes: bf16, w8a8, w8a16")
-    g.add_argument(
-        "--moe-zipf",
-        type=float,
-        default=0.3,
-        help="routing skew: expert popularity ∝ (rank + 1)^-zipf (0 = uniform; default 0.3)",
-    )
+    g.add_argument("--moe-zipf", type=float, default=0.3,
+                   help="routing skew: expert popularity ∝ (rank + 1)^-zipf (0 = uniform; default 0.3)")
     g.add_argument("--moe-variants-bf16", default=None, help=f"GPU default {GPU_MOE_VARIANTS['bf16']!r}")
     g.add_argument("--moe-variants-w8a8", default=None, help=f"GPU default {GPU_MOE_VARIANTS['w8a8']!r}")
     g.add_argument("--large-from", type=int, default=None,
                    help="indexer S and MoE N at or above this run last, after everything else (steps indexer-large, "
                         "moe-large; GPU default 262144, smoke 128)")  # fmt: skip
-    g.add_argument(
-        "--section-budgets",
-        default=None,
-        help=f"per-section caps in seconds, e.g. {GPU_SECTION_BUDGETS!r} (GPU default; none in --smoke)",
-    )
+    g.add_argument("--section-budgets", default=None,
+                   help=f"per-section caps in seconds, e.g. {GPU_SECTION_BUDGETS!r} (GPU default; none in --smoke)")
     args = p.parse_args()
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
     args.layers = [s.strip() for s in args.layers.split(",") if s.strip()]
@@ -383,9 +363,8 @@ def parse_args():
         args.indexer_stream_max = max(args.indexer_lengths) if args.smoke else 32768
     args.decode_contexts = parse_lengths(args.decode_contexts or ("256,512" if args.smoke else "32k,128k,512k"))
     args.decode_batches = parse_lengths(args.decode_batches or ("2" if args.smoke else "1,32"))
-    args.decode_sweep_dtypes = [
-        d.strip() for d in (args.decode_sweep_dtypes or ("bf16" if args.smoke else "bf16,fp8")).split(",") if d.strip()
-    ]
+    args.decode_sweep_dtypes = [d.strip() for d in (args.decode_sweep_dtypes or ("bf16" if args.smoke else
+                                                                                  "bf16,fp8")).split(",") if d.strip()]
     args.moe_tokens = parse_lengths(args.moe_tokens or ("32,128" if args.smoke else "8k,64k,512k"))
     args.moe_modes = [m.strip() for m in args.moe_modes.split(",") if m.strip()]
     for m in args.moe_modes:
@@ -1369,13 +1348,8 @@ class Bench:
             n, r = max(smaller, key=lambda x: x[0])
             t_pred = r["ms"] * 1e-3 * xla_work(layer, seq, self.sh, chunk) / xla_work(layer, n, self.sh, chunk)
         else:
-            t_pred = (
-                xla_work(layer, seq, self.sh, chunk)
-                * 4
-                * self.sh.heads
-                * self.sh.head_dim
-                / (1e12 if self.args.smoke else 100e12)
-            )
+            t_pred = xla_work(layer, seq, self.sh, chunk) * 4 * self.sh.heads * self.sh.head_dim / (
+                1e12 if self.args.smoke else 100e12)
         if seq != self.args.lengths[0] and t_pred > 30:
             self.rec.skip(where, f"one call predicted {t_pred:.0f} s (> 30 s)")
             return None
@@ -1593,9 +1567,8 @@ class Bench:
                 self.budget.saw_compile("cudnn", cs)
                 t = time_compiled(compiled, sets, target_s=self.args.target_s, budget=self.budget)
                 matched = [t_[1:] for t_ in tags if t_ != "best"]
-                note = " ".join(
-                    (["best shape"] if "best" in tags else []) + (["FLOPs of " + ",".join(matched)] if matched else [])
-                )
+                note = " ".join((["best shape"] if "best" in tags else [])
+                                + (["FLOPs of " + ",".join(matched)] if matched else []))
                 self.report("cudnn", f"d{d}-H{heads}", seq, impl, t, flops=flops, note=note.strip(), compile_s=cs)
                 del sets, compiled
             except Exception as exc:
@@ -1783,10 +1756,8 @@ class Bench:
                 blocks = ix.ScoreBlocks(block_c=16, span=32) if self.args.smoke else ix.ScoreBlocks()
                 chunk = 64 if self.args.smoke else None
                 static = dict(self.indexer_static(), blocks=blocks, query_chunk=chunk, interpret=self.interpret)
-                extra = dict(
-                    blocks=dataclasses.asdict(blocks),
-                    query_chunk=min(chunk or ix.default_query_chunk(seq // sh.csa_rate), seq),
-                )
+                extra = dict(blocks=dataclasses.asdict(blocks),
+                             query_chunk=min(chunk or ix.default_query_chunk(seq // sh.csa_rate), seq))
             else:
                 fn = ix.index_topk
                 bs = ix.BlockSizes(block_q=4, block_c=16) if self.args.smoke else ix.BlockSizes()
@@ -2081,10 +2052,8 @@ class Bench:
             free()
             return
         weights = self.moe_weights_cache
-        variants = {
-            "bf16": parse_variants(args.moe_variants_bf16, pm.BlockSizes, self.rec.error, MOE_VARIANT_KEYS),
-            "w8a8": parse_variants(args.moe_variants_w8a8, pm.BlockSizes, self.rec.error, MOE_VARIANT_KEYS),
-        }
+        variants = {"bf16": parse_variants(args.moe_variants_bf16, pm.BlockSizes, self.rec.error, MOE_VARIANT_KEYS),
+                    "w8a8": parse_variants(args.moe_variants_w8a8, pm.BlockSizes, self.rec.error, MOE_VARIANT_KEYS)}
         variants["w8a16"] = variants["w8a8"]
         base = {m: (variants[m][0] if variants[m] else ("default", pm.BlockSizes())) for m in variants}
         try:
@@ -2284,13 +2253,8 @@ class Bench:
             if not self.memory_fits(compiled, where):
                 self.moe_ragged_state = self.moe_ragged_state or "memory"
                 return
-            t = time_compiled(
-                compiled,
-                [kw],
-                target_s=self.args.target_s,
-                budget=self.budget,
-                first_out=lambda out: note.update(text=self.moe_check("xla-ragged", n, out, ref, 1e-2)),
-            )
+            t = time_compiled(compiled, [kw], target_s=self.args.target_s, budget=self.budget,
+                              first_out=lambda out: note.update(text=self.moe_check("xla-ragged", n, out, ref, 1e-2)))
             self.report("moe", "xla-ragged", n, "bf16", t, flops=moe_flops(n, sh), nbytes=moe_min_bytes(n, sh, "bf16"),
                         note=note.get("text", ""), ref="bf16", compile_s=cs)  # fmt: skip
             self.moe_ragged_state = self.moe_ragged_state or "ok"
@@ -2349,9 +2313,8 @@ class Bench:
             "matmul, f = best fp8 matmul (TF/s), c = copy (TB/s); TB/s = fewest bytes / time; err = rel L2 of the "
             "warm-up output vs the named reference")  # fmt: skip
         if decode_rows:
-            variants = sorted(
-                {r["variant"] for r in decode_rows}, key=lambda v: (v.split("-")[0], int(v[v.index("B") + 1 :]))
-            )  # bf16-B1, bf16-B32, …
+            variants = sorted({r["variant"] for r in decode_rows},
+                              key=lambda v: (v.split("-")[0], int(v[v.index("B") + 1 :])))  # bf16-B1, bf16-B32, …
             cells = {(r["layer"], r["seq"], r["variant"]): r for r in decode_rows}
             log("decode: per call (pipelined) us | TB/s of the bytes needed | % of copy; S = context")
             log(f"{'layer':<6} {'S':>7}  " + "".join(f"{v:>20}" for v in variants))
@@ -2361,7 +2324,7 @@ class Bench:
                 for v in variants:
                     r = cells.get((layer, seq, v))
                     pct_ref = self.pct_ref(r) if r else None
-                    line += f"{r['ms'] * 1e3:9.1f} {r['tbps']:5.2f} {pct_ref or 0:3.0f}%" if r else f"{'-':>20}"
+                    line += (f"{r['ms'] * 1e3:9.1f} {r['tbps']:5.2f} {pct_ref or 0:3.0f}%" if r else f"{'-':>20}")
                 log(line)
         decode_checks = [c for c in rec.checks if c.get("section") == "decode"]
         if decode_checks:

@@ -238,7 +238,7 @@ def main() -> int:
             print(f"{mode}: failed (exit {proc.returncode})", file=sys.stderr)
             results["runs"].append({"mode": mode, "error": proc.stderr[-2000:]})
             continue
-        run = json.loads(lines[-1][len("RESULT ") :])
+        run = json.loads(lines[-1][len("RESULT "):])
         results["runs"].append(run)
         print(f"{mode:8s} {run['seconds']:7.1f} s   peak RSS {run['peak_rss_gb']:6.2f} GB (baseline "
               f"{run['baseline_rss_gb']:.2f}, +{run['peak_minus_baseline_gb']:.2f}; loader overhead "

@@ -98,39 +98,29 @@ def timed(compiled, args, reps: int) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="64k,512k")
-    p.add_argument(
-        "--variants",
-        default="c32k,c32k-ring-f32,c64k,c32k-w8a8",
-        help="EP variants: c<chunk tokens per step>[-scan][-ring][-f32|-bf16][-w8a8][-ctas<K>] (above)",
-    )
+    p.add_argument("--variants", default="c32k,c32k-ring-f32,c64k,c32k-w8a8",
+                   help="EP variants: c<chunk tokens per step>[-scan][-ring][-f32|-bf16][-w8a8][-ctas<K>] (above)")
     p.add_argument("--one-chunk", default="64k", help="token chunk of the 1-GPU row")
     p.add_argument("--zipf", type=float, default=0.3)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--trace",
-        action="store_true",
-        help="profile one call of the first variant at the largest N into --out/trace and report, per GPU, "
-        "how much of the communication kernels' time overlaps compute (scripts/trace_overlap.py)",
-    )
+    p.add_argument("--trace", action="store_true",
+                   help="profile one call of the first variant at the largest N into --out/trace and report, per GPU, "
+                        "how much of the communication kernels' time overlaps compute (scripts/trace_overlap.py)")
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny preset (D 256, I 128), 2 host devices")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     # smoke: the tiny preset at the smallest widths the FP8 blocks take
-    cfg = (
-        Config.preset("tiny").replace(hidden_size=256, moe_intermediate_size=128)
-        if args.smoke
-        else Config.preset("v4-flash")
-    )
+    cfg = Config.preset("tiny").replace(hidden_size=256, moe_intermediate_size=128) if args.smoke else \
+        Config.preset("v4-flash")
     d, inter, e, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
     tokens = [24, 40] if args.smoke else [parse_len(x) for x in args.tokens.split(",")]
     variants = ["c8", "c8-scan-ring-f32", "c8-w8a8"] if args.smoke else args.variants.split(",")
     one_chunk = 16 if args.smoke else parse_len(args.one_chunk)
     n_dev = len(jax.devices())
     if n_dev < 2:
-        raise SystemExit(
-            "bench_moe_ep needs at least 2 devices (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2)"
-        )
+        raise SystemExit("bench_moe_ep needs at least 2 devices "
+                         "(CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2)")
     mesh = make_mesh(n_dev)
     dev0 = jax.devices()[0]
     print(f"jax {jax.__version__}, {n_dev} × {dev0.device_kind}, {time.strftime('%Y-%m-%d %H:%M')}; D={d} I={inter} "

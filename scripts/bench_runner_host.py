@@ -42,7 +42,7 @@ from dsv4.scheduler import ScheduledChunk, SchedulerOutput  # noqa: E402
 
 def tiny_config(layers: int) -> Config:
     """V4-Flash's layer mix (2 sliding, then CSA / HCA alternating) at tiny widths."""
-    types = ["sliding_attention"] * 2 + ["compressed_sparse_attention", "heavily_compressed_attention"] * layers
+    types = (["sliding_attention"] * 2 + ["compressed_sparse_attention", "heavily_compressed_attention"] * layers)
     return Config.from_hf({
         "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": layers,
         "num_attention_heads": 4, "head_dim": 64, "q_lora_rank": 32, "qk_rope_head_dim": 16,
@@ -110,10 +110,8 @@ def main():
         row["execute_ms"] = median_ms(execute, args.steps)
         rows.append(row)
         print(f"  {n} layers done", flush=True)
-    print(
-        "\n| layers | weight arrays | static GraphDef call, ms | closure call, ms | static / closure | "
-        "hash(GraphDef), ms | flatten(State), ms | execute (closure), ms |"
-    )
+    print("\n| layers | weight arrays | static GraphDef call, ms | closure call, ms | static / closure | "
+          "hash(GraphDef), ms | flatten(State), ms | execute (closure), ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['layers']} | {r['leaves']} | {r['static_ms']:.2f} | {r['closure_ms']:.2f} | "

@@ -87,13 +87,10 @@ def parse_args():
     p.add_argument("--lengths", default="128k,512k")
     p.add_argument("--layers", default=",".join(LAYERS))
     p.add_argument("--core", default="jnp", help="1-device core(s): jnp, pallas or jnp,pallas")
-    p.add_argument(
-        "--balance",
-        default="none",
-        help="SP layouts, comma-separated: none (contiguous), zigzag (the core moves q, kv, positions and "
-        "the output in and out of zigzag order each call), zigzag-permuted (the inputs already in "
-        "zigzag order, as the model keeps them under SEQUENCE_PARALLEL_ZIGZAG)",
-    )
+    p.add_argument("--balance", default="none",
+                   help="SP layouts, comma-separated: none (contiguous), zigzag (the core moves q, kv, positions and "
+                        "the output in and out of zigzag order each call), zigzag-permuted (the inputs already in "
+                        "zigzag order, as the model keeps them under SEQUENCE_PARALLEL_ZIGZAG)")
     p.add_argument("--sp-core", default="jnp", help="each shard's core: jnp, pallas or jnp,pallas")
     p.add_argument("--csa-mode", default="gather", choices=("gather", "ring"))
     p.add_argument("--devices", type=int, default=0, help="N (default: all devices)")
@@ -317,9 +314,8 @@ def run_case(r: Runner, layer: str, s: int, h: int, mesh, n: int) -> dict | None
             log(f"  {layer:7s} S={s:>7} H={h:2d} {n} devices {bal:6s}: {t * 1e3:9.1f} ms ({t * 1e3 / h:7.2f} ms/head)"
                 f"  eff {eff_text}  check {row['check'].get(bal, float('nan')):.1e}  compile {comp:.1f} s")  # fmt: skip
             if a.trace and s == min(parse_lengths(a.lengths)) and r.left() > 2 * t + 5:
-                row.setdefault("trace", {})[bal] = profile(
-                    compiled, args, str(Path(a.trace) / f"{layer}-{s}-{bal}"), indent="    "
-                )
+                row.setdefault("trace", {})[bal] = profile(compiled, args, str(Path(a.trace) / f"{layer}-{s}-{bal}"),
+                                                           indent="    ")
         del out, args
     del q, kv, pos, sinks, entries, topk, permuted
     return row

@@ -1617,7 +1617,7 @@ def measure_matmul(rec: Recorder, budget: Budget, smoke: bool, seed: int) -> flo
     rec.log("--- ceiling: bf16 matmul (same run) ---")
     best = None
     rows = []
-    for n in (256, 512) if smoke else (8192, 16384):
+    for n in ((256, 512) if smoke else (8192, 16384)):
         where = f"bf16 matmul {n}^3"
         if not budget.fits(where, 10.0):
             continue

@@ -146,14 +146,10 @@ def run(gd, state, ids, mesh, reps: int, rules=SEQUENCE_PARALLEL) -> dict:
     gd_n, st_n = nnx.split(model.norm)
     t0 = time.perf_counter()
     with use_mesh(mesh, rules) if mesh is not None else _nothing():
-        e_embed = (
-            jax.jit(_embed, static_argnums=(2, 3), out_shardings=stream_sharding)
-            .lower(embed_w, ids, hc, zigzag_n)
-            .compile()
-        )
-        streams_abs = jax.ShapeDtypeStruct(
-            (1, seq, hc, model.config.hidden_size), embed_w.dtype, sharding=stream_sharding
-        )
+        e_embed = jax.jit(_embed, static_argnums=(2, 3), out_shardings=stream_sharding).lower(
+            embed_w, ids, hc, zigzag_n).compile()
+        streams_abs = jax.ShapeDtypeStruct((1, seq, hc, model.config.hidden_size), embed_w.dtype,
+                                           sharding=stream_sharding)
         layer_exes = [jax.jit(_layer, static_argnums=(0, 5), out_shardings=stream_sharding).lower(
             g, st, streams_abs, positions, ids, rules if mesh is not None else None).compile()
             for g, st in pieces]  # fmt: skip
@@ -207,52 +203,28 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="128k,512k")
     p.add_argument("--layers", type=int, default=3)
-    p.add_argument(
-        "--attention",
-        default="sp",
-        choices=("sp", "sp-pallas"),
-        help="the SP core: jnp per shard with ring-passed entries, or the Triton kernel per shard",
-    )
-    p.add_argument(
-        "--experts",
-        default="split",
-        choices=("split", "replicated"),
-        help="N devices: routed experts split over the devices (expert parallelism, the ring of "
-        "dsv4/sharding/expert_parallel.py) or replicated (each device runs its own tokens' experts)",
-    )
-    p.add_argument(
-        "--order",
-        default="contiguous",
-        help="N devices, comma-separated: contiguous (the sequence split in order) and/or zigzag (shard i "
-        "holds blocks i and 2N-1-i; the ids permuted once at the input, SEQUENCE_PARALLEL_ZIGZAG)",
-    )
-    p.add_argument(
-        "--indexer",
-        default="pallas",
-        help="comma-separated indexer_impl values for the N-device runs: pallas (bf16 two-pass) and/or "
-        "pallas-fp8 (e4m3 q and keys, the Mosaic scores kernel on Hopper); the first one also for "
-        "the 1-device run",
-    )
-    p.add_argument(
-        "--ep",
-        default="default",
-        help="expert-parallel settings to compare, comma-separated: 'default' (the library's) or "
-        "c<chunk tokens>[-ring][-f32|-bf16] as in bench_moe_ep.py (set on every MoE layer)",
-    )
+    p.add_argument("--attention", default="sp", choices=("sp", "sp-pallas"),
+                   help="the SP core: jnp per shard with ring-passed entries, or the Triton kernel per shard")
+    p.add_argument("--experts", default="split", choices=("split", "replicated"),
+                   help="N devices: routed experts split over the devices (expert parallelism, the ring of "
+                        "dsv4/sharding/expert_parallel.py) or replicated (each device runs its own tokens' experts)")
+    p.add_argument("--order", default="contiguous",
+                   help="N devices, comma-separated: contiguous (the sequence split in order) and/or zigzag (shard i "
+                        "holds blocks i and 2N-1-i; the ids permuted once at the input, SEQUENCE_PARALLEL_ZIGZAG)")
+    p.add_argument("--indexer", default="pallas",
+                   help="comma-separated indexer_impl values for the N-device runs: pallas (bf16 two-pass) and/or "
+                        "pallas-fp8 (e4m3 q and keys, the Mosaic scores kernel on Hopper); the first one also for "
+                        "the 1-device run")
+    p.add_argument("--ep", default="default",
+                   help="expert-parallel settings to compare, comma-separated: 'default' (the library's) or "
+                        "c<chunk tokens>[-ring][-f32|-bf16] as in bench_moe_ep.py (set on every MoE layer)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-1dev-from", default="512k", help="no 1-device run at or above this length (OOM)")
-    p.add_argument(
-        "--baseline",
-        action="store_true",
-        help="also time bench_ttft's XLA baseline (1c) on one device, in the same process",
-    )
-    p.add_argument(
-        "--one-device",
-        default="same",
-        choices=("same", "auto", "none"),
-        help="the 1-device model: the same impls without a mesh, attention_impl='auto' (Pallas), or none "
-        "(e.g. only the baseline at a length where the full-sequence 1-device model does not fit)",
-    )
+    p.add_argument("--baseline", action="store_true",
+                   help="also time bench_ttft's XLA baseline (1c) on one device, in the same process")
+    p.add_argument("--one-device", default="same", choices=("same", "auto", "none"),
+                   help="the 1-device model: the same impls without a mesh, attention_impl='auto' (Pallas), or none "
+                        "(e.g. only the baseline at a length where the full-sequence 1-device model does not fit)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny preset at S = 64 and 96")
     p.add_argument("--out", default=None)
@@ -267,7 +239,6 @@ def main():
           f"{args.experts}, order {args.order}", flush=True)  # fmt: skip
     model, info = build_model_on_device(cfg, args.seed, F32 if args.smoke else BF16)
     _, state = nnx.split(model)
-
     def graphdef(attention, indexer="pallas", moe="pallas", ep="default"):
         abstract = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=F32 if args.smoke else BF16,
                                                      attention_impl=attention, indexer_impl=indexer,

@@ -97,12 +97,8 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--small", action="store_true", help="4 heads x 64 (CPU smoke)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument(
-        "--kv-format",
-        default=None,
-        help="cache format (dsv4.cache.layout.FORMAT_NAMES; default: the "
-        "model dtype, unquantized). FP8 formats reach the paged kernel as split rows (Triton)",
-    )
+    p.add_argument("--kv-format", default=None, help="cache format (dsv4.cache.layout.FORMAT_NAMES; default: the "
+                   "model dtype, unquantized). FP8 formats reach the paged kernel as split rows (Triton)")
     p.add_argument("--one-token", choices=("triton", "mosaic"), default=None,
                    help="which kernel takes one-token chunks (dsv4.attention.MOSAIC_ONE_TOKEN; default: the "
                         "library's, mosaic)")  # fmt: skip

@@ -61,12 +61,9 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--length", default="16k")
-    p.add_argument(
-        "--variants",
-        default="1dev-auto,sp-split,sp-pallas-split,sp-pallas-repl,sp-pallas-zigzag",
-        help="which of the variants to run (the N-device ones without the 'Ndev-' prefix; -split: experts "
-        "split, -repl: replicated, -zigzag: experts split, the sequence in zigzag order)",
-    )
+    p.add_argument("--variants", default="1dev-auto,sp-split,sp-pallas-split,sp-pallas-repl,sp-pallas-zigzag",
+                   help="which of the variants to run (the N-device ones without the 'Ndev-' prefix; -split: experts "
+                        "split, -repl: replicated, -zigzag: experts split, the sequence in zigzag order)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
@@ -100,9 +97,7 @@ def main():
         seq = None if mesh is None else NamedSharding(mesh, P(None, "sp"))
         n_zig = mesh.shape["sp"] if mesh is not None and rules.seq_order == "zigzag" else 0
         to_zig = (lambda a: np.asarray(zigzag_permute(jnp.asarray(a), n_zig))) if n_zig else (lambda a: a)  # noqa: E731
-        from_zig = (
-            (lambda a: np.asarray(zigzag_permute(jnp.asarray(a), n_zig, inverse=True))) if n_zig else (lambda a: a)
-        )  # noqa: E731,E501
+        from_zig = (lambda a: np.asarray(zigzag_permute(jnp.asarray(a), n_zig, inverse=True))) if n_zig else (lambda a: a)  # noqa: E731,E501
         put = (lambda a: jnp.asarray(a)) if seq is None else (lambda a: jax.device_put(to_zig(np.asarray(a)), seq))  # noqa: E731
         with use_mesh(mesh, rules) if mesh is not None else _nothing():
             pos, tok = put(positions), put(ids)

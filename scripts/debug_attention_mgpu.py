@@ -148,15 +148,13 @@ def diagnose_output(out, ref, args, *, window, rate, detail=True):
     log(f"    bad heads: {_ranges(np.where(head_err >= TOL)[0])}  (per-head max err min/max "
         f"{head_err.min():.2e}/{head_err.max():.2e})")  # fmt: skip
     hd = d // 2
-    log(
-        f"    D halves max err: [0,{hd})={err[..., :hd].max():.3e}  [{hd},{d})={err[..., hd:].max():.3e};  "
-        f"out with halves swapped vs ref: {np.abs(np.concatenate([out[..., hd:], out[..., :hd]], -1) - ref).max():.3e}"
-    )
+    log(f"    D halves max err: [0,{hd})={err[..., :hd].max():.3e}  [{hd},{d})={err[..., hd:].max():.3e};  "
+        f"out with halves swapped vs ref: {np.abs(np.concatenate([out[..., hd:], out[..., :hd]], -1) - ref).max():.3e}")
     for bi in range(b):
         log(f"    batch {bi}: max err {err[bi].max():.3e}")
     if h > 64:
         for g in range(h // 64):
-            log(f"    head group {g}: max err {err[:, :, 64 * g : 64 * (g + 1)].max():.3e}")
+            log(f"    head group {g}: max err {err[:, :, 64 * g:64 * (g + 1)].max():.3e}")
     # The worst token: is each output head row some other reference row (a row permutation)?
     tw = int(np.argmax(tok_err))
     o, rr = out[0, tw], ref[0, tw]
@@ -173,7 +171,7 @@ def diagnose_output(out, ref, args, *, window, rate, detail=True):
     kvn = np.asarray(kv[0], np.float32)
     sk = np.asarray(sinks, np.float32)
     lo = max(0, tw - window + 1)
-    keys = kvn[lo : tw + 1]
+    keys = kvn[lo:tw + 1]
     if comp is not None:
         nv = min((tw + 1) // rate, comp.shape[1])
         keys = np.concatenate([np.asarray(comp[0, :nv], np.float32), keys], 0)
@@ -192,20 +190,15 @@ def diagnose_output(out, ref, args, *, window, rate, detail=True):
         "unnormalized": attn(full, keys, sk)[1],
         "S from D half 0 only": attn(qn[:, :hd] @ keys[:, :hd].T * scale, keys, sk)[0],
         "S from D half 1 only": attn(qn[:, hd:] @ keys[:, hd:].T * scale, keys, sk)[0],
-        "S = 2 x own half": np.concatenate(
-            [
-                attn(2 * qn[:, :hd] @ keys[:, :hd].T * scale, keys, sk)[0][:, :hd],
-                attn(2 * qn[:, hd:] @ keys[:, hd:].T * scale, keys, sk)[0][:, hd:],
-            ],
-            -1,
-        ),
+        "S = 2 x own half": np.concatenate([attn(2 * qn[:, :hd] @ keys[:, :hd].T * scale, keys, sk)[0][:, :hd],
+                                            attn(2 * qn[:, hd:] @ keys[:, hd:].T * scale, keys, sk)[0][:, hd:]], -1),
         "no scale": attn(qn @ keys.T, keys, sk)[0],
         "sinks reversed": attn(full, keys, sk[::-1].copy())[0],
     }
     if comp is None and window > 1:
         for shift in (-4, -1, 1, 4):
             l2, h2 = max(0, tw - window + 1 + shift), tw + 1 + shift
-            k2 = kvn[max(0, l2) : min(h2, kvn.shape[0])]
+            k2 = kvn[max(0, l2):min(h2, kvn.shape[0])]
             variants[f"window keys shifted {shift:+d}"] = attn(qn @ k2.T * scale, k2, sk)[0]
     for name, alt in variants.items():
         log(f"    worst token vs {name:24s}: max err {np.abs(o - alt).max():.3e}")
@@ -361,28 +354,20 @@ def dump_check(config, *, d=512, seed=10, sink_scale=2.0):
 def part_c():
     log("===== C: bisection (single step S=64 W=64 with dumps; then debug switches) =====")
     case("C1 ws kv64x1 dump D=512", lambda: dump_check(MgpuConfig(num_slots=1, debug=("dump",))))
-    case(
-        "C2 ws kv64x1 dump+no_exchange D=512",
-        lambda: dump_check(MgpuConfig(num_slots=1, debug=("dump", "no_exchange"))),
-    )
-    case(
-        "C3 ws kv64x1 dump+plain_exchange D=512",
-        lambda: dump_check(MgpuConfig(num_slots=1, debug=("dump", "plain_exchange"))),
-    )
+    case("C2 ws kv64x1 dump+no_exchange D=512",
+         lambda: dump_check(MgpuConfig(num_slots=1, debug=("dump", "no_exchange"))))
+    case("C3 ws kv64x1 dump+plain_exchange D=512",
+         lambda: dump_check(MgpuConfig(num_slots=1, debug=("dump", "plain_exchange"))))
     case("C4 ws kv64x2 dump D=128", lambda: dump_check(MgpuConfig(debug=("dump",)), d=128))
-    case(
-        "C5 ws kv64x1 dump D=512, constant sinks (0)",
-        lambda: dump_check(MgpuConfig(num_slots=1, debug=("dump",)), sink_scale=0.0),
-    )
+    case("C5 ws kv64x1 dump D=512, constant sinks (0)",
+         lambda: dump_check(MgpuConfig(num_slots=1, debug=("dump",)), sink_scale=0.0))
     case("C6 ws kv64x1 P via SMEM (p_smem) S=256 W=128", lambda: check(MgpuConfig(num_slots=1, pv_form="p_smem"),
                                                                         s=256, seed=11))  # fmt: skip
     case("C7 ws kv64x2 no_exchange S=256 W=128", lambda: check(MgpuConfig(debug=("no_exchange",)), s=256, seed=12))
     case("C8 ws kv64x2 plain_exchange S=256 W=128", lambda: check(MgpuConfig(debug=("plain_exchange",)), s=256,
                                                                   seed=13))  # fmt: skip
-    case(
-        "C9 prefetch kv64x1 interpret P·V form on GPU S=256 W=128",
-        lambda: check(MgpuConfig(variant="prefetch", num_slots=1, pv_form="interpret"), s=256, seed=14),
-    )
+    case("C9 prefetch kv64x1 interpret P·V form on GPU S=256 W=128",
+         lambda: check(MgpuConfig(variant="prefetch", num_slots=1, pv_form="interpret"), s=256, seed=14))
 
 
 def main():

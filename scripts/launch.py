@@ -29,38 +29,19 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("--token-ids-file", help=".npy of prompt ids [S] or [B, S] instead of a random prompt")
-    p.add_argument(
-        "--attention",
-        default="auto",
-        choices=["auto", "sp", "sp-pallas"],
-        help="the sequence-parallel attention core: sp (jnp per shard, ring-passed entries), sp-pallas "
-        "(the Pallas kernels per shard), auto: sp-pallas on GPUs, sp elsewhere",
-    )
-    p.add_argument(
-        "--moe-impl",
-        default="auto",
-        choices=["auto", "jnp", "pallas"],
-        help="routed experts (default auto: the Pallas grouped GEMMs on GPUs, expert-parallel over the "
-        "mesh; XLA elsewhere)",
-    )
-    p.add_argument(
-        "--indexer-impl",
-        default="auto",
-        choices=["auto", "jnp", "pallas", "pallas-fp8"],
-        help="lightning indexer (default auto: the two-pass Pallas indexer on GPUs)",
-    )
-    p.add_argument(
-        "--keep-quantized",
-        action="store_true",
-        help="keep a checkpoint's FP8 / FP4 weights quantized (FP8 experts then run W8A8 and their tokens "
-        "travel in FP8; needs --moe-impl pallas or auto on GPUs)",
-    )
-    p.add_argument(
-        "--order",
-        default="zigzag",
-        choices=["zigzag", "contiguous"],
-        help="token order over the sequence shards (zigzag balances the causal work)",
-    )
+    p.add_argument("--attention", default="auto", choices=["auto", "sp", "sp-pallas"],
+                   help="the sequence-parallel attention core: sp (jnp per shard, ring-passed entries), sp-pallas "
+                        "(the Pallas kernels per shard), auto: sp-pallas on GPUs, sp elsewhere")
+    p.add_argument("--moe-impl", default="auto", choices=["auto", "jnp", "pallas"],
+                   help="routed experts (default auto: the Pallas grouped GEMMs on GPUs, expert-parallel over the "
+                        "mesh; XLA elsewhere)")
+    p.add_argument("--indexer-impl", default="auto", choices=["auto", "jnp", "pallas", "pallas-fp8"],
+                   help="lightning indexer (default auto: the two-pass Pallas indexer on GPUs)")
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="keep a checkpoint's FP8 / FP4 weights quantized (FP8 experts then run W8A8 and their tokens "
+                        "travel in FP8; needs --moe-impl pallas or auto on GPUs)")
+    p.add_argument("--order", default="zigzag", choices=["zigzag", "contiguous"],
+                   help="token order over the sequence shards (zigzag balances the causal work)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-logits", help="process 0 writes the last position's logits here (.npy)")
     args = p.parse_args(argv)

@@ -877,14 +877,9 @@ def write_quantized_fixtures(out_dir: Path) -> None:
             f"The weights of `{base}` in DeepSeek's released layout (transformers' `save_pretrained` names without "
             "its `model.` prefix, `embed.weight`, `hc_head_fn`/`_base`/`_scale`), "
             f"with {counts['fp8']} weights in FP8 e4m3 + `.scale` (float8_e8m0fnu, ue8m0 powers of two, blocks "
-            f"{QUANT_BLOCK})"
-            + (
-                f" and the {counts['fp4']} routed-expert weights in FP4 e2m1 (int8, two per byte, "
-                "even column in the low nibble) + `.scale` (float8_e8m0fnu, one per row and 32 columns)"
-                if counts["fp4"]
-                else ""
-            )
-            + "; config.json is the base's plus `quantization_config` "
+            f"{QUANT_BLOCK})" + (f" and the {counts['fp4']} routed-expert weights in FP4 e2m1 (int8, two per byte, "
+            "even column in the low nibble) + `.scale` (float8_e8m0fnu, one per row and 32 columns)"
+            if counts["fp4"] else "") + "; config.json is the base's plus `quantization_config` "
             f"{json.dumps(quant)}" + (f" and top-level `expert_dtype: {expert_dtype!r}`" if expert_dtype else "") + ".",
             f"`reference.npz`: `input_ids` (the base's) and `logits` from transformers loading these files with "
             f"`FineGrainedFP8Config(dequantize=True)`; max |logits − {base}'s logits| = {drift:.3g} (the "
@@ -900,11 +895,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default tests/fixtures)")
     parser.add_argument("--only", nargs="*", help="fixture names to generate (README is written only for a full run)")
-    parser.add_argument(
-        "--quantized",
-        action="store_true",
-        help="only (re)write the quantized fixtures (FP8 / FP4 experts) from the float ones on disk",
-    )
+    parser.add_argument("--quantized", action="store_true",
+                        help="only (re)write the quantized fixtures (FP8 / FP4 experts) from the float ones on disk")
     args = parser.parse_args()
     torch.set_default_dtype(torch.float32)
     if args.quantized:

@@ -13,7 +13,6 @@ two options "did not finish" (docs/KERNEL_NOTES.md IX13-IX15); every mode prints
 
 Set MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=<existing dir> for ptxas' register and spill report per kernel.
 """
-
 import functools
 import statistics
 import sys

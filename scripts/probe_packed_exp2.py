@@ -116,6 +116,5 @@ def main():
     if len(results) == 2:
         print(f"time ratio bf16x2 / f32: {results['bf16x2'][0] / results['f32'][0]:.3f}")
 
-
 if __name__ == "__main__":
     main()

@@ -115,14 +115,9 @@ def main():
     p.add_argument("--kv-format", default="fp8-channel")
     p.add_argument("--small", action="store_true", help="4 heads x 64 (CPU smoke)")
     p.add_argument("--save", default=None, help="directory for one npz of inputs per layer and probed step")
-    p.add_argument(
-        "--noise",
-        type=float,
-        default=0.0,
-        help="also run each probed step with jnp's core plus this "
-        "much relative Gaussian noise (--noise-seeds seeds): how far rounding-sized changes in the core "
-        "move this model's logits",
-    )
+    p.add_argument("--noise", type=float, default=0.0, help="also run each probed step with jnp's core plus this "
+                   "much relative Gaussian noise (--noise-seeds seeds): how far rounding-sized changes in the core "
+                   "move this model's logits")
     p.add_argument("--noise-seeds", type=int, default=8)
     args = p.parse_args()
     probe = {int(s) for s in args.steps_to_probe.split(",")}

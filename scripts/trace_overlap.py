@@ -181,10 +181,8 @@ def main() -> None:
     if not rows:
         print("no GPU device events in the trace", file=sys.stderr)
     for pname, r in rows.items():
-        print(
-            f"{pname}: comm {r['comm_ms']:.2f} ms ({r['comm_events']} kernels), hidden {r['hidden_ms']:.2f}, "
-            f"exposed {r['exposed_ms']:.2f}; compute {r['compute_ms']:.2f} ms; span {r['span_ms']:.2f} ms"
-        )
+        print(f"{pname}: comm {r['comm_ms']:.2f} ms ({r['comm_events']} kernels), hidden {r['hidden_ms']:.2f}, "
+              f"exposed {r['exposed_ms']:.2f}; compute {r['compute_ms']:.2f} ms; span {r['span_ms']:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -100,24 +100,9 @@ def fp8_runners(config, q, kv, q_pos, sinks, comp, rate, *, triton):
 
     runners = [("mgpu-fp8-deq-pass", lambda: mosaic(q, kv8, kv_s, q_pos, sinks, comp8, comp_s))]
     if triton:
-        runners.append(
-            (
-                "triton-fp8",
-                lambda: v4_attention(
-                    q,
-                    kv8,
-                    q_pos,
-                    q_pos,
-                    sinks,
-                    sliding_window=W,
-                    scale=D**-0.5,
-                    kv_scales=kv_s,
-                    compressed=comp8,
-                    compressed_scales=comp_s,
-                    compress_rate=rate if comp is not None else None,
-                ),
-            )
-        )
+        runners.append(("triton-fp8", lambda: v4_attention(
+            q, kv8, q_pos, q_pos, sinks, sliding_window=W, scale=D**-0.5, kv_scales=kv_s, compressed=comp8,
+            compressed_scales=comp_s, compress_rate=rate if comp is not None else None)))
     deq = (dequantize(kv8, kv_s), dequantize(comp8, comp_s) if comp is not None else None)
     return runners, deq
 
@@ -301,10 +286,8 @@ def main():
 
     a = None  # free the operand (a name, not `del`: the timed lambda closes over it)
     if args.rounds > 1:
-        log(
-            f"== table (useful TFLOP/s, medians over {args.rounds} rounds; %mm: the median of each round's ratio to "
-            "that round's bf16 matmul) =="
-        )
+        log(f"== table (useful TFLOP/s, medians over {args.rounds} rounds; %mm: the median of each round's ratio to "
+            "that round's bf16 matmul) ==")
     else:
         log("== table (useful TFLOP/s; % of same-run bf16 matmul", f"{mm_rate:.0f} TFLOP/s) ==")
     print(f"{'S':>7} {'mode':6} {'variant':24} {'ms':>9} {'TFLOP/s':>8} {'%mm':>6}")

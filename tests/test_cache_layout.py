@@ -92,14 +92,8 @@ def test_paged_pools_match_the_layout(name):
     slots (so a page of every pool holds the same token span); rings and open windows stay per slot."""
     config, batch, max_len, page_tokens, num_pages = Config.preset("tiny"), 2, 64, 32, 9
     fmt = KVFormat.named(name, rope_dim=config.qk_rope_head_dim)
-    cache = abstract_cache(
-        config,
-        batch,
-        max_len,
-        lambda m: m.init_cache(
-            batch, max_len, jnp.bfloat16, kv_format=name, page_tokens=page_tokens, num_pages=num_pages
-        ),
-    )
+    cache = abstract_cache(config, batch, max_len, lambda m: m.init_cache(
+        batch, max_len, jnp.bfloat16, kv_format=name, page_tokens=page_tokens, num_pages=num_pages))
     assert cache["block_table"].shape == (batch, max_len // page_tokens)
     layout = CacheLayout.from_config(config, fmt)
     for layer, state in zip(layout.layers, cache["layers"], strict=True):

@@ -94,12 +94,6 @@ def test_bad_files_and_unsupported_models(tmp_path):
     with pytest.raises(ValueError, match="model_type='llama'"):
         Config.from_hf({"model_type": "llama"})
     with pytest.raises(ValueError, match="rope_type"):
-        Config.from_hf(
-            {
-                **Config.preset("tiny").to_hf(),
-                "rope_parameters": {
-                    "main": {"rope_type": "dynamic", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
-                    "compress": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
-                },
-            }
-        )
+        Config.from_hf({**Config.preset("tiny").to_hf(), "rope_parameters": {
+            "main": {"rope_type": "dynamic", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+            "compress": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}}})

@@ -44,7 +44,7 @@ def make_inputs(seed, *, batch=1, seq=37, heads=64, head_dim=512, rate=None, off
 
 
 def _config(variant, **kw):
-    """ "ws" (persistent: one CTA per SM looping over tokens, the default), "ws-per-token" (one CTA per token),
+    """"ws" (persistent: one CTA per SM looping over tokens, the default), "ws-per-token" (one CTA per token),
     "prefetch"; "-nobar" appended: without Pallas' automatic SMEM-store barriers."""
     if variant.endswith("-nobar"):
         return _config(variant.removesuffix("-nobar"), auto_barriers=False, **kw)
@@ -291,15 +291,8 @@ def test_gpu_with_a_halo_before_q(check_positions, seq, off):
     q, _, q_pos, sinks, compressed = make_inputs(7, seq=seq, rate=rate, offset=p0)
     kv = jnp.asarray(np.random.default_rng(8).standard_normal((1, off + seq, d)), jnp.bfloat16)
     kv_pos = jnp.asarray(p0 - off + np.arange(off + seq, dtype=np.int32))[None]
-    kwargs = dict(
-        sliding_window=window,
-        scale=d**-0.5,
-        compressed=compressed,
-        compress_rate=rate,
-        kv_offset=off,
-        check_positions=check_positions,
-        config=_config("ws" if check_positions else "ws-per-token"),
-    )
+    kwargs = dict(sliding_window=window, scale=d**-0.5, compressed=compressed, compress_rate=rate, kv_offset=off,
+                  check_positions=check_positions, config=_config("ws" if check_positions else "ws-per-token"))
     jax.block_until_ready(v4_attention_mgpu(jnp.full_like(q, jnp.nan), kv, q_pos, sinks, **kwargs))  # poison
     out = np.asarray(v4_attention_mgpu(q, kv, q_pos, sinks, **kwargs), np.float32)
     ref = v4_attention_reference(q, kv, q_pos, kv_pos, sinks, sliding_window=window, scale=d**-0.5,

@@ -245,11 +245,8 @@ def test_split_fp8_rows_match_the_whole_rows_they_dequantize_to(mode, head_dim, 
     split["kv_pages"], kv_scales, split["kv_rope_pages"] = split_rows(inputs["kv_pages"], kv_layout, rope_dim)
     split["compressed_pages"], c_scales, split["compressed_rope_pages"] = split_rows(
         inputs["compressed_pages"], compressed_layout, rope_dim)  # fmt: skip
-    whole = dict(
-        inputs,
-        kv_pages=whole_rows(split["kv_pages"], kv_scales, split["kv_rope_pages"]),
-        compressed_pages=whole_rows(split["compressed_pages"], c_scales, split["compressed_rope_pages"]),
-    )
+    whole = dict(inputs, kv_pages=whole_rows(split["kv_pages"], kv_scales, split["kv_rope_pages"]),
+                 compressed_pages=whole_rows(split["compressed_pages"], c_scales, split["compressed_rope_pages"]))
     got, want_split = run_both(split, kv_scales=kv_scales, compressed_scales=c_scales, **kw)
     want = np.asarray(paged_decode_attention_reference(**whole, **kw), np.float32)
     assert_close(got, want, jnp.bfloat16)

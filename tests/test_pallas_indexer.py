@@ -305,16 +305,9 @@ def test_two_pass_fp8_per_token_scales():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(index_topk_reference(**inputs, **kw)))
 
 
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(block_q=3), "block_q=3"),
-        (dict(span=8), "span=8"),
-        (dict(rows="heads"), "rows='heads'"),
-        (dict(num_warps=3), "num_warps=3"),
-        (dict(rows="queries", q_transposed=True), "q_transposed"),
-    ],
-)
+@pytest.mark.parametrize("kwargs, match", [(dict(block_q=3), "block_q=3"), (dict(span=8), "span=8"),
+                                           (dict(rows="heads"), "rows='heads'"), (dict(num_warps=3), "num_warps=3"),
+                                           (dict(rows="queries", q_transposed=True), "q_transposed")])
 def test_score_blocks_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ScoreBlocks(**kwargs)

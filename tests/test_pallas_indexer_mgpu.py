@@ -122,16 +122,8 @@ def test_fp8_indexer_picks_a_true_top_k_of_the_quantized_inputs():
     assert_true_top_k(got, scores, visible, k)
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        {},
-        dict(consumers=2, queries_per_mma=1),
-        dict(consumers=2, queries_per_mma=4),
-        dict(tokens=12, consumers=3),
-        dict(auto_barriers=True),
-    ],
-)
+@pytest.mark.parametrize("config", [{}, dict(consumers=2, queries_per_mma=1), dict(consumers=2, queries_per_mma=4),
+                                    dict(tokens=12, consumers=3), dict(auto_barriers=True)])
 def test_lowers_for_h200(config):
     b, s, c = 1, 512, 32768
     sds = jax.ShapeDtypeStruct
@@ -139,17 +131,8 @@ def test_lowers_for_h200(config):
             sds((b, s, 64), jnp.float32), sds((b, c), jnp.float32))  # fmt: skip
 
     def f(q, keys, weights, positions, q_scale, k_scale):
-        return index_scores_mgpu(
-            q,
-            keys,
-            weights,
-            positions,
-            rate=4,
-            softmax_scale=0.1,
-            q_scale=q_scale,
-            k_scale=k_scale,
-            config=MgpuScoreConfig(**config),
-        )
+        return index_scores_mgpu(q, keys, weights, positions, rate=4, softmax_scale=0.1, q_scale=q_scale,
+                                 k_scale=k_scale, config=MgpuScoreConfig(**config))
 
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

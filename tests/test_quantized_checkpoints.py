@@ -144,10 +144,9 @@ def _exact(name, shape, rng, fp4):
     codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN patterns
     grid = (-(-shape[0] // 16), -(-shape[1] // 16))
     scale = np.exp2(rng.integers(-14, -6, grid)).astype(np.float32)
-    values = (
-        codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-        * np.repeat(np.repeat(scale, 16, 0), 16, 1)[: shape[0], : shape[1]]
-    )
+    values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.repeat(np.repeat(scale, 16, 0), 16, 1)[
+        : shape[0], : shape[1]
+    ]
     return codes.view(ml_dtypes.float8_e4m3fn), scale.astype(ml_dtypes.float8_e8m0fnu), values
 
 
@@ -250,12 +249,8 @@ def test_slices_that_cut_through_scale_blocks_read_the_same_values():
     sources = weights.canonical_sources(entries, weights.QuantSpec(block=(16, 16)))
     fp8 = sources["layers.1.self_attn.q_b_proj.weight"]  # [128, 32], 16 × 16 blocks
     full = fp8.read(np.float32)
-    for index in (
-        (slice(5, 37), slice(None)),
-        (slice(16, 48), slice(None)),
-        (slice(16, 128), slice(3, 30)),
-        (slice(120, 128), slice(0, 16)),
-    ):
+    for index in ((slice(5, 37), slice(None)), (slice(16, 48), slice(None)), (slice(16, 128), slice(3, 30)),
+                  (slice(120, 128), slice(0, 16))):
         np.testing.assert_array_equal(fp8.read(np.float32, index), full[index])
         got = fp8.read_for_device(np.float32, index)
         assert isinstance(got, np.ndarray) == (index[0].start % 16 != 0 or index[1] != slice(None))

@@ -145,11 +145,8 @@ def test_lowers_to_triton_at_v4_shapes():
 
     sds = jax.ShapeDtypeStruct
     with abstract_gpu_mesh():
-        lowered = (
-            jax.jit(lambda x, g: refine_top_k(x, g, group=4))
-            .trace(sds((1, 512, 131136), jnp.float32), sds((1, 512, 512), jnp.int32))
-            .lower(lowering_platforms=("cuda",))
-        )
+        lowered = jax.jit(lambda x, g: refine_top_k(x, g, group=4)).trace(
+            sds((1, 512, 131136), jnp.float32), sds((1, 512, 512), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text().lower()
 
 

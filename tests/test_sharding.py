@@ -103,16 +103,9 @@ def test_two_processes_under_jax_distributed_match_one(tmp_path):
               "--num-processes", "2", "--cpu-devices", "2", "--model", os.path.join(FIXTURES, "tiny_long"),
               "--token-ids-file", str(tmp_path / "ids.npy")]  # fmt: skip
     save = ["--save-logits", str(tmp_path / "out.npy")]
-    procs = [
-        subprocess.Popen(
-            [*common, "--process-id", str(i), *(save if i == 0 else [])],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for i in range(2)
-    ]
+    procs = [subprocess.Popen([*common, "--process-id", str(i), *(save if i == 0 else [])],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+             for i in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
     assert "2 processes, 4 devices" in outs[0]

@@ -23,16 +23,12 @@ def test_overlap_by_hand(tmp_path):
         {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:1"}},
         {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/host:CPU"}},
         # GPU 0: compute [0, 10) and [20, 30) µs (two kernels overlapping on [20, 25)), comm [5, 25) in two pieces
-        _event(1, "grouped_gate_up", 0, 10),
-        _event(1, "fusion.3", 20, 5),
-        _event(1, "grouped_down", 22, 8),
-        _event(1, "ncclDevKernel_SendRecv", 5, 12),
-        _event(1, "ncclDevKernel_SendRecv", 15, 10),
+        _event(1, "grouped_gate_up", 0, 10), _event(1, "fusion.3", 20, 5), _event(1, "grouped_down", 22, 8),
+        _event(1, "ncclDevKernel_SendRecv", 5, 12), _event(1, "ncclDevKernel_SendRecv", 15, 10),
         # GPU 1: only a transfer: all of it exposed
         _event(2, "ncclKernel_AllGather_RING", 100, 4),
         # host events are not device time
-        _event(3, "ncclDevKernel_SendRecv", 0, 1000),
-        _event(3, "PjitFunction", 0, 1000),
+        _event(3, "ncclDevKernel_SendRecv", 0, 1000), _event(3, "PjitFunction", 0, 1000),
         {"ph": "i", "pid": 1, "name": "marker", "ts": 3},
     ]
     path = tmp_path / "perfetto_trace.json.gz"
