@@ -76,3 +76,25 @@ def test_kernel_table_by_hand(tmp_path):
     assert g["kernels"] == {"decode": [50.0, 2], "fusion.1": [10.0, 1]}
     assert g["busy_us"] == pytest.approx(25 + 30)  # [10, 35) ∪ [60, 90)
     assert g["span_us"] == pytest.approx(80)  # 10 .. 90
+
+
+def test_host_table_by_hand(tmp_path):
+    """The host's events by name, off every GPU device's process, with their threads; GPU events are left out."""
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 3, "tid": 1, "name": "thread_name", "args": {"name": "python"}},
+        {"ph": "M", "pid": 3, "tid": 2, "name": "thread_name", "args": {"name": "pjrt"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "command_buffer::update", "ts": 0, "dur": 900},  # a GPU event
+        {"ph": "X", "pid": 3, "tid": 1, "name": "PjitFunction(step)", "ts": 0, "dur": 40},
+        {"ph": "X", "pid": 3, "tid": 2, "name": "command_buffer::update", "ts": 5, "dur": 30},
+        {"ph": "X", "pid": 3, "tid": 2, "name": "command_buffer::update", "ts": 50, "dur": 20},
+        {"ph": "X", "pid": 3, "tid": 9, "name": "cuGraphLaunch", "ts": 40, "dur": 3},  # a thread with no name
+        {"ph": "i", "pid": 3, "tid": 1, "name": "marker", "ts": 3},
+    ]
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = trace_overlap.host_table(str(tmp_path))
+    assert got == {"PjitFunction(step)": [40.0, 1, {"python"}], "command_buffer::update": [50.0, 2, {"pjrt"}],
+                   "cuGraphLaunch": [3.0, 1, {"9"}]}  # fmt: skip
