@@ -65,8 +65,8 @@ def find_trace(path: str) -> str:
     return max(hits, key=os.path.getmtime)
 
 
-def _gpu_events(path: str):
-    """The trace's complete events ("ph": "X") on GPU devices ("/device:GPU:i" in the process name).
+def _complete_events(path: str):
+    """The trace's complete events ("ph": "X") with their process and thread names.
     → iterator of (process name, thread name, event)."""
     path = find_trace(path)
     opener = gzip.open if path.endswith(".gz") else open
@@ -78,26 +78,24 @@ def _gpu_events(path: str):
     tnames = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in events
               if e.get("ph") == "M" and e.get("name") == "thread_name"}  # fmt: skip
     for e in events:
-        pname = pnames.get(e.get("pid"), "")
-        if e.get("ph") == "X" and "dur" in e and "/device:GPU" in pname:
-            yield pname, tnames.get((e.get("pid"), e.get("tid")), ""), e
+        if e.get("ph") == "X" and "dur" in e:
+            yield pnames.get(e.get("pid"), ""), tnames.get((e.get("pid"), e.get("tid"))), e
+
+
+def _gpu_events(path: str):
+    """The complete events on GPU devices ("/device:GPU:i" in the process name).
+    → iterator of (process name, thread name, event)."""
+    for pname, tname, e in _complete_events(path):
+        if "/device:GPU" in pname:
+            yield pname, tname or "", e
 
 
 def _host_events(path: str):
-    """The trace's complete events ("ph": "X") off the GPU devices: the host's threads (Python, the runtime's
-    dispatch, the driver's API calls). → iterator of (thread name, event)."""
-    path = find_trace(path)
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    pnames = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-              if e.get("ph") == "M" and e.get("name") == "process_name"}  # fmt: skip
-    tnames = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in events
-              if e.get("ph") == "M" and e.get("name") == "thread_name"}  # fmt: skip
-    for e in events:
-        if e.get("ph") == "X" and "dur" in e and "/device:GPU" not in pnames.get(e.get("pid"), ""):
-            yield tnames.get((e.get("pid"), e.get("tid")), str(e.get("tid"))), e
+    """The complete events off the GPU devices: the host's threads (Python, the runtime's dispatch, the driver's
+    API calls). → iterator of (thread name, or the thread id where it has none, event)."""
+    for pname, tname, e in _complete_events(path):
+        if "/device:GPU" not in pname:
+            yield tname if tname is not None else str(e.get("tid")), e
 
 
 def host_table(path: str) -> dict[str, list]:
