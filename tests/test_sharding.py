@@ -115,7 +115,7 @@ def test_two_processes_under_jax_distributed_match_one(tmp_path):
 
 
 PAGED_INDEX_SCRIPT = """
-    import contextlib, numpy as np, jax, jax.numpy as jnp, dsv4
+    import numpy as np, jax, jax.numpy as jnp, dsv4
     from flax import nnx
     import dsv4.attention as attention
     import dsv4.pallas.indexer_paged as indexer_paged
@@ -128,7 +128,7 @@ PAGED_INDEX_SCRIPT = """
     paged_topk = indexer_paged.index_topk_paged
     indexer_paged.index_topk_paged = lambda *a, **k: calls.append(1) or paged_topk(*a, **k)
 
-    def decode(paged_index, mesh):
+    def decode(paged_index, mesh):  # -> logits [2, steps, vocab]
         attention.PAGED_INDEX_DECODE = paged_index
         cache = model.init_cache(2, max_len=s + 16, page_tokens=16, num_pages=24, kv_format="fp8-channel")
         pages = np.random.default_rng(5).permutation(np.arange(1, 24))[: cache["block_table"].size]
@@ -138,7 +138,7 @@ PAGED_INDEX_SCRIPT = """
         graphdef, state = nnx.split(model)
         step = jax.jit(lambda st, c, t, v: nnx.merge(graphdef, st).forward_chunk(c, t, v))
         out = []
-        with use_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        with use_mesh(mesh):
             _, c = step(state, cache, jnp.asarray(prompt), jnp.asarray([s, 50], jnp.int32))
             for i in range(2):
                 tokens = jnp.asarray([[generated[s + i]], [7 + i]], jnp.int32)
@@ -146,22 +146,22 @@ PAGED_INDEX_SCRIPT = """
                 out.append(np.asarray(logits))
         return np.stack(out, 1)
 
-    one = decode(True, None)
     mesh = make_mesh(4)
     shard_model(model, mesh)
-    before = len(calls)
     paged = decode(True, mesh)
-    taken = len(calls) - before
+    taken = len(calls)
     dense = decode(False, mesh)
     rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
-    print(before, taken, len(calls) - before - taken, rel(paged, dense), rel(paged, one))
+    print(taken, len(calls) - taken, rel(paged, dense), rel(paged[0], ref["generate_logits"][0, 1:3]))
 """
 
 
 def test_paged_indexer_under_a_sequence_parallel_mesh():
     """A decode step's paged indexer (`index_topk_paged`, interpreted) under a 4-device mesh, the model sharded as
     for sequence and expert parallelism: XLA places the unpartitioned custom call, and a ragged batch over a
-    permuted FP8 block table decodes the same logits as the dense route under the same mesh and as one device."""
-    one_device, taken, dense_calls, vs_dense, vs_one = _run(PAGED_INDEX_SCRIPT, devices=4).split()
-    assert int(one_device) > 0 and int(taken) > 0 and int(dense_calls) == 0, "the paged route: on, and only when on"
-    assert float(vs_dense) < 1e-5 and float(vs_one) < 1e-5
+    permuted FP8 block table decodes the same logits as the dense route under the same mesh (itself checked
+    against the reference by the tests above); the full prompt's stay on the reference's greedy logits within the
+    FP8 cache's error (0.1, as in test_parity)."""
+    taken, dense_calls, vs_dense, vs_ref = _run(PAGED_INDEX_SCRIPT, devices=4).split()
+    assert int(taken) > 0 and int(dense_calls) == 0, "the paged route: on, and only when on"
+    assert float(vs_dense) < 1e-5 and float(vs_ref) < 0.1
