@@ -149,6 +149,22 @@ AUTO_DECODE_KERNEL = False
 # model): no dense copy of every listed key first (`KVStore.read`). False keeps the dense route for every step.
 PAGED_INDEX_DECODE = True
 
+# NOTE: True sends the cache writes of "auto" models on a GPU (window ring, compressed entries, indexer keys) to the
+# quantize-and-write kernel (`dsv4.pallas.kv_write`) instead of XLA's quantize + scatter; attention_impl="pallas"
+# takes the kernel everywhere (interpreted off a GPU). Off until `scripts/bench_kernels.py --only kv_write` has timed
+# it against XLA on a GPU: it was written in a session without one (KERNEL_NOTES, "FP8 quantize-and-write").
+AUTO_KV_WRITE_KERNEL = False
+
+
+def kv_write_impl(attention_impl: str) -> str:
+    """`KVStore.write`'s impl for a model with this attention_impl: "pallas" for "pallas", and for "auto" on a GPU
+    with `AUTO_KV_WRITE_KERNEL` set; "jnp" otherwise (the sequence-parallel cores keep XLA's writes, which GSPMD
+    partitions)."""
+    if attention_impl == "pallas" or (attention_impl == "auto" and AUTO_KV_WRITE_KERNEL
+                                      and jax.default_backend() == "gpu"):  # fmt: skip
+        return "pallas"
+    return "jnp"
+
 
 def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, scale: float,
                           compressed: CompressedKeys | None = None, kv_aligned: bool = False,
@@ -398,8 +414,10 @@ class Compressor(nnx.Module):
         return state["entries"].read(dtype, block_table)
 
     def extend(self, state: dict[str, jax.Array], x: jax.Array, start: jax.Array, valid: jax.Array,
-               rope: Rope, block_table: jax.Array | None = None) -> dict[str, jax.Array]:  # fmt: skip
-        """Feeds the chunk x [B, n, hidden] of tokens at positions start[b] + [0, valid[b]) into the state.
+               rope: Rope, block_table: jax.Array | None = None, *,
+               write_impl: str = "jnp") -> dict[str, jax.Array]:  # fmt: skip
+        """Feeds the chunk x [B, n, hidden] of tokens at positions start[b] + [0, valid[b]) into the state;
+        its closed windows' entries are stored with `KVStore.write(impl=write_impl)`.
 
         Windows are aligned to absolute positions, so the open window holds tokens
         [start - start % rate, start). Every window the chunk closes becomes an entry at index
@@ -433,7 +451,7 @@ class Compressor(nnx.Module):
         w = jnp.arange(n_windows)
         new = dict(state)
         target = jnp.where(w[None] < closed[:, None], first[:, None] + w[None], -1)  # -1: not closed, dropped
-        new["entries"] = state["entries"].write(entries, target, block_table)
+        new["entries"] = state["entries"].write(entries, target, block_table, impl=write_impl)
         windows_kv = ext_kv.reshape(b, n_windows, r, -1)
         windows_gate = ext_gate.reshape(b, n_windows, r, -1)
         pick = lambda a, i: jnp.take_along_axis(a, i[:, None, None, None], 1)[:, 0]  # noqa: E731
@@ -725,13 +743,16 @@ class Attention(nnx.Module):
         kv = apply_rope(self.kv_norm(linear(x, self.kv_proj["weight"][...])), cos, sin)  # [B, n, D]
 
         new = dict(state)
+        write_impl = kv_write_impl(self.attention_impl)
         decode_kernel = n == 1 and self._decode_kernel_applies(state, x.dtype)
         compressed = topk = None
         if self.layer_type != SLIDING:
-            new["compressor"] = self.compressor.extend(state["compressor"], x, start, valid, self.rope, block_table)
+            new["compressor"] = self.compressor.extend(state["compressor"], x, start, valid, self.rope, block_table,
+                                                       write_impl=write_impl)  # fmt: skip
             if self.layer_type == CSA:
                 indexer = self.compressor.indexer
-                new["indexer"] = indexer.extend(state["indexer"], x, start, valid, self.rope, block_table)
+                new["indexer"] = indexer.extend(state["indexer"], x, start, valid, self.rope, block_table,
+                                                write_impl=write_impl)  # fmt: skip
                 store = new["indexer"]["entries"]
                 if indexer.paged_select_applies(store, block_table, n, x.dtype):
                     topk = indexer.select_paged(x, q_residual, positions, store, block_table, self.rope)
@@ -750,7 +771,7 @@ class Attention(nnx.Module):
         kv_stored, scale = window.round_trip(kv, real)
         window = dataclasses.replace(window, scale=scale)  # NOTE: calibrated scales: the write must use these
         kept = real & (positions >= end[:, None] - w)
-        new["window"] = window.write(kv, jnp.where(kept, positions % w, -1))
+        new["window"] = window.write(kv, jnp.where(kept, positions % w, -1), impl=write_impl)
         if decode_kernel:
             out = self._decode_paged(q, end, valid, new, block_table, topk)
         else:

@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from triton_masks import unmasked_overhangs
 
-from dsv4.pallas import attention, decode, indexer, indexer_paged, moe, select, sinkhorn
+from dsv4.pallas import attention, decode, indexer, indexer_paged, kv_write, moe, select, sinkhorn
 
 sds = jax.ShapeDtypeStruct
 FP8, BF16, F32, I32 = jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, jnp.int32
@@ -121,6 +121,18 @@ def _moe(entry):
     return (lambda x, w, g, r: moe.grouped_down(x, w, g, row_weights=r)), args
 
 
+def _kv_write(scaling):
+    b, n, pages, rows = 3, 301, 67, 64  # 301 rows a request: the last of 19 row blocks holds 13
+    leaves = {"values": sds((pages, rows, 512), BF16)} if scaling == "none" else {
+        "nope": sds((pages, rows, 448), FP8), "rope": sds((pages, rows, 64), BF16)}  # fmt: skip
+    if scaling == "tile":
+        leaves["scale"] = sds((pages, rows, 7), jnp.float8_e8m0fnu)
+    args = dict(rows=sds((b, n, 512), BF16), index=sds((b, n), I32), block_table=sds((b, 22), I32), pages=leaves,
+                scales=sds((448,), F32) if scaling == "channel" else None)  # fmt: skip
+    names = tuple(args)
+    return (lambda *a: kv_write.kv_write(**dict(zip(names, a)), scaling=scaling)), args
+
+
 OVERHANGING = {  # kernels whose last block overhangs at these shapes: every load and store of it must be masked
     "attention-window": lambda: _attention("window"),
     "attention-hca": lambda: _attention("hca"),
@@ -138,6 +150,10 @@ WHOLE_BLOCKS = {  # kernels whose wrappers give every operand whole blocks, what
     "decode-csa-fp8": lambda: _decode("csa-fp8"),
     "moe-gate_up": lambda: _moe("gate_up"),
     "moe-down": lambda: _moe("down"),
+    # whole arrays: rows, pages and scales are reached by explicit, masked gathers and scatters only
+    "kv_write-none": lambda: _kv_write("none"),
+    "kv_write-channel": lambda: _kv_write("channel"),
+    "kv_write-tile": lambda: _kv_write("tile"),
 }
 
 

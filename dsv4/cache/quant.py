@@ -61,6 +61,10 @@ from dsv4.cache.layout import DEFAULT_FP8_FORMAT, FORMAT_NAMES, FP8_E4M3_MAX, KV
 
 F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn
+# NOTE: scales multiply by 1/448 (rounded to float32 once), never divide by 448: under jit XLA rewrites a division
+# by a constant into that multiplication, while eager jnp divides, so `x / 448` gave other bits in and out of jit
+# (1 ulp in half of all values). A multiplication is the same everywhere, the Pallas write kernel included.
+INV_FP8_MAX = 1.0 / FP8_E4M3_MAX
 
 StoredRows = dict[str, jax.Array]
 ScaleState = dict[str, jax.Array] | None
@@ -101,7 +105,7 @@ def init_scale_state(width: int, fmt: KVFormat, bound: jax.Array | float | None 
                          f"with rope_dim={fmt.rope_dim}")  # fmt: skip
     bound = jnp.broadcast_to(bound, (n,))
     scale = bound.max() if fmt.scaling == "tensor" else bound
-    return {"scale": (scale / FP8_E4M3_MAX).astype(F32), "amax": amax}
+    return {"scale": (scale * INV_FP8_MAX).astype(F32), "amax": amax}
 
 
 def saturated(state: ScaleState) -> jax.Array:
@@ -123,7 +127,7 @@ def _tile_scales(nope: jax.Array, fmt: KVFormat) -> jax.Array:
     tiles = -(-n // fmt.tile)
     padded = jnp.pad(jnp.abs(nope), [(0, 0)] * (nope.ndim - 1) + [(0, tiles * fmt.tile - n)])
     amax = padded.reshape(*nope.shape[:-1], tiles, fmt.tile).max(-1)
-    scale = jnp.where(amax > 0, amax / FP8_E4M3_MAX, 1.0)
+    scale = jnp.where(amax > 0, amax * INV_FP8_MAX, 1.0)
     return _pow2_ceil(scale) if fmt.scale_dtype == "float8_e8m0fnu" else scale
 
 
@@ -158,7 +162,7 @@ def quantize(rows: jax.Array, fmt: KVFormat, scale_state: ScaleState = None, *,
         axes = tuple(range(nope.ndim - 1)) if fmt.scaling == "channel" else None
         seen = magnitude.max(axis=axes) if nope.size else jnp.zeros_like(scale_state["amax"])
         scale = scale_state["scale"]
-        scale = jnp.where(scale > 0, scale, seen * fmt.headroom / FP8_E4M3_MAX)  # calibrate unset scales once
+        scale = jnp.where(scale > 0, scale, seen * (fmt.headroom * INV_FP8_MAX))  # calibrate unset scales once
         new_state = {"scale": scale, "amax": jnp.maximum(scale_state["amax"], seen)}
     full = _per_channel(scale, fmt, n)
     # NOTE: clip first: float8_e4m3fn has no infinity, and an out-of-range cast gives NaN.

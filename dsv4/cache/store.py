@@ -4,6 +4,7 @@ a `KVFormat`, dense per request slot or paged through a block table.
     store = KVStore.dense(batch, rows, width, fmt, bound=...)         # rows [batch, rows, ·]
     store = KVStore.paged_pool(num_pages, rows_per_page, width, fmt, ...)  # rows [num_pages, rows_per_page, ·]
     store = store.write(new_rows, index, block_table)                 # quantize + scatter; index < 0 drops
+    store = store.write(new_rows, index, block_table, impl="pallas")  # the same in one kernel (dsv4/pallas/kv_write.py)
     rows  = store.read(dtype, block_table)                            # dequantized [B, capacity, width]
 
 A store is a pytree (`jax.tree_util.register_dataclass`): its arrays are leaves, its format and layout are static,
@@ -26,7 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from dsv4.cache.layout import KVFormat
-from dsv4.cache.quant import ScaleState, dequantize, empty_storage, init_scale_state, quantize
+from dsv4.cache.quant import INV_FP8_MAX, ScaleState, dequantize, empty_storage, init_scale_state, quantize
+
+WRITE_IMPLS = ("jnp", "pallas")
 
 
 @jax.tree_util.register_dataclass
@@ -97,10 +100,18 @@ class KVStore:
         stored = jax.lax.optimization_barrier(stored)
         return dequantize(stored, self.fmt, scale, rows.dtype), scale
 
-    def write(self, rows: jax.Array, index: jax.Array, block_table: jax.Array | None = None) -> KVStore:
+    def write(self, rows: jax.Array, index: jax.Array, block_table: jax.Array | None = None, *,
+              impl: str = "jnp") -> KVStore:  # fmt: skip
         """Quantizes rows [B, n, width] and stores row i of request b at its row index[b, i] (< 0 or beyond
-        the capacity: dropped, and not counted by scale calibration). Kept indices must be distinct per request."""
+        the capacity: dropped, and not counted by scale calibration). Kept indices must be distinct per request.
+
+        impl: "jnp" (quantize, then XLA's scatter) or "pallas" (`dsv4.pallas.kv_write`: both in one kernel, the
+        same bytes and the same scale state; interpreted off a GPU)."""
+        if impl not in WRITE_IMPLS:
+            raise ValueError(f"KVStore.write: impl={impl!r}; available: {WRITE_IMPLS}")
         self._check_table(block_table)
+        if impl == "pallas":
+            return self._write_kernel(rows, index, block_table)
         capacity = self.capacity(block_table)
         keep = (index >= 0) & (index < capacity)
         stored_rows, scale = quantize(rows, self.fmt, self.scale, valid=keep)
@@ -123,6 +134,39 @@ class KVStore:
 
         stored = {name: put(leaf, stored_rows[name]) for name, leaf in self.stored.items()}
         return dataclasses.replace(self, stored=stored, scale=scale)
+
+    def _write_kernel(self, rows: jax.Array, index: jax.Array, block_table: jax.Array | None) -> KVStore:
+        """`write` through `dsv4.pallas.kv_write`: a dense store is a pool whose page b is slot b. Per-array scales
+        not yet set are calibrated first, from the kept rows' amax in jnp, exactly as `quantize` does (an extra
+        read of the rows, skipped by `lax.cond` once every scale is set); the new amax comes from the kernel."""
+        from dsv4.pallas.kv_write import kv_write
+
+        fmt = self.fmt
+        table = block_table if self.paged else jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
+        if rows.shape[0] * rows.shape[1] == 0:
+            return self  # as `quantize` has it: nothing stored, the scales and their amax unchanged
+        interpret = jax.default_backend() != "gpu"
+        if fmt.scaling not in ("tensor", "channel"):
+            stored, _ = kv_write(rows, index, table, self.stored, scaling=fmt.scaling, tile=fmt.tile,
+                                 interpret=interpret)  # fmt: skip
+            return dataclasses.replace(self, stored=stored)
+        capacity = self.capacity(block_table)
+        keep = (index >= 0) & (index < capacity)
+        n = fmt.nope_dim(rows.shape[-1])
+        scale = self.scale["scale"]
+
+        def calibrate():  # quantize's rule for unset scales, on the rows this write keeps
+            magnitude = jnp.where(keep[..., None], jnp.abs(rows[..., :n].astype(jnp.float32)), 0.0)
+            seen = magnitude.max(axis=(0, 1) if fmt.scaling == "channel" else None)
+            return jnp.where(scale > 0, scale, seen * (fmt.headroom * INV_FP8_MAX))
+
+        scale = jax.lax.cond(jnp.all(scale > 0), lambda: scale, calibrate)
+        stored, seen = kv_write(rows, index, table, self.stored, jnp.broadcast_to(scale, (n,)), scaling=fmt.scaling,
+                                interpret=interpret)  # fmt: skip
+        if fmt.scaling == "tensor":
+            seen = seen.max()
+        state = {"scale": scale, "amax": jnp.maximum(self.scale["amax"], seen)}
+        return dataclasses.replace(self, stored=stored, scale=state)
 
 
 def per_slot_mask(tree):
