@@ -228,6 +228,9 @@ def test_validation_names_the_tensor():
         run(rows, index, table, pages, scales, scaling="fp8")
     with pytest.raises(ValueError, match="pages\\['scale'\\] must be float32 or float8_e8m0fnu"):
         run(rows, index, table, {**pages, "scale": pages["nope"][..., :1]}, None, scaling="tile")
+    with pytest.raises(ValueError, match="addresses at most 2"):
+        huge = {**pages, "nope": jax.ShapeDtypeStruct((2**20, 64, 32), FP8)}  # only shapes are read: no allocation
+        kv_write_reference(rows, index, table, huge, scales, scaling="channel")
     with pytest.raises(ValueError, match="WriteBlocks.block_rows=6"):
         WriteBlocks(block_rows=6)
     with pytest.raises(ValueError, match="impl='triton'"):

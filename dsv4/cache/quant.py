@@ -42,7 +42,8 @@ rewrite, at the price of a `[pages, D]` scale layout no kernel takes. With a har
 "tile" scales (FlashMLA's V4 layout: one scale per row per 64 nope channels) are computed from each row as it
 is written: no state, no calibration, no saturation; their cost is the scale bytes in every row (7 B with
 power-of-two e8m0 scales, 28 B in float32, against 576 B of row) and a multiply per tile in the kernel.
-A Pallas fused quantize-and-write kernel should match `write_rows` (same arguments, same result).
+The Pallas quantize-and-write kernel (`dsv4/pallas/kv_write.py`, through `KVStore.write(impl="pallas")`) stores
+the same bytes as `quantize` followed by XLA's scatter.
 
 NOTE: XLA on GPU may drop a convert pair (f32 → fp8 or bf16 → f32) inside one computation as "excess precision"
 (`xla_allow_excess_precision`), so `dequantize(quantize(x))` within one jit can come back unrounded. Rows read
@@ -194,8 +195,7 @@ def write_rows(storage: StoredRows, rows: jax.Array, index: jax.Array, fmt: KVFo
     """Quantizes rows [B, n, D] and writes row i of slot b to storage[b, index[b, i]] (storage leaves [B, T, ·]).
 
     An index outside [0, T) drops the row (padding; a ring slot the same chunk writes again later) and keeps
-    it out of scale calibration. Indices kept must be distinct per slot. The reference a fused Pallas
-    quantize-and-write kernel must match.
+    it out of scale calibration. Indices kept must be distinct per slot.
     """
     t = jax.tree.leaves(storage)[0].shape[1]
     keep = (index >= 0) & (index < t)

@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["SCALINGS", "WriteBlocks", "kv_write", "kv_write_kernel", "kv_write_reference"]
+__all__ = ["SCALINGS", "WriteBlocks", "e8m0_bits", "kv_write", "kv_write_kernel", "kv_write_reference", "pow2_ceil"]
 
 F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn
@@ -128,6 +128,7 @@ def kv_write_kernel(
     scale_ref,  # [nope] f32 or None: per-array scales (0 = unset: divide by 1)
     pages_in,  # {leaf: [P · R, ·]}: the aliased page leaves, never read
     out,  # {leaf: [P · R, ·]} the same leaves as outputs, and for per-array scales "amax" [B · blocks, nope]
+    *,
     scaling: str,
     block_rows: int,
     rows_per_page: int,
@@ -222,6 +223,9 @@ def _check_inputs(rows, index, block_table, pages, scales, scaling, tile) -> tup
     for name, leaf in pages.items():
         if leaf.ndim != 3 or leaf.shape[:2] != (p, r):
             raise ValueError(f"pages[{name!r}].shape={leaf.shape} must be ({p}, {r}, ·) like pages[{want[0]!r}]")
+        if leaf.size >= 2**31:  # NOTE: the kernel's offsets are int32
+            raise ValueError(f"pages[{name!r}].shape={leaf.shape}: {leaf.size} elements, the kernel addresses at "
+                             "most 2^31 - 1 per leaf; split the pool (fewer pages per array)")  # fmt: skip
     if scaling == "none":
         if first.shape[2] != d:
             raise ValueError(f"pages['values'].shape={first.shape} must hold rows of D = {d} channels")
