@@ -151,8 +151,8 @@ PAGED_INDEX_DECODE = True
 
 # NOTE: True sends the cache writes of "auto" models on a GPU (window ring, compressed entries, indexer keys) to the
 # quantize-and-write kernel (`dsv4.pallas.kv_write`) instead of XLA's quantize + scatter; attention_impl="pallas"
-# takes the kernel everywhere (interpreted off a GPU). Off until `scripts/bench_kernels.py --only kv_write` has timed
-# it against XLA on a GPU: it was written in a session without one (KERNEL_NOTES, "FP8 quantize-and-write").
+# takes the kernel everywhere (interpreted off a GPU). Off until `scripts/bench_kv_write.py` has timed it against
+# XLA on a GPU: it was written in a session without one (KERNEL_NOTES, "FP8 quantize-and-write").
 AUTO_KV_WRITE_KERNEL = False
 
 
