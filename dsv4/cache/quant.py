@@ -137,6 +137,22 @@ def _per_channel(scale: jax.Array, fmt: KVFormat, n: int) -> jax.Array:
     return jnp.repeat(scale, fmt.tile, axis=-1)[..., :n] if fmt.scaling == "tile" else scale
 
 
+def calibrate(nope: jax.Array, fmt: KVFormat, scale_state: ScaleState,
+              valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """Per-array ("tensor" / "channel") scales for a write of nope [..., n] float32: → (the scales, each unset one
+    (0) calibrated once from this write, the largest kept magnitude `seen` per channel or over the tensor).
+    valid [...] bool: rows outside it count for neither."""
+    if scale_state is None:
+        raise ValueError(f"KVFormat {fmt.name!r} (scaling={fmt.scaling!r}) needs a scale state: init_scale_state")
+    magnitude = jnp.abs(nope)
+    if valid is not None:
+        magnitude = jnp.where(valid[..., None], magnitude, 0.0)
+    axes = tuple(range(nope.ndim - 1)) if fmt.scaling == "channel" else None
+    seen = magnitude.max(axis=axes) if nope.size else jnp.zeros_like(scale_state["amax"])
+    scale = scale_state["scale"]
+    return jnp.where(scale > 0, scale, seen * (fmt.headroom * INV_FP8_MAX)), seen
+
+
 def quantize(rows: jax.Array, fmt: KVFormat, scale_state: ScaleState = None, *,
              valid: jax.Array | None = None) -> tuple[StoredRows, ScaleState]:  # fmt: skip
     """rows [..., D] → (stored leaves [..., n] per `fmt.row_leaves(D)`, updated scale state).
@@ -155,15 +171,7 @@ def quantize(rows: jax.Array, fmt: KVFormat, scale_state: ScaleState = None, *,
         stored_scale = scale.astype(fmt.scale_dtype)
         new_state = scale_state
     else:
-        if scale_state is None:
-            raise ValueError(f"KVFormat {fmt.name!r} (scaling={fmt.scaling!r}) needs a scale state: init_scale_state")
-        magnitude = jnp.abs(nope)
-        if valid is not None:
-            magnitude = jnp.where(valid[..., None], magnitude, 0.0)
-        axes = tuple(range(nope.ndim - 1)) if fmt.scaling == "channel" else None
-        seen = magnitude.max(axis=axes) if nope.size else jnp.zeros_like(scale_state["amax"])
-        scale = scale_state["scale"]
-        scale = jnp.where(scale > 0, scale, seen * (fmt.headroom * INV_FP8_MAX))  # calibrate unset scales once
+        scale, seen = calibrate(nope, fmt, scale_state, valid)
         new_state = {"scale": scale, "amax": jnp.maximum(scale_state["amax"], seen)}
     full = _per_channel(scale, fmt, n)
     # NOTE: clip first: float8_e4m3fn has no infinity, and an out-of-range cast gives NaN.
@@ -206,5 +214,5 @@ def write_rows(storage: StoredRows, rows: jax.Array, index: jax.Array, fmt: KVFo
 
 
 __all__ = ["DEFAULT_FP8_FORMAT", "FORMAT_NAMES", "FP8_E4M3_MAX", "KVFormat", "ScaleState", "StoredRows",
-           "dequantize", "empty_storage", "init_scale_state", "quantize", "rms_norm_bound", "saturated",
+           "calibrate", "dequantize", "empty_storage", "init_scale_state", "quantize", "rms_norm_bound", "saturated",
            "write_rows"]  # fmt: skip

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4.cache.layout import KVFormat
-from dsv4.cache.quant import INV_FP8_MAX, ScaleState, dequantize, empty_storage, init_scale_state, quantize
+from dsv4.cache.quant import ScaleState, calibrate, dequantize, empty_storage, init_scale_state, quantize
 
 WRITE_IMPLS = ("jnp", "pallas")
 
@@ -141,26 +141,23 @@ class KVStore:
         read of the rows, skipped by `lax.cond` once every scale is set); the new amax comes from the kernel."""
         from dsv4.pallas.kv_write import kv_write
 
-        fmt = self.fmt
-        table = block_table if self.paged else jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
         if rows.shape[0] * rows.shape[1] == 0:
             return self  # as `quantize` has it: nothing stored, the scales and their amax unchanged
+        fmt = self.fmt
+        table = block_table if self.paged else jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
         interpret = jax.default_backend() != "gpu"
         if fmt.scaling not in ("tensor", "channel"):
             stored, _ = kv_write(rows, index, table, self.stored, scaling=fmt.scaling, tile=fmt.tile,
                                  interpret=interpret)  # fmt: skip
             return dataclasses.replace(self, stored=stored)
-        capacity = self.capacity(block_table)
-        keep = (index >= 0) & (index < capacity)
         n = fmt.nope_dim(rows.shape[-1])
+
+        def calibrated():  # quantize's rule, on the rows this write keeps
+            keep = (index >= 0) & (index < self.capacity(block_table))
+            return calibrate(rows[..., :n].astype(jnp.float32), fmt, self.scale, keep)[0]
+
         scale = self.scale["scale"]
-
-        def calibrate():  # quantize's rule for unset scales, on the rows this write keeps
-            magnitude = jnp.where(keep[..., None], jnp.abs(rows[..., :n].astype(jnp.float32)), 0.0)
-            seen = magnitude.max(axis=(0, 1) if fmt.scaling == "channel" else None)
-            return jnp.where(scale > 0, scale, seen * (fmt.headroom * INV_FP8_MAX))
-
-        scale = jax.lax.cond(jnp.all(scale > 0), lambda: scale, calibrate)
+        scale = jax.lax.cond(jnp.all(scale > 0), lambda: scale, calibrated)
         stored, seen = kv_write(rows, index, table, self.stored, jnp.broadcast_to(scale, (n,)), scaling=fmt.scaling,
                                 interpret=interpret)  # fmt: skip
         if fmt.scaling == "tensor":
