@@ -17,7 +17,7 @@ milliseconds. The layout it assumes is the one the seed article describes for 51
                  held in float32 on the device (a release ships them as 1-byte e8m0; the loader widens them).
   Embeddings and the LM head stay bf16 (fp32 with fp32 weights); norms, sinks, mHC weights and the
   hash-routing tables are float32 / int32. FP8 routed experts in 128 × 128 blocks (hidden and expert widths
-  multiples of 128, as V4's) run on the FP8 expert kernels as stored (`moe_impl="pallas"`, W8A8); otherwise
+  multiples of 128, as V4's) run on the FP8 expert kernels as stored (`Kernels.moe="pallas"`, W8A8); otherwise
   (FP4 experts, other widths) the model dequantizes where it reads them (`param[...]`), so the plan also holds one
   layer's local experts dequantized to bf16 (transient). The dense FP8 matrices are dequantized one at a time
   where read (not counted: the largest, wq_b, is 64 MiB in bf16 at V4-Flash widths).
@@ -40,7 +40,7 @@ milliseconds. The layout it assumes is the one the seed article describes for 51
   two-pass Pallas indexer, `dsv4.pallas.indexer.index_topk_two_pass`, scores `INDEX_SLAB_BYTES` worth of queries
   at a time; the jnp fallback's [512 × heads × keys] float32 dots are far larger), and the MoE's
   per-(token, expert) buffers in the dtypes `moe.routed_experts_jnp` uses (balanced routing).
-- Headroom: the seed's rule, plan for 1.2× the peak.
+- Headroom: plan for 1.2× the peak.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from dsv4.cache.layout import DEFAULT_FP8_FORMAT, FORMAT_NAMES, CacheLayout, KVFormat
 from dsv4.config import CSA, HCA, SLIDING, Config
+from dsv4.pallas.indexer_slab import INDEX_SLAB_BYTES, index_slab_rows  # noqa: F401 (the indexer's slab rule)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -59,9 +60,6 @@ FP4_GROUP = 32  # fp4 experts: one scale per row and 32 columns (dsv4.quantizati
 SCALE_BYTES = 4  # weight scales are float32 on the device (BlockQuantized.scale)
 EP_STEP_TOKENS = 32768  # = dsv4.sharding.expert_parallel.DEFAULT_CHUNK_TOKENS (that module imports JAX; a test checks)
 ACT_BYTES = 2  # activations, open-window state and dequantized weights in bf16 (the compute dtype)
-# The two-pass indexer's float32 scores slab per step: queries per step = clip(pow2_floor(INDEX_SLAB_BYTES /
-# (4 · keys)), 128, 4096) (`index_slab_rows`, which dsv4.pallas.indexer.default_query_chunk calls).
-INDEX_SLAB_BYTES = 1 << 28
 
 WEIGHT_FORMATS = ("bf16", "fp8", "fp4-experts", "fp32")
 KV_FORMATS = (*FORMAT_NAMES, "fp8", "fp32")  # "fp8" = DEFAULT_FP8_FORMAT; "fp32": unquantized float32 rows
@@ -69,14 +67,6 @@ KV_FORMATS = (*FORMAT_NAMES, "fp8", "fp32")  # "fp8" = DEFAULT_FP8_FORMAT; "fp32
 # the nominal size (an H20's "96 GB" is 97871 MiB = 95.6 GiB).
 DEVICE_MIB = {"h20": 97871, "h100": 81559, "h800": 81559, "h200": 143771}
 DEFAULT_DEVICE = "h20"  # the seed article's 8 × H20
-
-
-def index_slab_rows(num_keys: int, batch: int = 1) -> int:
-    """Queries per step of the two-pass indexer: its float32 [batch, rows, keys] scores stay within
-    INDEX_SLAB_BYTES; 128..4096, a power of two. The indexer (`dsv4.pallas.indexer.default_query_chunk`) and
-    the plan both use this."""
-    fit = INDEX_SLAB_BYTES // max(1, 4 * batch * num_keys)
-    return int(min(4096, max(128, 1 << max(0, fit.bit_length() - 1))))
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -260,7 +250,7 @@ def _weights_lines(config: Config, c: ParamCounts, weights: str, devices: int) -
         layer_experts = 3 * config.moe_intermediate_size * config.hidden_size  # gate, up, down of one expert
         if fp8_expert_kernels(config, weights):
             dequant = 0
-            dequant_how = "none: the FP8 expert kernels read e4m3 + block scales as stored (moe_impl pallas)"
+            dequant_how = "none: the FP8 expert kernels read e4m3 + block scales as stored (Kernels.moe pallas)"
         else:
             dequant = local * layer_experts * ACT_BYTES
             why = "no FP4 kernel" if weights == "fp4-experts" else "widths not multiples of 128: no FP8 kernel"

@@ -306,7 +306,7 @@ def test_input_validation_names_shapes():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["window", "hca", "csa-fp8-channel", "hca-fp8-tile"])
 def test_lowers_to_triton_at_real_shapes(mode, monkeypatch):
-    from jax._src.pallas.triton import lowering as triton_lowering
+    from dsv4.pallas._jax_compat import triton_lowering
 
     modules = []
     original = triton_lowering.lower_jaxpr_to_triton_module

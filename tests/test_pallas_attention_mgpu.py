@@ -114,7 +114,7 @@ def test_window_tiles_start_aligned_and_cover_the_window(window, bk):
 
 def _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, *, window, rate):
     """The kernel in the Mosaic GPU interpreter (head_dim 128) against the jnp reference."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 
     with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
         out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
@@ -157,7 +157,7 @@ def test_interpreter_persistent(batch, heads, num_ctas, seq):
 def test_interpreter_with_a_halo_before_q(variant):
     """kv_offset: kv holds 13 rows (positions 37..49, a sequence shard's halo; 13 is not a multiple of the 8-row TMA
     tile) before q's 21 rows (positions 50..70): windows reach into the halo, HCA counts follow global positions."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 
     window, rate, bk, off, p0, seq = 40, 4, 32, 13, 50, 21
     q, _, q_pos, sinks, compressed = make_inputs(2, seq=seq, head_dim=128, rate=rate, offset=p0)
@@ -182,7 +182,7 @@ def test_interpreter_with_window_rows_for_two_blocks(first_halo_empty, bk, num_c
     blocks at positions 38.. and 78..) and q = [A ‖ B], in one call; each token's window rows given. first_halo_empty:
     shard 0, whose block A starts the sequence (its halo rows hold nothing: position -1, never in a window).
     bk = 64: the persistent launch (3 CTAs, about 7 tokens each)."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 
     window, rate, halo, rows = 9, 4, 8, 10
     starts = (38, 78)
@@ -286,7 +286,7 @@ def test_gpu_with_a_halo_before_q(check_positions, seq, off):
     positions 1000.. (HCA entries visible by global position). check_positions=True compiles the Triton fallback
     too (its kv positions must include the halo's) and runs the persistent form, False one CTA per token. seq 1
     and 3 after 128 rows: a cached chunk's layout (`core_attention_pallas` kv_prefix = W) for one and three tokens
-    (KERNEL_NOTES queue: is the kernel right at S = 1?)."""
+    (S = 1 included)."""
     window, rate, p0, d = 128, 4, 1000, 512
     q, _, q_pos, sinks, compressed = make_inputs(7, seq=seq, rate=rate, offset=p0)
     kv = jnp.asarray(np.random.default_rng(8).standard_normal((1, off + seq, d)), jnp.bfloat16)

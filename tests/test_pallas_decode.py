@@ -348,7 +348,7 @@ def test_default_num_splits_fills_one_wave():
 
 @pytest.mark.parametrize("mode", ["window", "hca", "csa-fp8", "csa-fp8-split"])
 def test_lowers_to_triton_at_real_shapes(mode, monkeypatch):
-    from jax._src.pallas.triton import lowering as triton_lowering
+    from dsv4.pallas._jax_compat import triton_lowering
 
     modules = []
     original = triton_lowering.lower_jaxpr_to_triton_module

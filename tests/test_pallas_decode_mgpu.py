@@ -99,7 +99,7 @@ def fp8_channel_cache(inputs):
 
 
 def _run_interpreted(seq_lens, *, ring_size=None, num_splits=2, rate=4, fp8=False, pv_chunks=1, head_dim=128):
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 
     inputs, _ = make_cache(0, seq_lens, heads=64, head_dim=head_dim, window=128, page_size=64, ring_size=ring_size,
                            rate=rate, compressed_page_size=64, dtype=jnp.float32 if fp8 else jnp.bfloat16)  # fmt: skip
@@ -205,7 +205,7 @@ def test_refuses_pv_chunks_narrower_than_a_swizzle_tile():
                                     config=MgpuDecodeConfig(pv_chunks=2))  # fmt: skip
     with pytest.raises(ValueError, match="pv_chunks=0"):
         MgpuDecodeConfig(pv_chunks=0)
-    with pytest.raises(ValueError, match="registers=.240, 32.*504"):  # hangs in setmaxnreg on the GPU (call 5)
+    with pytest.raises(ValueError, match="registers=.240, 32.*504"):  # hangs in setmaxnreg on the GPU
         MgpuDecodeConfig(registers=(240, 32))
 
 

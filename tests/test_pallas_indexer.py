@@ -361,7 +361,7 @@ def test_input_validation_names_shapes():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype, k", [(jnp.bfloat16, 512), (jnp.float8_e4m3fn, 2048)])
 def test_lowers_to_triton_at_real_shapes(dtype, k, monkeypatch):
-    from jax._src.pallas.triton import lowering as triton_lowering
+    from dsv4.pallas._jax_compat import triton_lowering
 
     modules = []
     original = triton_lowering.lower_jaxpr_to_triton_module

@@ -165,7 +165,7 @@ def test_validation_names_the_tensor():
 def test_lowers_to_triton_at_v4_shapes(fmt, monkeypatch):
     """V4's indexer (64 heads × 128, 64 RoPE channels) over 256-token pages (64 entries each), 512 pages a
     request: lowered for an abstract H200, the Triton module verifies; 2 dots a tile for split rows, 1 for whole."""
-    from jax._src.pallas.triton import lowering as triton_lowering
+    from dsv4.pallas._jax_compat import triton_lowering
 
     modules = []
     original = triton_lowering.lower_jaxpr_to_triton_module

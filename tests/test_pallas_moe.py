@@ -57,7 +57,7 @@ FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expen
 
 # XLA:GPU folds chains of float converts (f32 → fp8 → f32, f32 → bf16 → f32) by default (SimplifyFPConversions under
 # `xla_allow_excess_precision`); XLA:CPU runs that pass only with its oneDNN rewriting on. Compiling a jnp function
-# with these options shows on CPU what XLA:GPU makes of it (it put the W8A8 GPU test 4.48 % off: M9 in KERNEL_NOTES).
+# with these options shows on CPU what XLA:GPU makes of it (it put the W8A8 GPU test off: docs/kernels/moe.md).
 FOLD_FP_CONVERSIONS = {"xla_cpu_experimental_onednn_custom_call": True}
 
 gpu = pytest.mark.gpu
@@ -403,11 +403,11 @@ def test_lowers_to_triton_at_v4_shapes(mode, monkeypatch):
     """Both kernels lower for an abstract H200 at V4-Flash expert shapes, with 2 / 1 `tt.dot`, fp8 × fp8 only in
     W8A8, and i64 offsets for every operand of more than 2^31 elements.
 
-    The last check is the H200 fault of W8A8 at these shapes (docs/KERNEL_NOTES.md, MoE, M6): the fp8 gate_up
+    The last check is the GPU fault of W8A8 at these shapes (docs/kernels/moe.md): the fp8 gate_up
     [256, 4096, 4096] is 2^32 elements in 2^32 bytes, which JAX's lowering addressed with i32 offsets (it switches
     to i64 only above 2^32 *bytes*), so experts >= 128 read below the array. "w8a8-long" (100K tokens) puts the fp8
     activations x [600K, 4096] past 2^31 elements too."""
-    from jax._src.pallas.triton import lowering as triton_lowering
+    from dsv4.pallas._jax_compat import triton_lowering
 
     modules = []
     original = triton_lowering.lower_jaxpr_to_triton_module
@@ -471,8 +471,9 @@ def test_lowers_to_triton_at_v4_shapes(mode, monkeypatch):
 def test_fp8_fast_accum_only_on_this_files_fp8_dots(fast, monkeypatch):
     """BlockSizes.fp8_fast_accum sets maxNumImpreciseAcc = 2^30 on the W8A8 dot (Triton's sm90 default for
     `tl.dot`), False keeps Pallas's 0; other Pallas kernels (here a plain fp8 matmul) keep 0."""
-    from jax._src.pallas.triton import lowering as triton_lowering
     from jax.experimental import pallas as pl
+
+    from dsv4.pallas._jax_compat import triton_lowering
 
     texts = {}
     original = triton_lowering.lower_jaxpr_to_triton_module
@@ -541,7 +542,7 @@ def test_gpu_routed_experts_matches_reference(mode):
 @requires_gpu
 @pytest.mark.parametrize("mode", ["w8a8", "w8a16"])
 def test_gpu_gate_up_v4_flash_weights_past_2_31_elements(mode):
-    """The H200 fault (docs/KERNEL_NOTES.md, MoE, M6): the real V4-Flash fp8 gate_up [256, 4096, 4096] (2^32
+    """The GPU fault (docs/kernels/moe.md): the real V4-Flash fp8 gate_up [256, 4096, 4096] (2^32
     elements), rows routed to experts on both sides of 128 (expert · 2^24 crosses 2^31 there). The reference runs on
     the used experts' slices only, so it does not do the 256× dense work."""
     experts, hidden, inter = 256, 4096, 2048

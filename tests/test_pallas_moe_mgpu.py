@@ -48,7 +48,7 @@ requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs 
 
 
 def _interpret():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 
     return InterpretGPUParams()
 

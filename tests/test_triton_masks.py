@@ -1,7 +1,7 @@
 """Every Triton kernel masks the loads and stores of a block that overhangs its array (tests/triton_masks.py says
 how this is read off the lowered module). The lowering masks nothing by itself, the interpreter drops
 out-of-bounds writes, and on the GPU an unmasked overhanging store writes into whatever follows the array
-(KERNEL_NOTES SK5: the Sinkhorn kernel's last block overwrote the next rows). Each kernel is lowered for an abstract
+(the Sinkhorn kernel's last block once overwrote the next rows). Each kernel is lowered for an abstract
 H200 at shapes that its blocks do not divide, with tiles chosen so that blocks overhang where the kernel allows it;
 kernels whose wrappers pad to whole blocks are checked to have no overhanging block at all."""
 

@@ -3,7 +3,7 @@
 A `BlockSpec` block that overhangs its array (the last block along a dimension the block does not divide) is
 loaded and stored by the Triton lowering without any mask of its own: an unmasked `ref[...]` of that block reads
 past the array and writes past it. On the GPU those writes land in whatever follows (the Sinkhorn kernel's last
-block once overwrote the next rows, KERNEL_NOTES SK5). The CPU interpreter slices exactly and drops out-of-bounds
+block once overwrote the next rows). The CPU interpreter slices exactly and drops out-of-bounds
 writes, so only the lowered module shows it. `unmasked_overhangs` lowers a function for an abstract H200 and
 reports, per Pallas call, every load or store that reaches an overhanging block's pointer without a mask.
 
@@ -85,7 +85,7 @@ def unmasked_overhangs(fn, *args) -> tuple[list[str], int, int]:
     overhanging block that carries no mask, the number of loads and stores of overhanging blocks checked, the
     number of operands whose blocks overhang, over every Pallas call). Also
     checks that a Triton module was built for each Pallas call, with one pointer argument per Pallas operand."""
-    from jax._src.pallas.triton import lowering as triton_lowering
+    from dsv4.pallas._jax_compat import triton_lowering
 
     modules = []
     original = triton_lowering.lower_jaxpr_to_triton_module

@@ -12,7 +12,7 @@ entry; CSA: the indexer's top-k picks per query). Layout of this file (see dsv4/
 
 NOTE: all heads share the single KV head (MQA), so a tile's matmul rows are (block_q tokens × block_h
 heads), token-major: row r = t · block_h + h. One KV tile load then serves every head of every token in
-the block, for both Q·Kᵀ and P·V (K = V). docs/KERNEL_NOTES.md has the reasoning and the H200 plan.
+the block, for both Q·Kᵀ and P·V (K = V). docs/kernels/attention.md has the reasoning.
 
 FP8 KV: `kv` / `compressed` may be float8_e4m3fn with float32 scales, dequantized inside the kernel as
 value = float32(fp8) · scale, rounded to q.dtype before the matmuls. Two scale layouts:
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -32,21 +31,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dsv4.pallas.attention_common import (
+    F32,
+    FP8,
+    LOG2E,
+    M_FLOOR,
+    MIN_DOT_DIM,
+    SCALE_TILE,
+    is_power_of_2,
+    load_values,
+    online_softmax_step,
+)
+
 __all__ = ["SCALE_TILE", "BlockSizes", "v4_attention", "v4_attention_kernel", "v4_attention_reference"]
 
-F32 = jnp.float32
-FP8 = jnp.float8_e4m3fn
-SCALE_TILE = 64  # channels per scale in the per-token-tile FP8 layout
-LOG2E = math.log2(math.e)
-# Floor for the running max: keeps every exp2 argument finite even when a sink is -inf.
-_M_FLOOR = -1e30
-# NOTE: `tl.dot` needs every matmul dimension >= 16, so compiled (non-interpret) tiles must have >= 16 rows.
-_MIN_DOT_DIM = 16
 _DEFAULT_TILE_ROWS = 64  # rows (tokens × heads) per tile when block_q is left to the default
-
-
-def _is_power_of_2(n: int) -> bool:
-    return n >= 1 and (n & (n - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +61,8 @@ class BlockSizes:
     num_warps, num_stages: Triton launch parameters (None: 8 warps for D >= 256, else 4; 2 stages).
 
     All sizes are powers of two (Triton tensor shapes must be); the KV-side blocks are >= 16 (`tl.dot`).
-    Defaults measured on one H200 (2026-11-30, docs/BENCHMARKS.md): 128-row KV blocks with one pipeline
-    stage beat 64 × 2 stages (the first guess) by 10-30% on every layer type at 32K-512K, e.g. HCA at 512K
-    646 ms against 840 ms; 32 × 3 stages was slowest. A [128, 512] bf16 tile is 128 KiB of shared memory,
-    so there is no room for a second stage.
+    Defaults: 128-row KV blocks with one pipeline stage, the fastest measured (docs/kernels/attention.md). A
+    [128, 512] bf16 tile is 128 KiB of shared memory, so there is no room for a second stage.
     """
 
     block_q: int | None = None
@@ -77,14 +74,14 @@ class BlockSizes:
     num_stages: int = 1
 
     def __post_init__(self):
-        if self.block_q is not None and not _is_power_of_2(self.block_q):
+        if self.block_q is not None and not is_power_of_2(self.block_q):
             raise ValueError(f"BlockSizes.block_q={self.block_q} must be None or a power of two")
-        if not _is_power_of_2(self.block_h):
+        if not is_power_of_2(self.block_h):
             raise ValueError(f"BlockSizes.block_h={self.block_h} must be a power of two")
         for name in ("block_kv", "block_compressed", "block_topk"):
             value = getattr(self, name)
-            if not _is_power_of_2(value) or value < _MIN_DOT_DIM:
-                raise ValueError(f"BlockSizes.{name}={value} must be a power of two >= {_MIN_DOT_DIM}")
+            if not is_power_of_2(value) or value < MIN_DOT_DIM:
+                raise ValueError(f"BlockSizes.{name}={value} must be a power of two >= {MIN_DOT_DIM}")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"BlockSizes.num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
         if self.num_stages < 1:
@@ -99,10 +96,9 @@ class BlockSizes:
         return block_q, block_h
 
 
-# FP8 KV (kv or compressed entries in float8_e4m3fn) with `block_sizes=None`: 64-row KV blocks, 2 stages, the
-# configuration the FP8 path was measured with on an H200 (2026-11-30, docs/BENCHMARKS.md, 0.80-0.83x of bf16).
-# The bf16 default's [128, 512] tiles do not fit once the FP8 tile and its bf16 upcast both live in shared memory:
-# at 64 heads x 512 Triton asked 320 KiB of the 227 KiB a block may have (fourteenth session, KERNEL_NOTES E15).
+# FP8 KV (kv or compressed entries in float8_e4m3fn) with `block_sizes=None`: 64-row KV blocks, 2 stages. The bf16
+# default's [128, 512] tiles do not fit once the FP8 tile and its bf16 upcast both live in shared memory (at 64
+# heads x 512 Triton asks 320 KiB of the 227 KiB a block may have).
 FP8_BLOCK_SIZES = BlockSizes(block_kv=64, block_compressed=64, block_topk=64, num_stages=2)
 
 
@@ -248,7 +244,7 @@ def v4_attention_reference(
     logits = jnp.einsum("bshd,btd->bsht", q, keys, preferred_element_type=F32) * scale  # [B, S, H, T(+C)]
     logits = jnp.where(mask[:, :, None, :], logits, -jnp.inf)
     row_max = jnp.maximum(logits.max(-1), sinks)  # [B, S, H]
-    row_max = jnp.maximum(row_max, _M_FLOOR)  # only matters for a -inf sink on a row with no keys
+    row_max = jnp.maximum(row_max, M_FLOOR)  # only matters for a -inf sink on a row with no keys
     probs = jnp.exp(logits - row_max[..., None])  # unnormalized, [B, S, H, T(+C)]
     denom = probs.sum(-1) + jnp.exp(sinks - row_max)  # [B, S, H]
     out = jnp.einsum("bsht,btd->bshd", probs.astype(keys.dtype), keys, preferred_element_type=F32)
@@ -259,55 +255,6 @@ def v4_attention_reference(
 # ---------------------------------------------------------------------------------------------
 # Kernel.
 # ---------------------------------------------------------------------------------------------
-def _load_values(ref, scales_ref, scale_layout, rows, row_valid, compute_dtype):
-    """Loads value rows and dequantizes them to `compute_dtype`.
-
-    ref: [N_all, D] (maybe FP8). rows: a `pl.ds` (contiguous rows) or int32 [N] (gather). row_valid: [N].
-    → [N, D]; invalid rows are 0.
-    """
-    d = ref.shape[-1]
-    # NOTE: the Triton lowering cannot cast an `other` fill value to FP8, so FP8 rows are zeroed after the upcast.
-    other = None if scale_layout is not None else 0
-    if isinstance(rows, pl.Slice):
-        raw = plgpu.load(ref.at[rows, :], mask=row_valid[:, None], other=other)  # [N, D]
-    else:  # NOTE: two array indexers (not array + slice): the interpreter only gathers with all-array indices.
-        raw = plgpu.load(ref.at[rows[:, None], jnp.arange(d)[None, :]], mask=row_valid[:, None], other=other)
-    if scale_layout is None:
-        return raw
-    values = jnp.where(row_valid[:, None], raw.astype(F32), 0.0)  # [N, D]
-    if scale_layout == "channel":
-        values = values * scales_ref[...][None, :]  # [N, D] · [1, D]
-    else:
-        n, groups = row_valid.shape[0], d // SCALE_TILE
-        if isinstance(rows, pl.Slice):
-            s = plgpu.load(scales_ref.at[rows, :], mask=row_valid[:, None], other=0)  # [N, D // 64]
-        else:
-            s = plgpu.load(scales_ref.at[rows[:, None], jnp.arange(groups)[None, :]], mask=row_valid[:, None],
-                           other=0)  # fmt: skip
-        s = jnp.broadcast_to(s[:, :, None], (n, groups, SCALE_TILE)).reshape(n, d)  # [N, D]
-        values = values * s
-    return values.astype(compute_dtype)
-
-
-def _online_softmax_step(carry, q, keys, mask, *, logit_scale, compute_dtype):
-    """One online-softmax update (log2 domain) of the tile state with a block of keys.
-
-    carry: (acc [M, D] f32, row_max [M] f32, row_sum [M] f32), log2 domain; q: [M, D]; keys: [N, D] (K = V);
-    mask: [M, N] bool.
-    """
-    acc, row_max, row_sum = carry
-    s = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                        preferred_element_type=F32)  # fmt: skip  # [M, N]
-    s = jnp.where(mask, s * logit_scale, -jnp.inf)
-    max_next = jnp.maximum(row_max, s.max(axis=1))  # [M]; never -inf: starts at max(sink, _M_FLOOR)
-    alpha = jnp.exp2(row_max - max_next)  # [M]
-    p = jnp.exp2(s - max_next[:, None])  # [M, N]
-    row_sum = row_sum * alpha + p.sum(axis=1)
-    pv = jnp.dot(p.astype(compute_dtype), keys, precision=lax.Precision.HIGHEST, preferred_element_type=F32)
-    acc = acc * alpha[:, None] + pv  # [M, D]
-    return acc, max_next, row_sum
-
-
 def v4_attention_kernel(
     q_ref,  # [block_q, block_h, D]
     q_pos_ref,  # [block_q]
@@ -352,10 +299,10 @@ def v4_attention_kernel(
     row_pos = jnp.broadcast_to(q_pos[:, None], (block_q, block_h)).reshape(rows)  # [M]
     sinks = jnp.broadcast_to(sinks_ref[...][None, :], (block_q, block_h)).reshape(rows)  # [M]
 
-    row_max = jnp.maximum(sinks * LOG2E, _M_FLOOR)  # [M], log2 domain
+    row_max = jnp.maximum(sinks * LOG2E, M_FLOOR)  # [M], log2 domain
     row_sum = jnp.exp2(sinks * LOG2E - row_max)  # [M], the sink's own term
     acc = jnp.zeros((rows, head_dim), F32)  # [M, D]
-    step = functools.partial(_online_softmax_step, logit_scale=scale * LOG2E, compute_dtype=compute_dtype)
+    step = functools.partial(online_softmax_step, logit_scale=scale * LOG2E, compute_dtype=compute_dtype)
     carry = (acc, row_max, row_sum)
 
     # (a) Window: the band of kv rows [lo, hi) the wrapper found for this block, in steps of block_kv rows
@@ -367,7 +314,7 @@ def v4_attention_kernel(
         kv_row = start + jnp.arange(block_kv)  # [N]
         in_bounds = kv_row < kv_len
         kv_pos = plgpu.load(kv_pos_ref.at[pl.ds(start, block_kv)], mask=in_bounds, other=-1)  # [N]
-        keys = _load_values(kv_ref, kv_scales_ref, kv_scale_layout, pl.ds(start, block_kv), in_bounds,
+        keys = load_values(kv_ref, kv_scales_ref, kv_scale_layout, pl.ds(start, block_kv), in_bounds,
                             compute_dtype)  # fmt: skip  # [N, D]
         kp, qp = kv_pos[None, :], row_pos[:, None]
         mask = (kp >= 0) & (kp <= qp) & (kp > qp - sliding_window)  # [M, N]
@@ -384,7 +331,7 @@ def v4_attention_kernel(
             start = i * block_compressed
             entry = start + jnp.arange(block_compressed)  # [N]
             in_bounds = entry < num_compressed
-            keys = _load_values(compressed_ref, compressed_scales_ref, compressed_scale_layout,
+            keys = load_values(compressed_ref, compressed_scales_ref, compressed_scale_layout,
                                 pl.ds(start, block_compressed), in_bounds, compute_dtype)  # fmt: skip  # [N, D]
             mask = in_bounds[None, :] & (entry[None, :] < visible[:, None])  # [M, N]
             return step(carry, q, keys, mask)
@@ -408,7 +355,7 @@ def v4_attention_kernel(
                              other=-1)  # fmt: skip  # [block_q, block_topk]
             valid = ((idx >= 0) & (idx < num_compressed)).reshape(cols)  # [N]
             idx = jnp.where(valid, idx.reshape(cols), 0)  # [N]
-            keys = _load_values(compressed_ref, compressed_scales_ref, compressed_scale_layout, idx, valid,
+            keys = load_values(compressed_ref, compressed_scales_ref, compressed_scale_layout, idx, valid,
                                 compute_dtype)  # fmt: skip  # [N, D]
             mask = (row_token[:, None] == col_token[None, :]) & valid[None, :]  # [M, N]
             return step(carry, q, keys, mask)
@@ -512,13 +459,13 @@ def v4_attention(
     )  # fmt: skip
     b, s, h, d = q.shape
     t = kv.shape[1]
-    if not _is_power_of_2(d) or d < _MIN_DOT_DIM:
-        raise ValueError(f"head dim D={d} (q.shape={q.shape}) must be a power of two >= {_MIN_DOT_DIM}")
+    if not is_power_of_2(d) or d < MIN_DOT_DIM:
+        raise ValueError(f"head dim D={d} (q.shape={q.shape}) must be a power of two >= {MIN_DOT_DIM}")
     if block_sizes is None:
         block_sizes = default_block_sizes(kv.dtype, None if compressed is None else compressed.dtype)
     block_q, block_h = block_sizes.tile(h)
-    if not interpret and block_q * block_h < _MIN_DOT_DIM:
-        raise ValueError(f"tile rows block_q * block_h = {block_q} * {block_h} < {_MIN_DOT_DIM} for q.shape={q.shape}")
+    if not interpret and block_q * block_h < MIN_DOT_DIM:
+        raise ValueError(f"tile rows block_q * block_h = {block_q} * {block_h} < {MIN_DOT_DIM} for q.shape={q.shape}")
     if out_init is not None and (out_init.shape != q.shape or out_init.dtype != q.dtype):
         raise ValueError(f"out_init must be {q.dtype} {q.shape}, got {out_init.dtype} {out_init.shape}")
     c = 0 if compressed is None else compressed.shape[1]

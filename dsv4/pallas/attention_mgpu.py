@@ -1,6 +1,6 @@
 """DeepSeek-V4 prefill attention core as a Mosaic GPU (Hopper) Pallas kernel: wgmma, TMA, optional warp specialization.
 
-Same semantics as `dsv4.pallas.attention.v4_attention` (see its docstring and docs/KERNEL_NOTES.md §1) for the two
+Same semantics as `dsv4.pallas.attention.v4_attention` (see its docstring and docs/kernels/attention.md) for the two
 dense modes: the causal sliding window, optionally plus HCA compressed entries (entry c visible iff
 c < (p + 1) // compress_rate), with a per-head sink logit. CSA (top-k gathers) and FP8 stay on the Triton kernel.
 
@@ -9,7 +9,7 @@ row's positions are contiguous: q_pos[b, s] == q_pos[b, 0] + s with q_pos[b, 0] 
 exactly kv rows max(0, s - W + 1) .. s, found by index alone. `v4_attention_mgpu` checks this at run time and falls
 back to the Triton kernel (`lax.cond`) when it does not hold (or statically when `kv_pos` is passed).
 
-Design (docs/KERNEL_NOTES.md §2, "option B"):
+Design (docs/kernels/attention.md, the Mosaic kernel):
 - One item = one token × 64 heads (M = 64). Persistent launch (the default for "ws"): one CTA per SM, CTA c runs
   items c, c + #CTAs, ... back to back, item = (b · H/64 + head group) · S + token, so neighbouring tokens, which
   share most of their KV tiles, run at the same time (L2 reuse). Between items nothing waits: the KV ring runs on
@@ -28,13 +28,13 @@ Design (docs/KERNEL_NOTES.md §2, "option B"):
     O_w = O_w·α + P · V_w               wgmma m64 n=D/2 k=block_kv, P (bf16) from registers, V_w = the same
                                         SMEM tile as K_w (K = V: one TMA serves both matmuls)
   O_w is [64, 256] f32 = 128 registers per thread. (Each warpgroup finishing only its half of S's columns, with
-  one shared P: slower, docs/KERNEL_NOTES.md E17.)
+  one shared P, is slower.)
 - Step stream per CTA: first the HCA tiles 0 .. ceil(n_c / block_kv) - 1 (n_c = visible entries of this token),
   then the window tiles: they start at row r0 = max(0, s - W + 1) rounded down to a multiple of 8 and cover
   [r0, s] (ceil(W / block_kv) tiles when r0 is 8-aligned, usually one more). NOTE: a TMA row start must be a
   multiple of 8: Mosaic tiles the GMEM view (T/8, D/64, 8, 64) and turns a row start r into the coordinates
-  (r // 8, r % 8), so an unaligned box silently reads the rest of one 8-row tile then OOB zeros (the first H200
-  run: every token with (s - W + 1) % 8 != 0 was wrong; the CPU interpreter slices exactly and cannot see it).
+  (r // 8, r % 8), so an unaligned box silently reads the rest of one 8-row tile then OOB zeros (every token with
+  (s - W + 1) % 8 != 0 would be wrong; the CPU interpreter slices exactly and cannot see it).
   Every step masks by column index against [lo, hi) bounds picked per step type, so a single loop body handles
   both.
 - Softmax in the log2 domain, state starting at the sink (m = sink·log2e, l = 1, acc = 0), as the Triton kernel.
@@ -51,14 +51,13 @@ Design (docs/KERNEL_NOTES.md §2, "option B"):
 SMEM at the defaults (D = 512, block_kv = 64, 2 slots): Q 64 KiB + KV 2 × 64 KiB + exchange 2 × 16 KiB + sinks
 = 224.5 KiB (+ 2 KiB Pallas reduction scratch), just under the 227 KiB per-block limit. One CTA per SM (registers
 cap it anyway), so one CTA per item cannot overlap its Q load and O store with another CTA's matmuls; the
-persistent launch overlaps them within the CTA (window layers 9–16% faster, docs/KERNEL_NOTES.md E11).
+persistent launch overlaps them within the CTA.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -68,16 +67,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsv4.pallas._device import sm_count
+from dsv4.pallas.attention_common import (
+    F32,
+    HEADS_PER_CTA,
+    LOG2E,
+    M_FLOOR,
+    SMEM_LIMIT,
+    pv_through_smem,
+    pv_with_p_in_smem,
+    smem_tiling,
+    swap_with_other,
+    wgmma_online_softmax_step,
+)
 
 __all__ = ["MgpuConfig", "v4_attention_mgpu", "v4_attention_mgpu_kernel_call", "positions_are_aligned", "window_tiles"]
 
-F32 = jnp.float32
-LOG2E = math.log2(math.e)
-_M_FLOOR = -1e30  # same floor as the Triton kernel: keeps exp2 arguments finite for a -inf sink
 _GRID_DIM_MAX = 65535  # CUDA's limit on grid dims y and z
 _TOKEN_BLOCK = 32768  # tokens per grid row when the prompt is longer than that
-HEADS_PER_CTA = 64  # M of every wgmma (one token × 64 heads)
-_SMEM_LIMIT = 227 * 1024
 _VARIANTS = ("ws", "prefetch")
 _ROW_TILE = 8  # rows of the (8, 64) SMEM tile; TMA row starts in a tiled GMEM view must be multiples of it
 _PV_FORMS = ("run_state", "store", "p_smem", "interpret")
@@ -98,15 +104,13 @@ class MgpuConfig:
                 cta, cta + num_ctas, ... back to back: the KV ring runs on across items, the next item's Q loads
                 during the last step of the current one, and O is staged in the last KV tile half. Needs "ws" and
                 block_kv >= 64. False: one CTA per item (its Q load, first tiles and O store are not overlapped
-                with compute). None (default): persistent where it applies ("ws", block_kv >= 64, no debug flag):
-                on one H200 it made window layers 9–16% faster at 32K–512K tokens and HCA layers 0–7%
-                (docs/KERNEL_NOTES.md E11).
+                with compute). None (default): persistent where it applies ("ws", block_kv >= 64, no debug flag),
+                the faster launch.
     auto_barriers: Pallas' warpgroup barrier before and after every SMEM store (True), or none (False:
                 `CompilerParams.unsafe_no_auto_barriers`). The per-step store of the partial logits into the exchange
                 buffer is one; the exchange's mbarriers (each thread arrives after its own write or read) already
                 order it, and O's staging store comes after the wgmmas that read that buffer have completed and
-                before `commit_smem` (fence and barrier). On one H200 it made no difference (docs/KERNEL_NOTES.md
-                E12), so True stays.
+                before `commit_smem` (fence and barrier). Dropping them gained nothing here, so True stays.
     """
 
     block_kv: int = 64
@@ -192,90 +196,6 @@ class _Item(NamedTuple):
     n_steps: jax.Array
 
 
-def online_softmax_step(s, col, lo, hi, logit_scale, m_i, l_i, acc):
-    """One step of the log2-domain online softmax on a WGMMA-layout [64, n] logit tile, shared by the prefill and
-    decode kernels: columns `col` outside [lo, hi) masked, logits = s · logit_scale. → (P f32 [64, n], new running
-    max [64], new row sum [64], acc [64, d] rescaled to the new max)."""
-    logits = jnp.where((col >= lo) & (col < hi), s * logit_scale, -jnp.inf)
-    m_new = jnp.maximum(m_i, logits.max(axis=1))
-    alpha = jnp.exp2(m_i - m_new)
-    p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-    l_new = l_i * alpha + p.sum(axis=1)
-    return p, m_new, l_new, acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-
-def pv_through_smem(acc, p16, p_smem, v_chunks, *, release=None):
-    """acc + P · V with P staged in SMEM (`p_smem`, this warpgroup's [64, block_kv] buffer) into a fresh
-    accumulator: the only P·V form the CPU Mosaic interpreter runs (its wgmma needs SMEM operands and a new
-    accumulator). Twice O's registers, so not a GPU configuration. Shared by the prefill and decode kernels.
-    v_chunks: SMEM refs holding V's column chunks in order (one ref: the whole V), as `pv_in_place_chunked`, with
-    release(j) after chunk j's product."""
-    p_smem[...] = p16
-    plgpu.commit_smem()
-    cw = acc.shape[1] // len(v_chunks)
-    parts = []
-    for j, v_j in enumerate(v_chunks):
-        parts.append(pv_with_p_in_smem(acc[:, j * cw:(j + 1) * cw], p_smem, v_j, in_place=False))
-        if release is not None:
-            release(j)
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
-
-
-def pv_in_place_chunked(acc, p16, v_chunks, *, release=None):
-    """acc + P · V accumulated in place (`pl.run_state`, the GPU form), P from registers, V given as a list of SMEM
-    refs holding its column chunks in order (one ref: the whole V). One wgmma per chunk (into acc's matching
-    columns), all issued at once, then release(j) for each chunk j as soon as its wgmma has completed (`wgmma_wait`),
-    so that a producer can refill that chunk of V's slot while the rest still runs. release None: the caller
-    releases the slot itself."""
-    chunks = len(v_chunks)
-    cw = acc.shape[1] // chunks
-
-    def pv(acc_ref):
-        for j, v_j in enumerate(v_chunks):
-            plgpu.wgmma(acc_ref if chunks == 1 else acc_ref.at[:, pl.ds(j * cw, cw)], p16, v_j)
-        if release is not None:
-            for j in range(chunks):
-                plgpu.wgmma_wait(chunks - 1 - j)
-                release(j)
-
-    return pl.run_state(pv)(plgpu.ACC.init(acc))
-
-
-def pv_with_p_in_smem(acc, p_smem, kv_half, *, in_place: bool):
-    """acc + P · V with P (the wgmma A operand) already in SMEM: accumulated in place (`pl.run_state`, the GPU
-    form) or into a fresh accumulator that is then added (the CPU interpreter's wgmma)."""
-    if in_place:
-        def pv_in_place(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, kv_half)
-
-        return pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
-
-    def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, kv_half)
-        return acc_ref[...]
-
-    return acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
-
-
-def swap_with_other(buf, w, value, written, read, *, layout, wait_read=None, optimized=True):
-    """One rendezvous of the two consumer warpgroups (w = 0, 1) through `buf` [2, ...]: waits until the other has
-    read our previous value (`wait_read`: a bool scalar, or None for no wait), writes `value` into buf[w], waits for
-    both writes, loads buf[1 - w] in `layout`, and arrives on `read`. → the other's value. Every phase of `written`
-    is waited here; the caller waits the last phase of `read` (barrier discipline). Shared by the prefill and
-    decode kernels."""
-    if wait_read is not None:
-        @pl.when(wait_read)
-        def _():
-            plgpu.barrier_wait(read)
-
-    buf[w] = value
-    plgpu.barrier_arrive(written)
-    plgpu.barrier_wait(written)
-    other = plgpu.load(buf.at[1 - w], layout=layout, optimized=optimized)
-    plgpu.barrier_arrive(read)
-    return other
-
-
 def _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config: MgpuConfig, kv_offset=0):
     if q.ndim != 4 or kv.ndim != 3:
         raise ValueError(f"expected q [B, S, H, D] and kv [B, T, D], got q.shape={q.shape}, kv.shape={kv.shape}")
@@ -309,8 +229,8 @@ def _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window
             raise ValueError(f"HCA mode needs compress_rate >= 1, got {compress_rate!r}")
     elif compress_rate is not None:
         raise ValueError("compress_rate given without compressed")
-    if config.smem_bytes(d) > _SMEM_LIMIT:
-        raise ValueError(f"{config} needs {config.smem_bytes(d)} B of shared memory at D={d}; limit {_SMEM_LIMIT}")
+    if config.smem_bytes(d) > SMEM_LIMIT:
+        raise ValueError(f"{config} needs {config.smem_bytes(d)} B of shared memory at D={d}; limit {SMEM_LIMIT}")
 
 
 def positions_are_aligned(q_pos: jax.Array) -> jax.Array:
@@ -338,10 +258,9 @@ def window_tiles(tok, sliding_window: int, block_kv: int, *, aligned: bool = Tru
 
     The window is kv rows [max(0, tok - W + 1), tok]. NOTE: a TMA row start must be a multiple of 8: the GMEM view is
     tiled (T/8, D/64, 8, 64) and Mosaic turns a dynamic row start r into the coordinates (r // 8, r % 8), so a box
-    that starts inside an 8-row tile reads the rest of that tile then OOB zeros (the first H200 run: every token
-    with (tok - W + 1) % 8 != 0 was wrong). So the tiles start at the window's first row rounded down to a multiple
-    of 8 and cover [start, tok]. aligned=False: the original form (start at the first row, ceil(W / block_kv) tiles),
-    kept as a debug switch.
+    that starts inside an 8-row tile reads the rest of that tile then OOB zeros. So the tiles start at the window's
+    first row rounded down to a multiple of 8 and cover [start, tok]. aligned=False: the original form (start at the
+    first row, ceil(W / block_kv) tiles), kept as a debug switch.
     """
     tok = jnp.asarray(tok, jnp.int32)
     win_lo = jnp.maximum(tok - (sliding_window - 1), 0)
@@ -475,7 +394,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                 """Item `it`, whose first step is this CTA's step g0 (ring slot (g0 + i) % slots). → g0 + steps."""
                 plgpu.barrier_wait(sink_bar.at[w])
                 sink = plgpu.load(sink_smem.at[w], layout=row_layout)  # [64] log2 domain
-                m_i = jnp.maximum(sink, _M_FLOOR)
+                m_i = jnp.maximum(sink, M_FLOOR)
                 l_i = jnp.exp2(sink - m_i)
                 acc = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, dh), F32), wgmma_layout)
                 plgpu.barrier_wait(q_bar.at[w])
@@ -524,7 +443,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                         lo = jnp.where(is_hca, 0, it.win_lo)
                         hi = jnp.where(is_hca, it.n_vis, it.win_hi)
                     col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
-                    p, m_new, l_new, acc = online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
+                    p, m_new, l_new, acc = wgmma_online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
                     p16 = p.astype(dtype)
 
                     if dump:  # debug: the last step's S (unscaled, both halves summed) and P (f32) of this warpgroup
@@ -639,7 +558,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                         plgpu.barrier_wait(consumed_bar.at[slot * 2 + half])
 
     def tiled(minor, itemsize=jnp.dtype(dtype).itemsize):
-        return plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(minor * itemsize)
+        return smem_tiling(minor, itemsize)
 
     elems_128b = 128 // jnp.dtype(dtype).itemsize
     scratch = [

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -59,36 +58,33 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dsv4.pallas import decode_mgpu as dm
 from dsv4.pallas._device import is_hopper as _is_hopper
-from dsv4.pallas._device import sm_count as _sm_count
 
-# NOTE: the dequantizing row loader and the online-softmax step are the prefill kernel's, shared on purpose: the
-# two kernels must round identically (FP8 → q.dtype, P → q.dtype for P·V, log2-domain exp2).
-from dsv4.pallas.attention import _M_FLOOR, SCALE_TILE, _load_values, _online_softmax_step
+# NOTE: the row loaders and the online-softmax step are the prefill kernel's (attention_common), shared on purpose:
+# the two kernels must round identically (FP8 → q.dtype, P → q.dtype for P·V, log2-domain exp2).
+from dsv4.pallas.attention_common import (
+    F32,
+    FP8,
+    LOG2E,
+    M_FLOOR,
+    MIN_DOT_DIM,
+    check_decode_inputs,
+    combine_splits,
+    default_num_splits,
+    gather_pages_reference,
+    is_power_of_2,
+    load_paged_rows,
+    load_rope_rows,
+    online_softmax_step,
+)
 
 __all__ = ["FP8_BLOCK_SIZES", "SPLIT_ROW_BLOCK_SIZES", "BlockSizes", "default_block_sizes", "default_num_splits",
            "paged_decode_attention", "paged_decode_attention_kernel", "paged_decode_attention_reference",
            "unsupported_shape"]
 
-F32 = jnp.float32
-FP8 = jnp.float8_e4m3fn
-LOG2E = math.log2(math.e)
-# NOTE: `tl.dot` needs every matmul dimension >= 16, so compiled programs need block_h >= 16 and block_kv >= 16.
-_MIN_DOT_DIM = 16
-def default_num_splits(programs: int, max_blocks: int, sm_count: int | None = None) -> int:
-    """Key-axis splits for `programs` (request, head-block) pairs with at most `max_blocks` key blocks each.
-
-    One program holds a [64, 512] float32 accumulator, so one fits an SM at a time: aim for one full wave,
-    splits = floor(SMs / programs) (at least 1, at most one per key block). Rounding down, not up: 32 requests on
-    132 SMs take 4 splits (128 programs, one wave), where 5 would spill 28 programs into a second wave; and each
-    split adds a [H, D] float32 partial that is written and read back by the combine.
-    """
-    sm_count = _sm_count() if sm_count is None else sm_count
-    return max(1, min(sm_count // max(programs, 1), max_blocks))
 
 
-def _is_power_of_2(n: int) -> bool:
-    return n >= 1 and (n & (n - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +109,10 @@ class BlockSizes:
     num_stages: int = 2
 
     def __post_init__(self):
-        if not _is_power_of_2(self.block_h):
+        if not is_power_of_2(self.block_h):
             raise ValueError(f"BlockSizes.block_h={self.block_h} must be a power of two")
-        if not _is_power_of_2(self.block_kv) or self.block_kv < _MIN_DOT_DIM:
-            raise ValueError(f"BlockSizes.block_kv={self.block_kv} must be a power of two >= {_MIN_DOT_DIM}")
+        if not is_power_of_2(self.block_kv) or self.block_kv < MIN_DOT_DIM:
+            raise ValueError(f"BlockSizes.block_kv={self.block_kv} must be a power of two >= {MIN_DOT_DIM}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"BlockSizes.num_splits={self.num_splits} must be None or >= 1")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
@@ -125,12 +121,11 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.num_stages={self.num_stages} must be >= 1")
 
 
-# NOTE: split rows carry a second pair of dots (q_rope · K_ropeᵀ, P · K_rope) and their operands; at the whole-row
-# tiles (64 keys, 2 stages) Triton asked 253,952-256,512 bytes of shared memory on an H200, over its 232,448
-# (KERNEL_NOTES, DC23). They get tiles of their own, measured in BENCHMARKS, "The cache's own FP8 rows".
+# NOTE: split rows carry a second pair of dots (q_rope · K_ropeᵀ, P · K_rope) and their operands, which at the
+# whole-row tiles (64 keys, 2 stages) need more shared memory than a Hopper block has: they get tiles of their own.
 SPLIT_ROW_BLOCK_SIZES = BlockSizes(block_kv=32, num_stages=1)
-# NOTE: whole e4m3 rows ran 1.1-1.3x faster at 1 stage than at 2 on an H200 (CSA and HCA, batch 1 and 32, 512K;
-# BENCHMARKS, "The cache's own FP8 rows"): the dequantized tile feeds the dots, so a second stage only holds bytes.
+# NOTE: whole e4m3 rows take 1 stage: the dequantized tile feeds the dots, so a second stage only holds bytes
+# (docs/kernels/decode.md).
 FP8_BLOCK_SIZES = BlockSizes(num_stages=1)
 
 
@@ -141,133 +136,8 @@ def default_block_sizes(split_rows: bool, fp8: bool = False) -> BlockSizes:
 
 
 # ---------------------------------------------------------------------------------------------
-# Input checks shared by the kernel entry and the reference.
-# ---------------------------------------------------------------------------------------------
-def _check_scales(name, scales, pages, pages_name, *, mixed=False) -> str | None:
-    """Validates FP8 scales for pages [P, page_size, n]; → "channel", "tile" or None (not FP8). mixed: the pages
-    hold only a row's first n channels (its RoPE channels are in their own pages), and a short last tile is fine."""
-    p, page_size, d = pages.shape
-    if pages.dtype != FP8:
-        if scales is not None:
-            raise ValueError(f"{name} given but {pages_name} is {pages.dtype}, not float8_e4m3fn")
-        return None
-    if scales is None:
-        raise ValueError(f"{pages_name} is float8_e4m3fn {pages.shape}; {name} is required")
-    if scales.dtype != F32:
-        raise ValueError(f"{name} must be float32, got {scales.dtype}")
-    if scales.shape == (d,):
-        return "channel"
-    tiles = -(-d // SCALE_TILE)
-    if (mixed or d % SCALE_TILE == 0) and scales.shape == (p, page_size, tiles):
-        return "tile"
-    raise ValueError(
-        f"{name}.shape={scales.shape} fits neither per-channel ({d},) nor per-token-tile "
-        f"({p}, {page_size}, {tiles}) ({'' if mixed else f'D % {SCALE_TILE} == 0, '}one scale per {SCALE_TILE} "
-        f"channels) for {pages_name}.shape={pages.shape}"
-    )
-
-
-def _check_rope_pages(rope, pages, d, rope_name, pages_name) -> None:
-    """A split row: pages [P, ps, D - Dr] FP8 (the nope channels) beside rope [P, ps, Dr] (the RoPE channels)."""
-    if pages.dtype != FP8:
-        raise ValueError(f"{rope_name} given, so {pages_name} must hold the FP8 nope channels; got {pages.dtype}")
-    if rope.ndim != 3 or rope.shape[:2] != pages.shape[:2] or rope.shape[2] < 1 or pages.shape[2] + rope.shape[2] != d:
-        raise ValueError(f"{rope_name}.shape={rope.shape} must be ({pages.shape[0]}, {pages.shape[1]}, Dr) with "
-                         f"{pages_name}.shape[2] + Dr = D = {d} ({pages_name}.shape={pages.shape})")  # fmt: skip
-    if rope.dtype not in (jnp.bfloat16, jnp.float16, F32):
-        raise ValueError(f"{rope_name}.dtype={rope.dtype} must be bfloat16, float16 or float32")
-    if not _is_power_of_2(rope.shape[2]):
-        raise ValueError(f"{rope_name}.shape={rope.shape}: Dr = {rope.shape[2]} must be a power of two (a Triton tile)")
-
-
-def _check_inputs(q, kv_pages, block_tables, seq_lens, sinks, *, sliding_window, ring_size, compressed_pages,
-                  compressed_block_tables, compressed_lens, topk_indices, kv_scales, compressed_scales,
-                  kv_rope_pages=None, compressed_rope_pages=None):  # fmt: skip
-    """Raises ValueError (with shapes) on malformed inputs; → (ring_size, kv scale layout, compressed scale layout)."""
-    if q.ndim != 3 or kv_pages.ndim != 3:
-        raise ValueError(f"expected q [B, H, D] and kv_pages [P, page_size, D], got q.shape={q.shape}, "
-                         f"kv_pages.shape={kv_pages.shape}")  # fmt: skip
-    b, h, d = q.shape
-    page_size = kv_pages.shape[1]
-    if kv_rope_pages is not None:
-        _check_rope_pages(kv_rope_pages, kv_pages, d, "kv_rope_pages", "kv_pages")
-    elif kv_pages.shape[2] != d:
-        raise ValueError(f"kv_pages.shape={kv_pages.shape} must be (P >= 1, page_size >= 1, D = {d})")
-    if kv_pages.shape[0] == 0 or page_size == 0:
-        raise ValueError(f"kv_pages.shape={kv_pages.shape} must be (P >= 1, page_size >= 1, D = {d})")
-    if q.dtype not in (jnp.bfloat16, jnp.float16, F32):
-        raise ValueError(f"q.dtype={q.dtype} must be bfloat16, float16 or float32")
-    if kv_pages.dtype not in (q.dtype, FP8):
-        raise ValueError(f"kv_pages.dtype={kv_pages.dtype} must be q.dtype={q.dtype} or float8_e4m3fn")
-    if sinks.shape != (h,) or sinks.dtype != F32:
-        raise ValueError(f"sinks must be float32 [H] = ({h},), got {sinks.dtype} {sinks.shape}")
-    if seq_lens.shape != (b,) or seq_lens.dtype != jnp.int32:
-        raise ValueError(f"seq_lens must be int32 [B] = ({b},), got {seq_lens.dtype} {seq_lens.shape}")
-    if not isinstance(sliding_window, int) or sliding_window < 1:
-        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int")
-    ring_size = sliding_window if ring_size is None else ring_size
-    if not isinstance(ring_size, int) or ring_size < sliding_window:
-        raise ValueError(f"ring_size={ring_size!r} must be an int >= sliding_window={sliding_window}")
-    ring_pages = -(-ring_size // page_size)
-    if block_tables.ndim != 2 or block_tables.shape[0] != b or block_tables.shape[1] < ring_pages \
-            or block_tables.dtype != jnp.int32:  # fmt: skip
-        raise ValueError(f"block_tables must be int32 [B, >= ceil(ring_size / page_size)] = ({b}, >= {ring_pages}) "
-                         f"for ring_size={ring_size}, page_size={page_size}; got {block_tables.dtype} "
-                         f"{block_tables.shape}")  # fmt: skip
-    kv_layout = _check_scales("kv_scales", kv_scales, kv_pages, "kv_pages", mixed=kv_rope_pages is not None)
-    compressed_layout = None
-    if compressed_pages is None:
-        if any(x is not None for x in (compressed_block_tables, compressed_lens, topk_indices, compressed_scales,
-                                       compressed_rope_pages)):  # fmt: skip
-            raise ValueError("compressed_block_tables / compressed_lens / topk_indices / compressed_scales / "
-                             "compressed_rope_pages given without compressed_pages")  # fmt: skip
-    else:
-        width = d if compressed_rope_pages is None else compressed_pages.shape[-1]
-        if compressed_pages.ndim != 3 or compressed_pages.shape[2] != width or 0 in compressed_pages.shape:
-            raise ValueError(f"compressed_pages.shape={compressed_pages.shape} must be (Pc >= 1, cps >= 1, D = {d})")
-        if compressed_rope_pages is not None:
-            _check_rope_pages(compressed_rope_pages, compressed_pages, d, "compressed_rope_pages", "compressed_pages")
-            if kv_rope_pages is not None and kv_rope_pages.shape[-1] != compressed_rope_pages.shape[-1]:
-                raise ValueError(f"kv_rope_pages and compressed_rope_pages must hold the same RoPE channels, got "
-                                 f"{kv_rope_pages.shape[-1]} and {compressed_rope_pages.shape[-1]}")  # fmt: skip
-        if compressed_pages.dtype not in (q.dtype, FP8):
-            raise ValueError(f"compressed_pages.dtype={compressed_pages.dtype} must be q.dtype={q.dtype} or "
-                             "float8_e4m3fn")  # fmt: skip
-        cbt = compressed_block_tables
-        if cbt is None or cbt.ndim != 2 or cbt.shape[0] != b or cbt.shape[1] == 0 or cbt.dtype != jnp.int32:
-            raise ValueError(f"compressed_block_tables must be int32 [B, >= 1] with B = {b}, got "
-                             f"{None if cbt is None else (cbt.dtype, cbt.shape)}")  # fmt: skip
-        if compressed_lens is None or compressed_lens.shape != (b,) or compressed_lens.dtype != jnp.int32:
-            raise ValueError(
-                f"compressed_lens must be int32 [B] = ({b},), got "
-                f"{None if compressed_lens is None else (compressed_lens.dtype, compressed_lens.shape)}"
-            )
-        if topk_indices is not None and (topk_indices.ndim != 2 or topk_indices.shape[0] != b
-                                         or topk_indices.shape[1] == 0 or topk_indices.dtype != jnp.int32):  # fmt: skip
-            raise ValueError(f"topk_indices must be int32 [B, K >= 1] with B = {b}, got {topk_indices.dtype} "
-                             f"{topk_indices.shape}")  # fmt: skip
-        compressed_layout = _check_scales("compressed_scales", compressed_scales, compressed_pages, "compressed_pages",
-                                          mixed=compressed_rope_pages is not None)  # fmt: skip
-    return ring_size, kv_layout, compressed_layout
-
-
-# ---------------------------------------------------------------------------------------------
 # Reference: the spec, every key gathered and masked. Fine for small shapes only.
 # ---------------------------------------------------------------------------------------------
-def _gather_reference(pages, scales, table, entry, dtype, rope=None):
-    """pages [P, ps, n], table [B, m], entry int32 [B, N] (>= 0) → dequantized rows [B, N, D] in `dtype` (D = n,
-    or n + Dr with the RoPE channels' own pages rope [P, ps, Dr] appended)."""
-    page_size, n = pages.shape[1:]
-    page = jnp.take_along_axis(table, entry // page_size, axis=1)  # [B, N]
-    row = entry % page_size
-    values = pages[page, row]  # [B, N, n]
-    if scales is not None:
-        full = scales[None, None, :] if scales.ndim == 1 else jnp.repeat(scales[page, row], SCALE_TILE, -1)[..., :n]
-        values = values.astype(F32) * full
-    values = values.astype(dtype)
-    return values if rope is None else jnp.concatenate([values, rope[page, row].astype(dtype)], axis=-1)
-
-
 @functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "ring_size"))
 def paged_decode_attention_reference(
     q: jax.Array,
@@ -293,7 +163,7 @@ def paged_decode_attention_reference(
     Numerics follow `dsv4.pallas.attention.v4_attention_reference`: f32 logits, the sink joins the row max,
     unnormalized probabilities rounded to the value dtype for P·V (f32 accumulate), divided at the end.
     """
-    ring_size, _, _ = _check_inputs(
+    ring_size, _, _ = check_decode_inputs(
         q, kv_pages, block_tables, seq_lens, sinks, sliding_window=sliding_window, ring_size=ring_size,
         compressed_pages=compressed_pages, compressed_block_tables=compressed_block_tables,
         compressed_lens=compressed_lens, topk_indices=topk_indices, kv_scales=kv_scales,
@@ -302,7 +172,7 @@ def paged_decode_attention_reference(
     b = q.shape[0]
     token = seq_lens[:, None] - sliding_window + jnp.arange(sliding_window)  # [B, W]: the window's positions
     mask = token >= 0
-    keys = _gather_reference(kv_pages, kv_scales, block_tables, jnp.where(mask, token, 0) % ring_size, q.dtype,
+    keys = gather_pages_reference(kv_pages, kv_scales, block_tables, jnp.where(mask, token, 0) % ring_size, q.dtype,
                              kv_rope_pages)  # fmt: skip
     if compressed_pages is not None:
         capacity = compressed_block_tables.shape[1] * compressed_pages.shape[1]
@@ -312,14 +182,14 @@ def paged_decode_attention_reference(
         else:  # CSA
             entry = topk_indices
         cmask = (entry >= 0) & (entry < count)  # [B, N]
-        entries = _gather_reference(compressed_pages, compressed_scales, compressed_block_tables,
+        entries = gather_pages_reference(compressed_pages, compressed_scales, compressed_block_tables,
                                     jnp.where(cmask, entry, 0), q.dtype, compressed_rope_pages)  # fmt: skip
         keys = jnp.concatenate([keys, entries], axis=1)  # [B, W + N, D]
         mask = jnp.concatenate([mask, cmask], axis=1)
     keys = jnp.where(mask[..., None], keys, 0)  # rows nobody wrote may hold anything (NaN): 0 · NaN is NaN
     logits = jnp.einsum("bhd,bnd->bhn", q, keys, preferred_element_type=F32) * scale  # [B, H, N]
     logits = jnp.where(mask[:, None, :], logits, -jnp.inf)
-    row_max = jnp.maximum(jnp.maximum(logits.max(-1), sinks), _M_FLOOR)  # [B, H]
+    row_max = jnp.maximum(jnp.maximum(logits.max(-1), sinks), M_FLOOR)  # [B, H]
     probs = jnp.exp(logits - row_max[..., None])  # unnormalized
     denom = probs.sum(-1) + jnp.exp(sinks - row_max)
     out = jnp.einsum("bhn,bnd->bhd", probs.astype(keys.dtype), keys, preferred_element_type=F32)
@@ -332,69 +202,28 @@ def unsupported_shape(num_heads: int, head_dim: int, block_sizes: BlockSizes = B
     """Why the Triton kernel cannot take q of num_heads × head_dim at these tiles (None: it can). compiled: for
     the GPU; the interpreter also takes tile rows below the 16 a compiled `tl.dot` needs."""
     block_h = min(block_sizes.block_h, num_heads)
-    if not _is_power_of_2(head_dim) or head_dim < _MIN_DOT_DIM:
-        return f"head dim D={head_dim} must be a power of two >= {_MIN_DOT_DIM}"
+    if not is_power_of_2(head_dim) or head_dim < MIN_DOT_DIM:
+        return f"head dim D={head_dim} must be a power of two >= {MIN_DOT_DIM}"
     if num_heads % block_h:
         return f"BlockSizes.block_h={block_sizes.block_h} does not divide num_heads={num_heads}"
-    if compiled and block_h < _MIN_DOT_DIM:
-        return f"tile rows block_h = {block_h} < {_MIN_DOT_DIM} for num_heads={num_heads}"
+    if compiled and block_h < MIN_DOT_DIM:
+        return f"tile rows block_h = {block_h} < {MIN_DOT_DIM} for num_heads={num_heads}"
     return None
 
 
 # ---------------------------------------------------------------------------------------------
 # Kernel.
 # ---------------------------------------------------------------------------------------------
-def _load_rows(ref, scales_ref, scale_layout, rows, row_valid, d, compute_dtype):
-    """Gathers rows int32 [N] and dequantizes them to `compute_dtype` → [N, d]; invalid rows are 0.
-
-    Whole rows (ref [rows, d]) are `attention._load_values`'. Split rows, the cache's FP8 formats: ref holds only
-    the first n < d channels in FP8 (scales per channel [n] or per row and 64-channel tile [rows, ceil(n / 64)]),
-    read as a d-wide masked load (Triton tiles are powers of two; n is not, 448 of 512 for V4), and channels n ..
-    d - 1 come back 0: the RoPE channels go through `_load_rope` and dots of their own. Rounded as
-    `dsv4.cache.quant.dequantize` rounds.
-    """
-    n = ref.shape[-1]
-    if n == d:
-        return _load_values(ref, scales_ref, scale_layout, rows, row_valid, compute_dtype)
-    col = jnp.arange(d)
-    nope, valid = col < n, row_valid[:, None]
-    # NOTE: column offsets stay affine, so that Triton can vectorize the masked load (BENCHMARKS, "The cache's own
-    # FP8 rows": clamped ones took 2-2.8x the whole-row time on an H200). Masked lanes are never read on the GPU;
-    # the interpreter reads them, and the select drops them.
-    raw = plgpu.load(ref.at[rows[:, None], col[None, :]], mask=valid & nope[None, :])
-    values = jnp.where(valid & nope[None, :], raw.astype(F32), 0.0)  # [N, d] (no FP8 `other`: see _load_values)
-    if scale_layout == "channel":
-        values = values * plgpu.load(scales_ref.at[col], mask=nope, other=0.0)[None, :]
-    else:
-        tiles = scales_ref.shape[-1]
-        if d % SCALE_TILE == 0:  # one load per tile, broadcast over its 64 channels
-            t = jnp.arange(d // SCALE_TILE)
-            s = plgpu.load(scales_ref.at[rows[:, None], t[None, :]], mask=valid & (t < tiles)[None, :],
-                           other=0.0)  # fmt: skip  # [N, d // 64]
-            s = jnp.broadcast_to(s[:, :, None], (*s.shape, SCALE_TILE)).reshape(values.shape)
-        else:  # d < 64 (small test shapes): one tile, its scale gathered for each channel
-            s = plgpu.load(scales_ref.at[rows[:, None], (col // d)[None, :]], mask=valid & nope[None, :], other=0.0)
-        values = values * s
-    return values.astype(compute_dtype)
-
-
-def _load_rope(rope_ref, rows, row_valid, compute_dtype):
-    """The RoPE channels of split rows: rope_ref [rows, Dr] gathered → [N, Dr] in `compute_dtype` (invalid rows 0)."""
-    dr = rope_ref.shape[-1]
-    raw = plgpu.load(rope_ref.at[rows[:, None], jnp.arange(dr)[None, :]], mask=row_valid[:, None], other=0)
-    return raw.astype(compute_dtype)
-
-
 def _split_softmax_step(carry, q, q_rope, keys, rope_keys, mask, *, logit_scale, compute_dtype):
-    """`attention._online_softmax_step` over split rows: keys [N, D] the nope channels (0 in the last Dr), rope_keys
-    [N, Dr] the RoPE ones, q_rope [M, Dr] q's last Dr channels; carry (acc [M, D], acc_rope [M, Dr], max, sum).
-    Logits as one f32 sum of the two dots; P rounded once, as for whole rows."""
+    """`attention_common.online_softmax_step` over split rows: keys [N, D] the nope channels (0 in the last Dr),
+    rope_keys [N, Dr] the RoPE ones, q_rope [M, Dr] q's last Dr channels; carry (acc [M, D], acc_rope [M, Dr], max,
+    sum). Logits as one f32 sum of the two dots; P rounded once, as for whole rows."""
     acc, acc_rope, row_max, row_sum = carry
     dims = (((1,), (1,)), ((), ()))
     s = lax.dot_general(q, keys, dims, precision=lax.Precision.HIGHEST, preferred_element_type=F32)
     s = s + lax.dot_general(q_rope, rope_keys, dims, precision=lax.Precision.HIGHEST, preferred_element_type=F32)
     s = jnp.where(mask, s * logit_scale, -jnp.inf)
-    max_next = jnp.maximum(row_max, s.max(axis=1))  # never -inf: starts at _M_FLOOR
+    max_next = jnp.maximum(row_max, s.max(axis=1))  # never -inf: starts at M_FLOOR
     alpha = jnp.exp2(row_max - max_next)
     p = jnp.exp2(s - max_next[:, None])
     row_sum = row_sum * alpha + p.sum(axis=1)
@@ -458,20 +287,20 @@ def paged_decode_attention_kernel(
     has_rope = rope_acc_ref is not None  # some source holds split rows: the state carries acc_rope
     dr = rope_acc_ref.shape[-1] if has_rope else 0
     q_rope = q_ref[:, pl.ds(head_dim - dr, dr)] if has_rope else None
-    whole = functools.partial(_online_softmax_step, logit_scale=scale * LOG2E, compute_dtype=compute_dtype)
+    whole = functools.partial(online_softmax_step, logit_scale=scale * LOG2E, compute_dtype=compute_dtype)
     split_step = functools.partial(_split_softmax_step, logit_scale=scale * LOG2E, compute_dtype=compute_dtype)
 
     def attend(carry, ref, scales_ref, rope_ref, scale_layout, row, valid):
-        keys = _load_rows(ref, scales_ref, scale_layout, row, valid, head_dim, compute_dtype)  # [N, D]
+        keys = load_paged_rows(ref, scales_ref, scale_layout, row, valid, head_dim, compute_dtype)  # [N, D]
         mask = jnp.broadcast_to(valid[None, :], (block_h, block_kv))
         if not has_rope:
             return whole(carry, q, keys, mask)
         if rope_ref is None:  # whole rows beside split ones: acc_rope only rescaled (P·0)
             zeros = jnp.zeros((block_kv, dr), compute_dtype)
             return split_step(carry, q, q_rope, keys, zeros, mask)
-        return split_step(carry, q, q_rope, keys, _load_rope(rope_ref, row, valid, compute_dtype), mask)
+        return split_step(carry, q, q_rope, keys, load_rope_rows(rope_ref, row, valid, compute_dtype), mask)
 
-    carry = (jnp.zeros((block_h, head_dim), F32), jnp.full((block_h,), _M_FLOOR, F32), jnp.zeros((block_h,), F32))
+    carry = (jnp.zeros((block_h, head_dim), F32), jnp.full((block_h,), M_FLOOR, F32), jnp.zeros((block_h,), F32))
     if has_rope:
         carry = (carry[0], jnp.zeros((block_h, dr), F32), *carry[1:])
     first_token = seq_len - n_window
@@ -517,17 +346,6 @@ def paged_decode_attention_kernel(
 # ---------------------------------------------------------------------------------------------
 # Public entry.
 # ---------------------------------------------------------------------------------------------
-def _combine_splits(acc, row_max, row_sum, sinks, dtype):
-    """Exact flash-decoding combine. acc [B, n, H, D], row_max / row_sum [B, n, H] (log2 domain) → [B, H, D]."""
-    sink = sinks * LOG2E  # [H]
-    total_max = jnp.maximum(jnp.maximum(row_max.max(axis=1), sink), _M_FLOOR)  # [B, H]
-    weight = jnp.exp2(row_max - total_max[:, None])  # [B, n, H]
-    denom = (weight * row_sum).sum(axis=1) + jnp.exp2(sink - total_max)  # [B, H]
-    out = (weight[..., None] * acc).sum(axis=1)  # [B, H, D]
-    out = out * jnp.where(denom > 0, 1.0 / denom, 0.0)[..., None]  # 0 only for a -inf sink and no keys
-    return out.astype(dtype)
-
-
 @functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "ring_size", "block_sizes", "interpret",
                                              "impl"))  # fmt: skip
 def paged_decode_attention(
@@ -581,7 +399,7 @@ def paged_decode_attention(
 
     Grid (B, H // block_h, num_splits); the splits are combined in jnp (O(B · num_splits · H · D)).
     """
-    ring_size, kv_layout, compressed_layout = _check_inputs(
+    ring_size, kv_layout, compressed_layout = check_decode_inputs(
         q, kv_pages, block_tables, seq_lens, sinks, sliding_window=sliding_window, ring_size=ring_size,
         compressed_pages=compressed_pages, compressed_block_tables=compressed_block_tables,
         compressed_lens=compressed_lens, topk_indices=topk_indices, kv_scales=kv_scales,
@@ -593,8 +411,6 @@ def paged_decode_attention(
         fp8 = any(x is not None and x.dtype == FP8 for x in (kv_pages, compressed_pages))
         block_sizes = default_block_sizes(kv_rope_pages is not None or compressed_rope_pages is not None, fp8)
     if impl != "triton":
-        from dsv4.pallas import decode_mgpu as dm  # local: decode_mgpu imports this module
-
         config = dm.MgpuDecodeConfig(num_splits=block_sizes.num_splits)
         if kv_rope_pages is not None or compressed_rope_pages is not None:
             why = "split rows (kv_rope_pages / compressed_rope_pages): the Mosaic kernel takes whole rows only"
@@ -708,4 +524,4 @@ def paged_decode_attention(
     )(*args)
     if dr:  # split rows' RoPE channels: their P·V lands in the last Dr columns (0 in acc for those rows)
         acc = acc.at[..., d - dr :].add(rope_acc)
-    return _combine_splits(acc, row_max, row_sum, sinks, q.dtype)
+    return combine_splits(acc, row_max, row_sum, sinks, q.dtype)

@@ -5,11 +5,10 @@ is computed. CSA (top-k row gathers: Hopper's TMA cannot gather rows) and FP8 pa
 on the Triton kernel.
 
 Why a second kernel: a decode step is 64 heads × 512 channels against each 1 KiB KV row, 128 FLOP per byte of bf16
-KV. Reading at 70% of an H200's copy bandwidth therefore needs ≈ 380 TFLOP/s of tensor work with the loads hidden
-under it; the Triton kernel reaches ≈ 160 (docs/KERNEL_NOTES.md, DC5). This kernel is the prefill kernel's plan
-(`attention_mgpu.py`) with the query fixed and the keys streamed from pages.
+KV, so reading at copy bandwidth needs far more tensor throughput than the Triton kernel reaches. This kernel is the
+prefill kernel's plan (`attention_mgpu.py`) with the query fixed and the keys streamed from pages.
 
-Design (docs/KERNEL_NOTES.md, "Paged decode attention" → "The Mosaic decode kernel", with its measurements):
+Design (docs/kernels/decode.md, "The Mosaic decode kernel"):
 - One CTA = one request × 64 heads × one split of its key tiles; grid (B · H / 64, num_splits).
 - A key tile is 64 rows of one page (page sizes must be multiples of 64), fetched by one TMA per half of D from
   `pages[page, row0 : row0 + 64, half]`; the producer reads each page id from a block table one step before it
@@ -27,21 +26,21 @@ Design (docs/KERNEL_NOTES.md, "Paged decode attention" → "The Mosaic decode ke
   O_w += P·V_w with V_w the same SMEM half-tile as K_w (K = V). As `attention_mgpu.py`.
 - A tile with rows outside its kept range (the window's edges, the last compressed tile) has those rows zeroed in
   SMEM by their consumer before the matmuls: cache rows nobody wrote may hold anything, NaN included, and a masked
-  logit alone does not stop 0 · NaN in P·V (decode.py's DC2).
+  logit alone does not stop 0 · NaN in P·V.
 - The state starts empty (max -1e30 in the log2 domain, sum 0, acc 0), no sink; each CTA writes (acc [64, D] f32,
-  max [64], sum [64]) to its split's slot and `decode._combine_splits` adds the sink once. A split with no tiles
-  writes the empty state. After the loop the KV ring is dead, so the f32 accumulator is staged for its TMA store
+  max [64], sum [64]) to its split's slot and `attention_common.combine_splits` adds the sink once. A split with no
+  tiles writes the empty state. After the loop the KV ring is dead, so the f32 accumulator is staged for its TMA store
   in the ring's SMEM (a `RefUnion`), once both consumers are past their last P·V.
 - FP8 pages (float8_e4m3fn with per-channel scales, one [D] vector per pool): the kernel runs in f16 (q rounded to
   f16; e4m3 → f16 is exact and one instruction per two values, where Mosaic has no direct e4m3 → bf16). The ring
   holds e4m3 tiles (half the bytes to load); each consumer converts its half of a tile into its own f16 tile, 64
   channels at a time, times the pool's scales (loaded into SMEM with Q), releases the e4m3 slot, zeroes the rows
-  outside [lo, hi) of an edge tile as bf16 pages do, and runs the same matmuls on the f16 tile (docs/KERNEL_NOTES.md
-  DC17–DC20). The scales are rounded to f16 and multiplied in f16: they must be normal f16 values (6.1e-5 .. 65504,
-  as an FP8 cache's amax / 448 scales of RMS-normed rows are), and so must value × scale.
+  outside [lo, hi) of an edge tile as bf16 pages do, and runs the same matmuls on the f16 tile. The scales are
+  rounded to f16 and multiplied in f16: they must be normal f16 values (6.1e-5 .. 65504, as an FP8 cache's
+  amax / 448 scales of RMS-normed rows are), and so must value × scale.
 - `pv_chunks` (2 at D = 512): each consumer's P·V runs as that many wgmmas over column chunks of its half (and its
   Q·Kᵀ as as many over K), and each chunk of the slot goes back to the producer (which loads it by its own TMA) as
-  soon as its wgmma is done, instead of the whole half after the last one (docs/KERNEL_NOTES.md DC19).
+  soon as its wgmma is done, instead of the whole half after the last one.
 
 SMEM at D = 512, 2 slots: Q 64 KiB + KV ring 128 KiB (= the f32 output staging) + exchange 32 KiB + stats 0.5 KiB.
 FP8 pages: the ring is 2 × 32 KiB of e4m3 + the two consumers' f16 tile halves, 64 KiB, and the scales (2 KiB) beside
@@ -52,7 +51,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -60,18 +58,26 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsv4.pallas.attention_mgpu import online_softmax_step, pv_in_place_chunked, pv_through_smem, swap_with_other
-from dsv4.pallas.decode import _check_inputs, _combine_splits, default_num_splits
+from dsv4.pallas.attention_common import (
+    F32,
+    HEADS_PER_CTA,
+    LOG2E,
+    M_FLOOR,
+    SMEM_LIMIT,
+    check_decode_inputs,
+    combine_splits,
+    default_num_splits,
+    pv_in_place_chunked,
+    pv_through_smem,
+    smem_tiling,
+    swap_with_other,
+    wgmma_online_softmax_step,
+)
 
 __all__ = ["MgpuDecodeConfig", "mgpu_decode_supported", "paged_decode_attention_mgpu", "unsupported_reason"]
 
-F32 = jnp.float32
-LOG2E = math.log2(math.e)
-_M_FLOOR = -1e30  # the Triton kernel's empty-state max (decode.py / attention.py)
-HEADS_PER_CTA = 64  # M of every wgmma: one token × 64 heads
 TILE = 64  # key rows per step: a bf16 wgmma K (P·V) must be a multiple of 64
 _FP8_CHUNK = 64  # FP8 pages: channels per e4m3 → f16 conversion chunk (a 64-byte-swizzled e4m3 tile's width)
-_SMEM_LIMIT = 227 * 1024
 _PV_FORMS = ("run_state", "interpret")
 _DEBUG_FLAGS = ("stream_only", "compute_only", "skip_exchange", "skip_softmax", "skip_convert", "skip_scale",
                 "skip_mask")  # fmt: skip
@@ -86,15 +92,14 @@ class MgpuDecodeConfig:
     """Tunables of `paged_decode_attention_mgpu`.
 
     num_slots:  key tiles in flight (SMEM ring depth), >= 1; 2 is what fits at D = 512.
-    num_splits: key-axis splits per (request, head block); None: `decode.default_num_splits` (one wave).
+    num_splits: key-axis splits per (request, head block); None: `default_num_splits` (one wave).
     pv_chunks:  column chunks of each consumer's P·V, each released to the producer (and refilled by its own TMA)
                 as soon as its wgmma completes; 1: the half-tile at once. D / 2 must be a multiple of 64 · pv_chunks
-                (whole 128-byte swizzle tiles); None: 2 where D / 2 allows it, else 1. On one H200 at 512K, batch
-                32 (DC19), 2 made bf16 pages 3–5% faster than 1 and FP8 pages 18% (there the slot is released
-                after the conversion, so the gain is the chunked matmuls' code, not the loads); 4 was slower.
+                (whole 128-byte swizzle tiles); None: 2 where D / 2 allows it, else 1 (2 was the fastest measured, for
+                bf16 and FP8 pages).
     fp8_layout: FP8 pages: the register layout of the e4m3 → f16 conversion, one of "wgmma" (2-byte e4m3 loads),
-                "upcast2x" (4-byte), "upcast4x" (8-byte); the f16 tile is stored from the same layout. On one
-                H200 both upcast layouts made the full-cache read 8% faster than "wgmma" (docs/KERNEL_NOTES.md DC19).
+                "upcast2x" (4-byte), "upcast4x" (8-byte); the f16 tile is stored from the same layout. The upcast
+                layouts' wider accesses read the cache faster than "wgmma".
     approx_math: Mosaic `approx_math` (fast exp2 / reciprocal).
     pv_form:    "run_state" (P·V accumulated in place, the GPU form) or "interpret" (P through SMEM into a fresh
                 accumulator, then added: the only form the CPU Mosaic interpreter runs; not for the GPU).
@@ -103,14 +108,12 @@ class MgpuDecodeConfig:
                 buffer is one; the exchange's own mbarriers (each thread arrives after its own write or read)
                 already order it, the masked-row zeroing reads and writes each element from its owner thread, and
                 every store a TMA or wgmma reads, or another thread reads back (the FP8 conversion's, read again
-                by the edge rows' zeroing in another layout), is followed by `commit_smem` (fence and barrier). On
-                one H200 the full-cache read at 512K was 2% faster without them on bf16 pages (DC16, and again in
-                the nineteenth session) and 4.5–7% on FP8 pages (DC19), so False is the default.
+                by the edge rows' zeroing in another layout), is followed by `commit_smem` (fence and barrier). Without
+                them the cache reads faster (bf16 and FP8 pages), so False is the default.
     registers:  (each consumer's, the producer's) register count per thread after `setmaxnreg`: multiples of 8,
-                the producer >= 24, 2 · consumer + producer <= 504. (240, 32) hung on the GPU (twentieth session,
-                call 5), most likely in `setmaxnreg.inc`: it can only move the registers the CTA was launched with,
-                384 threads at ptxas' 168 each (65536 / 384, rounded down to 8), 3 · 168 = 504 a lane. So the
-                default (232, 40) is the whole budget.
+                the producer >= 24, 2 · consumer + producer <= 504: `setmaxnreg` can only move the registers the CTA
+                was launched with, 384 threads at ptxas' 168 each (65536 / 384, rounded down to 8), 3 · 168 = 504 a
+                lane ((240, 32) hung on the GPU). The default (232, 40) is the whole budget.
     debug:      measurement switches, a tuple of: "stream_only" (the consumers wait for each tile and release it,
                 no matmuls: the kernel's load path alone), "compute_only" (only the first `num_slots` tiles are
                 loaded; every later step computes on whatever its slot holds: the consumers alone),
@@ -171,7 +174,7 @@ class MgpuDecodeConfig:
 
 def _unsupported(q, kv_pages, ring_size, compressed_pages, topk_indices, kv_scales, compressed_scales,
                  config: MgpuDecodeConfig) -> str | None:  # fmt: skip
-    """Why this kernel cannot take these inputs (None: it can). Inputs already passed `decode._check_inputs`."""
+    """Why this kernel cannot take these inputs (None: it can). Inputs already passed `check_decode_inputs`."""
     b, h, d = q.shape
     if jax.dtypes.canonicalize_dtype(q.dtype) not in (jnp.bfloat16, jnp.float16):
         return f"q.dtype={q.dtype} must be bfloat16 or float16 (wgmma operands)"
@@ -205,8 +208,8 @@ def _unsupported(q, kv_pages, ring_size, compressed_pages, topk_indices, kv_scal
                f"must be a multiple of {TILE}"  # fmt: skip
     if config.pv_chunks is not None and (d // 2) % (TILE * config.pv_chunks):
         return f"pv_chunks={config.pv_chunks} needs D/2={d // 2} to be a multiple of {TILE * config.pv_chunks}"
-    if config.smem_bytes(d, fp8=fp8) > _SMEM_LIMIT:
-        return f"{config} needs {config.smem_bytes(d, fp8=fp8)} B of shared memory at D={d}; limit {_SMEM_LIMIT}"
+    if config.smem_bytes(d, fp8=fp8) > SMEM_LIMIT:
+        return f"{config} needs {config.smem_bytes(d, fp8=fp8)} B of shared memory at D={d}; limit {SMEM_LIMIT}"
     return None
 
 
@@ -221,10 +224,6 @@ def unsupported_reason(q, kv_pages, *, sliding_window, ring_size=None, compresse
 def mgpu_decode_supported(q, kv_pages, **kw) -> bool:
     """True when `paged_decode_attention_mgpu` takes these shapes and dtypes (keywords as `unsupported_reason`)."""
     return unsupported_reason(q, kv_pages, **kw) is None
-
-
-def _tiled(minor, itemsize):
-    return plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(minor * itemsize)
 
 
 class _TileStream:
@@ -382,7 +381,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
             if fp8:  # one more arrival on q_bar[w]
                 plgpu.copy_gmem_to_smem(scales_ref.at[:, pl.ds(w * dh, dh)], scales_smem.at[w], q_bar.at[w])
             row_layout = wgmma_layout.reduce(1)
-            m_i = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_FLOOR, F32), row_layout)
+            m_i = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), M_FLOOR, F32), row_layout)
             l_i = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), F32), row_layout)
             acc = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, dh), F32), wgmma_layout)
             plgpu.barrier_wait(q_bar.at[w])
@@ -421,8 +420,8 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                         release(slot, w)
                     kv_half = work_smem.at[w]
 
-                # NOTE: the zeroing is a second pass on edge tiles only; inside the FP8 conversion it ran on every
-                # tile and cost 23% of the full-cache read (DC19)
+                # NOTE: the zeroing is a second pass on edge tiles only; inside the FP8 conversion it would run on
+                # every tile
                 if not skip_mask:
                     @pl.when((base < lo) | (base + TILE > hi))
                     def _():  # rows outside [lo, hi) may hold anything (NaN): zero this warpgroup's half of them
@@ -449,7 +448,7 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
                     p, m_new, l_new = s_full, m_i, l_i
                 else:
                     col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, TILE), 1, layout=wgmma_layout) + base
-                    p, m_new, l_new, acc = online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
+                    p, m_new, l_new, acc = wgmma_online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
                 p16 = p.astype(dtype)
                 # bf16 pages: chunk j of the slot half goes back as soon as its P·V is done (FP8: released above)
                 release_chunk = None if (compute_only or fp8) else (
@@ -501,22 +500,23 @@ def _decode_call(q, meta, kv_pages, block_tables, compressed_pages, compressed_b
 
     elems_128b = 128 // itemsize
     # Every [64 rows, cw] chunk its own contiguous block: a TMA's SMEM destination must be contiguous
-    ring = plgpu.SMEM((slots * 2, nc, TILE, cw), dtype, transforms=_tiled(elems_128b, itemsize))
-    out_staging = plgpu.SMEM((2, HEADS_PER_CTA, dh), F32, transforms=_tiled(32, 4))
+    ring = plgpu.SMEM((slots * 2, nc, TILE, cw), dtype, transforms=smem_tiling(elems_128b, itemsize))
+    out_staging = plgpu.SMEM((2, HEADS_PER_CTA, dh), F32, transforms=smem_tiling(32, 4))
     stats = plgpu.SMEM((2, HEADS_PER_CTA), F32)  # (max, sum) staging
     if fp8:  # the TMA'd e4m3 ring (64-byte swizzle: 64-column conversion chunks), each consumer's f16 tile half and
         # the [half, pool, channel] scales, while the stats join the output staging's group: the union grows by
         # 1.5 KiB and fits at D = 512, where 2 KiB of scales beside it were 120 B over the limit
-        ring = (plgpu.SMEM((slots * 2, nc, TILE, cw), kv_pages.dtype, transforms=_tiled(_FP8_CHUNK, 1)),
-                plgpu.SMEM((2, nc, TILE, cw), dtype, transforms=_tiled(elems_128b, itemsize)),
+        ring = (plgpu.SMEM((slots * 2, nc, TILE, cw), kv_pages.dtype, transforms=smem_tiling(_FP8_CHUNK, 1)),
+                plgpu.SMEM((2, nc, TILE, cw), dtype, transforms=smem_tiling(elems_128b, itemsize)),
                 plgpu.SMEM((2, 2, dh), jnp.float16))  # fmt: skip
         out_staging, stats = (out_staging, stats), None
     scratch = [
-        plgpu.SMEM((2, nc, HEADS_PER_CTA, cw), dtype, transforms=_tiled(elems_128b, itemsize)),  # Q halves by chunk
+        plgpu.SMEM((2, nc, HEADS_PER_CTA, cw), dtype, transforms=smem_tiling(elems_128b, itemsize)),  # Q by chunk
         plgpu.RefUnion(ring, out_staging),  # KV ring [slot · 2 + half] (FP8: + more) ∪ f32 output staging [half]
-        plgpu.SMEM((2, HEADS_PER_CTA, TILE), F32, transforms=_tiled(32, 4)),  # partial-logit exchange
+        plgpu.SMEM((2, HEADS_PER_CTA, TILE), F32, transforms=smem_tiling(32, 4)),  # partial-logit exchange
         stats,
-        plgpu.SMEM((2, HEADS_PER_CTA, TILE), dtype, transforms=_tiled(elems_128b, itemsize)) if interp_pv else None,
+        plgpu.SMEM((2, HEADS_PER_CTA, TILE), dtype, transforms=smem_tiling(elems_128b, itemsize))
+        if interp_pv else None,
         plgpu.Barrier(num_barriers=2, num_arrivals=nc + int(fp8)),  # q halves (one TMA a chunk; + FP8 scales)
         plgpu.Barrier(num_barriers=2 * slots, num_arrivals=nc),  # kv halves full (one TMA a chunk)
         plgpu.Barrier(num_barriers=2 * slots * nc),  # kv half chunks consumed
@@ -589,7 +589,7 @@ def paged_decode_attention_mgpu(
     SMEM, times the channel scale. config: MgpuDecodeConfig; interpret: an InterpretGPUParams for the CPU Mosaic
     interpreter (with config.pv_form="interpret").
     """
-    ring_size, _, _ = _check_inputs(
+    ring_size, _, _ = check_decode_inputs(
         q, kv_pages, block_tables, seq_lens, sinks, sliding_window=sliding_window, ring_size=ring_size,
         compressed_pages=compressed_pages, compressed_block_tables=compressed_block_tables,
         compressed_lens=compressed_lens, topk_indices=None, kv_scales=kv_scales, compressed_scales=compressed_scales,
@@ -615,4 +615,4 @@ def paged_decode_attention_mgpu(
     acc, row_max, row_sum = _decode_call(qk, meta, kv_pages, block_tables, compressed_pages, compressed_block_tables,
                                          channel_scales, scale=scale, ring_size=ring_size, num_splits=num_splits,
                                          config=config, interpret=interpret)  # fmt: skip
-    return _combine_splits(acc, row_max, row_sum, sinks, q.dtype)
+    return combine_splits(acc, row_max, row_sum, sinks, q.dtype)

@@ -27,7 +27,7 @@ visible keys `K` at a time (a "chunk", computed as K / block_c matmul sub-tiles)
 with a bitonic network, takes the elementwise better of (buffer[i], chunk[i]) — a bitonic sequence that holds
 exactly the top K of the union — and sorts that with a bitonic merge (log2 K stages). Chunks where no score
 beats the buffer's current K-th best are skipped (`lax.cond`). Per key that is about log2(K)·(log2(K)+3)/4
-compare-exchanges (27 at K = 512, 38 at K = 2048), branch-free and exact; docs/KERNEL_NOTES.md has the cost.
+compare-exchanges (27 at K = 512, 38 at K = 2048), branch-free and exact; docs/kernels/indexer.md has the cost.
 
 FP8: q and/or keys may be float8_e4m3fn with float32 scales, value = float32(fp8) · scale. Scales must be > 0
 (ReLU(a·x) = a·ReLU(x) needs a >= 0), which absmax scaling guarantees.
@@ -49,6 +49,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dsv4.pallas.indexer_common import (
+    F32,
+    FP8,
+    NEG_INF,
+    check_index_inputs,
+    fold_scales,
+    next_power_of_2,
+    topk_of_scores,
+    visible_entries,
+)
+from dsv4.pallas.indexer_slab import index_slab_rows
+from dsv4.pallas.select import refine_for
+
 __all__ = [
     "BlockSizes",
     "ScoreBlocks",
@@ -61,9 +74,6 @@ __all__ = [
     "index_topk_two_pass",
 ]
 
-F32 = jnp.float32
-FP8 = jnp.float8_e4m3fn
-NEG_INF = float("-inf")
 # Index of an empty buffer slot or an invisible entry: sorts after every real entry of equal (-inf) score.
 _SENTINEL = jnp.iinfo(jnp.int32).max
 # NOTE: `tl.dot` needs every matmul dimension >= 16, so compiled tiles need block_q · Hi >= 16 and block_c >= 16.
@@ -73,10 +83,6 @@ _DEFAULT_TILE_ROWS = 64  # matmul rows (tokens × heads) per program when block_
 
 def _is_power_of_2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,54 +123,6 @@ class BlockSizes:
 # ---------------------------------------------------------------------------------------------
 # Input checks shared by the kernel entry and the reference.
 # ---------------------------------------------------------------------------------------------
-def _check_inputs(q, keys, weights, positions, *, rate, k, q_scale, k_scale) -> tuple[str | None, str | None]:
-    """Raises ValueError (with shapes) on malformed inputs; → (q scale layout, k scale layout), each
-    "tensor", "token_head" / "row", or None (not FP8)."""
-    if q.ndim != 4 or keys.ndim != 3:
-        raise ValueError(
-            f"expected q [B, S, Hi, Di] and keys [B, C, Di], got q.shape={q.shape}, keys.shape={keys.shape}"
-        )
-    b, s, h, d = q.shape
-    c = keys.shape[1]
-    if keys.shape != (b, c, d) or c == 0:
-        raise ValueError(f"keys.shape={keys.shape} must be (B, C >= 1, Di) = ({b}, C, {d}) for q.shape={q.shape}")
-    if weights.shape != (b, s, h) or weights.dtype != F32:
-        raise ValueError(f"weights must be float32 [B, S, Hi] = ({b}, {s}, {h}), got {weights.dtype} {weights.shape}")
-    if positions.shape != (b, s) or positions.dtype != jnp.int32:
-        raise ValueError(f"positions must be int32 [B, S] = ({b}, {s}), got {positions.dtype} {positions.shape}")
-    for name, x in (("q", q), ("keys", keys)):
-        if x.dtype not in (jnp.bfloat16, jnp.float16, F32, FP8):
-            raise ValueError(f"{name}.dtype={x.dtype} must be bfloat16, float16, float32 or float8_e4m3fn")
-    if q.dtype != keys.dtype and FP8 not in (q.dtype, keys.dtype):
-        raise ValueError(f"q.dtype={q.dtype} and keys.dtype={keys.dtype} differ (only float8_e4m3fn may mix)")
-    if not isinstance(rate, int) or rate < 1:
-        raise ValueError(f"rate={rate!r} must be a positive int")
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"k={k!r} must be a positive int")
-
-    def layout(name, scale, x, per_row_shape, per_row_name):
-        if x.dtype != FP8:
-            if scale is not None:
-                raise ValueError(f"{name} given but the scaled input is {x.dtype}, not float8_e4m3fn")
-            return None
-        if scale is None:
-            raise ValueError(f"{name} is required: its input is float8_e4m3fn {x.shape}")
-        if scale.dtype != F32:
-            raise ValueError(f"{name} must be float32, got {scale.dtype}")
-        if scale.shape == ():
-            return "tensor"
-        if scale.shape == per_row_shape:
-            return per_row_name
-        raise ValueError(f"{name}.shape={scale.shape} fits neither per-tensor () nor {per_row_shape}")
-
-    return layout("q_scale", q_scale, q, (b, s, h), "token_head"), layout("k_scale", k_scale, keys, (b, c), "row")
-
-
-def _visible(positions, rate: int, num_entries: int):
-    """→ int32 visible-entry count per query: min(max((p + 1) // rate, 0), C)."""
-    return jnp.clip((positions + 1) // rate, 0, num_entries)
-
-
 # ---------------------------------------------------------------------------------------------
 # Reference: the spec, with the [B, S, C] scores materialized. Fine for small shapes only.
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +140,7 @@ def _reference_scores(q, keys, weights, positions, *, rate, softmax_scale, q_sca
     dots = jnp.einsum("bqhd,bcd->bqhc", q, keys, preferred_element_type=F32)  # [B, S, Hi, C]
     scores = jnp.einsum("bqhc,bqh->bqc", jax.nn.relu(dots) * softmax_scale, weights)  # [B, S, C]
     scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 → +0.0 (lax.top_k orders -0.0 below +0.0)
-    visible = _visible(positions, rate, c)  # [B, S]
+    visible = visible_entries(positions, rate, c)  # [B, S]
     return jnp.where(jnp.arange(c) < visible[..., None], scores, NEG_INF)
 
 
@@ -191,20 +149,10 @@ def index_scores_reference(q, keys, weights, positions, *, rate: int, softmax_sc
                            k_scale=None) -> jax.Array:  # fmt: skip
     """The indexer's scores straight from the spec (arguments as `index_scores`). → float32 [B, S, C], -inf where
     the entry is not visible to the query."""
-    q_layout, k_layout = _check_inputs(q, keys, weights, positions, rate=rate, k=1, q_scale=q_scale,
+    q_layout, k_layout = check_index_inputs(q, keys, weights, positions, rate=rate, k=1, q_scale=q_scale,
                                        k_scale=k_scale)  # fmt: skip
     return _reference_scores(q, keys, weights, positions, rate=rate, softmax_scale=softmax_scale, q_scale=q_scale,
                              k_scale=k_scale, q_layout=q_layout, k_layout=k_layout)  # fmt: skip
-
-
-def _topk_of_scores(scores, visible, k: int, select):
-    """Top-k indices of masked scores [B, S, C] (any k: padded with -inf past C) → int32 [B, S, k], -1 past the
-    visible count. select: (x, k) → (values, indices), `lax.top_k` or `dsv4.topk.top_k`."""
-    c = scores.shape[-1]
-    if k > c:  # top-k needs k <= C; the padding is never visible
-        scores = jnp.pad(scores, ((0, 0), (0, 0), (0, k - c)), constant_values=NEG_INF)
-    values, idx = select(scores, k)  # [B, S, k]
-    return jnp.where(jnp.isneginf(values) | (idx >= visible[..., None]), -1, idx).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale"))
@@ -225,11 +173,11 @@ def index_topk_reference(
     Numerics follow `dsv4.attention.index_topk_jnp`: f32 dots, ReLU · softmax_scale, head-weighted f32 sum,
     `lax.top_k` (ties to the lower index). FP8 inputs are dequantized to float32 first. k may exceed C.
     """
-    q_layout, k_layout = _check_inputs(q, keys, weights, positions, rate=rate, k=k, q_scale=q_scale,
+    q_layout, k_layout = check_index_inputs(q, keys, weights, positions, rate=rate, k=k, q_scale=q_scale,
                                        k_scale=k_scale)  # fmt: skip
     scores = _reference_scores(q, keys, weights, positions, rate=rate, softmax_scale=softmax_scale, q_scale=q_scale,
                                k_scale=k_scale, q_layout=q_layout, k_layout=k_layout)  # fmt: skip
-    return _topk_of_scores(scores, _visible(positions, rate, keys.shape[1]), k, lax.top_k)
+    return topk_of_scores(scores, visible_entries(positions, rate, keys.shape[1]), k, lax.top_k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,7 +357,7 @@ def index_topk(
     Output rows are sorted by descending score, ties to the lower index, -1 last (see the module docstring).
     Grid (nQ, B), query blocks first (the launch's x axis, the only one not capped at 65535).
     """
-    q_layout, k_layout = _check_inputs(q, keys, weights, positions, rate=rate, k=k, q_scale=q_scale,
+    q_layout, k_layout = check_index_inputs(q, keys, weights, positions, rate=rate, k=k, q_scale=q_scale,
                                        k_scale=k_scale)  # fmt: skip
     b, s, h, d = q.shape
     c = keys.shape[1]
@@ -421,10 +369,10 @@ def index_topk(
     if out_init is not None and (out_init.shape != (b, s, k) or out_init.dtype != jnp.int32):
         raise ValueError(f"out_init must be int32 {(b, s, k)}, got {out_init.dtype} {out_init.shape}")
 
-    weights, k_scale = _fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout)
+    weights, k_scale = fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout)
     compute_dtype = keys.dtype if q.dtype == FP8 else q.dtype  # both FP8: an FP8 matmul; one: upcast it
 
-    chunk = _next_power_of_2(max(k, block_sizes.block_c))
+    chunk = next_power_of_2(max(k, block_sizes.block_c))
     grid = (pl.cdiv(s, block_q), b)
     out_spec = pl.BlockSpec((None, block_q, k), lambda i, j: (j, i, 0))
     in_specs = [
@@ -601,17 +549,6 @@ def index_scores_kernel(
     lax.fori_loop(n_live, n_tiles, dead_tile, 0)
 
 
-def _fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout):
-    """Everything that scales a whole (token, head) row folds into the weights (ReLU commutes with scales > 0).
-    → (weights, per-entry k_scale or None)."""
-    weights = weights * softmax_scale
-    if q_layout is not None:
-        weights = weights * q_scale  # () or [B, S, Hi]
-    if k_layout == "tensor":
-        weights, k_scale = weights * k_scale, None
-    return weights, k_scale
-
-
 @functools.partial(jax.jit, static_argnames=("rate", "softmax_scale", "blocks", "interpret"))
 def index_scores(
     q: jax.Array,
@@ -634,7 +571,7 @@ def index_scores(
     out_init: an aliased float32 [B, S, C] buffer for poisoning in tests). Grid (nQ, nSpan, B).
     Callers bound the [S, C] output by passing a chunk of the queries at a time (`index_topk_two_pass`).
     """
-    q_layout, k_layout = _check_inputs(q, keys, weights, positions, rate=rate, k=1, q_scale=q_scale,
+    q_layout, k_layout = check_index_inputs(q, keys, weights, positions, rate=rate, k=1, q_scale=q_scale,
                                        k_scale=k_scale)  # fmt: skip
     b, s, h, d = q.shape
     c = keys.shape[1]
@@ -642,9 +579,9 @@ def index_scores(
         raise ValueError(f"q.shape={q.shape}: Hi and Di must be powers of two >= {_MIN_DOT_DIM}")
     if out_init is not None and (out_init.shape != (b, s, c) or out_init.dtype != F32):
         raise ValueError(f"out_init must be float32 {(b, s, c)}, got {out_init.dtype} {out_init.shape}")
-    weights, k_scale = _fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout)
+    weights, k_scale = fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout)
     compute_dtype = keys.dtype if q.dtype == FP8 else q.dtype  # both FP8: an FP8 matmul; one: upcast it
-    bq, span = blocks.block_q, min(blocks.span, max(blocks.block_c, _next_power_of_2(c)))
+    bq, span = blocks.block_q, min(blocks.span, max(blocks.block_c, next_power_of_2(c)))
     out_spec = pl.BlockSpec((None, bq, span), lambda i, j, n: (n, i, j))
     in_specs = [
         pl.BlockSpec((None, bq, h, d), lambda i, j, n: (n, i, 0, 0)),  # q
@@ -677,9 +614,7 @@ def index_scores(
 
 def default_query_chunk(num_entries: int, batch: int = 1) -> int:
     """Queries per `index_topk_two_pass` step: the float32 [B, chunk, C] scores stay within 256 MiB
-    (`dsv4.memory_plan.INDEX_SLAB_BYTES`, which the memory plan counts), 128..4096, a power of two."""
-    from dsv4.memory_plan import index_slab_rows
-
+    (`indexer_slab.INDEX_SLAB_BYTES`, which the memory plan counts), 128..4096, a power of two."""
     return index_slab_rows(num_entries, batch)
 
 
@@ -689,29 +624,6 @@ def band_widths(num_entries: int, bands: int, align: int = 64) -> tuple[int, ...
     ceil = lambda x, m: -(-x // m)  # noqa: E731
     return tuple(sorted({min(ceil(ceil(num_entries * j, bands), align) * align, num_entries)
                          for j in range(1, bands + 1)}))  # fmt: skip
-
-
-def _refine_interpreted(x, groups, *, group, ordered):
-    """`refine_top_k` in the Pallas interpreter, one stable callable (`top_k` takes `refine` as a static argument)."""
-    from dsv4.pallas.select import refine_top_k
-
-    return refine_top_k(x, groups, group=group, ordered=ordered, interpret=True)
-
-
-def _refine_for(selection: str, interpret: bool):
-    """`dsv4.topk.top_k`'s `refine` for a selection: "xla" → None, "kernel" → `select.refine_top_k` (interpreted
-    with `interpret`), "auto" → "kernel" on a Hopper GPU, "xla" elsewhere."""
-    if selection not in ("auto", "xla", "kernel"):
-        raise ValueError(f"selection={selection!r} must be 'auto', 'xla' or 'kernel'")
-    if selection == "auto":
-        from dsv4.pallas._device import is_hopper
-
-        selection = "kernel" if not interpret and is_hopper() else "xla"
-    if selection == "xla":
-        return None
-    from dsv4.pallas.select import refine_top_k
-
-    return _refine_interpreted if interpret else refine_top_k
 
 
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "query_chunk", "blocks", "group",
@@ -750,20 +662,17 @@ def index_topk_two_pass(
     width_bands: a chunk whose queries see at most n entries is scored and searched over only the first W keys,
     the narrowest of `band_widths(C, width_bands)` that holds n (a `lax.switch` over the bands' programs). Causal
     chunks early in a prompt then skip the invisible columns: with 4 bands the slabs average 5/8 of C instead of
-    all of it. On one H200 (FP8 Mosaic scores) 4 bands took the indexer of a 128K-token prompt from 102.5 to 95.8
-    ms and of a 512K one from 1140 to 1087 ms (docs/KERNEL_NOTES.md IX13b, IX16), at the cost of one compile per
-    band. 1 (off) by default here; the model's FP8 indexer on a Hopper GPU (`dsv4.attention.index_topk_fp8`)
-    passes 4.
+    all of it, at the cost of one compile per band (docs/kernels/indexer.md). 1 (off) by default here; the model's
+    FP8 indexer on a Hopper GPU (`dsv4.attention.index_topk_fp8`) passes 4.
 
     selection: how `dsv4.topk.top_k` refines each level: "xla" (a sort of the chosen group ids, a gather and
     `lax.top_k`), "kernel" (`dsv4.pallas.select.refine_top_k`, one pass; interpreted with `interpret`), or "auto"
-    (the default: "kernel" on a Hopper GPU, where it was measured, whatever computes the scores: the selection of
-    a 512K prompt's last query chunk 0.79 → 0.40 ms, the FP8 indexer 95.6 → 76.7 ms at 128K and 1107.8 → 956.7 ms
-    at 512K on one H200, docs/KERNEL_NOTES.md IX23; "xla" elsewhere). The same picks either way.
+    (the default: "kernel" on a Hopper GPU, where it is the faster, whatever computes the scores; "xla"
+    elsewhere). The same picks either way.
     """
     from dsv4.topk import top_k
 
-    _check_inputs(q, keys, weights, positions, rate=rate, k=k, q_scale=q_scale, k_scale=k_scale)
+    check_index_inputs(q, keys, weights, positions, rate=rate, k=k, q_scale=q_scale, k_scale=k_scale)
     b, s = positions.shape
     c = keys.shape[1]
     chunk = min(query_chunk or default_query_chunk(c, b), s)
@@ -780,7 +689,7 @@ def index_topk_two_pass(
 
     if width_bands < 1:
         raise ValueError(f"width_bands={width_bands} must be >= 1")
-    refine = _refine_for(selection, interpret)
+    refine = refine_for(selection, interpret)
     widths = band_widths(c, width_bands)
     row_k_scale = k_scale is not None and k_scale.ndim == 2
 
@@ -789,25 +698,25 @@ def index_topk_two_pass(
         keys_w = keys[:, :width]
         k_scale_w = k_scale[:, :width] if row_k_scale else k_scale
         if scores_impl == "mgpu":
+            from jax.experimental.pallas import mosaic_gpu as plmgpu
+
             from dsv4.pallas.indexer_mgpu import MgpuScoreConfig, index_scores_mgpu
 
-            if interpret:
-                from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
             scores = index_scores_mgpu(qc, keys_w, wc, pc, rate=rate, softmax_scale=softmax_scale, q_scale=qsc,
                                        k_scale=k_scale_w, config=mgpu_config or MgpuScoreConfig(),
-                                       interpret=InterpretGPUParams() if interpret else None)  # fmt: skip
+                                       interpret=plmgpu.InterpretGPUParams() if interpret else None)  # fmt: skip
         else:
             scores = index_scores(qc, keys_w, wc, pc, rate=rate, softmax_scale=softmax_scale, q_scale=qsc,
                                   k_scale=k_scale_w, blocks=blocks, interpret=interpret)  # fmt: skip
         select = functools.partial(top_k, group=group, refine=refine)
-        return _topk_of_scores(scores, _visible(pc, rate, width), k, lambda x, kk: select(x, kk))
+        return topk_of_scores(scores, visible_entries(pc, rate, width), k, lambda x, kk: select(x, kk))
 
     def one_chunk(args):
         qc, wc, pc, qsc = args
         qsc = qsc if per_token_q_scale else q_scale
         if len(widths) == 1:
             return chunk_at_width(c, qc, wc, pc, qsc)
-        need = jnp.max(_visible(pc, rate, c))  # entries the chunk's furthest query sees
+        need = jnp.max(visible_entries(pc, rate, c))  # entries the chunk's furthest query sees
         band = jnp.searchsorted(jnp.asarray(widths, jnp.int32), need)  # narrowest width >= need
         branches = [functools.partial(chunk_at_width, w) for w in widths]
         return lax.switch(band, branches, qc, wc, pc, qsc)

@@ -2,15 +2,15 @@
 ring of key tiles, a producer warpgroup and four consumer warpgroups.
 
 Same contract as `dsv4.pallas.indexer.index_scores` for FP8 q and keys (its Triton kernel's FP8 dot ran slower than
-its bf16 one, docs/KERNEL_NOTES.md IX7):
+its bf16 one):
 
     scores[b, s, c] = k_scale[b, c] · Σ_h w'[b, s, h] · ReLU(q8[b, s, h] · k8[b, c])        (c < n_vis[b, s])
                     = -inf                                                                  (c >= n_vis[b, s])
 
-with w' = weights · softmax_scale · q_scale (`indexer._fold_scales`: every scale of a whole (token, head) row folds
-into the head weight, since ReLU commutes with a positive factor), n_vis = min((p + 1) // rate, C), and -0.0
+with w' = weights · softmax_scale · q_scale (`indexer_common.fold_scales`: every scale of a whole (token, head) row
+folds into the head weight, since ReLU commutes with a positive factor), n_vis = min((p + 1) // rate, C), and -0.0
 written as +0.0. The products accumulate in the tensor core, whose e4m3 wgmma keeps fewer bits than float32 (about
-1e-3 of the largest score on full-range inputs, docs/KERNEL_NOTES.md IX10); the head sum runs in float32 registers.
+1e-3 of the largest score on full-range inputs, docs/kernels/indexer.md); the head sum runs in float32 registers.
 
 Design:
 - One CTA = `tokens` queries × `span` keys, grid (S / tokens, ceil(C / span), B). Keys stream through a ring of
@@ -24,10 +24,10 @@ Design:
   contiguous as stored, passed transposed). Then per query j, its 64 columns: ReLU(acc_j) · w'_j broadcast along
   the rows (WGMMA column layout) summed over the heads within each warp, times the keys' scales, masked, and
   written as one row of a [tokens / consumers, 64] float32 staging tile, which a TMA stores. That epilogue costs
-  more than the wgmma (IX15): the consumers' wgmmas and epilogues interleave on the SM.
+  more than the wgmma: the consumers' wgmmas and epilogues interleave on the SM.
 - The consumers release a slot (one arrival each) after their last wgmma on it; the producer refills it.
 
-Restrictions: Hi = 64 (the wgmma N), Di = 128 or 256 (whole 128-byte swizzled SMEM rows; measured at 128, V4's
+Restrictions: Hi = 64 (the wgmma N), Di = 128 or 256 (whole 128-byte swizzled SMEM rows; tuned at 128, V4's
 index_head_dim), both q and keys float8_e4m3fn.
 """
 
@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsv4.pallas._device import is_hopper
-from dsv4.pallas.indexer import FP8, _check_inputs, _fold_scales, _visible
+from dsv4.pallas.indexer_common import FP8, check_index_inputs, fold_scales, visible_entries
 
 __all__ = ["MgpuScoreConfig", "index_scores_mgpu", "is_hopper"]
 
@@ -65,24 +65,20 @@ class MgpuScoreConfig:
                dividing tokens / consumers. Each key tile is read from SMEM once per wgmma, so a wider N reads it
                less, and each wgmma's wait covers g queries' epilogues.
     consumers: consumer warpgroups (2, 3 or 4), each owning tokens / consumers queries. The epilogue (ReLU, head
-               weights, head sum, mask, store) costs more than the wgmma (docs/KERNEL_NOTES.md IX15), so more
-               warpgroups, each waiting on its own wgmma, keep the tensor core busier. At 4 the launch gives every
+               weights, head sum, mask, store) costs more than the wgmma, so more warpgroups, each waiting on its
+               own wgmma, keep the tensor core busier. At 4 the launch gives every
                thread 96 registers, which the kernel fits without spilling.
     auto_barriers: Pallas' automatic warpgroup barrier before and after every SMEM store (True), or none (False,
                the default; `CompilerParams.unsafe_no_auto_barriers`). Each query's score row is such a store, so
                with them every query's epilogue synchronizes the consumer's 4 warps twice. Safe to drop here: no
                thread reads SMEM it writes (the staging rows are read only by the TMA store, after `commit_smem`'s
                barrier, and rewritten only after `wait_smem_to_gmem`'s), and every thread arrives on `consumed`
-               itself after its own reads. Without them the whole 512K FP8 indexer took 927.9 against 950.9 ms
-               (1.025×) in one process on one H200, with identical index sets (docs/KERNEL_NOTES.md IX19b).
+               itself after its own reads. Without them the indexer is faster, with identical index sets.
     debug:     measurement switch, off in use: ("no_mma",) runs the epilogue on the key scales instead of a wgmma's
                result (the epilogue's cost alone).
 
-    Defaults: the fastest configuration measured on one H200 (2048 queries × 32K keys, docs/KERNEL_NOTES.md IX15):
-    4 consumers × 2 queries per wgmma, 1.13× and 1.27× the earlier default (2 consumers, one query per wgmma) in
-    two calls (694 vs 613, 700 vs 552 TF/s; 641–755 over four runs); 4 consumers alone 1.08×, 2 queries per wgmma
-    alone 0.99–1.04×, 3 consumers of 4 queries 591–670 TF/s. Among the earlier 2-consumer configurations: 16
-    tokens 572–630, 8 tokens 515–558, 4 tokens 479.
+    Defaults: the fastest configuration measured (4 consumers × 2 queries per wgmma, 16 tokens per CTA;
+    docs/kernels/indexer.md has the comparison).
     """
 
     tokens: int = 16
@@ -199,8 +195,8 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
             def _(w=w):
                 # NOTE: no setmaxnreg increase for the consumers. The launch gives every thread 64 Ki / threads
                 # registers (rounded down to 8: 96 with 4 consumers), and an increase waits until the CTA's pool
-                # holds it: asking for more than the producer's decrease freed hangs the kernel (it did on the
-                # H200, KERNEL_NOTES IX15b). 96 is enough: ptxas spills nothing at 4 consumers.
+                # holds it: asking for more than the producer's decrease freed hangs the kernel. 96 is enough:
+                # ptxas spills nothing at 4 consumers.
                 consumer(w)
 
         @pl.when(wg == n_cons)
@@ -267,7 +263,7 @@ def index_scores_mgpu(
 
     interpret: passed to plgpu.kernel (an InterpretGPUParams for the CPU interpreter).
     """
-    q_layout, k_layout = _check_inputs(q, keys, weights, positions, rate=rate, k=1, q_scale=q_scale,
+    q_layout, k_layout = check_index_inputs(q, keys, weights, positions, rate=rate, k=1, q_scale=q_scale,
                                        k_scale=k_scale)  # fmt: skip
     b, s, h, d = q.shape
     c = keys.shape[1]
@@ -277,10 +273,10 @@ def index_scores_mgpu(
         raise ValueError(f"q.shape={q.shape}: index_scores_mgpu needs Hi = {HEADS} and Di = 128 or 256")
     if config.smem_bytes(d) > _SMEM_LIMIT:
         raise ValueError(f"{config} needs {config.smem_bytes(d)} B of shared memory at Di={d}; limit {_SMEM_LIMIT}")
-    weights, k_scale = _fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout)
+    weights, k_scale = fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout)
     weights = jnp.broadcast_to(weights, (b, s, h)).astype(F32)
     k_scale = jnp.ones((b, c), F32) if k_scale is None else jnp.broadcast_to(k_scale, (b, c)).astype(F32)
-    n_vis = _visible(positions, rate, c).astype(jnp.int32)
+    n_vis = visible_entries(positions, rate, c).astype(jnp.int32)
     # Pad queries to whole CTAs (padding sees nothing) and keys to whole tiles (never visible: n_vis <= C).
     s_pad = -(-s // config.tokens) * config.tokens
     c_pad = -(-c // KEYS_PER_TILE) * KEYS_PER_TILE
@@ -295,8 +291,8 @@ def index_scores_mgpu(
         keys = jnp.pad(keys, ((0, 0), (0, c_pad - c), (0, 0)))
         k_scale = jnp.pad(k_scale, ((0, 0), (0, c_pad - c)))
     out = _scores_call(q, keys, k_scale, weights, n_vis, config=config, interpret=interpret)
-    # NOTE: when C or S is not a whole number of tiles this slice copies the slab once more (not measured; the
-    # benchmarks' C are multiples of 64). Writing [B, S, C] directly needs TMA stores clipped at C.
+    # NOTE: when C or S is not a whole number of tiles this slice copies the slab once more. Writing [B, S, C]
+    # directly needs TMA stores clipped at C.
     if s_pad != s or c_pad != c:
         out = out[:, :s, :c]
     return out

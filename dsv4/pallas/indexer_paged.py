@@ -43,22 +43,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dsv4.pallas.attention import SCALE_TILE
-from dsv4.pallas.decode import _check_rope_pages, _check_scales, _gather_reference, _load_rope, _load_rows
-from dsv4.pallas.indexer import (
-    _next_power_of_2,
-    _refine_for,
-    _topk_of_scores,
-    _visible,
-    index_scores_reference,
+# The paged rows are the decode kernel's (attention_common): dequantized as `dsv4.cache.quant.dequantize` rounds.
+from dsv4.pallas.attention_common import (
+    SCALE_TILE,
+    check_page_scales,
+    check_rope_pages,
+    gather_pages_reference,
+    load_paged_rows,
+    load_rope_rows,
 )
+from dsv4.pallas.indexer import index_scores_reference
+from dsv4.pallas.indexer_common import F32, FP8, NEG_INF, next_power_of_2, topk_of_scores, visible_entries
+from dsv4.pallas.select import refine_for
 
 __all__ = ["MAX_QUERIES", "PagedScoreBlocks", "index_scores_paged", "index_scores_paged_kernel",
            "index_scores_paged_reference", "index_topk_paged"]  # fmt: skip
 
-F32 = jnp.float32
-FP8 = jnp.float8_e4m3fn
-NEG_INF = float("-inf")
 _MIN_DOT_DIM = 16  # `tl.dot` needs every matmul dimension >= 16
 MAX_QUERIES = 16  # queries per request: each program loops over them statically (decode steps have one)
 
@@ -139,8 +139,8 @@ def index_scores_paged_kernel(
         wanted = entry < seen
         page = plgpu.load(table_ref.at[lax.div(entry, rows_per_page)], mask=wanted, other=0)
         row = jnp.where(wanted, page * rows_per_page + lax.rem(entry, rows_per_page), 0)
-        keys = _load_rows(keys_ref, scales_ref, scale_layout, row, wanted, width, compute_dtype)  # [block_c, Dk]
-        rope = None if rope_ref is None else _load_rope(rope_ref, row, wanted, compute_dtype)  # [block_c, Dr]
+        keys = load_paged_rows(keys_ref, scales_ref, scale_layout, row, wanted, width, compute_dtype)  # [block_c, Dk]
+        rope = None if rope_ref is None else load_rope_rows(rope_ref, row, wanted, compute_dtype)  # [block_c, Dr]
         dims = (((1,), (1,)), ((), ()))
         for t, (q_t, q_rope_t, w_t, visible_t) in enumerate(per_query):
             dots = lax.dot_general(keys, q_t, dims, precision=lax.Precision.HIGHEST, preferred_element_type=F32)
@@ -190,11 +190,11 @@ def _check_inputs(q, weights, positions, key_pages, key_scales, key_rope_pages, 
         raise ValueError(f"unquantized key_pages must be {q.dtype} [P, R, {d}] (q's dtype and Di), got "
                          f"{key_pages.dtype} {key_pages.shape}")  # fmt: skip
     if key_rope_pages is not None:
-        _check_rope_pages(key_rope_pages, key_pages, d, "key_rope_pages", "key_pages")
+        check_rope_pages(key_rope_pages, key_pages, d, "key_rope_pages", "key_pages")
     elif n != d:
         raise ValueError(f"key_pages.shape={key_pages.shape} holds {n} of q's Di = {d} channels: the other "
                          f"{d - n} come as key_rope_pages")  # fmt: skip
-    return _check_scales("key_scales", key_scales, key_pages, "key_pages", mixed=key_rope_pages is not None)
+    return check_page_scales("key_scales", key_scales, key_pages, "key_pages", mixed=key_rope_pages is not None)
 
 
 @functools.partial(jax.jit, static_argnames=("rate", "softmax_scale", "blocks", "interpret"))
@@ -227,9 +227,9 @@ def index_scores_paged(
     capacity = block_table.shape[1] * rows
     if out_init is not None and (out_init.shape != (b, s, capacity) or out_init.dtype != F32):
         raise ValueError(f"out_init must be float32 {(b, s, capacity)}, got {out_init.dtype} {out_init.shape}")
-    width = _next_power_of_2(n)  # Triton tiles are powers of two: the stored channels load as a masked tile
+    width = next_power_of_2(n)  # Triton tiles are powers of two: the stored channels load as a masked tile
     if scale_layout == "tile" and width == n and n % SCALE_TILE:
-        width *= 2  # NOTE: whole rows narrower than a tile (test shapes) take decode._load_rows' masked path
+        width *= 2  # NOTE: whole rows narrower than a tile (test shapes) take load_paged_rows' masked path
     if not interpret and (h < _MIN_DOT_DIM or h & (h - 1) or width < _MIN_DOT_DIM):
         raise ValueError(f"q.shape={q.shape}, key channels {n}: the compiled kernel needs Hi a power of two >= "
                          f"{_MIN_DOT_DIM} and >= {_MIN_DOT_DIM} stored channels")
@@ -237,7 +237,7 @@ def index_scores_paged(
     q_rope = None if key_rope_pages is None else q[..., n:]
     weights = weights.astype(F32) * softmax_scale
     positions = positions.astype(jnp.int32)
-    span = min(blocks.span, max(blocks.block_c, _next_power_of_2(capacity)))
+    span = min(blocks.span, max(blocks.block_c, next_power_of_2(capacity)))
 
     def flat(x):  # [P, R, ·] → [P · R, ·]: rows gathered by page · R + row
         return x.reshape(pages * rows, x.shape[-1])
@@ -302,12 +302,12 @@ def index_topk_paged(
     count; k may exceed C)."""
     from dsv4.topk import top_k
 
-    refine = _refine_for(selection, interpret)
+    refine = refine_for(selection, interpret)
     scores = index_scores_paged(q, weights, positions, key_pages, block_table, rate=rate, softmax_scale=softmax_scale,
                                 key_scales=key_scales, key_rope_pages=key_rope_pages, blocks=blocks,
                                 interpret=interpret)  # fmt: skip
     select = functools.partial(top_k, group=group, refine=refine)
-    return _topk_of_scores(scores, _visible(positions, rate, scores.shape[-1]), k, lambda x, kk: select(x, kk))
+    return topk_of_scores(scores, visible_entries(positions, rate, scores.shape[-1]), k, lambda x, kk: select(x, kk))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,5 +321,5 @@ def index_scores_paged_reference(q, weights, positions, key_pages, block_table, 
     _check_inputs(q, weights, positions, key_pages, key_scales, key_rope_pages, block_table)
     capacity = block_table.shape[1] * key_pages.shape[1]
     entry = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (q.shape[0], capacity))
-    keys = _gather_reference(key_pages, key_scales, block_table, entry, q.dtype, rope=key_rope_pages)  # [B, C, Di]
+    keys = gather_pages_reference(key_pages, key_scales, block_table, entry, q.dtype, rope=key_rope_pages)  # [B, C, Di]
     return index_scores_reference(q, keys, weights.astype(F32), positions, rate=rate, softmax_scale=softmax_scale)

@@ -46,9 +46,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plmgpu
 from jax.experimental.pallas import triton as plgpu
 
+from dsv4.pallas import moe_mgpu
 from dsv4.pallas._device import is_hopper
+from dsv4.pallas._jax_compat import I32_OFFSETS_MAX_ELEMENTS, install_fp8_fast_accum, install_wide_offsets
+from dsv4.pallas.moe_common import FP8, FP8_MAX, QUANT_BLOCK, dequantize_blocks, quantize_per_token_group
 
 __all__ = [
     "FP8_MAX",
@@ -67,13 +71,8 @@ __all__ = [
 ]
 
 F32 = jnp.float32
-FP8 = jnp.float8_e4m3fn
-QUANT_BLOCK = 128  # DeepSeek's FP8 block: 128 × 128 weight blocks, 1 × 128 activation groups
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_AMAX_FLOOR = 1e-4  # as DeepSeek's act_quant: an all-zero group gets a finite scale
 _MIN_DOT_DIM = 16  # `tl.dot` needs every matmul dimension >= 16
 _ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16, F32)
-_I32_OFFSETS_MAX_ELEMENTS = 2**31  # i32 element offsets reach every element of an array at most this large
 
 
 def _is_power_of_2(n: int) -> bool:
@@ -91,19 +90,17 @@ class BlockSizes:
     block_k: reduction step, clamped to the reduction width K (K must then be a multiple). None (the default):
              64 for bf16 / f16 / f32 weights, 128 (= QUANT_BLOCK) for fp8 weights: one K step per weight-scale
              block, so the f32 promotion of the fp8 partial product (scale, add) runs once per 128 of K, and an
-             fp8 K step moves the same bytes as a bf16 one at 64 (docs/KERNEL_NOTES.md, MoE, M7).
+             fp8 K step moves the same bytes as a bf16 one at 64.
     num_warps, num_stages: Triton launch parameters (None: 4 warps for block_m · block_n <= 64 · 64, else 8).
     fp8_fast_accum: W8A8 only. True: each fp8 × fp8 `tl.dot` (one K step) accumulates inside the tensor core and
              the kernel promotes it to f32 once per step (scale, add), as DeepGEMM does per 128 of K and as Triton's
              own `tl.dot` does by default on sm90 (max_num_imprecise_acc = 2^30). False: Pallas's default
              (max_num_imprecise_acc = 0), which adds every 32-wide wgmma into an f32 partial sum in registers:
-             4 promotions per 128-wide K step instead of 1 (docs/KERNEL_NOTES.md, MoE, M8).
-             `test_gpu_routed_experts_matches_reference[w8a8]` is 4.48 % off its reference on H200 either way
-             (M9: an open bug elsewhere, not the accumulation mode).
+             4 promotions per 128-wide K step instead of 1 (docs/kernels/moe.md).
 
     All sizes are powers of two >= 16 (Triton tensor shapes, `tl.dot`). FP8 weights need block_n and block_k to
     divide 128, so one weight scale covers a whole tile column-block per K step. Defaults are picked for V4
-    shapes on H200 in the Triton lowering, not measured (docs/KERNEL_NOTES.md, section 4).
+    shapes on Hopper in the Triton lowering, not measured (docs/kernels/moe.md).
     """
 
     block_m: int = 64
@@ -140,34 +137,6 @@ class BlockSizes:
 
     def warps(self) -> int:
         return self.num_warps or (4 if self.block_m * self.block_n <= 64 * 64 else 8)
-
-
-# ---------------------------------------------------------------------------------------------
-# FP8 formats (DeepSeek): 128 × 128 weight blocks, per-token 1 × 128 activation groups.
-# ---------------------------------------------------------------------------------------------
-def quantize_per_token_group(x: jax.Array, *, pow2_scale: bool = False) -> tuple[jax.Array, jax.Array]:
-    """x [R, K] (K % 128 == 0) → (float8_e4m3fn [R, K], float32 scales [R, K // 128]), x ≈ fp8 · scale.
-
-    DeepSeek's `act_quant`: scale = max(amax of the group, 1e-4) / 448, fp8 = x / scale rounded to nearest even.
-    pow2_scale rounds the scale up to a power of two (the "ue8m0" scale format of DeepSeek-V3.1 and later).
-    """
-    r, k = x.shape
-    if k % QUANT_BLOCK:
-        raise ValueError(f"quantize_per_token_group: x.shape={x.shape} needs K % {QUANT_BLOCK} == 0")
-    groups = x.astype(F32).reshape(r, k // QUANT_BLOCK, QUANT_BLOCK)
-    scale = jnp.maximum(jnp.abs(groups).max(-1), _AMAX_FLOOR) / FP8_MAX  # [R, K // 128]
-    if pow2_scale:
-        scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
-    values = (groups / scale[..., None]).astype(FP8).reshape(r, k)
-    return values, scale
-
-
-def dequantize_blocks(values: jax.Array, scales: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
-    """values [..., A, B] · scales [..., A // a, B // b] repeated over (a, b) = block_shape → float32 [..., A, B]."""
-    full = scales.astype(F32)
-    for i, size in enumerate(block_shape):
-        full = jnp.repeat(full, size, axis=values.ndim - len(block_shape) + i)
-    return values.astype(F32) * full
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,12 +259,12 @@ def grouped_down_reference(
     return y.astype(out_dtype or _default_out_dtype(h))
 
 
-# NOTE (the W8A8 reference on GPU: the 4.48 % of docs/KERNEL_NOTES.md, MoE, M9): XLA:GPU runs SimplifyFPConversions
+# NOTE (the W8A8 reference on GPU, docs/kernels/moe.md): XLA:GPU runs SimplifyFPConversions
 # by default (`xla_allow_excess_precision`), which folds any chain of float converts A → B → C into A → C, through
 # the reshape between them. Inside one jit, dequantize(quantize(x)) = f32(fp8(x / s)) · s then comes back as x,
 # unrounded, and h's bf16 rounding (f32 → bf16 → f32) goes too. The kernel path cannot lose them (its fp8 / bf16
-# operands are pallas_call inputs), so on H200 only the reference skipped the activation quantization: W8A8 was
-# 4.48 % (rel. L2) off it, exactly the quantization error of x and h. The barrier keeps the rounded values real, as
+# operands are pallas_call inputs), so on a GPU only the reference would skip the activation quantization, and W8A8
+# would be off it by exactly the quantization error of x and h. The barrier keeps the rounded values real, as
 # `KVStore.round_trip` does for the KV cache (dsv4/cache/quant.py).
 def _fake_quantize(x: jax.Array) -> jax.Array:
     """x [R, K] → float32 dequantize(quantize_per_token_group(x)): the values the W8A8 kernels see, rounded to fp8
@@ -385,7 +354,7 @@ def grouped_matmul_kernel(
     def k_step(step, accs):
         k_start = step * block_k
         cols_k = pl.ds(k_start, block_k)
-        # NOTE: no `other` for fp8 (the Triton lowering cannot cast the fill value to fp8, attention E3); masked
+        # NOTE: no `other` for fp8 (the Triton lowering cannot cast the fill value to fp8); masked
         # rows then hold garbage, which stays in rows that are never stored (a row's result reads only its row).
         x = plgpu.load(x_ref.at[rows, cols_k], mask=row_valid[:, None], other=None if x_fp8 else 0)  # [bm, bk]
         if x_fp8:
@@ -418,104 +387,21 @@ def grouped_matmul_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton lowering: 64-bit element offsets for every array of more than 2^31 elements.
+# Triton lowering: 64-bit element offsets for arrays of more than 2^31 elements, fp8 accumulation.
 # ---------------------------------------------------------------------------------------------
-# NOTE (the W8A8 illegal address at V4-Flash shapes, docs/KERNEL_NOTES.md, MoE, M6): JAX 0.11's Pallas Triton
-# lowering (`_compute_offsets_from_indices`) computes a load's or store's *element* offsets in i32 unless the whole
-# array is more than 2^32 *bytes*. For 1-byte dtypes that leaves arrays of 2^31 < elements <= 2^32 on i32 offsets,
-# which wrap negative past element 2^31 (Triton's addptr sign-extends them), so the load reads below the array.
-# The fp8 gate_up of V4-Flash, [256, 2 · 2048, 4096] = 2^32 elements = 2^32 bytes, is exactly that: every expert
-# >= 128 faulted (expert · 2^24 >= 2^31), in W8A8 and W8A16 alike, while bf16 (2^33 bytes) got i64 offsets. fp8
-# activations hit it too: x_sorted [M, 4096] from about 87K tokens (top-6), fp8 h [M, 2048] from about 175K.
-# A Pallas ref index cannot carry the fix (`w_ref.at[expert]` and BlockSpec start indices are still offsets into
-# the full array, in the width the lowering picked), so this wraps the lowering's choice: an array of more than
-# 2^31 elements is presented to the size check with a 4-byte dtype (only its itemsize is read there), which makes
-# the lowering pick i64. Arrays of at most 2^31 elements are untouched, so every other kernel lowers as before.
-def _install_wide_offsets() -> bool:
-    """Makes the Pallas Triton lowering use i64 element offsets for arrays of > 2^31 elements. → installed?"""
-    try:
-        from jax._src.pallas.triton import lowering as triton_lowering
-    except ImportError:  # no Triton lowering in this jax: nothing to fix
-        return False
-    original = getattr(triton_lowering, "_compute_offsets_from_indices", None)
-    if original is None or not hasattr(triton_lowering, "BlockInfo"):
-        return False
-    if getattr(original, "_dsv4_wide_offsets", False):
-        return True
+# NOTE (wide offsets): the Pallas Triton lowering computes a load's or store's element offsets in i32 unless the whole
+# array is more than 2^32 *bytes*, so 1-byte arrays of 2^31 < elements <= 2^32 wrap negative past element 2^31. The
+# fp8 gate_up of V4-Flash, [256, 2 · 2048, 4096] = 2^32 elements, is exactly that (every expert >= 128 faulted), and
+# fp8 activations hit it from about 87K tokens (x_sorted) and 175K (h). `_jax_compat.install_wide_offsets` makes the
+# lowering pick i64 for them; without it `_check_offsets_fit` refuses such operands. docs/kernels/moe.md.
+_WIDE_OFFSETS = install_wide_offsets()
 
-    @functools.wraps(original)
-    def compute_offsets(block_info, nd_indexer):
-        full = block_info.full_shape_dtype
-        if math.prod(full.shape) > _I32_OFFSETS_MAX_ELEMENTS and jnp.dtype(full.dtype).itemsize < 4:
-            block_info = dataclasses.replace(block_info, full_shape_dtype=jax.core.ShapedArray(full.shape, F32))
-        return original(block_info, nd_indexer)
-
-    compute_offsets._dsv4_wide_offsets = True
-    triton_lowering._compute_offsets_from_indices = compute_offsets
-    return True
-
-
-_WIDE_OFFSETS = _install_wide_offsets()
-
-# NOTE (fp8 accumulation, docs/KERNEL_NOTES.md, MoE, M8): Pallas emits `tt.dot` without maxNumImpreciseAcc (0), so
-# Triton splits every fp8 dot on Hopper into 32-wide wgmmas, each added into an f32 partial sum in registers.
-# Triton's own `tl.dot` defaults to 2^30 on sm90 (no split). This kernel already promotes each K step itself (fresh
-# accumulator, block scales applied in f32), so the kernels named below get 2^30 on their fp8 × fp8 dots; other
-# Pallas kernels are left as lowered.
+# NOTE (fp8 accumulation): Pallas emits `tt.dot` without maxNumImpreciseAcc (0), so Triton splits every fp8 dot on
+# Hopper into 32-wide wgmmas, each added into an f32 partial sum in registers. This kernel already promotes each K
+# step itself (fresh accumulator, block scales applied in f32), so the kernels named below get 2^30 (Triton's own
+# `tl.dot` default on sm90) on their fp8 × fp8 dots; other Pallas kernels are left as lowered.
 _FP8_FAST_ACCUM_KERNELS = ("grouped_gate_up", "grouped_down")  # pallas_call names (`BlockSizes.fp8_fast_accum`)
-_NO_IMPRECISE_ACC_LIMIT = 2**30
-
-
-def _set_fp8_fast_accum(module) -> int:
-    """Sets maxNumImpreciseAcc = 2^30 on the fp8 × fp8 `tt.dot`s of a Triton module. → how many were set."""
-    from jax._src.lib.mlir import ir
-
-    count = 0
-
-    def visit(op):
-        nonlocal count
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    if inner.operation.name == "tt.dot":
-                        a_type = ir.RankedTensorType(inner.operation.operands[0].type)
-                        if "f8" in str(a_type.element_type).lower():
-                            inner.operation.attributes["maxNumImpreciseAcc"] = ir.IntegerAttr.get(
-                                ir.IntegerType.get_signless(32), _NO_IMPRECISE_ACC_LIMIT)  # fmt: skip
-                            count += 1
-                    visit(inner.operation)
-
-    with module.context:
-        visit(module.operation)
-    return count
-
-
-def _install_fp8_fast_accum() -> bool:
-    """Wraps the Pallas Triton module lowering to apply `_set_fp8_fast_accum` to this file's kernels. → installed?"""
-    try:
-        from jax._src.pallas.triton import lowering as triton_lowering
-    except ImportError:
-        return False
-    original = getattr(triton_lowering, "lower_jaxpr_to_triton_module", None)
-    if original is None:
-        return False
-    if getattr(original, "_dsv4_fp8_fast_accum", False):
-        return True
-
-    @functools.wraps(original)
-    def lower(*args, **kwargs):
-        result = original(*args, **kwargs)
-        name = str(result.module.operation.attributes["sym_name"]).strip('"')
-        if name in _FP8_FAST_ACCUM_KERNELS:
-            _set_fp8_fast_accum(result.module)
-        return result
-
-    lower._dsv4_fp8_fast_accum = True
-    triton_lowering.lower_jaxpr_to_triton_module = lower
-    return True
-
-
-_FP8_FAST_ACCUM = _install_fp8_fast_accum()
+_FP8_FAST_ACCUM = install_fp8_fast_accum(_FP8_FAST_ACCUM_KERNELS)
 
 
 def _check_offsets_fit(name, arrays, interpret):
@@ -523,10 +409,10 @@ def _check_offsets_fit(name, arrays, interpret):
     if interpret or _WIDE_OFFSETS:
         return
     for a in arrays:
-        if a is not None and math.prod(a.shape) > _I32_OFFSETS_MAX_ELEMENTS and jnp.dtype(a.dtype).itemsize < 4:
+        if a is not None and math.prod(a.shape) > I32_OFFSETS_MAX_ELEMENTS and jnp.dtype(a.dtype).itemsize < 4:
             raise ValueError(f"{name}: a {a.dtype} {a.shape} operand has more than 2^31 elements, which this jax's "
-                             f"Pallas Triton lowering addresses with wrapping i32 offsets (docs/KERNEL_NOTES.md, MoE, "
-                             f"M6), and the dsv4 fix for it could not be installed")  # fmt: skip
+                             f"Pallas Triton lowering addresses with wrapping i32 offsets (docs/kernels/moe.md), and "
+                             f"the dsv4 fix for it is not installed (dsv4.pallas._jax_compat)")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -742,8 +628,6 @@ def routed_experts(
         return jnp.zeros(x.shape, out_dtype or x.dtype)
     h_dtype = jnp.bfloat16 if prequantized else x.dtype  # the dtype h is rounded to (before quantizing, for W8A8)
     if impl != "triton":
-        from dsv4.pallas import moe_mgpu  # noqa: PLC0415 (moe_mgpu imports this module)
-
         why = moe_mgpu.mgpu_moe_unsupported(d, two_i // 2, w_dtype=gate_up.dtype, x_dtype=h_dtype,
                                             fp8_activations=fp8_activations)  # fmt: skip
         if impl == "mgpu" and why:
@@ -759,11 +643,7 @@ def routed_experts(
                     if scales is None or scales.shape != want[name] or scales.dtype != F32:
                         got = None if scales is None else f"{scales.dtype} {scales.shape}"
                         raise ValueError(f"routed_experts: FP8 weights need {name} float32 {want[name]}, got {got}")
-            params = None
-            if interpret:
-                from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
-
-                params = InterpretGPUParams()
+            params = plmgpu.InterpretGPUParams() if interpret else None
             return moe_mgpu.routed_experts_mgpu(x, expert_ids, weights, gate_up, down, limit,
                                                 gate_up_scales=gate_up_scales, down_scales=down_scales,
                                                 x_scales=x_scales, interpret=params, out_dtype=out_dtype)  # fmt: skip

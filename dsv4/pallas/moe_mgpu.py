@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsv4.pallas._device import sm_count
-from dsv4.pallas.moe import _AMAX_FLOOR, FP8, FP8_MAX, QUANT_BLOCK, quantize_per_token_group
+from dsv4.pallas.moe_common import AMAX_FLOOR, FP8, FP8_MAX, QUANT_BLOCK, quantize_per_token_group
 
 __all__ = [
     "PART_N",
@@ -71,7 +71,7 @@ class MgpuMoeConfig:
     num_ctas:  persistent CTAs (None: the device's SM count).
     acc_form:  bf16 only. "in_place" (the default): the wgmma accumulates over all K steps in its accumulator;
                "per_step": a fresh accumulator per step, added in registers: the form the fp8 path always uses
-               (it scales each step), kept for bf16 as a measured alternative (slower on H200: KERNEL_NOTES M12).
+               (it scales each step), kept for bf16 as the slower alternative measured (docs/kernels/moe.md).
                Both run in the CPU Mosaic interpreter.
     """
 
@@ -238,7 +238,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous stores have read o_smem[wi]
                 if quantize_out:  # quantize_per_token_group of the out_dtype-rounded row group
                     value = value.astype(out_dtype).astype(F32)
-                    scale = jnp.maximum(jnp.abs(value).max(axis=1), _AMAX_FLOOR) / FP8_MAX  # [64]
+                    scale = jnp.maximum(jnp.abs(value).max(axis=1), AMAX_FLOOR) / FP8_MAX  # [64]
                     value = value / lax.broadcast_in_dim(scale, value.shape, [0])
                     os_smem[wi] = scale
                 o_smem[wi] = value.astype(store_dtype)

@@ -4,8 +4,8 @@ jnp reference.
 `top_k` picks the k best of a row by group maxima: it chooses the k groups with the best maxima, then the k best
 among those groups' k · group elements. In XLA that second step is a sort of the k chosen group ids (so that
 `lax.top_k`'s ties to the lower position are ties to the lower index), a gather of the k · group candidates and a
-`lax.top_k` of them, once per recursion level: at a 512K prompt's last query chunk about 0.55 ms of its 2.2 ms,
-four levels of it (docs/KERNEL_NOTES.md IX22). This kernel finds the k best of one level by a threshold, without
+`lax.top_k` of them, once per recursion level: a large share of the selection's time at long prompts
+(docs/kernels/indexer.md). This kernel finds the k best of one level by a threshold, without
 sorting anything:
 
     candidates = x[g · group + j] for each chosen group g and j < group (index >= N: never chosen)
@@ -22,7 +22,7 @@ ids and a top-k of k values instead of k · group. The int32 keys order -0.0 bel
 NaN is not supported.
 
 Why not a sort network: the first version sorted the k · group pairs with `dsv4.pallas.indexer`'s bitonic network
-in registers (66 stages at 2048 wide); Triton took minutes to compile it at k = 512 (KERNEL_NOTES IX23). The
+in registers (66 stages at 2048 wide); Triton took minutes to compile it at k = 512. The
 searches here are loops (`fori_loop`) of reductions, quick to compile, and about 50 reductions per row.
 
 Layout: one program = `block_rows` rows; its k · group candidates per row (padded to a power of two, at indices
@@ -41,9 +41,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dsv4.pallas.indexer import _next_power_of_2
+from dsv4.pallas.indexer_common import next_power_of_2
 
-__all__ = ["SelectBlocks", "refine_top_k", "refine_top_k_kernel", "refine_top_k_reference"]
+__all__ = ["SelectBlocks", "refine_for", "refine_top_k", "refine_top_k_kernel", "refine_top_k_reference"]
 
 NEG_INF = float("-inf")
 INT32_MIN = -(2**31)
@@ -75,7 +75,7 @@ def refine_top_k_kernel(x_ref, groups_ref, values_ref, indices_ref, *, n_rows: i
     (width = k · group padded to a power of two: the k chosen first, the other candidates after them)."""
     block_rows, n = x_ref.shape
     k = groups_ref.shape[1]
-    width = _next_power_of_2(k * group)
+    width = next_power_of_2(k * group)
     rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
     row_ok = rows < n_rows
     slot = jnp.arange(width)  # candidate slot: chosen group slot // group, element slot % group
@@ -150,7 +150,7 @@ def refine_top_k(
     if ordered:
         groups = jnp.sort(groups, axis=-1)  # candidate order = index order (see the module docstring)
     flat_x, flat_g = x.reshape(rows, n), groups.reshape(rows, k)
-    width = _next_power_of_2(k * group)
+    width = next_power_of_2(k * group)
     out_shape = [jax.ShapeDtypeStruct((rows, width), x.dtype), jax.ShapeDtypeStruct((rows, width), jnp.int32)]
     row_block = lambda w: pl.BlockSpec((blocks.block_rows, w), lambda i: (i, 0))  # noqa: E731
     inits = ()
@@ -187,3 +187,22 @@ def refine_top_k_reference(x: jax.Array, groups: jax.Array, *, group: int) -> tu
     values = jnp.where(index < n, jnp.take_along_axis(x, jnp.minimum(index, n - 1), axis=-1), NEG_INF)
     neg, index = lax.sort((-values, index), dimension=-1, num_keys=2)
     return -neg[..., :k], index[..., :k].astype(jnp.int32)
+
+
+def _refine_interpreted(x, groups, *, group, ordered):
+    """`refine_top_k` in the Pallas interpreter, one stable callable (`top_k` takes `refine` as a static argument)."""
+    return refine_top_k(x, groups, group=group, ordered=ordered, interpret=True)
+
+
+def refine_for(selection: str, interpret: bool):
+    """`dsv4.topk.top_k`'s `refine` for a selection: "xla" → None, "kernel" → `select.refine_top_k` (interpreted
+    with `interpret`), "auto" → "kernel" on a Hopper GPU, "xla" elsewhere."""
+    if selection not in ("auto", "xla", "kernel"):
+        raise ValueError(f"selection={selection!r} must be 'auto', 'xla' or 'kernel'")
+    if selection == "auto":
+        from dsv4.pallas._device import is_hopper  # looked up per call (tests patch it)
+
+        selection = "kernel" if not interpret and is_hopper() else "xla"
+    if selection == "xla":
+        return None
+    return _refine_interpreted if interpret else refine_top_k

@@ -3,9 +3,8 @@
 Every hyper-connection (two a layer: before attention and before the MoE) makes each token's `hc × hc` mixing matrix
 doubly stochastic: columns normalized once, then `iters - 1` rounds of rows then columns (V4: hc = 4, 20 iterations).
 The reference is a `lax.fori_loop`, and on a GPU XLA runs a while loop from the host: each of its 19 iterations
-launches a handful of tiny kernels and copies the loop predicate back to the host before the next. One H200 traced
-a 3-layer decode step (twenty-fourth session, `scripts/bench_decode_model.py --trace`): 690 kernels a step, most of
-them these loops' (114 iterations a step), and the GPU busy for 0.9-1.2 ms of a 3-4 ms step.
+launches a handful of tiny kernels and copies the loop predicate back to the host before the next, so most of a
+decode step's kernels are these loops' and the GPU sits idle between them (docs/kernels/sinkhorn.md).
 
 The kernel does all of it in registers, one launch per hyper-connection: a program holds `block_tokens` tokens'
 matrices as hc² vectors (layout [hc, hc, N], tokens along the lanes), and every row or column sum is hc - 1 adds of
@@ -64,8 +63,8 @@ def sinkhorn_kernel(c_ref, o_ref, *, hc: int, iters: int, eps: float, num_tokens
     NOTE: a block past the last token is masked by hand. The Triton lowering does not mask a block that overhangs
     the array: unmasked, the last block's stores to lanes past N land in the next row's first lanes (row (i, j + 1)
     of the [hc, hc, N] layout), or past the buffer's end for the last row. Which write wins then depends on the
-    programs' order: one H200 run of 16387 tokens came back with NaN in tokens of the first block (twenty-fifth
-    session); the interpreter drops such writes, so only the GPU showed it."""
+    programs' order (NaN appeared in tokens of the first block on the GPU); the interpreter drops such writes, so only
+    the GPU shows it."""
     bt = o_ref.shape[-1]
     valid = pl.program_id(0) * bt + jnp.arange(bt) < num_tokens
     at = lambda ref, i, j: ref.at[jnp.int32(i), jnp.int32(j)]  # noqa: E731  # entry (i, j) of the block's matrices
