@@ -1,9 +1,11 @@
-"""The public entry points: `load`, `init_random`."""
+"""The public entry points: `load`, `init_random`, `convert`."""
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -11,30 +13,33 @@ import numpy as np
 from flax import nnx
 
 from dsv4.config import Config
+from dsv4.kernels import Kernels
 from dsv4.model import DeepseekV4
+from dsv4.orbax_checkpoint import is_orbax_checkpoint, load_orbax_into, save_orbax
+from dsv4.sharding import SEQUENCE_PARALLEL, param_sharding
 from dsv4.weights import CheckpointError, load_into
 
 log = logging.getLogger("dsv4")
 
 
-def _build(config: Config, *, dtype, attention_impl: str, moe_impl: str, rngs,
-           indexer_impl: str = "auto") -> DeepseekV4:  # fmt: skip
-    return DeepseekV4(config, rngs=rngs, dtype=dtype, attention_impl=attention_impl, moe_impl=moe_impl,
-                      indexer_impl=indexer_impl)
+def _kernels(kernels: Kernels | str | None) -> Kernels:
+    if kernels is None:
+        return Kernels()
+    return Kernels.parse(kernels) if isinstance(kernels, str) else kernels
 
 
-def init_random(config: Config | str, seed: int = 0, *, dtype=jnp.float32, attention_impl: str = "auto",
-                moe_impl: str = "jnp", indexer_impl: str = "auto") -> DeepseekV4:  # fmt: skip
+def init_random(config: Config | str, seed: int = 0, *, dtype=jnp.float32,
+                kernels: Kernels | str | None = None) -> DeepseekV4:  # fmt: skip
     """A model with random weights (normal, std 0.02; norms 1; biases 0) — for tests and benchmarks.
 
-    `config` is a Config or a preset name ("tiny", "v4-flash", "v4-pro"). `attention_impl` / `moe_impl` /
-    `indexer_impl` pick the kernels: "jnp" (XLA), "pallas", or "auto" (Pallas for 16-bit prefill on a GPU).
+    `config` is a Config or a preset name ("tiny", "v4-flash", "v4-pro"). `kernels` picks the implementation of
+    each part (a `Kernels`, or a spec such as "pallas" or "attention=pallas,moe=jnp"); default: the fastest
+    measured on this device.
     """
     if isinstance(config, str):
         config = Config.preset(config)
     rng = np.random.default_rng(seed)
-    model = _build(config, dtype=dtype, attention_impl=attention_impl, moe_impl=moe_impl, rngs=rng,
-                   indexer_impl=indexer_impl)
+    model = DeepseekV4(config, rngs=rng, dtype=dtype, kernels=_kernels(kernels))
     for layer in model.layers:  # hash routing needs a real table: distinct experts per token
         if layer.mlp.is_hash:
             table = np.argsort(rng.random((config.vocab_size, config.n_routed_experts)), axis=1)
@@ -42,12 +47,12 @@ def init_random(config: Config | str, seed: int = 0, *, dtype=jnp.float32, atten
     return model
 
 
-def load(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, attention_impl: str = "auto", moe_impl: str = "jnp",
-         indexer_impl: str = "auto", mesh=None, shardings=None, keep_quantized: bool = False,
-         progress: bool | None = None) -> DeepseekV4:  # fmt: skip
+def load(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, kernels: Kernels | str | None = None, mesh=None,
+         shardings=None, keep_quantized: bool = False, progress: bool | None = None) -> DeepseekV4:  # fmt: skip
     """Loads a checkpoint directory: config.json + safetensors (either tensor layout, plain or FP8/FP4
-    block-quantized), or an orbax checkpoint written by `dsv4.convert.convert`; the log says which it found.
+    block-quantized), or an orbax checkpoint written by `dsv4.convert`; the log says which it found.
 
+    kernels: as `init_random`.
     mesh / shardings: where each parameter goes. `shardings` is a `dsv4.sharding.ShardingRules` (with
     `mesh`), or a callable `sharding_for(path, var) -> jax.sharding.Sharding`; a `mesh` alone uses the default
     rules (`dsv4.sharding.SEQUENCE_PARALLEL`). Each tensor is streamed from disk to its devices, each device
@@ -63,18 +68,14 @@ def load(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, attention_impl: st
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     config = Config.from_hf(model_dir)
-    abstract = nnx.eval_shape(
-        lambda: _build(config, dtype=dtype, attention_impl=attention_impl, moe_impl=moe_impl, rngs=nnx.Rngs(0),
-                       indexer_impl=indexer_impl)
-    )
+    kernels = _kernels(kernels).resolve(dtype)
+    abstract = nnx.eval_shape(lambda: DeepseekV4(config, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels))
     sharding_for = _sharding_for(mesh, shardings)
 
     def check_integer(name: str, table: np.ndarray, where: str) -> None:
         n = config.n_routed_experts
         if name.endswith("mlp.gate.tid2eid") and table.size and (table.min() < 0 or table.max() >= n):
             raise CheckpointError(f"tensor model.{name} in {where} has expert ids outside [0, {n})")
-
-    from dsv4.convert import is_orbax_checkpoint, load_orbax_into
 
     if is_orbax_checkpoint(model_dir):
         fmt = "orbax"
@@ -97,9 +98,33 @@ def _sharding_for(mesh, shardings):
         if shardings is not None:
             raise ValueError("shardings=ShardingRules needs a mesh")
         return None
-    from dsv4.sharding import SEQUENCE_PARALLEL, param_sharding
-
     return param_sharding(mesh, shardings if shardings is not None else SEQUENCE_PARALLEL)
+
+
+def convert(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *, dtype=None, keep_quantized: bool = False,
+            mesh=None, shardings=None, progress: bool | None = None) -> None:  # fmt: skip
+    """Converts a checkpoint (safetensors in either layout, plain or FP8/FP4; or orbax) to an orbax
+    checkpoint plus config.json in `dst_dir`.
+
+    The model passes through device memory once: spread it with `mesh`/`shardings` (as for `dsv4.load`)
+    when it does not fit one device. dtype: of the stored weights (default bfloat16; float32 parameters
+    such as norms stay float32). keep_quantized: store FP8/FP4 weights as they are (q + float32 scales).
+    """
+    src_dir, dst_dir = os.fspath(src_dir), os.fspath(dst_dir)
+    if os.path.exists(os.path.join(dst_dir, "state")):
+        raise FileExistsError(f"{os.path.join(dst_dir, 'state')} exists; convert into an empty directory")
+    t0 = time.perf_counter()
+    model = load(src_dir, dtype=dtype or jnp.bfloat16, mesh=mesh, shardings=shardings, keep_quantized=keep_quantized,
+                 progress=progress)  # fmt: skip
+    loaded_s = time.perf_counter() - t0
+    show = progress if progress is not None else sys.stderr.isatty()
+    if show:
+        print(f"loaded {src_dir} in {loaded_s:.1f} s; writing orbax checkpoint {dst_dir} ...", file=sys.stderr)
+    save_orbax(model, dst_dir)
+    if show:
+        print(f"converted {src_dir} → {dst_dir} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+
 
 
 def num_params(model: DeepseekV4) -> int:

@@ -91,7 +91,7 @@ def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
         "keeps its whole chunk)",
     )
     e.add_argument(
-        "--kv-dtype",
+        "--kv-format",
         default=None,
         choices=["float32", "bfloat16", "bf16", "fp8-tensor", "fp8-channel", "fp8-tile", "fp8-tile-e8m0"],
         help="KV cache storage: a dtype, or a storage format (fp8-channel: FP8 e4m3 with per-channel scales, RoPE "
@@ -113,16 +113,24 @@ def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
     e.add_argument("--no-chat-template", action="store_true",
                    help="encode --prompt as is, even if the tokenizer has a chat template")  # fmt: skip
     k = p.add_argument_group("kernels", "which implementation runs each part (docs/BENCHMARKS.md compares them)")
-    k.add_argument("--attention-impl", default="auto", choices=["auto", "jnp", "pallas"],
-                   help="attention core (default auto: the Pallas kernels on a GPU, XLA elsewhere)")  # fmt: skip
-    k.add_argument("--moe-impl", default="jnp", choices=["jnp", "pallas"],
-                   help="routed experts: XLA's ragged_dot, or the Pallas grouped GEMMs (default jnp)")  # fmt: skip
+    k.add_argument("--kernels", type=_parse_kernels, default=None, metavar="SPEC",
+                   help="auto (default: the fastest measured on this device), jnp, pallas, or part=impl pairs, e.g. "
+                        "'indexer=pallas-fp8,decode=pallas'; parts: " + ", ".join(KERNEL_PARTS))  # fmt: skip
     k.add_argument("--keep-quantized", action="store_true",
-                   help="keep a checkpoint's FP8 / FP4 weights quantized on the devices; with --moe-impl pallas, FP8 "
-                        "experts in 128x128 blocks run on the FP8 kernels (W8A8) instead of being dequantized")
-    k.add_argument("--indexer-impl", default="auto", choices=["auto", "jnp", "pallas", "pallas-fp8", "pallas-stream"],
-                   help="lightning indexer top-k (default auto: the two-pass Pallas path on a GPU); pallas-fp8 runs "
-                        "it in e4m3 (the Mosaic scores kernel on Hopper; FP8 rounding can swap near-tied picks)")
+                   help="keep a checkpoint's FP8 / FP4 weights quantized on the devices; with the Pallas MoE (a GPU's "
+                        "default), FP8 experts in 128x128 blocks run on the FP8 kernels (W8A8)")
+
+
+KERNEL_PARTS = ("attention", "decode", "indexer", "paged_indexer", "topk_refine", "moe", "kv_write", "sinkhorn")
+
+
+def _parse_kernels(text: str):
+    from dsv4.kernels import Kernels
+
+    try:
+        return Kernels.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _make_llm(args, *, max_slots: int, max_model_len: int):
@@ -130,9 +138,8 @@ def _make_llm(args, *, max_slots: int, max_model_len: int):
 
     return LLM(args.model, max_slots=args.max_slots or max_slots, max_model_len=args.max_model_len or max_model_len,
                chunk_size=args.chunk_size, max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
-               kv_cache_dtype=args.kv_dtype, seed=args.seed, dtype=args.dtype, width_buckets=args.buckets,
-               max_packed_width=args.max_packed_width, chat_template=not args.no_chat_template,
-               attention_impl=args.attention_impl, moe_impl=args.moe_impl, indexer_impl=args.indexer_impl,
+               kv_format=args.kv_format, seed=args.seed, dtype=args.dtype, width_buckets=args.buckets,
+               max_packed_width=args.max_packed_width, chat_template=not args.no_chat_template, kernels=args.kernels,
                keep_quantized=args.keep_quantized)  # fmt: skip
 
 
@@ -408,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--devices", type=int, default=8, help="devices (GPUs) the model is spread over (default 8)")
     p.add_argument(
-        "--kv-format", "--kv-dtype", dest="kv_format", default="fp8-channel", choices=KV_FORMATS,
+        "--kv-format", default="fp8-channel", choices=KV_FORMATS,
         help="KV cache storage (dsv4.cache.layout formats; fp8 = fp8-channel; default fp8-channel)",
     )  # fmt: skip
     p.add_argument(
@@ -429,14 +436,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the ledger as one JSON object")
     p.set_defaults(func=cmd_plan)  # fmt: skip
 
-    from dsv4.convert import add_convert_parser
-
-    add_convert_parser(sub)
+    c = sub.add_parser("convert", help="convert a checkpoint (safetensors, FP8/FP4 too) to orbax",
+                       description="Convert a checkpoint directory (safetensors in DeepSeek's or transformers' layout, "
+                                   "plain or FP8/FP4) to a sharded orbax checkpoint + config.json, which dsv4.load / "
+                                   "--model read onto any mesh.")  # fmt: skip
+    c.add_argument("src", help="checkpoint directory to read")
+    c.add_argument("dst", help="directory to write (must not hold a checkpoint yet)")
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="dtype of the stored weights (default bfloat16; norms and similar stay float32)")
+    c.add_argument("--keep-quantized", action="store_true", help="store FP8/FP4 weights as they are, with their scales")
+    c.add_argument("--devices", type=int, default=1,
+                   help="spread the model over this many local devices while converting (default 1)")
+    c.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    c.set_defaults(func=cmd_convert)
 
     i = sub.add_parser("info", help="print the resolved config of a preset or checkpoint")
     i.add_argument("--model", default="tiny", help="a preset or a checkpoint directory (default tiny)")
     i.set_defaults(func=cmd_info)
     return parser
+
+
+def cmd_convert(args) -> int:
+    import jax.numpy as jnp
+
+    from dsv4.api import convert
+    from dsv4.sharding import make_mesh
+
+    mesh = make_mesh(args.devices) if args.devices > 1 else None
+    convert(args.src, args.dst, dtype=jnp.dtype(args.dtype), keep_quantized=args.keep_quantized, mesh=mesh,
+            progress=not args.no_progress)  # fmt: skip
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

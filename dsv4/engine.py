@@ -25,13 +25,17 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from dsv4.api import init_random, load
 from dsv4.cache import BlockPool, KVCacheManager, PageSpec
-from dsv4.config import SLIDING
+from dsv4.config import SLIDING, Config
 from dsv4.generate import SamplingParams, sample
+from dsv4.kernels import Kernels
 from dsv4.model import DeepseekV4, check_token_ids
 from dsv4.runner import ModelRunner, power_of_two_buckets
 from dsv4.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from dsv4.sharding.mesh import check_mesh, on_mesh, shard_model
 from dsv4.tokenizer import TextTokenizer, load_tokenizer
 
 Prompt = str | Sequence[int]
@@ -124,23 +128,30 @@ class _Live:
     output: RequestOutput
 
 
-def _resolve_model(model, *, dtype, seed: int, attention_impl: str, moe_impl: str, indexer_impl: str = "auto",
-                   keep_quantized: bool = False) -> tuple[DeepseekV4, str | None]:  # fmt: skip
-    """A model instance, a checkpoint directory or a preset name → (model, directory or None)."""
-    import dsv4
-
+def _resolve_model(model, *, dtype, seed: int, kernels: Kernels | str | None = None, keep_quantized: bool = False,
+                   mesh: Mesh | None = None) -> tuple[DeepseekV4, str | None]:  # fmt: skip
+    """A model instance, a checkpoint directory or a preset name → (model, directory or None), on `mesh` if given
+    (a checkpoint streamed onto it, each device reading its slice)."""
     if isinstance(model, DeepseekV4):
+        if mesh is not None:
+            check_mesh(mesh, model.config.n_routed_experts)
+            if not on_mesh(model, mesh):
+                shard_model(model, mesh)
         return model, None
     name = os.fspath(model)
     if os.path.isdir(name):
-        return dsv4.load(name, dtype=jnp.dtype(dtype or "bfloat16"), attention_impl=attention_impl,
-                         moe_impl=moe_impl, indexer_impl=indexer_impl, keep_quantized=keep_quantized), name  # fmt: skip
+        if mesh is not None:
+            check_mesh(mesh, Config.from_hf(name).n_routed_experts)
+        return load(name, dtype=jnp.dtype(dtype or "bfloat16"), kernels=kernels, keep_quantized=keep_quantized,
+                    mesh=mesh), name  # fmt: skip
     if keep_quantized:
         raise ValueError(f"keep_quantized: {name!r} is a preset (random weights, nothing quantized); it applies to a "
                          "checkpoint directory with FP8 / FP4 weights")  # fmt: skip
     dtype = dtype or ("float32" if name == "tiny" else "bfloat16")
-    return dsv4.init_random(name, seed, dtype=jnp.dtype(dtype), attention_impl=attention_impl, moe_impl=moe_impl,
-                            indexer_impl=indexer_impl), None  # fmt: skip
+    if mesh is not None:
+        check_mesh(mesh, Config.preset(name).n_routed_experts)
+    model = init_random(name, seed, dtype=jnp.dtype(dtype), kernels=kernels)
+    return (model if mesh is None else shard_model(model, mesh)), None
 
 
 class LLM:
@@ -156,7 +167,7 @@ class LLM:
     max_num_batched_tokens: token budget of one step (default chunk_size + max_slots, so a running long
         prefill keeps its whole chunk while every running decode also gets its token).
     policy: "prefill_priority" (default), "decode_priority" or "fcfs"; see `dsv4.scheduler.SchedulingPolicy`.
-    kv_cache_dtype: how cached rows are stored: "bfloat16" or "float32" (default: the model's dtype), or a
+    kv_format: how cached rows are stored: "bfloat16" or "float32" (default: the model's dtype), or a
         storage format of `dsv4.cache.layout.FORMAT_NAMES` ("bf16", "fp8-channel", "fp8-tile", ...).
     width_buckets: the chunk widths calls are padded to (default powers of two up to chunk_size); each
         width used costs one compilation. max_packed_width: chunks up to this bucket share one
@@ -172,9 +183,13 @@ class LLM:
         host accounting only), e.g. for comparisons; the default True pages it.
     tokenizer: a `TextTokenizer`; default: the checkpoint directory's tokenizer.json, if any (else token
         ids only). chat_template: wrap str prompts in the tokenizer's chat template when it has one.
-    attention_impl / moe_impl / indexer_impl: as `dsv4.load`. keep_quantized (a checkpoint directory only): keep
-        FP8 / FP4 weights quantized on the device (`dsv4.load`); with moe_impl "pallas", FP8 experts in 128 × 128
-        blocks run on the FP8 expert kernels (W8A8).
+    kernels: which implementation runs each part (`dsv4.Kernels`, or a spec string), for a preset or checkpoint;
+        default: the fastest measured on this device. keep_quantized (a checkpoint directory only): keep
+        FP8 / FP4 weights quantized on the device (`dsv4.load`); with `Kernels.moe="pallas"` (a GPU's default), FP8
+        experts in 128 × 128 blocks run on the FP8 expert kernels (W8A8).
+    mesh: run on these devices (`dsv4.sharding.make_mesh()`: every device, over every process): each chunk's tokens
+        split over them, the routed experts expert-parallel, the cache replicated; the same greedy tokens as one
+        device. A model instance is placed on it, a checkpoint streamed onto it (each device reads its slice).
     """
 
     def __init__(
@@ -186,7 +201,7 @@ class LLM:
         chunk_size: int = 8192,
         max_num_batched_tokens: int | None = None,
         policy: str = "prefill_priority",
-        kv_cache_dtype: str | None = None,
+        kv_format: str | None = None,
         seed: int = 0,
         dtype: str | None = None,
         width_buckets: Sequence[int] | None = None,
@@ -196,14 +211,13 @@ class LLM:
         paged: bool = True,
         tokenizer: TextTokenizer | None = None,
         chat_template: bool = True,
-        attention_impl: str = "auto",
-        moe_impl: str = "jnp",
-        indexer_impl: str = "auto",
+        kernels: Kernels | str | None = None,
         keep_quantized: bool = False,
+        mesh: Mesh | None = None,
     ) -> None:
-        self.model, model_dir = _resolve_model(model, dtype=dtype, seed=seed, attention_impl=attention_impl,
-                                               moe_impl=moe_impl, indexer_impl=indexer_impl,
-                                               keep_quantized=keep_quantized)  # fmt: skip
+        self.model, model_dir = _resolve_model(model, dtype=dtype, seed=seed, kernels=kernels,
+                                               keep_quantized=keep_quantized, mesh=mesh)  # fmt: skip
+        self.mesh = mesh
         config = self.config = self.model.config
         if max_model_len is None:
             max_model_len = min(config.max_position_embeddings, 32768)
@@ -234,8 +248,8 @@ class LLM:
         self.kv_cache = KVCacheManager(self.pool, self.page_spec)
         paging = dict(page_tokens=page_size, num_pages=self.pool.num_blocks) if paged else {}
         self.runner = ModelRunner(self.model, max_slots=max_slots, max_model_len=max_model_len,
-                                  kv_cache_dtype=kv_cache_dtype or self.model.dtype, width_buckets=buckets,
-                                  max_packed_width=max_packed_width, **paging)  # fmt: skip
+                                  kv_format=kv_format, width_buckets=buckets,
+                                  max_packed_width=max_packed_width, mesh=mesh, **paging)  # fmt: skip
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens or chunk_size + max_slots, max_num_seqs=max_slots,

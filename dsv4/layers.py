@@ -16,6 +16,9 @@ import numpy as np
 from flax import nnx
 
 from dsv4.config import Config, RopeConfig
+from dsv4.pallas import sinkhorn as sk
+from dsv4.pallas._device import on_gpu
+from dsv4.sharding.sequence import per_sequence_shard
 
 F32 = jnp.float32
 
@@ -150,24 +153,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # Manifold-constrained hyper-connections (mHC).
 # ---------------------------------------------------------------------------------------------
-SINKHORN_KERNEL = True
-"""On a GPU, the mixing matrices' Sinkhorn normalization runs as one Pallas kernel per hyper-connection
-(`dsv4.pallas.sinkhorn`) instead of XLA's host-driven while loop: a 3-layer decode step launched 690 kernels, most
-of them those loops' 114 iterations, and kept the GPU busy for 0.9-1.2 ms of 3-4 ms (one H200, twenty-fourth
-session). False: the loop everywhere."""
-
-
-def sinkhorn_normalize(comb: jax.Array, iters: int, eps: float) -> jax.Array:
+def sinkhorn_normalize(comb: jax.Array, iters: int, eps: float, impl: str = "jnp") -> jax.Array:
     """comb [B, S, hc, hc] (positive) → doubly stochastic, float32: columns first, then (iters - 1) rounds of rows
-    and columns, as in the reference. The Pallas kernel on a GPU (per sequence shard under a sequence-parallel
-    layout) when `SINKHORN_KERNEL` and hc is a power of two, else `dsv4.pallas.sinkhorn.sinkhorn_reference`."""
-    from dsv4.pallas import sinkhorn as sk
-
+    and columns, as in the reference. impl="pallas": one kernel launch (per sequence shard under a
+    sequence-parallel layout; interpreted off a GPU) instead of XLA's host-driven loop, for hc a power of two."""
     hc = comb.shape[-1]
-    if SINKHORN_KERNEL and jax.default_backend() == "gpu" and hc & (hc - 1) == 0:
-        from dsv4.sharding.context_parallel import per_sequence_shard
-
-        return per_sequence_shard(lambda c: sk.sinkhorn(c, iters, eps), (comb,), fill=(1.0,))
+    if impl == "pallas" and hc & (hc - 1) == 0:
+        interpret = not on_gpu()
+        return per_sequence_shard(lambda c: sk.sinkhorn(c, iters, eps, interpret=interpret), (comb,), fill=(1.0,))
     return sk.sinkhorn_reference(comb, iters, eps)
 
 
@@ -178,9 +171,10 @@ class HyperConnection(nnx.Module):
     hc×hc mixing matrix made doubly stochastic by Sinkhorn steps, so the residual norm cannot grow).
     """
 
-    def __init__(self, config: Config, *, rngs: nnx.Rngs):
+    def __init__(self, config: Config, *, rngs: nnx.Rngs, sinkhorn: str = "jnp"):
         hc, d = config.hc_mult, config.hidden_size
         n_out = (2 + hc) * hc
+        self.sinkhorn = sinkhorn  # `Kernels.sinkhorn`
         self.fn = param(rngs, (n_out, hc * d), ("hc_out", "hc_embed"), dtype=F32)
         self.base = param(rngs, (n_out,), ("hc_out",), dtype=F32, init="zeros")
         self.scale = param(rngs, (3,), (None,), dtype=F32, init="ones")
@@ -197,7 +191,7 @@ class HyperConnection(nnx.Module):
         pre = jax.nn.sigmoid(pre_w * scale[0] + base[:hc]) + eps
         post = 2 * jax.nn.sigmoid(post_w * scale[1] + base[hc : 2 * hc])
         comb_logits = comb_w.reshape(*comb_w.shape[:-1], hc, hc) * scale[2] + base[2 * hc :].reshape(hc, hc)
-        comb = sinkhorn_normalize(jax.nn.softmax(comb_logits, axis=-1) + eps, self.iters, eps)
+        comb = sinkhorn_normalize(jax.nn.softmax(comb_logits, axis=-1) + eps, self.iters, eps, self.sinkhorn)
         collapsed = jnp.einsum("bsj,bsjd->bsd", pre, streams.astype(F32)).astype(streams.dtype)
         return post, comb, collapsed
 

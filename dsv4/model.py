@@ -18,27 +18,27 @@ from flax import nnx
 
 from dsv4.attention import Attention
 from dsv4.cache.layout import KVFormat
+from dsv4.cache.state import ModelCache
 from dsv4.cache.store import resolve_format
 from dsv4.config import SLIDING, Config
+from dsv4.kernels import Kernels
 from dsv4.layers import F32, HyperConnection, HyperHead, RMSNorm, hc_merge, param
 from dsv4.moe import MoE
-from dsv4.sharding import constrain
-from dsv4.sharding.rules import active, use_mesh
+from dsv4.sharding.rules import active, constrain, use_mesh
+from dsv4.sharding.sequence import sequence_shards, zigzag_model_rows, zigzag_permute, zigzag_shards
 
 STREAM_AXES = ("batch", "seq", None, "embed")  # the residual copies [B, S, hc, D]
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: Config, layer_idx: int, *, rngs: nnx.Rngs, dtype, attention_impl: str, moe_impl: str,
-                 indexer_impl: str = "auto"):  # fmt: skip
+    def __init__(self, config: Config, layer_idx: int, *, rngs: nnx.Rngs, dtype, kernels: Kernels):
         d, eps = config.hidden_size, config.rms_norm_eps
-        self.attn_hc = HyperConnection(config, rngs=rngs)
+        self.attn_hc = HyperConnection(config, rngs=rngs, sinkhorn=kernels.sinkhorn)
         self.input_layernorm = RMSNorm(d, eps, axis_name="embed", rngs=rngs)
-        self.self_attn = Attention(config, config.layer_types[layer_idx], rngs=rngs, dtype=dtype,
-                                   attention_impl=attention_impl, indexer_impl=indexer_impl)  # fmt: skip
-        self.ffn_hc = HyperConnection(config, rngs=rngs)
+        self.self_attn = Attention(config, config.layer_types[layer_idx], rngs=rngs, dtype=dtype, kernels=kernels)
+        self.ffn_hc = HyperConnection(config, rngs=rngs, sinkhorn=kernels.sinkhorn)
         self.post_attention_layernorm = RMSNorm(d, eps, axis_name="embed", rngs=rngs)
-        self.mlp = MoE(config, config.mlp_layer_types[layer_idx], rngs=rngs, dtype=dtype, moe_impl=moe_impl)
+        self.mlp = MoE(config, config.mlp_layer_types[layer_idx], rngs=rngs, dtype=dtype, moe_impl=kernels.moe)
 
     def __call__(self, streams: jax.Array, positions: jax.Array, token_ids: jax.Array) -> jax.Array:
         """streams: [B, S, hc, D] → [B, S, hc, D]."""
@@ -58,19 +58,17 @@ class DecoderLayer(nnx.Module):
 
 class DeepseekV4(nnx.Module):
     """DeepSeek-V4 causal LM. `dtype` is the weights' and activations' dtype; norms, sinks, biases and
-    hyper-connection weights stay float32 as in the reference."""
+    hyper-connection weights stay float32 as in the reference. `kernels` says which implementation runs each part;
+    its "auto" fields are resolved here, once, for this dtype and the default device."""
 
-    def __init__(self, config: Config, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, attention_impl: str = "auto",
-                 moe_impl: str = "jnp", indexer_impl: str = "auto"):  # fmt: skip
+    def __init__(self, config: Config, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, kernels: Kernels = Kernels()):
         d, v = config.hidden_size, config.vocab_size
         self.config = config
         self.dtype = jnp.dtype(dtype)
+        self.kernels = kernels.resolve(self.dtype)
         self.embed_tokens = nnx.Dict(weight=param(rngs, (v, d), ("vocab", "embed"), dtype=dtype))
-        self.layers = nnx.List([
-            DecoderLayer(config, i, rngs=rngs, dtype=dtype, attention_impl=attention_impl, moe_impl=moe_impl,
-                         indexer_impl=indexer_impl)
-            for i in range(config.num_hidden_layers)
-        ])  # fmt: skip
+        self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs, dtype=dtype, kernels=self.kernels)
+                                for i in range(config.num_hidden_layers)])  # fmt: skip
         self.hc_head = HyperHead(config, rngs=rngs)
         self.norm = RMSNorm(d, config.rms_norm_eps, axis_name="embed", rngs=rngs)
         self.lm_head = nnx.Dict(weight=param(rngs, (v, d), ("vocab", "embed"), dtype=dtype))
@@ -80,9 +78,7 @@ class DeepseekV4(nnx.Module):
         """token_ids: [B, S] → final normed hidden states [B, S, D] (full-sequence, no cache).
 
         Under a layout with `seq_order="zigzag"` the layers run on the sequence in zigzag order (padded to 2N
-        blocks; dsv4/sharding/context_parallel.py, "Whole-model zigzag"); the result is in sequence order."""
-        from dsv4.sharding.context_parallel import zigzag_shards
-
+        blocks; `dsv4.attention.sequence_parallel`, "Whole-model zigzag"); the result is in sequence order."""
         b, s = token_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -104,12 +100,9 @@ class DeepseekV4(nnx.Module):
         """The layers over the sequence in zigzag order over n shards. Padding tokens (id 0) go after the last
         real token at the following positions: causally invisible to every real token (window, compressed
         entries and indexer keys only look back), so the real tokens' results are exact."""
-        from dsv4.sharding.context_parallel import zigzag_model_rows, zigzag_permute
-
-        impls = sorted({layer.self_attn.attention_impl for layer in self.layers} - {"sp", "sp-pallas"})
-        if impls:
-            raise ValueError(f"seq_order='zigzag' needs the sequence-parallel attention cores ('sp', 'sp-pallas'); "
-                             f"this model has attention_impl {impls}")  # fmt: skip
+        if not self.kernels.sequence_parallel:
+            raise ValueError(f"seq_order='zigzag' needs a sequence-parallel attention core ('sp', 'sp-pallas'); "
+                             f"this model has Kernels.attention={self.kernels.attention!r}")  # fmt: skip
         b, s = token_ids.shape
         pad = 2 * n * zigzag_model_rows(self.config, s, n) - s
         if pad:
@@ -130,7 +123,7 @@ class DeepseekV4(nnx.Module):
     # ---- incremental: chunked prefill and decode over the cache -------------------------------------
     def init_cache(self, batch: int, max_len: int, dtype=None, *, kv_format: KVFormat | str | None = None,
                    index_format: KVFormat | str | None = None, page_tokens: int | None = None,
-                   num_pages: int | None = None) -> dict:  # fmt: skip
+                   num_pages: int | None = None) -> ModelCache:  # fmt: skip
         """An empty cache for `batch` request slots of up to `max_len` tokens each.
 
         kv_format: how K=V rows and compressed entries are stored: a `KVFormat`, a name from
@@ -138,7 +131,7 @@ class DeepseekV4(nnx.Module):
             (default: the model's dtype). index_format: the indexer keys' (default: `kv_format`).
         page_tokens, num_pages: page the compressed entries. Every layer's entries then live in a pool of
             `num_pages` pages, each holding `page_tokens` tokens' worth (`page_tokens // rate` entries), and
-            `cache["block_table"]` [batch, ceil(max_len / page_tokens)] int32 maps each slot's token pages to
+            `cache.block_table` [batch, ceil(max_len / page_tokens)] int32 maps each slot's token pages to
             page ids; the host (`dsv4.cache.KVCacheManager` with `PageSpec.tokens(page_tokens)`) fills it
             before a chunk runs. Page 0 is the null page. Without them, entries are dense per slot.
         The sliding-window ring and the compressors' open windows are per slot either way (fixed size).
@@ -158,39 +151,42 @@ class DeepseekV4(nnx.Module):
                 raise ValueError(f"page_tokens={page_tokens} must be a multiple of every compress rate {rates} "
                                  f"(a page holds whole entries); not of {bad}")  # fmt: skip
             pages = (num_pages, page_tokens)
-        cache = {"num_tokens": jnp.zeros((batch,), jnp.int32),
-                 "layers": [layer.self_attn.init_state(batch, max_len, dtype, kv_format, index_format, pages)
-                            for layer in self.layers]}  # fmt: skip
-        if pages is not None:
-            cache["block_table"] = jnp.zeros((batch, -(-max_len // page_tokens)), jnp.int32)
-        return cache
+        layers = tuple(layer.self_attn.init_state(batch, max_len, dtype, kv_format, index_format, pages)
+                       for layer in self.layers)  # fmt: skip
+        table = None if pages is None else jnp.zeros((batch, -(-max_len // page_tokens)), jnp.int32)
+        return ModelCache(jnp.zeros((batch,), jnp.int32), layers, table)
 
-    def forward_chunk(self, cache: dict, token_ids: jax.Array, valid: jax.Array | None = None):
+    def forward_chunk(self, cache: ModelCache, token_ids: jax.Array, valid: jax.Array | None = None):
         """Runs the next chunk of each slot: token_ids [B, n], of which the first valid[b] are real
-        (default all; 0 leaves a slot untouched). Positions continue from cache["num_tokens"].
+        (default all; 0 leaves a slot untouched). Positions continue from cache.num_tokens.
         → (logits [B, vocab] float32 at each slot's last real token, new cache)."""
         b, n = token_ids.shape
         if valid is None:
             valid = jnp.full((b,), n, jnp.int32)
-        start = cache["num_tokens"]
+        start = cache.num_tokens
         x = self.embed_tokens["weight"][...][token_ids]
         streams = jnp.broadcast_to(x[:, :, None, :], (b, n, self.config.hc_mult, x.shape[-1]))
+        # Under a mesh the chunk's tokens are split over the sequence axis (contiguously: a chunk sits after the
+        # cached context, so its queries see nearly equal numbers of entries), positions kept global.
+        split = n % sequence_shards() == 0
+        layout = (lambda s: constrain(s, STREAM_AXES)) if split else (lambda s: s)  # noqa: E731
+        streams = layout(streams)
         states = []
-        table = cache.get("block_table")
-        for layer, state in zip(self.layers, cache["layers"]):
+        table = cache.block_table
+        for layer, state in zip(self.layers, cache.layers):
             streams, state = layer.forward_chunk(streams, start, valid, token_ids, state, table)
+            streams = layout(streams)
             states.append(state)
         last = jnp.take_along_axis(streams, jnp.maximum(valid - 1, 0)[:, None, None, None], axis=1)  # [B, 1, hc, D]
         h = self.norm(self.hc_head(last))[:, 0]
         logits = self.lm_logits(h)
-        new_cache = {**cache, "num_tokens": start + valid, "layers": states}
-        return logits, new_cache
+        return logits, cache.replace(num_tokens=start + valid, layers=tuple(states))
 
-    def prefill_chunk(self, cache: dict, token_ids: jax.Array, valid: jax.Array | None = None):
+    def prefill_chunk(self, cache: ModelCache, token_ids: jax.Array, valid: jax.Array | None = None):
         """The next prompt chunk of each slot (any length, any split of the prompt): `forward_chunk`."""
         return self.forward_chunk(cache, token_ids, valid)
 
-    def decode(self, cache: dict, token_ids: jax.Array, active: jax.Array | None = None):
+    def decode(self, cache: ModelCache, token_ids: jax.Array, active: jax.Array | None = None):
         """One generated token per slot: token_ids [B] → (logits [B, vocab], new cache). `active` [B] bool
         (default all): inactive slots are left untouched."""
         valid = None if active is None else active.astype(jnp.int32)

@@ -10,9 +10,11 @@ from flax import nnx
 
 from dsv4.config import Config
 from dsv4.layers import F32, Buffer, linear, param
+from dsv4.pallas._device import on_gpu
+from dsv4.pallas.moe import quantize_per_token_group, routed_experts
 from dsv4.quantization import BlockQuantized
-from dsv4.sharding.context_parallel import per_sequence_shard
 from dsv4.sharding.expert_parallel import DEFAULT_CHUNK_TOKENS, ep_layout, routed_experts_ep
+from dsv4.sharding.sequence import per_sequence_shard
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -53,10 +55,8 @@ def routed_experts_jnp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, 
 def routed_experts_pallas(x, expert_ids, weights, gate_up, down, limit, out_dtype=None, **fp8):
     """The grouped-GEMM Pallas kernels (`dsv4/pallas/moe.py`); interpreted off-GPU. fp8: FP8 weights' block
     scales (gate_up_scales, down_scales), fp8_activations, pre-quantized tokens' x_scales."""
-    from dsv4.pallas.moe import routed_experts
-
-    return routed_experts(x, expert_ids, weights, gate_up, down, limit, out_dtype=out_dtype,
-                          interpret=jax.default_backend() != "gpu", **fp8)  # fmt: skip
+    return routed_experts(x, expert_ids, weights, gate_up, down, limit, out_dtype=out_dtype, interpret=not on_gpu(),
+                          **fp8)  # fmt: skip
 
 
 MOE_IMPLS = {"jnp": routed_experts_jnp, "pallas": routed_experts_pallas}
@@ -110,12 +110,12 @@ class MoE(nnx.Module):
         # Under expert parallelism, tokens per step (bounds the per-step memory; dsv4/sharding/expert_parallel.py)
         self.ep_chunk_tokens = DEFAULT_CHUNK_TOKENS
         # ... the dtype the partial results travel in (float32: exact; bfloat16 halves those bytes), and the
-        # schedule ("direct": each partial result straight home, or "ring"); BENCHMARKS.md, "Expert parallelism"
+        # schedule ("direct": each partial result straight home, or "ring"); docs/kernels/parallelism.md
         self.ep_combine_dtype = F32
         self.ep_schedule = "direct"
-        # Experts loaded FP8 (`dsv4.load(keep_quantized=True)`, 128 × 128 blocks) with moe_impl "pallas" run on the
-        # FP8 kernels: W8A8 (activations quantized per token and 128-group, as DeepSeek does) or, with False,
-        # W8A16. Other weights, and the jnp path, read them dequantized.
+        # Experts loaded FP8 (`dsv4.load(keep_quantized=True)`, 128 × 128 blocks) with the Pallas MoE
+        # (`Kernels.moe`) run on the FP8 kernels: W8A8 (activations quantized per token and 128-group, as DeepSeek
+        # does) or, with False, W8A16. Other weights, and the jnp path, read them dequantized.
         self.fp8_activations = True
 
     def expert_weights(self) -> tuple[jax.Array, jax.Array, dict]:
@@ -149,17 +149,18 @@ class MoE(nnx.Module):
         ids, weights = self.route(flat, token_ids.reshape(-1))
         gate_up, down, scales = self.expert_weights()
         impl = MOE_IMPLS[self.moe_impl]
-        if ep_layout(gate_up.shape[0]) is not None:
-            # Expert parallelism: each device keeps its slice of the experts and the tokens are sent to them.
-            x_sent, x_scales = x, None
+        layout = ep_layout(gate_up.shape[0])
+        if layout is not None:
+            # Expert parallelism: each device keeps its slice of the experts and the tokens are sent to them. Too
+            # few tokens a row to split (a decode step's one per request): the batch's tokens as one row instead.
+            rows, cols = (1, b * s) if s % layout[2] and b > 1 else (b, s)
+            x_sent, x_scales = x.reshape(rows, cols, d), None
             if scales and self.fp8_activations:  # W8A8: quantized where the token lives, sent as 1-byte values
-                from dsv4.pallas.moe import quantize_per_token_group
-
                 xq, xs = quantize_per_token_group(flat)
-                x_sent, x_scales = xq.reshape(b, s, d), xs.reshape(b, s, -1)
+                x_sent, x_scales = xq.reshape(rows, cols, d), xs.reshape(rows, cols, -1)
             local = _ep_local_experts(self.moe_impl, self.limit, self.fp8_activations if scales else None)
-            routed = routed_experts_ep(local, x_sent, ids.reshape(b, s, -1), weights.reshape(b, s, -1), gate_up, down,
-                                       x_scales=x_scales, **scales, out_dtype=x.dtype,
+            routed = routed_experts_ep(local, x_sent, ids.reshape(rows, cols, -1), weights.reshape(rows, cols, -1),
+                                       gate_up, down, x_scales=x_scales, **scales, out_dtype=x.dtype,
                                        chunk_tokens=self.ep_chunk_tokens, schedule=self.ep_schedule,
                                        combine_dtype=self.ep_combine_dtype).reshape(b * s, d)  # fmt: skip
         elif self.moe_impl == "pallas":

@@ -6,7 +6,7 @@ each page holding `page_tokens` tokens' worth of entries, so the memory is the p
 max_model_len`. The host `KVCacheManager` (`PageSpec.tokens(page_tokens)`: one group, the request's token
 pages) hands out the page ids; each `ScheduledChunk.block_tables[0]` is the request's table. The runner keeps
 a host mirror of every slot's row (`np.int32 [max_slots, max_pages]`, zero-padded: page 0 is the null page)
-and passes it to each jitted call, which puts it into `cache["block_table"]`. The sliding-window ring and the
+and passes it to each jitted call, which puts it into `cache.block_table`. The sliding-window ring and the
 compressors' open windows stay per slot (fixed size, independent of the length).
 
 A slot is still what a running request owns on the device (its ring, open windows, token count, table row);
@@ -28,6 +28,12 @@ second kind.
 
 `w` comes from `width_buckets` (the smallest bucket ≥ the chunk). Only a chunk with `needs_logits` brings
 logits back to the host, one row per request.
+
+On a mesh (`mesh=`, the model's weights placed on it by `dsv4.sharding.shard_model` or a sharded load) every call
+is traced under `use_mesh(mesh, rules)`: a chunk's tokens are split over the sequence axis, the routed experts run
+expert-parallel, and the cache is replicated on every device (each device attends over every compressed entry, so
+a replicated cache needs only each chunk's new rows gathered; docs/kernels/parallelism.md). The host side is the
+same for any mesh: one page pool, one block table per slot.
 """
 
 from __future__ import annotations
@@ -41,11 +47,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dsv4.cache.layout import FORMAT_NAMES
 from dsv4.cache.store import per_slot_mask
 from dsv4.model import DeepseekV4
 from dsv4.scheduler import ScheduledChunk, SchedulerOutput
+from dsv4.sharding.rules import SEQUENCE_PARALLEL, ShardingRules, use_mesh
 
 
 def power_of_two_buckets(chunk_size: int) -> tuple[int, ...]:
@@ -58,7 +67,7 @@ def power_of_two_buckets(chunk_size: int) -> tuple[int, ...]:
 
 def _with_table(cache, block_table):
     """The cache with the host's block tables [max_slots, max_pages] in place (None: a dense cache, as is)."""
-    return cache if block_table is None else {**cache, "block_table": block_table}
+    return cache if block_table is None else cache.replace(block_table=block_table)
 
 
 def _slot_of_cache(cache, slot):
@@ -76,14 +85,22 @@ def _put_slot(cache, sub, slot, *, shared_too: bool):
 
 class _Programs:
     """The runner's jitted calls for one model graph. They close over its nnx GraphDef and the treedef of its
-    state, so a call passes only arrays (the weights as a flat list). Passed as a static argument, the GraphDef
-    was hashed on every call (0.32 ms at 3 layers, 6.96 ms at V4-Flash's 43 on the CPU box) and the nnx State
-    flattened (0.13, 2.03 ms): host time that every step waits for, since `execute` waits for the device. A
-    43-layer decode call took 34.5 ms that way against 21.3 ms closed over (`scripts/bench_runner_host.py`)."""
+    state, so a call passes only arrays (the weights as a flat list): a static GraphDef would be hashed, and the
+    nnx State flattened, on every call, host time that every step waits for (`scripts/bench_runner_host.py`)."""
 
-    def __init__(self, graphdef, state_def):
+    def __init__(self, graphdef, state_def, layout: tuple[Mesh, ShardingRules] | None):
         def model(leaves):
             return nnx.merge(graphdef, jax.tree.unflatten(state_def, leaves))
+
+        def on_mesh(fn):  # traced under the layout, results replicated on it (the cache keeps one placement)
+            if layout is None:
+                return fn
+
+            def traced(*args):
+                with use_mesh(*layout):
+                    return fn(*args)
+
+            return functools.wraps(fn)(traced)
 
         def packed_step(leaves, cache, token_ids, valid, block_table):
             """token_ids: [max_slots, w]; valid: [max_slots]; block_table: [max_slots, max_pages] or None (dense)
@@ -108,16 +125,22 @@ class _Programs:
             fresh = model(leaves).init_cache(1, max_len, dtype, kv_format=kv_format, **paging)
             return _put_slot(cache, fresh, slot, shared_too=False)
 
-        self.packed_step = jax.jit(packed_step, donate_argnums=1)
-        self.slot_step = jax.jit(slot_step, donate_argnums=1)
-        self.reset_slot = jax.jit(reset_slot, static_argnums=(3, 4, 5, 6), donate_argnums=1)
+        def init_cache(leaves, batch, max_len, dtype, kv_format, page_tokens, num_pages):
+            paging = {} if page_tokens is None else dict(page_tokens=page_tokens, num_pages=num_pages)
+            return model(leaves).init_cache(batch, max_len, dtype, kv_format=kv_format, **paging)
+
+        out = {} if layout is None else dict(out_shardings=NamedSharding(layout[0], P()))
+        self.init_cache = jax.jit(on_mesh(init_cache), static_argnums=(1, 2, 3, 4, 5, 6), **out)
+        self.packed_step = jax.jit(on_mesh(packed_step), donate_argnums=1, **out)
+        self.slot_step = jax.jit(on_mesh(slot_step), donate_argnums=1, **out)
+        self.reset_slot = jax.jit(on_mesh(reset_slot), static_argnums=(3, 4, 5, 6), donate_argnums=1, **out)
 
 
 @functools.lru_cache(maxsize=8)
-def _programs(graphdef, state_def) -> _Programs:
-    """One `_Programs` per model graph, so runners over equal graphs share compiled code (as they did when the
-    GraphDef was a static argument); the GraphDef is hashed here once per runner, not once per call."""
-    return _Programs(graphdef, state_def)
+def _programs(graphdef, state_def, layout) -> _Programs:
+    """One `_Programs` per model graph and layout, so runners over equal graphs share compiled code; the GraphDef
+    is hashed here once per runner, not once per call."""
+    return _Programs(graphdef, state_def, layout)
 
 
 class ModelRunner:
@@ -130,11 +153,13 @@ class ModelRunner:
     page_tokens, num_pages: page the cache (see the module docstring): a pool of `num_pages` pages (page 0,
     the null page, included: the host `BlockPool`'s `num_blocks`) of `page_tokens` tokens each. Both None:
     the dense cache.
+    mesh / rules: run on this mesh (the model already placed on it), laid out by `rules`; None: one device.
     """
 
-    def __init__(self, model: DeepseekV4, *, max_slots: int, max_model_len: int, kv_cache_dtype,
+    def __init__(self, model: DeepseekV4, *, max_slots: int, max_model_len: int, kv_format,
                  width_buckets: Sequence[int], max_packed_width: int, page_tokens: int | None = None,
-                 num_pages: int | None = None) -> None:  # fmt: skip
+                 num_pages: int | None = None, mesh: Mesh | None = None,
+                 rules: ShardingRules = SEQUENCE_PARALLEL) -> None:  # fmt: skip
         if max_slots < 1:
             raise ValueError(f"max_slots={max_slots} must be >= 1")
         if (page_tokens is None) != (num_pages is None):
@@ -147,28 +172,30 @@ class ModelRunner:
         self.max_slots, self.max_model_len = max_slots, max_model_len
         # A storage format name ("bf16", "fp8-channel", ...) stores the rows in it (computing in the model's
         # dtype); a dtype keeps them unquantized in that dtype.
-        if isinstance(kv_cache_dtype, str) and kv_cache_dtype in FORMAT_NAMES:
-            self.kv_format, self.kv_cache_dtype = kv_cache_dtype, model.dtype
+        if kv_format is None:
+            kv_format = model.dtype
+        if isinstance(kv_format, str) and kv_format in FORMAT_NAMES:
+            self.kv_format, self.cache_dtype = kv_format, model.dtype
         else:
-            self.kv_format, self.kv_cache_dtype = None, jnp.dtype(kv_cache_dtype)
+            self.kv_format, self.cache_dtype = None, jnp.dtype(kv_format)
         self.width_buckets = tuple(buckets)
         self.max_packed_width = max_packed_width
         self.graphdef, self.state = nnx.split(model)
         self._weights, state_def = jax.tree.flatten(self.state)  # passed as a flat list: see `_Programs`
-        self._programs = _programs(self.graphdef, state_def)
+        self.mesh = mesh
+        self._programs = _programs(self.graphdef, state_def, None if mesh is None else (mesh, rules))
         self.page_tokens, self.num_pages = page_tokens, num_pages
-        paging = {} if page_tokens is None else dict(page_tokens=page_tokens, num_pages=num_pages)
-        # NOTE: committed to a device from the start. Every jitted call returns committed arrays, and jit keys
-        # its cache on commitment too: an uncommitted first cache would compile each shape twice.
-        self.cache = jax.device_put(model.init_cache(max_slots, max_model_len, self.kv_cache_dtype,
-                                                   kv_format=self.kv_format, **paging), jax.devices()[0])  # fmt: skip
-        # Host mirror of cache["block_table"], passed to every call (None: dense). A row is its slot's request's
+        # Committed from the start: every jitted call returns committed arrays, and jit keys its cache on
+        # commitment too, so an uncommitted first cache would compile each shape twice.
+        self.cache = self._programs.init_cache(self._weights, max_slots, max_model_len, self.cache_dtype,
+                                               self.kv_format, page_tokens, num_pages)  # fmt: skip
+        # Host mirror of cache.block_table, passed to every call (None: dense). A row is its slot's request's
         # token pages, zero-padded; a free slot's row is all null pages.
         self._block_tables = (None if page_tokens is None else
                               np.zeros((max_slots, -(-max_model_len // page_tokens)), np.int32))  # fmt: skip
         self._slot_of: dict[str, int] = {}
         self._free_slots = list(range(max_slots))  # kept sorted: lowest slot first
-        self._num_tokens = [0] * max_slots  # host mirror of cache["num_tokens"]: checked against each chunk
+        self._num_tokens = [0] * max_slots  # host mirror of cache.num_tokens: checked against each chunk
         self._seen_shapes: set[tuple[str, int]] = set()
         self.compile_s = 0.0
         """Wall time of the first call of each shape (compilation plus one run), summed."""
@@ -200,7 +227,7 @@ class ModelRunner:
         slot = self._free_slots.pop(0)
         self._slot_of[request_id] = slot
         self.cache = self._timed(("reset", 0), self._programs.reset_slot, self._weights, self.cache, jnp.int32(slot),
-                                 self.max_model_len, self.kv_cache_dtype, self.kv_format,
+                                 self.max_model_len, self.cache_dtype, self.kv_format,
                                  self.page_tokens)  # fmt: skip
         self._num_tokens[slot] = 0
         return slot
@@ -241,7 +268,7 @@ class ModelRunner:
                 self.cache,
                 jnp.int32(self._free_slots[0]),
                 self.max_model_len,
-                self.kv_cache_dtype,
+                self.cache_dtype,
                 self.kv_format,
                 self.page_tokens,
             )

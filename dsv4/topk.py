@@ -1,9 +1,9 @@
 """Exact top-k over long rows by group maxima: the same answer as `lax.top_k`, sorting far fewer elements.
 
 `lax.top_k` on XLA:GPU sorts the whole row for a k in the hundreds, so picking the indexer's 512 best of 128K
-scores costs a 128K-element sort per query (about 9 G elements/s on an H200: 3.7 s per CSA layer at a 512K prompt,
-more than the layer's FP8 scoring floor). `top_k` below returns exactly what `lax.top_k(x, k)` returns — values and
-indices, best first, ties to the lower index — while sorting only O(k · group) elements per row:
+scores costs a 128K-element sort per query: at a 512K prompt, more than the CSA layer's FP8 scoring floor. `top_k`
+below returns exactly what `lax.top_k(x, k)` returns — values and indices, best first, ties to the lower index —
+while sorting only O(k · group) elements per row:
 
 1. split the row into groups of `group` consecutive elements and take each group's maximum;
 2. pick the top k groups by their maxima (recursively, the same way, while the maxima row is still long);

@@ -67,15 +67,14 @@ def main(argv=None) -> int:
     if attention == "auto":
         attention = "sp-pallas" if jax.default_backend() == "gpu" else "sp"
     rules = dataclasses.replace(SEQUENCE_PARALLEL, seq_order=args.order)
-    moe = args.moe_impl if args.moe_impl != "auto" else ("pallas" if jax.default_backend() == "gpu" else "jnp")
-    kernels = dict(attention_impl=attention, moe_impl=moe, indexer_impl=args.indexer_impl)
+    kernels = dsv4.Kernels(attention=attention, moe=args.moe_impl, indexer=args.indexer_impl)
     if os.path.isdir(args.model):  # streamed: each device reads and receives only its slice of each tensor
         model = dsv4.load(args.model, dtype=dtype, mesh=mesh, shardings=SEQUENCE_PARALLEL,
-                          keep_quantized=args.keep_quantized, **kernels)  # fmt: skip
+                          keep_quantized=args.keep_quantized, kernels=kernels)  # fmt: skip
     else:
         if args.keep_quantized:
             p.error(f"--keep-quantized: {args.model!r} is a preset (random weights); give a checkpoint directory")
-        model = dsv4.init_random(args.model, args.seed, dtype=dtype, **kernels)
+        model = dsv4.init_random(args.model, args.seed, dtype=dtype, kernels=kernels)
         shard_model(model, mesh)
     if args.token_ids_file:
         ids = np.load(args.token_ids_file)
@@ -90,7 +89,8 @@ def main(argv=None) -> int:
         ttft = time.perf_counter() - start
     last = np.asarray(multihost_utils.process_allgather(logits[:, -1], tiled=True))
     if jax.process_index() == 0:
-        print(f"{jax.process_count()} processes, {len(jax.devices())} devices, attention {attention}, experts {moe}, "
+        print(f"{jax.process_count()} processes, {len(jax.devices())} devices, attention {attention}, "
+              f"experts {model.kernels.moe}, "
               f"order {args.order}, prompt {ids.shape}: "
               f"prefill {ttft * 1e3:.1f} ms; logits checksum {float(np.abs(last).sum()):.6f}")  # fmt: skip
         if args.save_logits:

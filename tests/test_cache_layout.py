@@ -3,7 +3,7 @@
 1. Against what the model allocates: `DeepseekV4.init_cache` under `jax.eval_shape` (nothing allocated), array
    by array, for bf16 / float32 caches, and for FP8 caches (per request and shared scale states), dense and paged.
 2. Against arithmetic done by hand for V4-Flash, independent of the implementation.
-3. Against the tables in docs/BENCHMARKS.md ("KV cache bytes per token (issue 4)"), so the docs cannot drift.
+3. Against the tables in docs/BENCHMARKS.md ("KV cache bytes per token"), so the docs cannot drift.
 """
 
 import os
@@ -66,7 +66,7 @@ def test_layout_matches_what_init_cache_allocates(config_name, dtype, max_len):
     cache = abstract_cache(config, batch, max_len, lambda m: m.init_cache(batch, max_len, jnp.dtype(dtype)))
     layout = CacheLayout.from_config(config, KVFormat(dtype, dtype=dtype), state_dtype=dtype)
     assert [layer.layer_type for layer in layout.layers] == list(config.layer_types)
-    for i, (layer, state) in enumerate(zip(layout.layers, cache["layers"], strict=True)):
+    for i, (layer, state) in enumerate(zip(layout.layers, cache.layers, strict=True)):
         want = {path: batch * n for path, n in layer.breakdown(max_len, rounding="floor").items()}
         assert bytes_by_path(state) == want, f"layer {i} ({layer.layer_type})"
     total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(cache))
@@ -80,7 +80,7 @@ def test_fp8_cache_matches_the_layout(name):
     fmt = KVFormat.named(name, rope_dim=config.qk_rope_head_dim)
     cache = abstract_cache(config, batch, max_len, lambda m: m.init_cache(batch, max_len, jnp.bfloat16, kv_format=name))
     layout = CacheLayout.from_config(config, fmt)
-    for layer, state in zip(layout.layers, cache["layers"], strict=True):
+    for layer, state in zip(layout.layers, cache.layers, strict=True):
         assert bytes_by_path(state) == {p: batch * n for p, n in layer.breakdown(max_len, rounding="floor").items()}
     assert shared_bytes(cache) == layout.shared_bytes
     assert (layout.shared_bytes > 0) == (fmt.scaling in ("tensor", "channel"))
@@ -94,9 +94,9 @@ def test_paged_pools_match_the_layout(name):
     fmt = KVFormat.named(name, rope_dim=config.qk_rope_head_dim)
     cache = abstract_cache(config, batch, max_len, lambda m: m.init_cache(
         batch, max_len, jnp.bfloat16, kv_format=name, page_tokens=page_tokens, num_pages=num_pages))
-    assert cache["block_table"].shape == (batch, max_len // page_tokens)
+    assert cache.block_table.shape == (batch, max_len // page_tokens)
     layout = CacheLayout.from_config(config, fmt)
-    for layer, state in zip(layout.layers, cache["layers"], strict=True):
+    for layer, state in zip(layout.layers, cache.layers, strict=True):
         want = {}
         for a in layer.arrays:
             rows = num_pages * page_tokens // a.tokens_per_row if a.tokens_per_row else batch * a.rows
@@ -145,7 +145,7 @@ def _docs_section(title: str) -> str:
 
 def test_docs_bytes_tables_match_the_layout():
     """Every number in the docs' bytes tables, recomputed (512K tokens; formats in the header's order)."""
-    section = _docs_section("KV cache bytes per token (issue 4)")
+    section = _docs_section("KV cache bytes per token")
     n = 512 * 1024
     labels = {"sliding": SLIDING, "CSA": CSA, "HCA": HCA}
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()

@@ -17,7 +17,7 @@ from dsv4.memory_plan import GIB, count_params, plan_memory
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 MODEL_DIR = os.path.join(FIXTURES, "tiny_mixed")
-ENGINE = ["--model", MODEL_DIR, "--dtype", "float32", "--kv-dtype", "float32", "--max-slots", "4", "--max-model-len",
+ENGINE = ["--model", MODEL_DIR, "--dtype", "float32", "--kv-format", "float32", "--max-slots", "4", "--max-model-len",
           "128", "--chunk-size", "32", "--buckets", "1,8,32", "--max-packed-width", "8"]  # fmt: skip
 
 
@@ -50,8 +50,10 @@ def test_generate_streams_the_reference_tokens(capsys):
 
 
 def test_kernel_flags_reach_the_model(monkeypatch, capsys):
-    """--attention-impl / --moe-impl / --indexer-impl are what the engine builds the model with."""
+    """--kernels is what the engine builds the model with: every part and every choice `dsv4.Kernels` takes."""
     import dsv4.engine
+    from dsv4.cli import KERNEL_PARTS
+    from dsv4.kernels import CHOICES, Kernels
 
     seen = {}
 
@@ -60,21 +62,21 @@ def test_kernel_flags_reach_the_model(monkeypatch, capsys):
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(dsv4.engine, "_resolve_model", capture)
-    flags = ["--attention-impl", "pallas", "--moe-impl", "pallas", "--indexer-impl", "pallas-stream"]
     with pytest.raises(RuntimeError, match="stop here"):
-        main(["generate", *ENGINE, "--token-ids", "1,2,3", *flags])
-    assert (seen["attention_impl"], seen["moe_impl"], seen["indexer_impl"]) == ("pallas", "pallas", "pallas-stream")
-    from dsv4.attention import INDEXER_IMPLS
-    from dsv4.moe import MOE_IMPLS
-
-    # the CLI's choices are written out (it imports no jax at start-up): every impl the model takes is accepted
-    for flag, names in (("--indexer-impl", INDEXER_IMPLS), ("--moe-impl", MOE_IMPLS)):
+        main(["generate", *ENGINE, "--token-ids", "1,2,3", "--kernels", "attention=pallas,indexer=pallas-stream"])
+    assert seen["kernels"] == Kernels(attention="pallas", indexer="pallas-stream")
+    with pytest.raises(RuntimeError, match="stop here"):
+        main(["generate", *ENGINE, "--token-ids", "1,2,3"])
+    assert seen["kernels"] is None  # auto: resolved by the model for its device
+    assert KERNEL_PARTS == tuple(CHOICES)  # the CLI's help names every part
+    for part, names in CHOICES.items():
         for name in names:
             with pytest.raises(RuntimeError, match="stop here"):
-                main(["generate", *ENGINE, "--token-ids", "1,2,3", flag, name])
-            assert seen[flag[2:].replace("-", "_")] == name
-    with pytest.raises(SystemExit):
-        main(["generate", *ENGINE, "--token-ids", "1,2,3", "--indexer-impl", "fp4"])
+                main(["generate", *ENGINE, "--token-ids", "1,2,3", "--kernels", f"{part}={name}"])
+            assert getattr(seen["kernels"], part) == name
+    for bad in ("indexer=fp4", "attention", "speed=pallas"):
+        with pytest.raises(SystemExit):
+            main(["generate", *ENGINE, "--token-ids", "1,2,3", "--kernels", bad])
     capsys.readouterr()
 
 
@@ -152,7 +154,7 @@ def test_plan_ledger_by_hand():
 
 
 def test_plan_refuses_what_does_not_fit(capsys):
-    argv = ["plan", "--model", "v4-flash", "--context", "512k", "--devices", "8", "--kv-dtype", "fp8"]
+    argv = ["plan", "--model", "v4-flash", "--context", "512k", "--devices", "8", "--kv-format", "fp8"]
     assert main([*argv, "--device-memory-gib", "80"]) == 1  # bf16 weights: ~95.8 GiB with headroom
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "--weights fp8" in out and "--devices" in out

@@ -1,12 +1,12 @@
-"""The shard_map'd sequence-parallel attention core (dsv4/sharding/context_parallel.py) against
+"""The shard_map'd sequence-parallel attention core (dsv4/attention/sequence_parallel.py) against
 `core_attention_jnp`, float32, on 8 CPU host devices in a subprocess (as in tests/test_sharding.py).
 
 Tiny shapes (H=4, D=32, W=16, B=2); lengths that are not divisible by the shard count, whose windows
 straddle shard boundaries, shards shorter than the window (multi-hop halo), prompts shorter than one window;
 HCA (rate 4) and CSA (rate 4, random top-8 with -1s, picks spread over every earlier shard); random sinks;
 contiguous and zigzag layouts; CSA "gather" and "ring" modes; query chunks of 16 so every shard has several.
-Then the tiny_long fixture model (sliding, CSA and HCA layers) with attention_impl="sp" on 4 shards against its
-reference logits (the impl is registered with `context_parallel.register()`).
+Then the tiny_long fixture model (sliding, CSA and HCA layers) on the "sp" core (`Kernels.attention`) on 4 shards
+against its reference logits.
 """
 
 import os
@@ -26,7 +26,7 @@ SCRIPT = """
     import functools, sys, numpy as np, jax, jax.numpy as jnp
     from dsv4.attention import CompressedKeys, core_attention_jnp
     from dsv4.sharding import make_mesh, use_mesh
-    from dsv4.sharding.context_parallel import core_attention_sp
+    from dsv4.attention.sequence_parallel import core_attention_sp
 
     def inputs(s, kind, seed, H=4, D=32, rate=4, K=8):
         rng = np.random.default_rng(seed)
@@ -69,15 +69,13 @@ SCRIPT = """
     same = bool(jnp.array_equal(core_attention_sp(*args, **kw), core_attention_jnp(*args, **kw)))
     print("fallback", 0.0 if same else 1.0, True)
 
-    # The whole model with attention_impl="sp" (all three layer types) against its reference logits.
+    # The whole model on the "sp" core (all three layer types) against its reference logits.
     import dsv4
     from flax import nnx
     from dsv4.model import _jitted_logits
     from dsv4.sharding import shard_model
-    from dsv4.sharding.context_parallel import register
     from dsv4.sharding.rules import active
-    register()
-    model = dsv4.load("tests/fixtures/tiny_long", dtype=jnp.float32, attention_impl="sp")
+    model = dsv4.load("tests/fixtures/tiny_long", dtype=jnp.float32, kernels="attention=sp")
     ref = np.load("tests/fixtures/tiny_long/reference.npz")
     mesh = make_mesh(4)
     shard_model(model, mesh)
@@ -144,8 +142,7 @@ KERNELS_SCRIPT = """
         return found
 
     ref = np.load("tests/fixtures/tiny_long/reference.npz")
-    model = dsv4.load("tests/fixtures/tiny_long", dtype=jnp.float32, attention_impl="sp", indexer_impl="pallas",
-                      moe_impl="pallas")
+    model = dsv4.load("tests/fixtures/tiny_long", dtype=jnp.float32, kernels="attention=sp,indexer=pallas,moe=pallas")
     mesh = make_mesh(4)
     shard_model(model, mesh)
     ids = jnp.asarray(ref["input_ids"], jnp.int32)
@@ -160,7 +157,7 @@ KERNELS_SCRIPT = """
 
     # per_sequence_shard itself: S = 10 over 4 shards (padded to 12, 3 rows each), a replicated operand, the
     # padding cut off; each shard sees only its own rows.
-    from dsv4.sharding.context_parallel import per_sequence_shard
+    from dsv4.sharding.sequence import per_sequence_shard
     x = jnp.arange(2 * 10 * 3, dtype=jnp.float32).reshape(2, 10, 3)
     r = jnp.asarray([1.0, 2.0, 3.0])
     def fn(x_, r_):
@@ -215,9 +212,10 @@ def test_gpu_pallas_core_per_shard_matches_reference(kind, balance):
     import jax.numpy as jnp
 
     from dsv4.attention import CompressedKeys
+    from dsv4.attention.sequence_parallel import core_attention_sp
     from dsv4.pallas.attention import v4_attention_reference
     from dsv4.sharding import make_mesh
-    from dsv4.sharding.context_parallel import core_attention_sp, zigzag_permute
+    from dsv4.sharding.sequence import zigzag_permute
 
     n = len(jax.devices())
     s, h, d, w, rate = 2 * n * 384, 64, 512, 128, (4 if kind == "csa" else 16)

@@ -67,10 +67,10 @@ def test_paged_cache_layout(llm):
     page size that is not a multiple of every rate is refused before anything is built."""
     assert llm.page_size == 16 and llm.pool.num_blocks == 33 and llm.pool.block_size == 16
     assert llm.runner.page_tokens == 16 and llm.runner.num_pages == 33
-    assert llm.runner.cache["block_table"].shape == (4, 8)
+    assert llm.runner.cache.block_table.shape == (4, 8)
     default = LLM(llm.model, max_slots=1, max_model_len=64)
     assert default.page_size == 256 and default.pool.num_usable_blocks == 1
-    assert default.runner.cache["block_table"].shape == (1, 1)
+    assert default.runner.cache.block_table.shape == (1, 1)
     with pytest.raises(ValueError, match="page_size=24"):
         LLM(llm.model, max_slots=1, max_model_len=64, page_size=24)
 
@@ -190,7 +190,7 @@ def test_requests_on_interleaved_shuffled_pages_equal_each_alone(llm):
     tables: dict[str, list[int]] = {}
     while llm.has_unfinished_requests():
         llm.step()
-        device = np.asarray(llm.runner.cache["block_table"])
+        device = np.asarray(llm.runner.cache.block_table)
         for request_id in request_ids:
             table, slot = llm.kv_cache.block_table(request_id), llm.runner.slot_of(request_id)
             if slot is not None:
@@ -260,10 +260,10 @@ def test_fp8_cache_engine_requests_equal_each_alone(llm):
     """The engine with its cache stored in FP8 (per-channel scales shared by every slot: the packed and the
     single-slot calls must both keep them, and a slot reset must not touch them): concurrent requests give the
     tokens each gives alone, and every page and slot comes back."""
-    fp8 = LLM(llm.model, **{k: v for k, v in SHAPES.items() if k != "dtype"}, kv_cache_dtype="fp8-channel",
+    fp8 = LLM(llm.model, **{k: v for k, v in SHAPES.items() if k != "dtype"}, kv_format="fp8-channel",
               paged=False)  # fmt: skip
     assert fp8.runner.kv_format == "fp8-channel"
-    assert fp8.runner.page_tokens is None and "block_table" not in fp8.runner.cache  # the dense mode
+    assert fp8.runner.page_tokens is None and fp8.runner.cache.block_table is None  # the dense mode
     prompts = [random_prompt(n, 40 + n) for n in (45, 3, 12)]
     alone = [fp8.generate([p], max_new_tokens=5)[0].token_ids for p in prompts]
     assert [o.token_ids for o in fp8.generate(prompts, max_new_tokens=5)] == alone

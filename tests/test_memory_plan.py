@@ -149,7 +149,7 @@ def test_cli_prints_the_ledger_and_verdict(capsys):
     # The old flags still work and mean the same plan.
     assert main([*argv, "--json"]) == 0
     new = json.loads(capsys.readouterr().out)
-    assert main([*argv[:-2], "--weights-dtype", "fp8", "--kv-dtype", "fp8", "--json"]) == 0
+    assert main([*argv[:-2], "--weights-dtype", "fp8", "--kv-format", "fp8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == new and new["kv_format"] == "fp8-channel"
     # Device presets; --device-memory-gib overrides them.
     assert main([*argv[:-1], "bf16", "--device", "h200", "--json"]) == 0

@@ -1,4 +1,4 @@
-"""Orbax checkpoints: `dsv4.convert.convert` writes them, `dsv4.load` reads them back onto one device or a mesh.
+"""Orbax checkpoints: `dsv4.convert` writes them, `dsv4.load` reads them back onto one device or a mesh.
 
 The source is the quantized fixture `tiny_mixed_fp4` (FP8 weights + FP4 experts), converted dequantized (float32)
 and kept quantized. The 8-device part runs in a subprocess with
@@ -20,7 +20,8 @@ from flax import nnx
 from host_devices import host_devices_env
 
 import dsv4
-from dsv4.convert import convert, convert_main
+from dsv4.api import convert
+from dsv4.cli import main
 from dsv4.quantization import BlockQuantized
 from dsv4.weights import CheckpointError
 
@@ -138,9 +139,9 @@ def test_bad_orbax_checkpoints_name_the_tensor(converted, tmp_path):
 
 
 def test_convert_command_line_with_progress(tmp_path, capsys):
-    assert convert_main([SOURCE, str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    assert main(["convert", SOURCE, str(tmp_path / "out"), "--dtype", "float32"]) == 0
     err = capsys.readouterr().err
     assert "loading tiny_mixed_fp4:" in err and "GB" in err and "converted" in err
     assert (tmp_path / "out" / "dsv4_orbax.json").exists()
-    assert convert_main([SOURCE, str(tmp_path / "out")]) == 2  # refuses to overwrite
+    assert main(["convert", SOURCE, str(tmp_path / "out")]) == 2  # refuses to overwrite
     assert "exists" in capsys.readouterr().err

@@ -5,7 +5,7 @@ CPU (not gpu-marked):
   abstract H200 mesh (Pallas/Mosaic lowering, layouts and the SMEM budget; not miscompiles);
 - the model's FP8 indexer path (`dsv4.attention.index_topk_fp8`) on CPU, where its scores come from the Triton
   kernel (whose FP8 path tests/test_pallas_indexer.py checks against the reference in the interpreter), and its
-  plumbing through `Indexer.select` (indexer_impl="pallas-fp8" against "jnp");
+  plumbing through `Indexer.select` (`Kernels.indexer` "pallas-fp8" against "jnp");
 - input errors.
 GPU (`-m gpu`): Gaussian e4m3 inputs at full-range scales against the reference, after a NaN-input run of the same
 shape (so a recycled output buffer holds NaN where the kernel fails to write); the two-pass top-k with this kernel.
@@ -14,7 +14,7 @@ NOTE: the Mosaic GPU interpreter is not a CI test here. `python tests/test_palla
 `_interpreter_case` (integer-valued e4m3 inputs with power-of-two scales, so scores must equal the reference bit for
 bit; 13 queries in CTAs of 4, 150 keys in spans of 128). On the 2-core CPU box it hung, with two warpgroup threads
 asleep in barrier waits and the third inside an XLA call that never returned; a one-CTA case passed twice out of
-four (docs/KERNEL_NOTES.md IX11; the attention kernel's interpreter run hung the same way, SP5).
+four (docs/kernels/indexer.md; the attention kernel's interpreter run hung the same way).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def integer_inputs(seed, *, batch=2, seq=13, entries=150, offsets=(0, 500), span
 
 def _interpreter_case() -> None:
     """Run by hand (see the module docstring): exact scores and exact top-k in the Mosaic GPU interpreter."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 
     inputs = integer_inputs(0)
     kw = dict(rate=4, softmax_scale=0.25)
@@ -77,10 +77,11 @@ def test_model_indexer_with_pallas_fp8_keeps_what_jnp_keeps():
 
     from dsv4.attention import Indexer
     from dsv4.config import Config
+    from dsv4.kernels import Kernels
     from dsv4.layers import Rope
 
     cfg = Config.preset("tiny")
-    indexer = Indexer(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    indexer = Indexer(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, kernels=Kernels().resolve(jnp.float32))
     rope = Rope.build(cfg.rope_compress, cfg.qk_rope_head_dim)
     rng = np.random.default_rng(2)
     b, s = 2, 32
@@ -99,7 +100,7 @@ def test_model_indexer_with_pallas_fp8_keeps_what_jnp_keeps():
 
 
 def test_fp8_indexer_picks_a_true_top_k_of_the_quantized_inputs():
-    """`dsv4.attention.index_topk_fp8` (the model's indexer_impl="pallas-fp8"; on CPU its scores come from the
+    """`dsv4.attention.index_topk_fp8` (the model's `Kernels.indexer="pallas-fp8"`; on CPU its scores come from the
     Triton kernel, interpreted): q quantized per (token, head), keys per entry, and the picks are a true top-k of
     the float64 scores of those quantized values (rounding may only swap near-ties)."""
     from dsv4.attention import index_topk_fp8, quantize_rows_e4m3
@@ -221,15 +222,15 @@ def test_model_fp8_indexer_on_hopper_lowers_with_both_kernels(monkeypatch):
     """`dsv4.attention.index_topk_fp8` as it runs on a Hopper GPU (is_hopper patched true, lowered for an abstract
     H200): the Mosaic scores kernel and `dsv4.pallas.select`'s refinement kernel both in the module. 2304 keys:
     past top_k's direct 2048, so the grouped selection and its refinement run."""
-    import dsv4.pallas._device as device
+    import dsv4.attention.indexer as indexer_module
     from dsv4.attention import index_topk_fp8
 
-    monkeypatch.setattr(device, "is_hopper", lambda: True)
+    monkeypatch.setattr(indexer_module, "is_hopper", lambda: True)
     b, s, c = 1, 64, 2304
     sds = jax.ShapeDtypeStruct
     args = (sds((b, s, 64, 128), jnp.bfloat16), sds((b, s, 64), jnp.float32), sds((b, s), jnp.int32),
             sds((b, c, 128), jnp.bfloat16))  # fmt: skip
-    f = functools.partial(index_topk_fp8, rate=4, k=512, softmax_scale=0.1, interpret=False)
+    f = functools.partial(index_topk_fp8, rate=4, k=512, softmax_scale=0.1, interpret=False, selection="kernel")
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "refine_top_k" in text

@@ -165,7 +165,7 @@ def test_store_write_through_the_kernel_equals_the_jnp_write(name, paged):
             assert float(store.scale["scale"][5]) > 0  # set by the second write
 
 
-def test_model_cache_written_by_the_kernel_is_the_jnp_cache(monkeypatch):
+def test_model_cache_written_by_the_kernel_is_the_jnp_cache():
     """The model's chunked prefill and decode steps with every cache write on the kernel (window ring, compressed
     entries, indexer keys; paged FP8 with per-channel scales): the same cache bytes and the same logits as XLA's
     writes, step for step."""
@@ -174,27 +174,21 @@ def test_model_cache_written_by_the_kernel_is_the_jnp_cache(monkeypatch):
     from flax import nnx
 
     import dsv4
-    from dsv4 import attention
 
     fixtures = os.path.join(os.path.dirname(__file__), "fixtures")
-    model = dsv4.load(os.path.join(fixtures, "tiny_long"), dtype=F32)
+    models = {impl: dsv4.load(os.path.join(fixtures, "tiny_long"), dtype=F32, kernels=f"kv_write={impl}")
+              for impl in ("jnp", "pallas")}  # fmt: skip
     ids = np.asarray(np.load(os.path.join(fixtures, "tiny_long", "reference.npz"))["input_ids"][0])
-    graphdef, state = nnx.split(model)
-    cache = model.init_cache(2, max_len=112, page_tokens=16, num_pages=16, kv_format="fp8-channel")
-    cache["block_table"] = jnp.asarray(np.random.default_rng(5).permutation(np.arange(1, 15)).reshape(2, 7))
-    cache = jax.device_put(cache, jax.devices()[0])
+    state = nnx.split(models["jnp"])[1]
+    cache = models["jnp"].init_cache(2, max_len=112, page_tokens=16, num_pages=16, kv_format="fp8-channel")
+    pages = jnp.asarray(np.random.default_rng(5).permutation(np.arange(1, 15)).reshape(2, 7))
+    cache = jax.device_put(cache.replace(block_table=pages), jax.devices()[0])
 
-    def stepper(impl):  # traced under the patch: kv_write_impl is read while tracing
-        fn = jax.jit(lambda c, t, v: nnx.merge(graphdef, state).forward_chunk(c, t, v))
+    def stepper(model):
+        graphdef = nnx.split(model)[0]
+        return jax.jit(lambda c, t, v: nnx.merge(graphdef, state).forward_chunk(c, t, v))
 
-        def step(cache, tokens, valid):
-            with monkeypatch.context() as m:
-                m.setattr(attention, "kv_write_impl", lambda _: impl)
-                return fn(cache, tokens, valid)
-
-        return step
-
-    steps = {impl: stepper(impl) for impl in ("jnp", "pallas")}
+    steps = {impl: stepper(model) for impl, model in models.items()}
     caches = {impl: cache for impl in steps}
     width = 32  # one chunk width, so each path compiles once: 32 + 20 tokens, 32 + 32, then one-token steps
     starts = [(0, [32, 20]), (32, [32, 32]), (64, [1, 1]), (65, [1, 1])]
@@ -240,7 +234,7 @@ def test_validation_names_the_tensor():
 def _lowered(scaling, e8m0=False):
     """V4's row (448 + 64 channels) from an 8K-token chunk of 2 requests into a pool of 4097 pages of 64 rows,
     lowered for an abstract H200. → (the Triton module, its grid)."""
-    from jax._src.pallas.triton import lowering as triton_lowering
+    from dsv4.pallas._jax_compat import triton_lowering
 
     sds = jax.ShapeDtypeStruct
     b, n, p, r = 2, 8192, 4097, 64

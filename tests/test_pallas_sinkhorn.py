@@ -81,7 +81,7 @@ def test_lowers_to_triton_for_h200(monkeypatch):
     16387 tokens came back with NaN in the first block: the last block's stores ran into the next rows)."""
     import re
 
-    from jax._src.pallas.triton import lowering as triton_lowering
+    from dsv4.pallas._jax_compat import triton_lowering
 
     modules = []
     original = triton_lowering.lower_jaxpr_to_triton_module
@@ -107,29 +107,30 @@ def test_gpu_matches_reference(shape):
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
 
 
-def test_hyper_connection_takes_the_kernel_on_a_gpu(monkeypatch):
-    """`dsv4.layers.sinkhorn_normalize` routes to the kernel when the backend is a GPU (forced here, the kernel
-    interpreted) and to the reference otherwise; a HyperConnection's comb is the same either way, and switching
-    `SINKHORN_KERNEL` off keeps the reference on a GPU."""
+def test_hyper_connection_takes_the_kernel_when_asked(monkeypatch):
+    """A HyperConnection with `Kernels.sinkhorn="pallas"` normalizes by the kernel (interpreted off a GPU) and with
+    "jnp" by the reference; its comb is the same either way. "auto" resolves to the kernel on a GPU only."""
     import dsv4.layers as layers
     import dsv4.pallas.sinkhorn as sk
     from dsv4.config import Config
 
     cfg = Config.preset("tiny").replace(hc_sinkhorn_iters=3)
-    hc = layers.HyperConnection(cfg, rngs=np.random.default_rng(0))
+    from dsv4.kernels import Kernels
+
+    hcs = {impl: layers.HyperConnection(cfg, rngs=np.random.default_rng(0), sinkhorn=impl)
+           for impl in ("jnp", "pallas")}  # fmt: skip
     streams = jax.random.normal(jax.random.key(2), (2, 5, cfg.hc_mult, cfg.hidden_size))
-    _, want, _ = hc(streams)  # CPU: the reference
     calls, kernel = [], sk.sinkhorn
 
-    def interpreted(comb, iters, eps):
-        calls.append(comb.shape)
-        return kernel(comb, iters, eps, interpret=True)
+    def counted(comb, iters, eps, **kw):
+        calls.append((comb.shape, kw.get("interpret")))
+        return kernel(comb, iters, eps, **kw)
 
-    monkeypatch.setattr(sk, "sinkhorn", interpreted)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    _, got, _ = hc(streams)
-    assert calls == [(2, 5, cfg.hc_mult, cfg.hc_mult)]
+    monkeypatch.setattr(sk, "sinkhorn", counted)
+    _, want, _ = hcs["jnp"](streams)
+    assert calls == []
+    _, got, _ = hcs["pallas"](streams)
+    assert calls == [((2, 5, cfg.hc_mult, cfg.hc_mult), jax.default_backend() != "gpu")]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
-    monkeypatch.setattr(layers, "SINKHORN_KERNEL", False)
-    hc(streams)
-    assert len(calls) == 1
+    assert Kernels().resolve(jnp.float32, gpu=True).sinkhorn == "pallas"
+    assert Kernels().resolve(jnp.float32, gpu=False).sinkhorn == "jnp"

@@ -8,6 +8,7 @@ ulps per op; over 4-5 layers that stays near 1e-6, so 1e-4 leaves room without h
 (a wrong mask, RoPE or routing choice moves logits by 1e-2 or more).
 """
 
+import dataclasses
 import functools
 import os
 
@@ -103,7 +104,7 @@ def test_chunked_prefill_then_decode_matches_reference(name, chunk):
         tokens[:, :n] = ids[:, t : t + n]
         logits, cache = _chunk_step(graphdef, state, cache, jnp.asarray(tokens), jnp.full((b,), n, jnp.int32))
         assert rel_err(logits, ref["logits"][:, t + n - 1]) < TOL, f"prefill chunk at {t}"
-    assert np.asarray(cache["num_tokens"]).tolist() == [s] * b
+    assert np.asarray(cache.num_tokens).tolist() == [s] * b
     for step in range(n_new):  # decode: feed the reference's own greedy tokens one at a time
         np.testing.assert_array_equal(np.asarray(logits).argmax(-1), generated[:, s + step])
         assert rel_err(logits, ref["generate_logits"][:, step]) < TOL, f"decode step {step}"
@@ -116,8 +117,8 @@ def test_chunked_prefill_then_decode_matches_reference(name, chunk):
 def test_pallas_kernels_selected_still_match_reference():
     """The model with the Pallas kernels selected (attention, indexer, MoE; interpreted on CPU) passes the same bar."""
     ref = dict(np.load(os.path.join(FIXTURES, "tiny_mixed", "reference.npz")))
-    model = dsv4.load(os.path.join(FIXTURES, "tiny_mixed"), dtype=jnp.float32, attention_impl="pallas",
-                      moe_impl="pallas", indexer_impl="pallas")  # fmt: skip
+    model = dsv4.load(os.path.join(FIXTURES, "tiny_mixed"), dtype=jnp.float32, kernels="pallas")
+    assert model.kernels == dsv4.Kernels.all("pallas")
     assert rel_err(model.logits(ref["input_ids"]), ref["logits"]) < TOL
 
 
@@ -133,8 +134,9 @@ def test_paged_cache_with_permuted_block_tables_matches_reference(name):
     num_pages = 64
     cache = model.init_cache(b, max_len=96, page_tokens=16, num_pages=num_pages)
     free = list(np.random.default_rng(7).permutation(np.arange(1, num_pages)))  # page 0 is the null page
-    table = cache["block_table"]
-    cache["block_table"] = jnp.asarray([[free.pop() for _ in range(table.shape[1])] for _ in range(b)], jnp.int32)
+    table = cache.block_table
+    pages = [[free.pop() for _ in range(table.shape[1])] for _ in range(b)]
+    cache = cache.replace(block_table=jnp.asarray(pages, jnp.int32))
     cache = _committed(cache)
     chunk = 7
     for t in range(0, s, chunk):
@@ -157,10 +159,10 @@ def _prefill_then_decode(model, ref, chunk, **cache_args):
     n_new = generated.shape[1] - s
     graphdef, state = nnx.split(model)
     cache = model.init_cache(b, max_len=s + n_new + 8, **cache_args)
-    if "block_table" in cache:  # distinct pages in a shuffled order (page 0 is the null page)
-        table = cache["block_table"]
+    if cache.block_table is not None:  # distinct pages in a shuffled order (page 0 is the null page)
+        table = cache.block_table
         ids_ = np.random.default_rng(3).permutation(np.arange(1, cache_args["num_pages"]))[: table.size]
-        cache["block_table"] = jnp.asarray(ids_.reshape(table.shape), jnp.int32)
+        cache = cache.replace(block_table=jnp.asarray(ids_.reshape(table.shape), jnp.int32))
     cache = _committed(cache)
     width = min(chunk, s)
     for t in range(0, s, width):
@@ -207,9 +209,9 @@ def _ragged_decode_batch(model, ref, paged: bool, kv_format, seed: int):
         args["kv_format"] = kv_format
     cache = model.init_cache(2, max_len=s + 16, **args)
     if paged:  # distinct pages in a shuffled order (page 0 is the null page)
-        table = cache["block_table"]
+        table = cache.block_table
         pages = np.random.default_rng(seed).permutation(np.arange(1, 24))[: table.size]
-        cache["block_table"] = jnp.asarray(pages.reshape(table.shape), jnp.int32)
+        cache = cache.replace(block_table=jnp.asarray(pages.reshape(table.shape), jnp.int32))
     prompt = np.zeros((2, s), np.int32)
     prompt[0], prompt[1, :50] = ids, ids[:50]
     return cache, jnp.asarray(prompt), jnp.asarray([s, 50], jnp.int32)
@@ -218,7 +220,7 @@ def _ragged_decode_batch(model, ref, paged: bool, kv_format, seed: int):
 @pytest.mark.parametrize("paged, kv_format", [(True, None), (False, None), (True, "fp8-channel"),
                                               (False, "fp8-tile-e8m0")])  # fmt: skip
 def test_decode_kernel_in_the_model_matches_the_jnp_step(paged, kv_format):
-    """attention_impl="pallas" runs one-token steps through `paged_decode_attention` (interpreted here), reading
+    """`Kernels.decode="pallas"` runs one-token steps through `paged_decode_attention` (interpreted here), reading
     the ring and the compressed entries from the cache itself (paged: a permuted block table; dense: per slot).
     A ragged batch (83 and 50 prompt tokens, then 5 steps, one with the second slot idle), each path decoding from
     its own cache: every active slot's logits equal the jnp path's (itself checked against the reference above),
@@ -228,7 +230,8 @@ def test_decode_kernel_in_the_model_matches_the_jnp_step(paged, kv_format):
     FP8, a 6% step), and the logits must agree to float32 noise; against the reference, FP8's own error (0.1, as in
     the formats test above)."""
     jnp_model, ref = fixture("tiny_long")
-    kernel_model = dsv4.load(os.path.join(FIXTURES, "tiny_long"), dtype=jnp.float32, attention_impl="pallas")
+    kernel_model = dsv4.load(os.path.join(FIXTURES, "tiny_long"), dtype=jnp.float32,
+                             kernels="attention=pallas,decode=pallas,kv_write=pallas")  # fmt: skip
     generated, s = ref["generated"][0], ref["input_ids"].shape[1]
     cache, prompt, lens = _ragged_decode_batch(jnp_model, ref, paged, kv_format, seed=11)
     g_jnp, st = nnx.split(jnp_model)
@@ -258,51 +261,49 @@ def _decode_route_config(heads: int):
     })  # fmt: skip
 
 
-@pytest.mark.parametrize("impl, backend, heads, dtype, kv_format, want", [
-    ("auto", "gpu", 16, jnp.bfloat16, "fp8-channel", True),  # the auto route: FP8 stores on a GPU
-    ("auto", "gpu", 16, jnp.bfloat16, "fp8-tile-e8m0", True),
-    ("auto", "gpu", 16, jnp.bfloat16, "bf16", False),  # bf16 stores keep the jnp route
-    ("auto", "cpu", 16, jnp.bfloat16, "fp8-channel", False),  # interpreted kernels are slow: jnp off the GPU
-    ("auto", "gpu", 16, jnp.float32, "fp8-channel", False),  # float32 models decode with jnp
-    ("auto", "gpu", 4, jnp.bfloat16, "fp8-channel", False),  # 4 heads: below the compiled kernel's 16 rows
-    ("pallas", "cpu", 4, jnp.bfloat16, "bf16", True),  # "pallas" asks for the kernel anywhere
+@pytest.mark.parametrize("decode, backend, heads, dtype, kv_format, want", [
+    ("pallas", "cpu", 4, jnp.bfloat16, "bf16", True),  # "pallas" takes the kernel for any store it reads
     ("pallas", "cpu", 4, jnp.bfloat16, "fp8-channel", True),
+    ("pallas", "gpu", 16, jnp.bfloat16, "fp8-channel", True),
+    ("pallas", "gpu", 16, jnp.bfloat16, "fp8-tile-e8m0", True),
+    ("pallas", "gpu", 16, jnp.float32, "bf16", False),  # bf16 rows under a float32 model: not the compute dtype
+    ("pallas", "gpu", 4, jnp.bfloat16, "fp8-channel", False),  # 4 heads: below the compiled kernel's 16 rows
     ("jnp", "gpu", 16, jnp.bfloat16, "fp8-channel", False),
+    ("auto", "gpu", 16, jnp.bfloat16, "fp8-channel", False),  # "auto" decodes with jnp: measured as fast
+    ("auto", "cpu", 16, jnp.bfloat16, "fp8-channel", False),
 ])  # fmt: skip
-def test_which_decode_steps_take_the_paged_kernel(monkeypatch, impl, backend, heads, dtype, kv_format, want):
+def test_which_decode_steps_take_the_paged_kernel(monkeypatch, decode, backend, heads, dtype, kv_format, want):
     """`Attention._decode_kernel_applies`, the static choice of a one-token step's route, worked out by hand from
-    its rule for every layer type: "pallas" takes the kernel for any cache it reads; "auto", with
-    `AUTO_DECODE_KERNEL` set, only on a GPU, for FP8 stores in a 16-bit model whose heads fit the compiled kernel
-    (16 or more a program, head_dim a power of two), and never with it unset (the default)."""
-    import dsv4.attention as attention
+    its rule for every layer type: `Kernels.decode` resolved to "pallas", on a GPU only for heads that fit the
+    compiled kernel (16 or more a program), and every store in a form the kernel reads."""
+    import dsv4.attention.block as block
 
-    model = dsv4.init_random(_decode_route_config(heads), seed=0, dtype=dtype, attention_impl=impl)
+    kernels = dsv4.Kernels(decode=decode).resolve(dtype, gpu=backend == "gpu", hopper=True)
+    model = dsv4.init_random(_decode_route_config(heads), seed=0, dtype=dtype, kernels=kernels)
+    assert model.kernels == kernels
     cache = model.init_cache(1, max_len=64, kv_format=kv_format)
-    monkeypatch.setattr(attention.jax, "default_backend", lambda: backend)
-    monkeypatch.setattr(attention, "AUTO_DECODE_KERNEL", True)
-    for layer, state in zip(model.layers, cache["layers"]):
+    monkeypatch.setattr(block, "on_gpu", lambda: backend == "gpu")
+    for layer, state in zip(model.layers, cache.layers):
         assert layer.self_attn._decode_kernel_applies(state, dtype) is want, layer.self_attn.layer_type
-    monkeypatch.setattr(attention, "AUTO_DECODE_KERNEL", False)  # the default: "auto" decodes with jnp
-    for layer, state in zip(model.layers, cache["layers"]):
-        assert layer.self_attn._decode_kernel_applies(state, dtype) is (want and impl == "pallas")
 
 
-@pytest.mark.parametrize("impl, backend, index_heads, kv_format, n, switch, want", [
-    ("pallas", "cpu", 4, "bf16", 1, True, True),  # "pallas" anywhere (interpreted off a GPU)
-    ("pallas", "cpu", 4, "fp8-channel", 1, True, True),
-    ("pallas", "cpu", 4, "fp8-tile-e8m0", 1, True, True),
-    ("pallas", "cpu", 4, "bf16", 2, True, False),  # a two-token chunk: the dense route
-    ("pallas", "cpu", 4, "bf16", 1, False, False),  # PAGED_INDEX_DECODE off
-    ("jnp", "gpu", 16, "bf16", 1, True, False),
-    ("auto", "cpu", 16, "bf16", 1, True, False),  # "auto" is jnp off a GPU
-    ("auto", "gpu", 16, "fp8-channel", 1, True, True),  # "auto" is pallas on a GPU for a 16-bit model
-    ("auto", "gpu", 4, "bf16", 1, True, False),  # 4 heads: below the compiled kernel's 16 dot rows
+@pytest.mark.parametrize("impl, backend, index_heads, kv_format, n, paged, want", [
+    ("pallas", "cpu", 4, "bf16", 1, "auto", True),  # "pallas" anywhere (interpreted off a GPU)
+    ("pallas", "cpu", 4, "fp8-channel", 1, "auto", True),
+    ("pallas", "cpu", 4, "fp8-tile-e8m0", 1, "auto", True),
+    ("pallas", "cpu", 4, "bf16", 2, "auto", False),  # a two-token chunk: the dense route
+    ("pallas", "cpu", 4, "bf16", 1, "jnp", False),  # the paged route switched off
+    ("jnp", "gpu", 16, "bf16", 1, "auto", False),  # follows the indexer's path
+    ("auto", "cpu", 16, "bf16", 1, "auto", False),  # "auto" is jnp off a GPU
+    ("auto", "gpu", 16, "fp8-channel", 1, "auto", True),  # "auto" is pallas on a GPU for a 16-bit model
+    ("auto", "gpu", 4, "bf16", 1, "auto", False),  # 4 heads: below the compiled kernel's 16 dot rows
 ])  # fmt: skip
-def test_which_decode_steps_take_the_paged_indexer(monkeypatch, impl, backend, index_heads, kv_format, n, switch,
+def test_which_decode_steps_take_the_paged_indexer(monkeypatch, impl, backend, index_heads, kv_format, n, paged,
                                                     want):  # fmt: skip
     """`Indexer.paged_select_applies`, the static choice of a step's indexer route, worked out by hand from its rule:
-    `PAGED_INDEX_DECODE`, one query a request, the "pallas" top-k path, and on a GPU the compiled kernel's shapes."""
-    import dsv4.attention as attention
+    `Kernels.paged_indexer` ("auto": the indexer's own path), one query a request, and on a GPU the compiled kernel's
+    shapes."""
+    import dsv4.attention.indexer as indexer_module
 
     hf = {"vocab_size": 64, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 1,
           "num_attention_heads": 16, "head_dim": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16, "n_routed_experts": 4,
@@ -310,38 +311,41 @@ def test_which_decode_steps_take_the_paged_indexer(monkeypatch, impl, backend, i
           "index_head_dim": 32, "index_topk": 8, "sliding_window": 16, "compress_rates":
           {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
           "layer_types": ["compressed_sparse_attention"], "mlp_layer_types": ["moe"]}  # fmt: skip
-    model = dsv4.init_random(dsv4.Config.from_hf(hf), seed=0, dtype=jnp.bfloat16, indexer_impl=impl)
+    kernels = dsv4.Kernels(indexer=impl, paged_indexer=paged).resolve(jnp.bfloat16, gpu=backend == "gpu")
+    model = dsv4.init_random(dsv4.Config.from_hf(hf), seed=0, dtype=jnp.bfloat16, kernels=kernels)
     cache = model.init_cache(1, max_len=64, kv_format=kv_format, page_tokens=16, num_pages=6)
-    monkeypatch.setattr(attention.jax, "default_backend", lambda: backend)
-    monkeypatch.setattr(attention, "PAGED_INDEX_DECODE", switch)
+    monkeypatch.setattr(indexer_module, "on_gpu", lambda: backend == "gpu")
     indexer = model.layers[0].self_attn.compressor.indexer
-    store = cache["layers"][0]["indexer"]["entries"]
-    assert indexer.paged_select_applies(store, cache["block_table"], n, jnp.bfloat16) is want
+    store = cache.layers[0].indexer.entries
+    assert indexer.paged_select_applies(store, cache.block_table, n, jnp.bfloat16) is want
 
 
 @pytest.mark.parametrize("paged, kv_format", [(True, None), (False, None), (True, "fp8-channel"),
                                               (False, "fp8-tile-e8m0")])  # fmt: skip
 def test_paged_indexer_in_the_model_matches_the_dense_route(monkeypatch, paged, kv_format):
-    """indexer_impl="pallas": a one-token step's CSA indexer scores its keys where the cache stores them
+    """`Kernels.indexer="pallas"`: a one-token step's CSA indexer scores its keys where the cache stores them
     (`index_topk_paged`, interpreted here; paged through a permuted block table, or a dense store's slots as pages;
     FP8 keys as stored: e4m3 channels, scales, bf16 RoPE channels) instead of a dense copy. A ragged batch (83 and
     50 prompt tokens, then 4 steps, one with the second slot idle) decodes the same from one prefilled cache with
-    `PAGED_INDEX_DECODE` on and off: the paged route is taken (and only when on), every active slot's logits agree to
-    float32 noise, and the full prompt's stay on the reference's greedy logits."""
-    import dsv4.attention as attention
-    import dsv4.pallas.indexer_paged as indexer_paged
+    `Kernels.paged_indexer` "pallas" and "jnp": the paged route is taken (and only then), every active slot's logits
+    agree to float32 noise, and the full prompt's stay on the reference's greedy logits."""
+    import dsv4.attention.indexer as indexer_module
 
-    model = dsv4.load(os.path.join(FIXTURES, "tiny_long"), dtype=jnp.float32, indexer_impl="pallas")
+    model = dsv4.load(os.path.join(FIXTURES, "tiny_long"), dtype=jnp.float32, kernels="indexer=pallas")
+    assert model.kernels.paged_indexer == "pallas"
+    dense = dsv4.load(os.path.join(FIXTURES, "tiny_long"), dtype=jnp.float32,
+                      kernels="indexer=pallas,paged_indexer=jnp")  # fmt: skip
     ref = dict(np.load(os.path.join(FIXTURES, "tiny_long", "reference.npz")))
     generated, s = ref["generated"][0], ref["input_ids"].shape[1]
     cache, prompt, lens = _ragged_decode_batch(model, ref, paged, kv_format, seed=5)
-    graphdef, state = nnx.split(model)
+    graphdefs = {True: nnx.split(model)[0], False: nnx.split(dense)[0]}
+    state = nnx.split(model)[1]
     calls = []
-    paged_topk = indexer_paged.index_topk_paged
-    monkeypatch.setattr(indexer_paged, "index_topk_paged", lambda *a, **k: calls.append(1) or paged_topk(*a, **k))
+    paged_topk = indexer_module.index_topk_paged
+    monkeypatch.setattr(indexer_module, "index_topk_paged", lambda *a, **k: calls.append(1) or paged_topk(*a, **k))
 
     def decode(on: bool):
-        monkeypatch.setattr(attention, "PAGED_INDEX_DECODE", on)
+        graphdef = graphdefs[on]
         step = jax.jit(lambda st, c, t, v: nnx.merge(graphdef, st).forward_chunk(c, t, v))  # traced anew per route
         _, c = step(state, _committed(cache), prompt, lens)
         out = []
@@ -367,7 +371,9 @@ def test_cached_chunks_hand_the_pallas_core_the_prefix_layout(monkeypatch):
     recording core (the jnp one underneath) checks every call of a ragged batch's chunked prefill, and the
     logits still equal the reference's. `prefix_is_whole` (the run-time switch to the Mosaic kernel) is True exactly
     for the calls whose prefix holds W real positions, worked out by hand here."""
-    import dsv4.attention as attention
+    import dsv4.attention.dispatch as dispatch
+    from dsv4.attention.core import core_attention_jnp
+    from dsv4.attention.pallas_core import prefix_is_whole
 
     model, ref = fixture("tiny_long")
     w = model.config.sliding_window
@@ -375,12 +381,13 @@ def test_cached_chunks_hand_the_pallas_core_the_prefix_layout(monkeypatch):
 
     def recording_core(q, kv, q_pos, kv_pos, sinks, *, kv_prefix=0, **kw):
         record = lambda *a: calls.append((*map(np.asarray, a[:2]), kv_prefix, bool(a[2])))  # noqa: E731
-        jax.debug.callback(record, q_pos, kv_pos, attention.prefix_is_whole(q_pos, kv_pos, kv_prefix))
-        return attention.core_attention_jnp(q, kv, q_pos, kv_pos, sinks, **kw)
+        jax.debug.callback(record, q_pos, kv_pos, prefix_is_whole(q_pos, kv_pos, kv_prefix))
+        return core_attention_jnp(q, kv, q_pos, kv_pos, sinks, **kw)
 
-    monkeypatch.setitem(attention.ATTENTION_IMPLS, "pallas", recording_core)
+    monkeypatch.setitem(dispatch.ATTENTION_CORES, "pallas", recording_core)
     for layer in model.layers:
-        monkeypatch.setattr(layer.self_attn, "attention_impl", "pallas")
+        kernels = dataclasses.replace(layer.self_attn.kernels, attention="pallas")
+        monkeypatch.setattr(layer.self_attn, "kernels", kernels)
     graphdef, state = nnx.split(model)
     # a jit of its own: the recording core must be traced here, not found in `_chunk_step`'s cache (nor left in it)
     step = jax.jit(lambda state, cache, tokens, valid: nnx.merge(graphdef, state).forward_chunk(cache, tokens, valid))

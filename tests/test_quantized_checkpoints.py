@@ -323,9 +323,8 @@ def test_engine_keeps_a_checkpoint_quantized_and_refuses_it_for_a_preset():
     from dsv4.engine import _resolve_model
 
     path = os.path.join(FIXTURES, "tiny_mixed_fp8")
-    model, where = _resolve_model(path, dtype="float32", seed=0, attention_impl="jnp", moe_impl="jnp",
-                                  keep_quantized=True)  # fmt: skip
+    model, where = _resolve_model(path, dtype="float32", seed=0, kernels="jnp", keep_quantized=True)
     assert where == path
     assert isinstance(model.layers[1].mlp.experts["gate_up_proj"].get_value(), BlockQuantized)
     with pytest.raises(ValueError, match="'tiny' is a preset"):
-        _resolve_model("tiny", dtype=None, seed=0, attention_impl="jnp", moe_impl="jnp", keep_quantized=True)
+        _resolve_model("tiny", dtype=None, seed=0, kernels="jnp", keep_quantized=True)

@@ -117,22 +117,23 @@ def test_two_processes_under_jax_distributed_match_one(tmp_path):
 PAGED_INDEX_SCRIPT = """
     import numpy as np, jax, jax.numpy as jnp, dsv4
     from flax import nnx
-    import dsv4.attention as attention
-    import dsv4.pallas.indexer_paged as indexer_paged
+    import dsv4.attention.indexer as indexer_module
     from dsv4.sharding import make_mesh, shard_model, use_mesh
-    model = dsv4.load("tests/fixtures/tiny_long", dtype=jnp.float32, indexer_impl="pallas")
+    models = {paged: dsv4.load("tests/fixtures/tiny_long", dtype=jnp.float32,
+                               kernels="indexer=pallas,paged_indexer=" + ("pallas" if paged else "jnp"))
+              for paged in (True, False)}
     ref = dict(np.load("tests/fixtures/tiny_long/reference.npz"))
     ids, generated = ref["input_ids"][0], ref["generated"][0]
     s = ids.shape[0]
     calls = []
-    paged_topk = indexer_paged.index_topk_paged
-    indexer_paged.index_topk_paged = lambda *a, **k: calls.append(1) or paged_topk(*a, **k)
+    paged_topk = indexer_module.index_topk_paged
+    indexer_module.index_topk_paged = lambda *a, **k: calls.append(1) or paged_topk(*a, **k)
 
     def decode(paged_index, mesh):  # -> logits [2, steps, vocab]
-        attention.PAGED_INDEX_DECODE = paged_index
+        model = models[paged_index]
         cache = model.init_cache(2, max_len=s + 16, page_tokens=16, num_pages=24, kv_format="fp8-channel")
-        pages = np.random.default_rng(5).permutation(np.arange(1, 24))[: cache["block_table"].size]
-        cache["block_table"] = jnp.asarray(pages.reshape(cache["block_table"].shape), jnp.int32)
+        pages = np.random.default_rng(5).permutation(np.arange(1, 24))[: cache.block_table.size]
+        cache = cache.replace(block_table=jnp.asarray(pages.reshape(cache.block_table.shape), jnp.int32))
         prompt = np.zeros((2, s), np.int32)
         prompt[0], prompt[1, :50] = ids, ids[:50]
         graphdef, state = nnx.split(model)
@@ -147,7 +148,8 @@ PAGED_INDEX_SCRIPT = """
         return np.stack(out, 1)
 
     mesh = make_mesh(4)
-    shard_model(model, mesh)
+    for model in models.values():
+        shard_model(model, mesh)
     paged = decode(True, mesh)
     taken = len(calls)
     dense = decode(False, mesh)

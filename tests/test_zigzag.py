@@ -1,4 +1,4 @@
-"""Whole-model zigzag order (dsv4/sharding/context_parallel.py, "Whole-model zigzag").
+"""Whole-model zigzag order (dsv4/attention/sequence_parallel.py, "Whole-model zigzag").
 
 In process: the block arithmetic worked out by hand, and `pool_windows_zigzag` on a permuted sequence against
 `pool_windows` on the sequence in order (fresh random inputs, CSA overlap on and off). In a subprocess with 8 CPU
@@ -19,7 +19,7 @@ from host_devices import host_devices_env
 
 from dsv4.attention import pool_windows, pool_windows_zigzag
 from dsv4.sharding import ShardingRules
-from dsv4.sharding.context_parallel import zigzag_order, zigzag_permute, zigzag_row, zigzag_rows
+from dsv4.sharding.sequence import zigzag_order, zigzag_permute, zigzag_row, zigzag_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,22 +60,20 @@ def test_pool_windows_zigzag_equals_pooling_in_order(n, rate, overlap):
 SCRIPT = """
     import numpy as np, jax, jax.numpy as jnp
     import dsv4
-    import dsv4.attention as attention
+    import dsv4.attention.compressor as compressor
     from dsv4.sharding import SEQUENCE_PARALLEL_ZIGZAG, make_mesh, shard_model, use_mesh
-    from dsv4.sharding.context_parallel import register
 
-    register()
     calls = []
-    real_pool = attention.pool_windows_zigzag
+    real_pool = compressor.pool_windows_zigzag
     def counting_pool(*args, **kwargs):  # traced once per compressor: shows the zigzag path ran
         calls.append(args[4])
         return real_pool(*args, **kwargs)
-    attention.pool_windows_zigzag = counting_pool
+    compressor.pool_windows_zigzag = counting_pool
 
     ref = np.load("tests/fixtures/tiny_long/reference.npz")
-    kernels = dict(indexer_impl="pallas", moe_impl="pallas")
-    for impl, n, cut, extra in [("sp", 4, 78, {}), ("sp-pallas", 2, 83, kernels)]:
-        model = dsv4.load("tests/fixtures/tiny_long", dtype=jnp.float32, attention_impl=impl, **extra)
+    for impl, n, cut, kernels in [("sp", 4, 78, "attention=sp"),
+                                  ("sp-pallas", 2, 83, "attention=sp-pallas,indexer=pallas,moe=pallas")]:
+        model = dsv4.load("tests/fixtures/tiny_long", dtype=jnp.float32, kernels=kernels)
         mesh = make_mesh(n)
         shard_model(model, mesh)
         calls.clear()
@@ -85,7 +83,7 @@ SCRIPT = """
         err = np.abs(logits - want).max() / np.abs(want).max()
         print(f"model:{impl}:sp={n}:S={cut}", err, len(calls), set(calls) == {n})
 
-    model = dsv4.load("tests/fixtures/tiny_long", dtype=jnp.float32, attention_impl="jnp")
+    model = dsv4.load("tests/fixtures/tiny_long", dtype=jnp.float32, kernels="jnp")
     try:
         with use_mesh(make_mesh(2), SEQUENCE_PARALLEL_ZIGZAG):
             model.logits(ref["input_ids"])
@@ -118,7 +116,7 @@ def test_model_in_zigzag_order_matches_reference():
 def test_zigzag_needs_more_than_one_shard():
     """A zigzag layout over a 1-device sequence axis (or no mesh) leaves the sequence in order."""
     from dsv4.sharding import SEQUENCE_PARALLEL_ZIGZAG, make_mesh, use_mesh
-    from dsv4.sharding.context_parallel import zigzag_shards
+    from dsv4.sharding.sequence import zigzag_shards
 
     assert zigzag_shards() is None
     with use_mesh(make_mesh(1), SEQUENCE_PARALLEL_ZIGZAG):

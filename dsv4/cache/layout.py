@@ -140,7 +140,7 @@ class KVFormat:
 
 
 FORMAT_NAMES = ("bf16", "fp8-tensor", "fp8-channel", "fp8-tile", "fp8-tile-e8m0")
-# NOTE: the default FP8 format is chosen by measurement: docs/BENCHMARKS.md "FP8 KV cache accuracy (issue 4)".
+# The default FP8 format is chosen by measurement: docs/BENCHMARKS.md, "FP8 KV cache accuracy".
 DEFAULT_FP8_FORMAT = "fp8-channel"
 
 

@@ -12,14 +12,14 @@ is jit-friendly (static shapes; `KVFormat` is hashable, pass it as a static argu
 
 Every stored leaf has the row axes first, so a cache update written for one array (`where`, `take`,
 `.at[].set`) applies leaf by leaf with `jax.tree.map`. Dequantization is `f32(fp8) · scale` rounded once to the
-compute dtype, as the Pallas attention kernels do it (dsv4/pallas/attention.py `_load_values`).
+compute dtype, as the Pallas attention kernels do it (dsv4/pallas/attention_common.py `load_values`).
 
 Scale policy
 ------------
 "tensor" / "channel" scales are per array: one scale (vector) per layer and kind of row (window ring,
 compressor entries, indexer keys), shared by every request and every page. That is the `[D]` layout the kernels
 take, and what lets a kernel fold the scales into Q and into the output instead of dequantizing each tile
-(docs/KERNEL_NOTES.md). The scales are fixed once set: a row, once written, is never rewritten. They are set
+(docs/kernels/decode.md). The scales are fixed once set: a row, once written, is never rewritten. They are set
 either way:
 
 1. From a bound (recommended; `init_scale_state(..., bound=rms_norm_bound(norm_weight))`). Every row V4 caches

@@ -77,6 +77,18 @@ class KVStore:
             raise ValueError("a paged KVStore needs the request's block table")
 
     # ---- access ------------------------------------------------------------------------------------------
+    def kernel_operands(self) -> dict[str, jax.Array | None]:
+        """The leaves as the paged kernels take them: pages [P, R, ·] (a dense store's request slots are its pages),
+        FP8 scales in float32 ([width] per array, or [P, R, tiles] per row), and the bf16 RoPE pages."""
+        if not self.fmt.quantized:
+            return dict(pages=self.stored["values"], scales=None, rope=None)
+        nope = self.stored["nope"]
+        if self.fmt.scaling == "tile":  # e8m0 scales widen here: a pass over 1 byte per 64 values
+            scales = self.stored["scale"].astype(jnp.float32)
+        else:
+            scales = jnp.broadcast_to(self.scale["scale"].astype(jnp.float32), nope.shape[-1:])
+        return dict(pages=nope, scales=scales, rope=self.stored.get("rope"))
+
     def read(self, dtype, block_table: jax.Array | None = None) -> jax.Array:
         """Every row slot of each request, dequantized: [B, capacity, width] (unwritten slots: zeros or stale
         rows of a reused page; callers mask them by count, as attention and the indexer do)."""

@@ -52,8 +52,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dsv4.sharding.context_parallel import local_stand_in
 from dsv4.sharding.rules import active
+from dsv4.sharding.sequence import local_stand_in
 
 F32 = jnp.float32
 # Tokens per step: ≈ 5 TFLOP of expert GEMMs per shard at V4-Flash widths and N = 2, ~6 GiB of temporaries.
@@ -121,7 +121,7 @@ def routed_experts_ep(
     there are at most MAX_UNROLLED_CHUNKS) or a `lax.scan` over them. combine_dtype: the dtype partial results
     travel in: float32 (the default) keeps each token's sum as one device computes it; bfloat16 halves those bytes
     and rounds each remote part once before the float32 sum at home (a V4-Flash MoE output moves by 2e-3 rel. L2,
-    a 3-layer model's last-token logits moved by 3e-2: BENCHMARKS.md, "The direct schedule and FP8 dispatch");
+    a 3-layer model's last-token logits moved by 3e-2: docs/kernels/parallelism.md);
     None: the output's dtype.
     """
     if comm not in ("ppermute", "local"):

@@ -39,3 +39,25 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: ShardingRules = SEQUENCE_P
         sharding = sharding_for(path, var)
         var.set_value(jax.make_array_from_callback(host.shape, sharding, lambda index, h=host: h[index]))
     return model
+
+
+def check_mesh(mesh: Mesh, num_experts: int) -> None:
+    """Refuses a mesh the engine cannot lay the model out on, naming the cause: it must be one "sp" axis (the
+    sequence and the routed experts split over it), whose size divides the routed experts."""
+    if tuple(mesh.axis_names) != ("sp",):
+        raise ValueError(f"mesh axes {tuple(mesh.axis_names)}: the engine runs on a 1-D mesh with axis 'sp' "
+                         "(dsv4.sharding.make_mesh)")  # fmt: skip
+    n = mesh.shape["sp"]
+    if num_experts % n:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(f"a mesh of {n} devices cannot split the model's {num_experts} routed experts evenly; use a "
+                         f"device count that divides {num_experts}: {divisors}")  # fmt: skip
+
+
+def on_mesh(model: nnx.Module, mesh: Mesh) -> bool:
+    """Whether every parameter of `model` already lives on `mesh`."""
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
+        sharding = getattr(var[...], "sharding", None)
+        if getattr(sharding, "mesh", None) != mesh:
+            return False
+    return True

@@ -26,7 +26,7 @@ class ShardingRules:
       "zigzag": the sequence is cut into 2N blocks and shard i holds blocks i and 2N-1-i, so every shard
         does the same causal work (HCA entries, indexer keys). The full-sequence forward permutes the token
         ids once at the input and the hidden states back once at the output; every layer in between runs
-        in that order (dsv4/sharding/context_parallel.py, "Whole-model zigzag").
+        in that order (`dsv4.attention.sequence_parallel`, "Whole-model zigzag").
     """
 
     rules: tuple[tuple[str, str | None], ...] = ()

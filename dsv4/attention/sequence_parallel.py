@@ -1,7 +1,7 @@
-"""Sequence-parallel (context-parallel) V4 attention core: `shard_map` with hand-written communication.
+"""Sequence-parallel (context-parallel) V4 attention cores: `shard_map` with hand-written communication.
 
 `core_attention_sp` has `core_attention_jnp`'s signature and semantics (dsv4/attention.py) and can be
-selected as an attention impl ("sp", see `register`). Without an active mesh whose sequence axis ("sp")
+selected as the attention core ("sp": `Kernels.attention`). Without an active mesh whose sequence axis ("sp")
 has more than one device, or for a call that is not a full-sequence forward (`kv_aligned=False`: the
 cached / chunked path, where kv is a ring plus a chunk), it simply calls `core_attention_jnp`.
 
@@ -55,11 +55,9 @@ attention of its own queries, communicating only through `jax.lax.ppermute`:
     NVLink. Window and HCA layers on Hopper take the Mosaic kernel (`v4_attention_mgpu` with each token's window
     rows, `_mosaic_per_shard`); CSA layers and other GPUs the Triton kernel (`core_attention_pallas` with
     kv_aligned=False), which takes global positions for q and kv, so the halo rows, the empty halo of shard 0
-    (position -1) and the causal visibility of entries need nothing else. On 2 H200s at 512K, in zigzag order:
-    scaling 0.94 / 1.01 / 0.99 (sliding / HCA / CSA) against the best 1-GPU kernel (docs/BENCHMARKS.md).
-    Timed end to end on 2 H200s (the whole model at 32K–512K, docs/BENCHMARKS.md "Sequence parallelism"). The
-    Triton-only form was checked there layer by layer against the 1-device model (scripts/check_sp_gpu.py); the
-    Mosaic form by the 2-GPU tests (tests/test_context_parallel.py, `-m gpu`) and bench_sp's check (≤ 1.4e-3).
+    (position -1) and the causal visibility of entries need nothing else. Scaling and exposed communication:
+    docs/BENCHMARKS.md; design: docs/kernels/parallelism.md. Checked against the 1-device model by
+    tests/test_gpu_sequence_parallel.py and tests/test_context_parallel.py (`-m gpu`).
 
 Whole-model zigzag. Under a layout whose rules say `seq_order="zigzag"` (`SEQUENCE_PARALLEL_ZIGZAG`), every
 [B, S, ...] activation of the full-sequence forward is in zigzag order: `DeepseekV4.hidden_states` pads S so that a
@@ -87,95 +85,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dsv4.attention import CompressedKeys, core_attention_jnp
-from dsv4.sharding.rules import active
+from dsv4.attention.core import CompressedKeys, core_attention_jnp
+from dsv4.attention.pallas_core import core_attention_pallas, mosaic_applies
+from dsv4.pallas.attention_mgpu import v4_attention_mgpu
+from dsv4.sharding.sequence import local_stand_in, sp_layout, zigzag_shards
 
 F32 = jnp.float32
 NEG_INF = float("-inf")
-
-
-def register(name: str = "sp") -> None:
-    """Makes `core_attention_sp` selectable as `attention_impl=name` (call it after importing dsv4.attention)."""
-    from dsv4.attention import register_attention_impl
-
-    register_attention_impl(name, core_attention_sp)
-
-
-def sp_layout(mesh: Mesh | None = None, axis: str | None = None) -> tuple[Mesh, str, int] | None:
-    """(mesh, axis name, shard count) of the sequence axis, or None when there is nothing to split over."""
-    if mesh is None:
-        current = active()
-        if current is None:
-            return None
-        mesh, rules = current
-        axis = axis or rules.mesh_axis("seq")
-    axis = axis or "sp"
-    if axis not in mesh.shape or mesh.shape[axis] < 2:
-        return None
-    return mesh, axis, mesh.shape[axis]
-
-
-def per_sequence_shard(fn, sharded, replicated=(), *, fill, mesh: Mesh | None = None, axis: str | None = None):
-    """fn over each sequence shard of the active (or given) mesh: `fn(*local sharded, *replicated)`. → the global
-    result, its axis 1 the sequence axis like every array in `sharded` ([B, S, ...]).
-
-    For token-local work that lowers to a custom call (the Pallas indexer, the Pallas MoE): XLA's SPMD partitioner
-    cannot split a custom call, so given sequence-sharded operands it would gather them and every device would
-    compute the whole call. Here each device runs `fn` on its own tokens; `replicated` operands (the indexer keys,
-    the expert weights) are gathered once if they are sharded. S is padded to a multiple of the shard count with
-    `fill` (one value per sharded array) and the padding is cut from the result. No mesh (or a 1-device axis):
-    `fn` directly.
-    """
-    layout = sp_layout(mesh, axis)
-    if layout is None:
-        return fn(*sharded, *replicated)
-    mesh, axis, n = layout
-    s = sharded[0].shape[1]
-    pad = -s % n
-    if pad:
-        sharded = [jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=f)
-                   for x, f in zip(sharded, fill, strict=True)]  # fmt: skip
-    spec = P(None, axis)
-    out = jax.shard_map(fn, mesh=mesh, in_specs=(*(spec for _ in sharded), *(P() for _ in replicated)),
-                        out_specs=spec, check_vma=False)(*sharded, *replicated)  # fmt: skip
-    return out[:, :s] if pad else out
-
-
-def zigzag_shards() -> int | None:
-    """N when the active layout keeps sequences in zigzag order over N > 1 shards ("Whole-model zigzag"), else
-    None."""
-    current = active()
-    if current is None or current[1].seq_order != "zigzag":
-        return None
-    layout = sp_layout()
-    return None if layout is None else layout[2]
-
-
-def zigzag_rows(s: int, n: int, *, multiple: int = 1, min_rows: int = 0) -> int:
-    """Rows per block (L) to hold s tokens in zigzag order over n shards: the least multiple of `multiple` that is
-    >= ceil(s / 2n) and >= min_rows. The padded length is 2n · L."""
-    rows = max(-(-s // (2 * n)), min_rows, 1)
-    return -(-rows // multiple) * multiple
-
-
-def zigzag_model_rows(config, s: int, n: int) -> int:
-    """Rows per block for a model (`dsv4.Config`) in zigzag order: whole compressor windows of every rate (so no
-    window straddles a block) and at least W - 1 rows (so a block's halo is one block back)."""
-    rates = [config.compress_rate(t) for t in config.layer_types]
-    return zigzag_rows(s, n, multiple=math.lcm(1, *(r for r in rates if r)), min_rows=config.sliding_window - 1)
-
-
-def zigzag_row(p: int, s: int, n: int) -> int:
-    """Row, in zigzag order, of sequence index p of an S-row sequence (S divisible by 2N)."""
-    rows = s // (2 * n)
-    return zigzag_order(n).index(p // rows) * rows + p % rows
 
 
 def core_attention_sp(
@@ -281,8 +203,6 @@ def _core_pallas_per_shard(args, compressed, sinks, *, mesh, axis, n, s, halo, s
     kernel call per shard over all its queries and kv = [halo ‖ block] for each of its blocks (one contiguous, two
     zigzag): on Hopper for window and HCA layers the Mosaic kernel (each token's window rows given), else the Triton
     kernel (windows found by position). No slice of q and no concatenation of outputs: at 512K, q is 16 GiB a shard."""
-    from dsv4.attention import core_attention_pallas, mosaic_applies
-
     s_pad = args["q"].shape[1]
     n_local = 2 if zigzag else 1
     rows = s_pad // (n * n_local)
@@ -346,8 +266,6 @@ def _mosaic_per_shard(q, kv_ext, q_pos, sinks, entries, me, *, rows, halo, compr
     """The Mosaic kernel once over the shard's queries: kv_ext = [halo ‖ block] per block, so token t of block
     b = t // rows sits at kv row b·(rows + halo) + halo + t % rows and sees W rows back from it, never before its
     block's halo; the halo of global block 0 (block A of shard 0) holds nothing."""
-    from dsv4.pallas.attention_mgpu import v4_attention_mgpu
-
     t = jnp.arange(q.shape[1], dtype=jnp.int32)
     blk = t // rows
     row = blk * (rows + halo) + halo + t % rows
@@ -358,25 +276,6 @@ def _mosaic_per_shard(q, kv_ext, q_pos, sinks, entries, me, *, rows, halo, compr
     extra = {} if compressed is None else dict(compressed=entries, compress_rate=compressed.rate)
     return v4_attention_mgpu(q, kv_ext, q_pos, sinks.astype(F32), sliding_window=sliding_window, scale=scale,
                              check_positions=False, window_rows=window_rows, **extra)  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# Zigzag layout: 2N blocks, shard i holds blocks (i, 2N-1-i).
-# ---------------------------------------------------------------------------------------------
-def zigzag_order(n: int) -> list[int]:
-    """Global block index of each of the 2N slots of the permuted sequence ([0, 2N-1, 1, 2N-2, ...])."""
-    return [blk for i in range(n) for blk in (i, 2 * n - 1 - i)]
-
-
-def zigzag_permute(x: jax.Array, n: int, *, inverse: bool = False) -> jax.Array:
-    """[B, S, ...] in sequence order → zigzag order (or back): for callers that keep a whole model in zigzag
-    order and pass `inputs_permuted=True`. S must be divisible by 2N. (A global gather: GSPMD lays it out.)"""
-    order = zigzag_order(n)
-    if inverse:
-        order = [order.index(j) for j in range(2 * n)]
-    b, s = x.shape[:2]
-    blocks = x.reshape(b, 2 * n, s // (2 * n), *x.shape[2:])
-    return jnp.take(blocks, jnp.asarray(order), axis=1).reshape(x.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,15 +299,6 @@ class _Config:
     csa_mode: str
     comm: str
     relayout: bool  # zigzag: move blocks (2i, 2i+1) → (i, 2N-1-i) on entry, and back on exit
-
-
-def local_stand_in(x: jax.Array) -> jax.Array:
-    """comm="local"'s stand-in for a transfer: x rolled by one along its longest axis. Same shape, same bytes
-    moved (one local copy), different values, so XLA can neither fold it away (`x + 0`) nor merge the compute of
-    two ring steps that would otherwise see identical operands."""
-    if x.ndim == 0:
-        return x
-    return jnp.roll(x, 1, axis=max(range(x.ndim), key=lambda a: x.shape[a]))
 
 
 def _permute(x, cfg: _Config, pairs):
@@ -664,3 +554,44 @@ def _shard_body(arrays, sinks, *, cfg: _Config, names):
         stats = new
         chunk = incoming
     return finish(stats)
+
+
+def core_attention_sp_pallas(*args, **kwargs) -> jax.Array:
+    """`core_attention_sp` with a Pallas kernel for each shard's own attention (entries all-gathered instead of
+    ring-passed; module docstring (d))."""
+    return core_attention_sp(*args, local_core="pallas", **kwargs)
+
+
+def chunk_core_per_shard(core, q, keys, q_pos, key_pos, sinks, *, sliding_window: int, scale: float,
+                         compressed: CompressedKeys | None = None, **kwargs) -> jax.Array:  # fmt: skip
+    """A cached chunk's attention with its queries split over the active mesh's sequence axis: the chunk's K=V rows
+    are gathered with the ring (`keys` [B, W + n, D] in the cached-chunk layout: the W positions before the chunk,
+    then the chunk's own), the compressed entries go whole to every shard, and each shard attends for its own
+    queries over the W rows before its first query and its own rows — the same layout, so `kv_prefix` = W holds
+    per shard. CSA's picks travel with their queries. Without a sequence axis, or a chunk that does not split
+    evenly (a decode step), `core` runs as is."""
+    layout = sp_layout()
+    b, n = q.shape[:2]
+    if layout is None or n % layout[2]:
+        return core(q, keys, q_pos, key_pos, sinks, sliding_window=sliding_window, scale=scale, compressed=compressed,
+                    **kwargs)  # fmt: skip
+    mesh, axis, shards = layout
+    rows, w = n // shards, keys.shape[1] - n
+    topk = None if compressed is None else compressed.topk_indices
+    sharded = [q, q_pos] + ([topk] if topk is not None else [])
+    replicated = [keys, key_pos, sinks] + ([compressed.entries] if compressed is not None else [])
+
+    def body(*arrays):
+        q_, q_pos_ = arrays[:2]
+        topk_ = arrays[2] if topk is not None else None
+        keys_, key_pos_, sinks_, *entries = arrays[len(sharded):]
+        first = jax.lax.axis_index(axis) * rows
+        keys_ = jax.lax.dynamic_slice_in_dim(keys_, first, w + rows, axis=1)
+        key_pos_ = jax.lax.dynamic_slice_in_dim(key_pos_, first, w + rows, axis=1)
+        local = None if compressed is None else CompressedKeys(entries[0], compressed.rate, topk_)
+        return core(q_, keys_, q_pos_, key_pos_, sinks_, sliding_window=sliding_window, scale=scale, compressed=local,
+                    **kwargs)  # fmt: skip
+
+    seq = P(None, axis)
+    return jax.shard_map(body, mesh=mesh, in_specs=(*(seq for _ in sharded), *(P() for _ in replicated)),
+                         out_specs=seq, check_vma=False)(*sharded, *replicated)  # fmt: skip

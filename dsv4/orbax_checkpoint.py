@@ -1,6 +1,5 @@
-"""Converting checkpoints to orbax, and reading them back onto any mesh.
-
-    dsv4 convert /path/to/DeepSeek-V4-Flash /path/to/out      # safetensors (any layout, FP8/FP4) → orbax
+"""Orbax checkpoints: writing a model's state, and reading it back onto any mesh (`dsv4.convert` and
+`dsv4 convert` write one from any checkpoint).
 
 An orbax checkpoint directory holds
   config.json        the model config (its quantization_config only when weights were kept quantized);
@@ -14,12 +13,10 @@ mesh (or one device) than it was written from.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
 import os
-import sys
 import time
 
 import jax
@@ -29,7 +26,7 @@ from flax import nnx
 from dsv4.quantization import BlockQuantized, fp4_scale_shape, fp8_scale_shape
 from dsv4.weights import CheckpointError, module_name
 
-log = logging.getLogger("dsv4.convert")
+log = logging.getLogger("dsv4.orbax")
 
 MARKER = "dsv4_orbax.json"
 FORMAT = "dsv4-orbax"
@@ -198,81 +195,3 @@ def _restore(stored, abstract_model, state_dir, quantized, sharding_for, keep_qu
     for path, var in flat:
         var.set_value(values[path])
     return nnx.merge(graphdef, state)
-
-
-def convert(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *, dtype=None, keep_quantized: bool = False,
-            mesh=None, shardings=None, progress: bool | None = None) -> None:  # fmt: skip
-    """Converts a checkpoint (safetensors in either layout, plain or FP8/FP4; or orbax) to an orbax
-    checkpoint plus config.json in `dst_dir`.
-
-    The model passes through device memory once: spread it with `mesh`/`shardings` (as for `dsv4.load`)
-    when it does not fit one device. dtype: of the stored weights (default bfloat16; float32 parameters
-    such as norms stay float32). keep_quantized: store FP8/FP4 weights as they are (q + float32 scales).
-    """
-    import jax.numpy as jnp
-
-    from dsv4.api import load
-
-    src_dir, dst_dir = os.fspath(src_dir), os.fspath(dst_dir)
-    if os.path.exists(os.path.join(dst_dir, "state")):
-        raise FileExistsError(f"{os.path.join(dst_dir, 'state')} exists; convert into an empty directory")
-    t0 = time.perf_counter()
-    model = load(src_dir, dtype=dtype or jnp.bfloat16, mesh=mesh, shardings=shardings, keep_quantized=keep_quantized,
-                 progress=progress)  # fmt: skip
-    loaded_s = time.perf_counter() - t0
-    show = progress if progress is not None else sys.stderr.isatty()
-    if show:
-        print(f"loaded {src_dir} in {loaded_s:.1f} s; writing orbax checkpoint {dst_dir} ...", file=sys.stderr)
-    save_orbax(model, dst_dir)
-    if show:
-        print(f"converted {src_dir} → {dst_dir} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line: `dsv4 convert SRC DST` (cli.py adds it with `add_convert_parser`), or
-# `python -m dsv4.convert SRC DST`.
-# ---------------------------------------------------------------------------------------------
-def add_convert_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("convert", help="convert a checkpoint (safetensors, FP8/FP4 too) to orbax",
-                              description="Convert a checkpoint directory (safetensors in DeepSeek's or transformers' "
-                                          "layout, plain or FP8/FP4) to a sharded orbax checkpoint + config.json, "
-                                          "which dsv4.load / --model read onto any mesh.")  # fmt: skip
-    p.add_argument("src", help="checkpoint directory to read")
-    p.add_argument("dst", help="directory to write (must not hold a checkpoint yet)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="dtype of the stored weights (default bfloat16; norms and similar stay float32)")
-    p.add_argument("--keep-quantized", action="store_true", help="store FP8/FP4 weights as they are, with their scales")
-    p.add_argument("--devices", type=int, default=1,
-                   help="spread the model over this many local devices while converting (default 1)")
-    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
-    p.set_defaults(func=_cmd_convert)
-    return p
-
-
-def _cmd_convert(args) -> int:
-    import jax.numpy as jnp
-
-    mesh = None
-    if args.devices > 1:
-        from dsv4.sharding import make_mesh
-
-        mesh = make_mesh(args.devices)
-    convert(args.src, args.dst, dtype=jnp.dtype(args.dtype), keep_quantized=args.keep_quantized, mesh=mesh,
-            progress=False if args.no_progress else True)  # fmt: skip
-    return 0
-
-
-def convert_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dsv4")
-    add_convert_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["convert", *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"dsv4: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(convert_main())

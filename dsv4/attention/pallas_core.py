@@ -1,0 +1,68 @@
+"""The attention core on the Pallas kernels: the Mosaic GPU kernel (`dsv4.pallas.attention_mgpu`) for window and HCA
+layers on Hopper, the Triton-lowered one (`dsv4.pallas.attention`) for CSA and elsewhere, interpreted off a GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv4.attention.core import CompressedKeys
+from dsv4.layers import F32
+from dsv4.pallas._device import is_hopper, on_gpu
+from dsv4.pallas.attention import v4_attention
+from dsv4.pallas.attention_mgpu import positions_are_aligned, v4_attention_mgpu
+
+
+def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, scale: float,
+                          compressed: CompressedKeys | None = None, kv_aligned: bool = False,
+                          query_chunk: int | None = None, kv_prefix: int = 0) -> jax.Array:  # fmt: skip
+    """The blocked online-softmax Pallas kernel (`dsv4/pallas/attention.py`); interpreted off-GPU.
+
+    kv_prefix: the layout of a cached chunk (`Attention.forward_chunk`): kv rows [0, kv_prefix) hold the
+    kv_prefix positions just before q's first one, in order (-1 where there is none yet), and row kv_prefix + j
+    holds query j's own token. On Hopper the Mosaic kernel then takes window and HCA chunks, one-token ones too,
+    whose prefix rows are all real (a run-time check; the Triton kernel otherwise, e.g. for a prompt's first
+    chunk)."""
+    del query_chunk  # the kernels find each query block's window band themselves
+    sinks = sinks.astype(F32)
+    entries = {} if compressed is None else dict(compressed=compressed.entries, compress_rate=compressed.rate)
+    if mosaic_applies(q, kv, compressed, kv_aligned or kv_prefix > 0):
+        if kv_aligned:
+            # Hopper fast path (window and HCA, the full-sequence prefill). It checks at run time that positions
+            # are contiguous and takes the Triton kernel otherwise.
+            return v4_attention_mgpu(q, kv[:, : q.shape[1]], q_pos, sinks, sliding_window=sliding_window,
+                                     scale=scale, **entries)  # fmt: skip
+        whole = prefix_is_whole(q_pos, kv_pos, kv_prefix) & positions_are_aligned(q_pos)
+
+        def mosaic(q, kv, q_pos, kv_pos):
+            del kv_pos  # rows are placed by index: the prefix, then q's own tokens (padding rows only reach padding)
+            return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=sliding_window, scale=scale,
+                                     kv_offset=kv_prefix, check_positions=False, **entries)  # fmt: skip
+
+        def triton(q, kv, q_pos, kv_pos):
+            return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale, **entries)
+
+        return jax.lax.cond(whole, mosaic, triton, q, kv, q_pos, kv_pos)
+    if compressed is not None:
+        entries["topk_indices"] = compressed.topk_indices
+    return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
+                        interpret=not on_gpu(), **entries)  # fmt: skip
+
+
+def prefix_is_whole(q_pos: jax.Array, kv_pos: jax.Array, kv_prefix: int) -> jax.Array:
+    """Whether every batch row's kv rows [0, kv_prefix) hold exactly the kv_prefix positions before its first
+    query, in order (none missing: a prompt's first chunk has none yet). → bool scalar."""
+    before = q_pos[:, :1] - kv_prefix + jnp.arange(kv_prefix, dtype=q_pos.dtype)[None]  # [B, prefix]
+    return jnp.all(kv_pos[:, :kv_prefix] == before) & jnp.all(before >= 0)
+
+
+def mosaic_applies(q, kv, compressed, layout_ok) -> bool:
+    """Whether the Mosaic GPU kernel (dsv4/pallas/attention_mgpu.py) takes this call: on Hopper GPUs, for
+    the prefill of window and HCA layers (kv aligned with q, or a cached chunk's prefix layout: `layout_ok`) in
+    bf16/f16 with 64-head groups and D in 128..512."""
+    csa = compressed is not None and compressed.topk_indices is not None
+    if not (layout_ok and not csa and is_hopper()):
+        return False
+    d = q.shape[-1]
+    same = kv.dtype == q.dtype and (compressed is None or compressed.entries.dtype == q.dtype)
+    return q.dtype in (jnp.bfloat16, jnp.float16) and same and q.shape[2] % 64 == 0 and d % 128 == 0 and d <= 512

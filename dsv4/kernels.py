@@ -1,0 +1,115 @@
+"""Which implementation runs each part of the model: one frozen value, resolved once per model.
+
+Every field takes "auto" or a concrete implementation. `Kernels.resolve(dtype)` replaces each "auto" by the fastest
+choice measured for the device (docs/BENCHMARKS.md), asking `dsv4.pallas._device` once: a GPU gets the Pallas
+kernels, and a Hopper GPU (compute capability 9.x: H100, H200, H800, H20) their Mosaic GPU forms, which the kernels
+pick themselves. The model and the engine carry the resolved value; nothing is steered by module state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from dsv4.pallas._device import is_hopper, on_gpu
+
+CHOICES = {
+    # the prefill core: the full sequence or a cached chunk of more than one token
+    "attention": ("jnp", "pallas", "sp", "sp-pallas"),
+    # one-token steps: "jnp" reads the cache densely and runs the jnp core; "pallas" runs the paged decode kernel
+    # on the cache as stored where it takes the stores, else the attention core
+    "decode": ("jnp", "pallas"),
+    # the lightning indexer's scores and top-k (the pallas paths are two passes; "pallas-fp8" scores in e4m3)
+    "indexer": ("jnp", "pallas", "pallas-fp8", "pallas-stream"),
+    # one-token steps' indexer: "pallas" scores the keys where the cache stores them, through the block table
+    "paged_indexer": ("jnp", "pallas"),
+    # each refinement level of the exact grouped top-k: XLA's sort and gather, or one Pallas select kernel
+    "topk_refine": ("jnp", "pallas"),
+    "moe": ("jnp", "pallas"),
+    # cache writes: XLA's quantize + scatter, or the quantize-and-write kernel
+    "kv_write": ("jnp", "pallas"),
+    "sinkhorn": ("jnp", "pallas"),
+}
+SEQUENCE_PARALLEL_CORES = ("sp", "sp-pallas")
+_FAST_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    attention: str = "auto"
+    decode: str = "auto"
+    indexer: str = "auto"
+    paged_indexer: str = "auto"
+    topk_refine: str = "auto"
+    moe: str = "auto"
+    kv_write: str = "auto"
+    sinkhorn: str = "auto"
+
+    def __post_init__(self):
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if value != "auto" and value not in choices:
+                raise ValueError(f"Kernels.{name}={value!r}; choose 'auto' or one of {list(choices)}")
+
+    @classmethod
+    def all(cls, impl: str) -> Kernels:
+        """Every part on `impl` ("jnp" or "pallas"): the XLA reference, or every Pallas kernel (interpreted off a
+        GPU)."""
+        if impl not in ("jnp", "pallas"):
+            raise ValueError(f"Kernels.all({impl!r}): 'jnp' or 'pallas'")
+        return cls(**dict.fromkeys(CHOICES, impl))
+
+    @classmethod
+    def parse(cls, spec: str) -> Kernels:
+        """"pallas", "jnp", "auto", or comma-separated part=impl pairs ("attention=pallas,moe=jnp")."""
+        spec = spec.strip()
+        if spec in ("jnp", "pallas"):
+            return cls.all(spec)
+        if spec in ("", "auto"):
+            return cls()
+        fields = {}
+        for item in spec.split(","):
+            name, eq, value = (s.strip() for s in item.partition("="))
+            if not eq or name not in CHOICES:
+                raise ValueError(f"kernels: {item!r} is not part=impl with part one of {list(CHOICES)}")
+            fields[name] = value
+        return cls(**fields)
+
+    def resolve(self, dtype, *, gpu: bool | None = None, hopper: bool | None = None) -> Kernels:
+        """Every "auto" replaced for a model computing in `dtype` on the default device (`gpu`, `hopper` override
+        what the device says).
+
+        On a GPU: the Pallas kernels wherever they are measured faster than XLA, for 16-bit models (a float32
+        model keeps XLA's full-precision dots in attention and the indexer); decode steps and cache writes stay on
+        XLA, whose step measured as fast as the kernels' (the step is host-bound). Off a GPU: jnp everywhere."""
+        gpu = on_gpu() if gpu is None else gpu
+        hopper = gpu and (is_hopper() if hopper is None else hopper)
+        fast = gpu and jnp.dtype(dtype) in _FAST_DTYPES
+        indexer = _pick(self.indexer, "pallas" if fast else "jnp")
+        auto = dict(
+            attention="pallas" if fast else "jnp",
+            decode="jnp",
+            indexer=indexer,
+            paged_indexer="pallas" if indexer == "pallas" else "jnp",
+            topk_refine="pallas" if hopper else "jnp",  # measured on Hopper only
+            moe="pallas" if gpu else "jnp",
+            kv_write="jnp",
+            sinkhorn="pallas" if gpu else "jnp",
+        )
+        return Kernels(**{name: _pick(getattr(self, name), auto[name]) for name in CHOICES})
+
+    @property
+    def resolved(self) -> bool:
+        return all(getattr(self, name) != "auto" for name in CHOICES)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.attention in SEQUENCE_PARALLEL_CORES
+
+    def __str__(self) -> str:
+        return ",".join(f"{name}={getattr(self, name)}" for name in CHOICES)
+
+
+def _pick(value: str, auto: str) -> str:
+    return auto if value == "auto" else value
