@@ -57,6 +57,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import dsv4.pallas.decode as dc  # noqa: E402
 import dsv4.pallas.decode_mgpu as dcm  # noqa: E402
+from dsv4.pallas._device import sm_count  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 GiB = 1 << 30
@@ -159,7 +160,7 @@ class Bench:
         self.rows: list[dict] = []
         self.copy_tbps = None
         self.pools: dict[str, dict] = {}
-        self.sm_count = dc._sm_count()
+        self.sm_count = sm_count()
 
     def left(self) -> float:
         return self.args.budget - (time.monotonic() - self.t0)

@@ -3,23 +3,23 @@
     PYTHONPATH=. python3 scripts/bench_decode_model.py --contexts 128k,512k --out $OUT/dm     # one H200
     PYTHONPATH=. python3 scripts/bench_decode_model.py --small --contexts 600 --steps 3       # CPU smoke (interpreted)
 
-Routes (one jitted `forward_chunk` each, the same weights, each from its own copy of the same prefilled cache):
-    kernel  attention_impl="pallas": a one-token step runs `dsv4.pallas.decode.paged_decode_attention` on the cache
-            itself (bf16 rows; or FP8 ones as stored, e4m3 nope channels beside bf16 RoPE channels);
-    dense   the same model with that kernel switched off: every stored row of the ring and the compressed pool is
-            dequantized into a dense copy, then the attention core runs a one-token chunk over it (the route every
-            FP8-cache step took before split rows reached the kernel);
-    jnp     attention_impl="jnp" (the dense copy, then XLA attention);
-    auto    attention_impl="auto", the library's default (`Attention._decode_kernel_applies` says which of the
-            above a step takes on this device and cache);
-    jnp-loop  jnp with the mHC Sinkhorn kernel switched off (`dsv4.layers.SINKHORN_KERNEL`): XLA's while loop, as
-            every route ran it before the twenty-fourth session;
-    jnp-dense-index  jnp with the paged indexer switched off (`dsv4.attention.PAGED_INDEX_DECODE`): the CSA
-            indexer's keys read out densely (every listed page dequantized into a copy), then scored, as every route
-            did before the twenty-fifth session.
-Every other route's CSA indexer scores its keys where the cache stores them (`dsv4.pallas.indexer_paged`).
+Routes (one jitted `forward_chunk` each, the same weights, each from its own copy of the same prefilled cache; each
+a model built with its own `dsv4.Kernels` value, `ROUTE_KERNELS`; the MoE on XLA's (moe="jnp") except in auto):
+    kernel  Kernels(attention="pallas", decode="pallas", kv_write="pallas"): a one-token step runs
+            `dsv4.pallas.decode.paged_decode_attention` on the cache itself (bf16 rows; or FP8 ones as stored, e4m3
+            nope channels beside bf16 RoPE channels);
+    dense   as kernel with decode="jnp": every stored row of the ring and the compressed pool is dequantized into
+            a dense copy, then the jnp core runs a one-token chunk over it (writes still by the kv_write kernel);
+    jnp     Kernels(attention="jnp", decode="jnp", kv_write="jnp") (the dense copy, then XLA attention);
+    auto    Kernels(), the library's default (`Kernels.resolve` says which of the above a step takes on this
+            device);
+    jnp-loop  jnp with sinkhorn="jnp": the mHC Sinkhorn as XLA's while loop;
+    jnp-dense-index  jnp with paged_indexer="jnp": the CSA indexer's keys read out densely (every listed page
+            dequantized into a copy), then scored.
+Every other route's CSA indexer takes `Kernels.paged_indexer`'s default: on a GPU it scores its keys where the
+cache stores them (`dsv4.pallas.indexer_paged`).
 
-Model: scripts/check_decode_gpu.py's (V4-Flash attention shapes: 64 heads x 512, window 128, CSA 4:1 with a
+Model: tests/test_gpu_decode.py's (V4-Flash attention shapes: 64 heads x 512, window 128, CSA 4:1 with a
 64 x 128 indexer keeping 512, HCA 128:1; narrow residual stream, few experts; layers sliding, CSA, HCA), bf16,
 random weights. `--batch` requests of `ctx`, ctx - 333, ... tokens, prefilled in 8K chunks on the kernel route, in
 256-token pages of a permuted block table. Each route first runs step 0 (it compiles) from its own copy of the
@@ -28,24 +28,20 @@ prefilled cache; the logits' relative L2 distance from the kernel route's there 
 the same for every route; no host round trip between steps), the route's own cache carried on: ms / step is the
 median over rounds, and "host ms / step" the median time the host took to hand the steps to the runtime (where it
 is close to ms / step, the step waits on its dispatch, not on the GPU). Each step is called as `dsv4.runner`
-calls it, the GraphDef closed over and the weights a flat list; `--calling static` adds each route called the old
-way (the GraphDef a static argument hashed every call, the nnx State flattened every call) as ROUTE:static, and
+calls it, the GraphDef closed over and the weights a flat list; `--calling static` adds each route called with the
+GraphDef a static argument (hashed every call) and the nnx State a pytree (flattened every call) as ROUTE:static, and
 `--calling opts` each route closed over and compiled with `--compiler-options` as ROUTE:opts, `--calling donate`
 each route closed over with the last step's logits donated to the next (so the output's address stays put) as
 ROUTE:donate; `--same-tokens` feeds one token array to every step (so the input's address stays put too). Each
 step donates its cache, as the engine's does (`dsv4.runner`), so a step's time holds no copy
 of the cache. `--trace DIR` profiles each route's steps once more and prints, per step, the GPU's busy time against
 the wall time and the kernels that take the most of it (`trace_overlap.kernel_table`).
-
-(Before the twenty-third session's second call each route's steps ran one at a time, each waiting for the host's
-argmax of the last, from an undonated cache, so every step's time also held writing a whole new cache and a host
-round trip: the same route measured 3.3 and 5.0 ms a step in one run. Tables from those runs are marked so in
-docs/BENCHMARKS.md.)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -59,15 +55,44 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from check_decode_gpu import config, rel_err  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import dsv4  # noqa: E402
-from dsv4.attention import Attention  # noqa: E402
+from dsv4.config import Config  # noqa: E402
+from dsv4.kernels import Kernels  # noqa: E402
+from dsv4.model import DeepseekV4  # noqa: E402
 
-ROUTES = ("kernel", "dense", "jnp", "auto", "jnp-loop", "jnp-dense-index")
-GRAPHS = {"kernel": "pallas", "dense": "pallas", "jnp": "jnp", "auto": "auto", "jnp-loop": "jnp",
-          "jnp-dense-index": "jnp"}  # → attention_impl  # fmt: skip
+_KERNEL = Kernels(attention="pallas", decode="pallas", kv_write="pallas", moe="jnp")
+_JNP = Kernels(attention="jnp", decode="jnp", kv_write="jnp", moe="jnp")
+ROUTE_KERNELS = {
+    "kernel": _KERNEL,
+    "dense": dataclasses.replace(_KERNEL, decode="jnp"),
+    "jnp": _JNP,
+    "auto": Kernels(),
+    "jnp-loop": dataclasses.replace(_JNP, sinkhorn="jnp"),
+    "jnp-dense-index": dataclasses.replace(_JNP, paged_indexer="jnp"),
+}
+ROUTES = tuple(ROUTE_KERNELS)
+
+
+def config(small: bool, repeats: int = 1) -> Config:
+    """The benchmark's model (tests/test_gpu_decode.py's); repeats: the (sliding, CSA, HCA) pattern that many times
+    (3 · repeats layers)."""
+    heads, head_dim, idx_heads, idx_dim, topk = (4, 64, 4, 32, 16) if small else (64, 512, 64, 128, 512)
+    return Config.from_hf({
+        "vocab_size": 1024, "hidden_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 3 * repeats,
+        "num_attention_heads": heads, "head_dim": head_dim, "q_lora_rank": 256, "qk_rope_head_dim": 16 if small else 64,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "o_groups": 2, "o_lora_rank": 128,
+        "index_n_heads": idx_heads, "index_head_dim": idx_dim, "index_topk": topk, "sliding_window": 128,
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"] * repeats,
+        "mlp_layer_types": ["moe"] * 3 * repeats, "max_position_embeddings": 1 << 20,
+    })  # fmt: skip
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def parse_length(text: str) -> int:
@@ -75,22 +100,16 @@ def parse_length(text: str) -> int:
     return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
 
 
-def make_step(dense: bool, sinkhorn_loop: bool = False, dense_index: bool = False, graph=None, state_def=None,
-              compiler_options=None, donate_logits=False):  # fmt: skip
-    """A fresh jitted step (its own trace cache) that donates its cache, as `dsv4.runner`'s does; dense: traced
-    with the paged decode kernel switched off; sinkhorn_loop: with the mHC Sinkhorn kernel switched off
-    (`dsv4.layers.SINKHORN_KERNEL`); dense_index: with the paged indexer switched off
-    (`dsv4.attention.PAGED_INDEX_DECODE`).
+def make_step(graph=None, state_def=None, compiler_options=None, donate_logits=False):
+    """A fresh jitted step (its own trace cache) that donates its cache, as `dsv4.runner`'s does. Which kernels it
+    runs is the route's GraphDef's (its model's `Kernels`).
 
     graph None: step(graphdef, state, cache, tokens, valid), the GraphDef a static argument and the nnx State a
-    pytree, so every call hashes the one and flattens the other (the convention before the twenty-fourth session's
-    runner). Otherwise step(leaves, cache, tokens, valid) closes over `graph` and `state_def` (the treedef of the
-    state) and takes the weights as a flat list, as `dsv4.runner._Programs` does; compiler_options: XLA options for
-    that jit (`jax.jit(compiler_options=...)`); donate_logits: step(leaves, cache, tokens, valid, logits_in)
-    donates the last step's logits too, so that the new logits take their buffer (a stable output address)."""
-    import dsv4.attention
-    import dsv4.layers
-
+    pytree, so every call hashes the one and flattens the other. Otherwise step(leaves, cache, tokens, valid) closes
+    over `graph` and `state_def` (the treedef of the state) and takes the weights as a flat list, as
+    `dsv4.runner._Programs` does; compiler_options: XLA options for that jit (`jax.jit(compiler_options=...)`);
+    donate_logits: step(leaves, cache, tokens, valid, logits_in) donates the last step's logits too, so that the new
+    logits take their buffer (a stable output address)."""
     if graph is None:
 
         def step(graphdef, state, cache, tokens, valid):
@@ -104,21 +123,7 @@ def make_step(dense: bool, sinkhorn_loop: bool = False, dense_index: bool = Fals
 
         donate = (1, 4) if donate_logits else 1
         jitted = jax.jit(step, donate_argnums=donate, compiler_options=compiler_options)
-    if not (dense or sinkhorn_loop or dense_index):
-        return jitted
-
-    def run(*args):  # the switches are read at trace time only
-        original = Attention._decode_kernel_applies, dsv4.layers.SINKHORN_KERNEL, dsv4.attention.PAGED_INDEX_DECODE
-        if dense:
-            Attention._decode_kernel_applies = lambda self, state, dtype: False
-        dsv4.layers.SINKHORN_KERNEL = original[1] and not sinkhorn_loop
-        dsv4.attention.PAGED_INDEX_DECODE = original[2] and not dense_index
-        try:
-            return jitted(*args)
-        finally:
-            Attention._decode_kernel_applies, dsv4.layers.SINKHORN_KERNEL, dsv4.attention.PAGED_INDEX_DECODE = original
-
-    return run
+    return jitted
 
 
 def trace_steps(route, call, cache, feed, trace_dir, top=14):
@@ -164,26 +169,26 @@ def trace_steps(route, call, cache, feed, trace_dir, top=14):
     return result
 
 
-def bench_one(cfg, ctx, batch, kv_format, args, models):
+def bench_one(cfg, ctx, batch, kv_format, args, model, graphs):
+    """model: the weights (the kernel route's model); graphs: route → GraphDef of the route's model."""
     lens = np.array([ctx - 333 * i for i in range(batch)])
     page_tokens, max_len = 256, ctx + 1 + args.rounds * args.steps + 256
     cols = -(-max_len // page_tokens)
-    cache = models["jnp"].init_cache(batch, max_len=max_len, kv_format=kv_format, page_tokens=page_tokens,
-                                     num_pages=batch * cols + 1)  # fmt: skip
+    cache = model.init_cache(batch, max_len=max_len, kv_format=kv_format, page_tokens=page_tokens,
+                             num_pages=batch * cols + 1)  # fmt: skip
     pages = np.random.default_rng(1).permutation(np.arange(1, batch * cols + 1)).reshape(batch, cols)
-    cache["block_table"] = jnp.asarray(pages, jnp.int32)
+    cache = cache.replace(block_table=jnp.asarray(pages, jnp.int32))
     cache = jax.device_put(cache, jax.devices()[0])
     prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, (batch, ctx)).astype(np.int32)
-    graphs = {name: nnx.split(model)[0] for name, model in models.items()}
-    state = nnx.split(models["jnp"])[1]
-    prefill = make_step(dense=False)
+    state = nnx.split(model)[1]
+    prefill = make_step()
     t0 = time.perf_counter()
     for start in range(0, ctx, args.chunk):
         n = min(args.chunk, ctx - start)
         tokens = np.zeros((batch, args.chunk), np.int32)
         tokens[:, :n] = prompt[:, start : start + n]
         valid = np.clip(lens - start, 0, n).astype(np.int32)
-        logits, cache = prefill(graphs["pallas"], state, cache, jnp.asarray(tokens), jnp.asarray(valid))
+        logits, cache = prefill(graphs["kernel"], state, cache, jnp.asarray(tokens), jnp.asarray(valid))
     jax.block_until_ready(logits)
     print(f"  prefill {ctx} x {batch} ({kv_format}): {time.perf_counter() - t0:.1f} s", flush=True)
     first = jnp.asarray(np.asarray(logits).argmax(-1).astype(np.int32)[:, None])
@@ -199,14 +204,12 @@ def bench_one(cfg, ctx, batch, kv_format, args, models):
     calls, caches, step0, compile_s = {}, {}, {}, {}
     for name in variants:  # step 0 (compiles) from the same cache: the logits compared across routes
         route, _, calling = name.partition(":")
-        switches = dict(dense=route == "dense", sinkhorn_loop=route == "jnp-loop",
-                        dense_index=route == "jnp-dense-index")  # fmt: skip
         if calling == "static":
-            step = make_step(**switches)
-            calls[name] = lambda c, tok, step=step, graph=graphs[GRAPHS[route]]: step(graph, state, c, tok, ones)
+            step = make_step()
+            calls[name] = lambda c, tok, step=step, graph=graphs[route]: step(graph, state, c, tok, ones)
         else:
             options = args.compiler_options if calling == "opts" else None
-            step = make_step(**switches, graph=graphs[GRAPHS[route]], state_def=state_def, compiler_options=options,
+            step = make_step(graph=graphs[route], state_def=state_def, compiler_options=options,
                              donate_logits=calling == "donate")  # fmt: skip
             if calling == "donate":
                 held = {"out": jnp.zeros(logits.shape, logits.dtype)}  # the last step's logits, donated to the next
@@ -300,12 +303,17 @@ def main():
     cfg = config(args.small, args.repeats)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}, steps {args.steps}, "
           f"{cfg.num_hidden_layers} layers", flush=True)  # fmt: skip
-    models = {impl: dsv4.init_random(cfg, seed=0, dtype=jnp.bfloat16, attention_impl=impl)
-              for impl in sorted({"jnp", "pallas", *(GRAPHS[r] for r in args.routes)})}  # fmt: skip
+    model = dsv4.init_random(cfg, seed=0, dtype=jnp.bfloat16, kernels=ROUTE_KERNELS["kernel"])
+    # every route's GraphDef over the same weights (the Kernels value changes no parameter)
+    graphs = {route: nnx.split(nnx.eval_shape(lambda k=k: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                                                     kernels=k)))[0]
+              for route, k in ROUTE_KERNELS.items() if route in {"kernel", *args.routes}}  # fmt: skip
+    for route in args.routes:
+        print(f"  {route}: {ROUTE_KERNELS[route].resolve(jnp.bfloat16)}", flush=True)
     rows = []
     for ctx in map(parse_length, args.contexts.split(",")):
         for kv_format in args.formats.split(","):
-            rows += bench_one(cfg, ctx, args.batch, kv_format.strip(), args, models)
+            rows += bench_one(cfg, ctx, args.batch, kv_format.strip(), args, model, graphs)
     print("\n| ctx | B | cache | route | ms / step | host ms / step | vs kernel | step 0 logits rel L2 vs kernel |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:

@@ -1,7 +1,7 @@
 """GPU exploration of the two-pass lightning indexer: scores-kernel tilings, the grouped exact top-k, and the
 whole indexer at V4-Flash shapes against the XLA path, the streaming kernel and the same-run FP8 matmul rate.
 
-    PYTHONPATH=. python3 scripts/bench_indexer.py --out $OUT/ix            # one H200, about 5 minutes (measured)
+    PYTHONPATH=. python3 scripts/bench_indexer.py --out $OUT/ix            # one H200, about 5 minutes
 
 Sections (``--only scores,select,full``):
   scores  `index_scores` over one chunk of R queries at the end of an S-token prompt (C = S / 4 keys, all but

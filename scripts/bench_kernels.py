@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU benchmark for the Pallas kernels: attention, lightning indexer, paged decode, MoE ("Pallas kernels I").
 
-One call gives every number of the sections it runs, each measured in the same run as its ceilings:
+One run gives every number of the sections it runs, each measured in the same run as its ceilings:
 
     python3 scripts/bench_kernels.py --only ceilings,attention,cudnn,fp8 --out $OUT   # H200, attention (~6–7 min)
     python3 scripts/bench_kernels.py --only indexer,decode,moe --budget 420 --out $OUT  # H200, the others (~7 min)
@@ -43,8 +43,7 @@ indexer    ``dsv4.pallas.indexer.index_topk_two_pass`` (Pallas, the primary path
            act_quant, block = Di); bf16: the same random values unquantized. Against
            ``dsv4.attention.index_topk_jnp`` (XLA: einsum → ReLU → weighted sum → mask → lax.top_k, 1024 queries
            per scan step) in bf16, where one call is predicted under ``--indexer-xla-max-call`` (5 s; it is
-           quadratic: ~22 s per call at 512K). One H200 (docs/data/bench_indexer_2026-11-30.json, fp8): two-pass
-           ~15 ms at 32K, ~143 ms at 128K, ~1.7 s at 512K; streaming 564 ms at 32K; XLA ~90 ms, ~1.4 s, ~22 s.
+           quadratic: ~22 s per call at 512K).
            Checks at the smallest S, on the timed calls' outputs: every list valid (indices in [-1, visible),
            distinct, min(visible, 512) valid); per-row set equality of each Pallas path's bf16 output vs XLA bf16,
            and of its fp8 output vs index_topk_jnp on the dequantized float32 inputs (HIGHEST precision); near-tie
@@ -73,8 +72,8 @@ moe        one V4-Flash MoE layer's routed experts: D=4096, I=2048, E=256, top-6
            pairs per expert, rounded up to 16; overflowing pairs are dropped, the drop fraction is reported; defined
            here: ``capacity_einsum``); ``dsv4.moe.routed_experts_jnp`` (sort + ``lax.ragged_dot``) at the smallest
            N and, if it ran, the middle one. Every executable's temporaries + outputs are read from the compiled
-           object and the item is skipped if they exceed the free memory (ragged_dot asked for 96 GiB at 8K
-           tokens in ANCHORS). BlockSizes sweep at the middle N (``--moe-variants-bf16``, ``--moe-variants-w8a8``).
+           object and the item is skipped if they exceed the free memory (ragged_dot can ask for ~96 GiB at
+           8K tokens). BlockSizes sweep at the middle N (``--moe-variants-bf16``, ``--moe-variants-w8a8``).
            Check at the smallest N: each output's relative L2 against the no-drop einsum (capacity = the largest
            expert load, float32 intermediates), an implementation that shares nothing with the kernels.
 
@@ -131,7 +130,7 @@ Order of work (a slow Triton compile, ~40 of them in all, must not starve the ma
      smallest S, then the rest, in order of S (the budget drops the tail).
   7. (only when indexer / decode / moe run without ``ceilings``) lite ceilings: bf16 matmul 16384³, fp8 matmul
      16384³ through cuBLASLt only (``xla_gpu_enable_triton_gemm=False``: XLA's Triton autotuning of the fp8 dot
-     compiled for 26 s at 8192³ and 105 s at 16384³ in one H200 run), the copy;
+     takes up to minutes at these sizes), the copy;
   8. decode: per context, hca then csa, bf16 then fp8, each batch size; then the sweep, largest context first;
   9. moe: per N below ``--large-from`` (8K, 64K) each mode's baseline variant, the einsum, ragged_dot at 8K; then
      the BlockSizes sweep at 64K; then ragged_dot at 64K if it ran at 8K;
@@ -1291,7 +1290,7 @@ class Bench:
     def ceilings_lite(self):
         """The ceilings the indexer / decode / moe sections compare with, when the full `ceilings` section is not
         run: bf16 matmul at the largest size, fp8 at the largest size through cuBLASLt only (XLA's Triton-GEMM
-        autotuning of the fp8 dot compiled for 26 s at 8192³ and 105 s at 16384³ in one H200 run), and the copy."""
+        autotuning of the fp8 dot takes up to minutes at these sizes), and the copy."""
         self.rec.log("--- ceilings, lite (for the indexer / decode / moe sections) ---")
         n = max(self.sh.matmul_sizes)
         self.matmul_ceiling("bf16", n)
@@ -1793,7 +1792,7 @@ class Bench:
             self.rec.skip(where, "dsv4.attention.index_topk_jnp did not import")
             return
         flops, dense = indexer_flops(seq, sh)
-        pair_rate = 1e7 if self.args.smoke else 25e12 * 2 / (2 * sh.index_heads * sh.index_dim)  # ANCHORS: 25 TF/s
+        pair_rate = 1e7 if self.args.smoke else 25e12 * 2 / (2 * sh.index_heads * sh.index_dim)  # ~25 TF/s
         t_pred = self.predict_from("indexer", "xla", dtype_name, seq, lambda n: float(n) * (n // sh.csa_rate),
                                    pair_rate)  # fmt: skip  # XLA scores all S·C pairs
         if seq != self.args.indexer_lengths[0] and t_pred > self.args.indexer_xla_max_call:
@@ -2232,7 +2231,7 @@ class Bench:
 
     def moe_ragged(self, weights, inputs, n, ref):
         """dsv4.moe.routed_experts_jnp: sort, gather, two lax.ragged_dot calls, scatter-add. Guarded: its memory
-        need is read from the compiled executable before it runs (ANCHORS: it asked for 96 GiB at 8K tokens)."""
+        need is read from the compiled executable before it runs (it can ask for ~96 GiB at 8K tokens)."""
         sh = self.sh
         where = f"moe xla-ragged N={n}"
         fn = self.ops.get("routed_experts_jnp")

@@ -7,7 +7,7 @@ embeddings / head, float32 norms), then loads it in fresh processes, each report
 
   bf16     dsv4.load(dtype=bfloat16): every FP8/FP4 weight dequantized on the host, streamed to the device
   kept     dsv4.load(keep_quantized=True): FP8/FP4 bytes + float32 scales streamed as they are
-  convert  dsv4.convert.convert → orbax (bfloat16), then
+  convert  dsv4.convert (dsv4.api.convert) → orbax (bfloat16), then
   orbax    dsv4.load of that orbax checkpoint
 
 On a GPU the model lands in device memory, so peak − baseline RSS is the loader's own host footprint; on CPU
@@ -69,12 +69,13 @@ def released_tensors(config) -> list[tuple[str, str, tuple[int, ...], str]]:
     import jax.numpy as jnp
     from flax import nnx
 
-    from dsv4.api import _build
+    from dsv4.kernels import Kernels
+    from dsv4.model import DeepseekV4
     from dsv4.quantization import fp4_scale_shape, fp8_scale_shape
     from dsv4.weights import _TO_DEEPSEEK, RELEASED_EXPERT, RELEASED_FP8, declared_tensors, module_name
 
-    abstract = nnx.eval_shape(lambda: _build(config, dtype=jnp.bfloat16, attention_impl="jnp", moe_impl="jnp",
-                                             rngs=nnx.Rngs(0)))  # fmt: skip
+    abstract = nnx.eval_shape(lambda: DeepseekV4(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                                 kernels=Kernels.all("jnp")))  # fmt: skip
     block = tuple(QUANTIZATION["weight_block_size"])
     out = []
     for path, var in declared_tensors(abstract):
@@ -173,7 +174,7 @@ def measure(mode: str, ckpt_dir: str, orbax_dir: str) -> dict:
     from flax import nnx
 
     import dsv4
-    from dsv4.convert import convert
+    from dsv4.api import convert
 
     device = jax.devices()[0]
     jnp.zeros(1).block_until_ready()  # backend up before the baseline

@@ -20,7 +20,7 @@ Rows, per token count N (all in one process, same inputs):
                 with a 1gpu-w8a8 row), "-ctas<K>" (the Mosaic kernels on K persistent CTAs instead of one per SM).
   ep-…-local    the same program with every transfer replaced by a local copy of the same shape (comm="local":
                 the array rolled by one row; wrong values, identical compute). exposed = t(ep) − t(ep-local): the
-                communication time the program fails to hide; the bar (issue 10) asks for ≤ 10% of the MoE time.
+                communication time the program fails to hide (the target: ≤ 10% of the MoE time).
   ep-…-comm-only the first variant's program with the expert GEMMs replaced by an elementwise op: the transfers'
                 own time. The compiled HLO (the schedule) of the first variant and of the W8A8 ones is written to
                 --out at the largest N.

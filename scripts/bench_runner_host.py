@@ -9,9 +9,8 @@ decode token for each of 2 slots, dense float32 cache, V4 layer mix at tiny widt
 and the host's part shows):
 
     static    jit(step, static_argnums=0)(graphdef, state, cache, ...): the nnx GraphDef is a static argument (hashed
-              on every call) and the nnx State a pytree (flattened on every call), as the runner did before the
-              twenty-fourth session;
-    closure   the runner's calls now (`dsv4.runner._Programs`): the GraphDef and the state's treedef closed over,
+              on every call) and the nnx State a pytree (flattened on every call);
+    closure   as the runner calls it (`dsv4.runner._Programs`): the GraphDef and the state's treedef closed over,
               the weights passed as a flat list of arrays.
 
 Also: `hash(graphdef)` and `jax.tree.flatten(state)` alone, and a whole `execute` of a one-token plan. Medians of
@@ -75,8 +74,8 @@ def main():
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; medians of {args.steps} calls", flush=True)
     rows = []
     for n in (int(x) for x in args.layers.split(",")):
-        model = dsv4.init_random(tiny_config(n), seed=0, dtype=jnp.float32, attention_impl="jnp")
-        runner = ModelRunner(model, max_slots=2, max_model_len=256, kv_cache_dtype=jnp.float32, width_buckets=(1, 8),
+        model = dsv4.init_random(tiny_config(n), seed=0, dtype=jnp.float32, kernels=dsv4.Kernels.all("jnp"))
+        runner = ModelRunner(model, max_slots=2, max_model_len=256, kv_format=jnp.float32, width_buckets=(1, 8),
                              max_packed_width=8)  # fmt: skip
         runner.execute(SchedulerOutput([ScheduledChunk("a", 0, 8, tuple(range(8)), (), True)]))
         graphdef, state = runner.graphdef, runner.state

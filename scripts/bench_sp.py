@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Sequence-parallel attention core: 1 device against N devices (`dsv4/sharding/context_parallel.py`).
+"""Sequence-parallel attention core: 1 device against N devices (`dsv4/attention/sequence_parallel.py`).
 
     python3 scripts/bench_sp.py --lengths 128k,512k --budget 400                 # any GPU count (N = all devices)
     python3 scripts/bench_sp.py --lengths 128k --core jnp,pallas --trace $OUT/trace --out $OUT
@@ -64,9 +64,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from trace_overlap import profile  # noqa: E402
 
-from dsv4.attention import CompressedKeys, core_attention_jnp, core_attention_pallas  # noqa: E402
+from dsv4.attention import CompressedKeys, core_attention_jnp, core_attention_pallas, core_attention_sp  # noqa: E402
 from dsv4.sharding import make_mesh  # noqa: E402
-from dsv4.sharding.context_parallel import core_attention_sp, zigzag_permute, zigzag_row  # noqa: E402
+from dsv4.sharding.sequence import zigzag_permute, zigzag_row  # noqa: E402
 
 F32 = jnp.float32
 LAYERS = ("sliding", "hca", "csa")

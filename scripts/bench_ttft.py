@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""TTFT benchmark (issue 9): prefill of a long prompt on a DeepSeek-V4-Flash-shaped model, first token's logits only.
+"""TTFT benchmark: prefill of a long prompt on a DeepSeek-V4-Flash-shaped model, first token's logits only.
 
-One call measures, on one GPU and in one process, every variant of the ablation the code has, the components of
+One run measures, on one GPU and in one process, every variant of the ablation the code has, the components of
 each layer type, and the ceilings they are compared with:
 
     python3 scripts/bench_ttft.py --out $OUT                              # H200: 32K and 128K (see docs/BENCHMARKS.md)
-    python3 scripts/bench_ttft.py --lengths 512k --out $OUT               # H200: 512K in a call of its own
+    python3 scripts/bench_ttft.py --lengths 512k --out $OUT               # H200: 512K in a run of its own
     python3 scripts/bench_ttft.py --smoke --out /tmp/ttft_smoke           # CPU: tiny + small flash-like configs
 
 Model: `Config.preset("v4-flash")` at its real widths (hidden 4096, 64 heads × 512, q LoRA 1024, 8 output groups ×
@@ -18,23 +18,20 @@ The weights are generated on the device (one jitted normal draw per distinct sha
 tree), not through `init_random`'s host-side numpy draw (~40 GB of normals would take minutes of host time).
 
 Variants (``--variants``, keys below), all on the same model, weights and token ids:
-    xla              (1)  full-sequence forward, attention_impl="jnp", indexer_impl="jnp", moe_impl="jnp" (XLA; MoE =
-                          lax.ragged_dot)
-    pallas-attn      (2)  + attention_impl="pallas", indexer_impl="pallas": the Pallas attention core and the
-                          two-pass Pallas indexer (scores kernel + exact grouped top-k)
-    pallas           (3)  + Pallas grouped-GEMM MoE
+    xla              (1)  full-sequence forward, `Kernels.all("jnp")` (XLA everywhere; MoE = lax.ragged_dot)
+    pallas-attn      (2)  + Kernels(attention="pallas", indexer="pallas", moe="jnp"): the Pallas attention core and
+                          the two-pass Pallas indexer (scores kernel + exact grouped top-k)
+    pallas           (3)  + Pallas grouped-GEMM MoE (moe="pallas")
     chunked          (4)  chunked prefill: `DeepseekV4.forward_chunk` over ``--chunk`` (8192) token chunks, both
-                          kernels; TTFT = the sum of the chunk calls (cache of max_len = S, made before the clock)
+                          kernels (cache writes by the kv_write kernel too); TTFT = the sum of the chunk calls
+                          (cache of max_len = S, made before the clock)
     chunked-fp8      (5)  as (4) with the cache stored in fp8-channel and paged (256-token pages, one request
-                          holding pages 1..n): the seed's "FP8 paged KV" step
-    chunked-fp8idx   (4f) as (4) with indexer_impl="pallas-fp8": q and keys of the lightning indexer in e4m3, the
+                          holding pages 1..n)
+    chunked-fp8idx   (4f) as (4) with Kernels.indexer="pallas-fp8": q and keys of the lightning indexer in e4m3, the
                           scores by the Mosaic FP8 kernel (`dsv4.pallas.indexer_mgpu`) on Hopper
-    chunked-loop     (4l) as (4) with the mHC Sinkhorn normalization as XLA's while loop (`dsv4.layers.SINKHORN_KERNEL`
-                          off), as every variant ran it before the twenty-fourth session
-    chunked-triton   (4t) as (4) with every chunk's attention on the Triton kernel (how (4) ran before the Mosaic
-                          kernel took cached window / HCA chunks, twelfth session)
+    chunked-loop     (4l) as (4) with the mHC Sinkhorn normalization as XLA's while loop (Kernels.sinkhorn="jnp")
     xla-cap          (1c) as (1) with a capacity-padded batched-einsum MoE (defined in this script, not in dsv4:
-                          ANCHORS.md measured XLA's `lax.ragged_dot` asking 96 GiB at 8K tokens, so (1) is not
+                          XLA's `lax.ragged_dot` can ask for ~96 GiB at 8K tokens, so (1) is not
                           expected to fit at 32K+; (1c) is "what a straightforward XLA port gets"). Capacity
                           1.25 × the mean expert load; a pair past its expert's capacity is dropped (counted in
                           the breakdown's routing check).
@@ -61,10 +58,10 @@ residual streams, the model's own weights), each piece its own jitted call:
     out-proj     un-RoPE of the output, grouped o_a, o_b
     compressor   CSA (4:1 overlapping, 2 × 512 wide) and HCA (128:1, 512 wide) compressors
     idx-keys     the indexer's own compressor (4:1, 2 × 128 wide)
-    idx-topk     indexer q projection + weights + scores + top-512: XLA (`index_topk_jnp`, what indexer_impl="jnp"
-                 runs) and the two-pass Pallas path (`dsv4.pallas.indexer.index_topk_two_pass`, indexer_impl="pallas")
+    idx-topk     indexer q projection + weights + scores + top-512: XLA (`index_topk_jnp`, Kernels.indexer="jnp")
+                 and the two-pass Pallas path (`dsv4.pallas.indexer.index_topk_two_pass`, Kernels.indexer="pallas")
     core         the attention core per layer type, jnp and Pallas (`core_attention_*`, kv_aligned as in the model)
-    moe          router + routed + shared experts, per moe_impl
+    moe          router + routed + shared experts: Pallas, the capacity MoE, XLA (Kernels.moe / this script)
     mhc          both hyper-connections (mix, Sinkhorn, collapse, merge) + both RMSNorms of a layer
 Per layer type and variant: layer time (from the variant's split pass) = attention (qkv + out-proj + compressors +
 indexer + core) + moe + mhc + unattributed (the difference: fusion across pieces, and what the pieces leave out).
@@ -80,7 +77,7 @@ FLOPs (useful work, 2 per multiply-add; per token, summed exactly over query pos
     HCA           compressor 2·D·hd·2 (8.4 M) + core 4·H·hd·⌊(p + 1)/128⌋ (268 M averaged over 512K)
     head          2·D·vocab for the last token only (+ the hyper-head)
 (D hidden, H heads, hd head dim, E experts, k top-k, I expert width, hc copies, W window, H_i/hd_i indexer heads/dim;
-the figures are V4-Flash's, and match ANCHORS.md.) XLA's dense over-computation (all C indexer keys per query, the
+the figures are V4-Flash's.) XLA's dense over-computation (all C indexer keys per query, the
 full HCA entry set per query chunk) is not credited. MFU = useful FLOPs / time / this run's best bf16 matmul rate
 (``jnp.dot`` of random bf16 8192³ and 16384³, measured first).
 
@@ -138,15 +135,10 @@ from flax import nnx  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import dsv4.layers  # noqa: E402
 from dsv4 import moe as dsv4_moe  # noqa: E402
-from dsv4.attention import (  # noqa: E402
-    CompressedKeys,
-    core_attention_pallas,
-    get_attention_impl,
-    register_attention_impl,
-)  # fmt: skip
+from dsv4.attention import CompressedKeys, attention_core  # noqa: E402
 from dsv4.config import CSA, HCA, SLIDING, Config  # noqa: E402
+from dsv4.kernels import Kernels  # noqa: E402
 from dsv4.layers import apply_rope, hc_merge, linear, rms_normalize  # noqa: E402
 from dsv4.model import DeepseekV4  # noqa: E402
 
@@ -166,17 +158,29 @@ class Variant:
     tag: str  # "(1)", ...
     label: str
     mode: str  # "full" | "chunked"
-    attention: str
-    moe: str
+    attention: str  # "jnp": every part on XLA (Kernels.all("jnp")); "pallas": the Pallas attention core
+    moe: str  # "jnp" | "pallas" | "xla_cap" (this script's capacity MoE)
     kv: str | None = None  # chunked only: the cache's storage format, paged (None: dense, the model's dtype)
-    indexer: str | None = None  # indexer_impl (None: "jnp" under the jnp attention, "pallas" otherwise)
-    sinkhorn_loop: bool = False  # the mHC Sinkhorn as XLA's while loop (dsv4.layers.SINKHORN_KERNEL off)
+    indexer: str | None = None  # Kernels.indexer (None: "jnp" under the jnp attention, "pallas" otherwise)
+    sinkhorn_loop: bool = False  # the mHC Sinkhorn as XLA's while loop (Kernels.sinkhorn="jnp")
 
 
-# (4t)'s attention: the Pallas core under another name, so `Attention.forward_chunk` does not hand it the cached
-# chunk's layout (kv_prefix) and every chunk takes the Triton kernel, as before the Mosaic kernel took chunks.
-TRITON_CHUNKS = "pallas-triton-chunks"
-register_attention_impl(TRITON_CHUNKS, core_attention_pallas)
+def variant_kernels(attention: str, moe: str, indexer: str | None = None, sinkhorn_loop: bool = False) -> Kernels:
+    """The Kernels value a variant builds its model with. "jnp" attention: XLA everywhere (`Kernels.all("jnp")`);
+    "pallas": the Pallas attention core, the paged decode kernel and the kv_write kernel, the indexer's `indexer`
+    path (default the two-pass Pallas one). moe "xla_cap" builds the jnp MoE, swapped for `CapacityMoE` after."""
+    moe = "jnp" if moe == "xla_cap" else moe
+    if attention == "jnp":
+        base = Kernels.all("jnp")
+    else:
+        base = Kernels(attention=attention, decode=attention, kv_write=attention, indexer="pallas")
+    changes = dict(moe=moe)
+    if indexer:
+        changes["indexer"] = indexer
+    if sinkhorn_loop:
+        changes["sinkhorn"] = "jnp"
+    return dataclasses.replace(base, **changes)
+
 
 VARIANTS = {v.key: v for v in [
     Variant("xla", "(1)", "XLA baseline", "full", "jnp", "jnp"),
@@ -188,15 +192,13 @@ VARIANTS = {v.key: v for v in [
             indexer="pallas-fp8"),
     Variant("chunked-loop", "(4l)", "(4) with the mHC Sinkhorn as XLA's loop", "chunked", "pallas", "pallas",
             sinkhorn_loop=True),
-    Variant("chunked-triton", "(4t)", "(4) with the Triton kernel for every chunk", "chunked", TRITON_CHUNKS,
-            "pallas"),
     Variant("xla-cap", "(1c)", "XLA, capacity MoE", "full", "jnp", "xla_cap"),
     Variant("pallas-attn-cap", "(2c)", "+ Pallas attn + idx, capacity MoE", "full", "pallas", "xla_cap"),
 ]}  # fmt: skip
 PRIORITY = ["pallas", "chunked", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn", "chunked-fp8idx",
-            "chunked-triton", "chunked-loop"]  # fmt: skip
-TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-triton", "chunked-loop",
-               "chunked", "chunked-fp8idx", "chunked-fp8"]  # fmt: skip
+            "chunked-loop"]  # fmt: skip
+TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-loop", "chunked",
+               "chunked-fp8idx", "chunked-fp8"]  # fmt: skip
 PAGE_TOKENS = 256  # (5)'s page size: a multiple of both compress rates
 
 
@@ -307,7 +309,7 @@ def parse_args():
 
 
 # ---------------------------------------------------------------------------------------------
-# FLOP model (useful work; the formulas are in the module docstring and ANCHORS.md).
+# FLOP model (useful work; the formulas are in the module docstring).
 # ---------------------------------------------------------------------------------------------
 def layer_flops(cfg: Config, layer_type: str, seq: int) -> dict[str, float]:
     """Useful FLOPs of one layer over a prompt of `seq` tokens, by component (2 FLOPs per multiply-add)."""
@@ -357,7 +359,7 @@ def layer_counts(types) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The capacity-padded XLA MoE of variants (1c) / (2c) (script-local; registered as moe_impl="xla_cap").
+# The capacity-padded XLA MoE of variants (1c) / (2c) (script-local: `CapacityMoE` replaces a model's MoE layers).
 # ---------------------------------------------------------------------------------------------
 CAPACITY = {"factor": 1.25}
 
@@ -407,7 +409,29 @@ def routed_experts_capacity(x, expert_ids, weights, gate_up, down, limit, out_dt
     return out.astype(out_dtype or x.dtype)
 
 
-dsv4_moe.MOE_IMPLS["xla_cap"] = routed_experts_capacity
+class CapacityMoE(dsv4_moe.MoE):
+    """`MoE` with the routed experts by `routed_experts_capacity` (one device, weights in the model's dtype). The
+    variants' models get it by `use_capacity_moe` on the same parameters; nothing in dsv4 is changed."""
+
+    def __call__(self, x: jax.Array, token_ids: jax.Array) -> jax.Array:
+        b, s, d = x.shape
+        flat = x.reshape(b * s, d)
+        ids, weights = self.route(flat, token_ids.reshape(-1))
+        gate_up, down, _ = self.expert_weights()
+        routed = routed_experts_capacity(flat, ids, weights, gate_up, down, self.limit)
+        sh = self.shared_experts
+        shared = linear(dsv4_moe.swiglu(linear(flat, sh["gate_proj"]["weight"][...]),
+                                        linear(flat, sh["up_proj"]["weight"][...]), self.limit),
+                        sh["down_proj"]["weight"][...])  # fmt: skip
+        return (routed + shared).reshape(b, s, d)
+
+
+def use_capacity_moe(model: DeepseekV4) -> DeepseekV4:
+    """The model's MoE layers as `CapacityMoE` (same parameters, same tree): for the graphdef of (1c) / (2c)."""
+    for layer in model.layers:
+        if type(layer.mlp) is dsv4_moe.MoE:
+            object.__setattr__(layer.mlp, "__class__", CapacityMoE)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -716,8 +740,8 @@ def _idx_keys(gd, st, x):
 
 def _idx_topk(gd, st, x, q_residual, positions, keys, impl, interpret):
     """The indexer's selection (q projection, RoPE, head weights, scores, top-k) as `Indexer.select` does it, with
-    the top-k by `impl`: "jnp" = `index_topk_jnp` (XLA), "pallas" = `index_topk_two_pass` (indexer_impl="pallas"),
-    whatever the module's own flag says."""
+    the top-k by `impl`: "jnp" = `index_topk_jnp` (XLA), "pallas" = `index_topk_two_pass` (Kernels.indexer="pallas"),
+    whatever the model's Kernels say."""
     from dsv4.attention import index_topk_jnp
     from dsv4.pallas.indexer import index_topk_two_pass
 
@@ -738,8 +762,8 @@ def _idx_topk(gd, st, x, q_residual, positions, keys, impl, interpret):
 def _core(gd, st, q, kv, positions, entries, topk, impl, rate):
     attn = nnx.merge(gd, st)
     compressed = None if entries is None else CompressedKeys(entries, rate, topk)
-    return get_attention_impl(impl)(q, kv, positions, positions, attn.sinks[...], sliding_window=attn.sliding_window,
-                                    scale=attn.head_dim**-0.5, compressed=compressed, kv_aligned=True)  # fmt: skip
+    return attention_core(impl)(q, kv, positions, positions, attn.sinks[...], sliding_window=attn.sliding_window,
+                                scale=attn.head_dim**-0.5, compressed=compressed, kv_aligned=True)  # fmt: skip
 
 
 def _moe(gd, st, x, ids):
@@ -850,17 +874,19 @@ class Bench:
             return 2.0 * max(same)
         return work / (1e10 if self.smoke else 50e12)
 
-    def use_impls(self, attention: str, moe: str, indexer: str | None = None) -> DeepseekV4:
-        """self.model ← the model built with these impls (abstractly, so whatever the constructor derives from them,
-        e.g. the CSA indexer running the Pallas top-k under attention_impl="pallas", is as in dsv4), on the same
-        weights (no copy). indexer None: it follows the attention impl, XLA's for the jnp baseline, the two-pass
-        Pallas path otherwise."""
-        indexer = indexer or ("jnp" if attention == "jnp" else "pallas")
-        key = (attention, moe, indexer)
+    def use_impls(self, attention: str, moe: str, indexer: str | None = None, sinkhorn_loop: bool = False
+                  ) -> DeepseekV4:  # fmt: skip
+        """self.model ← the model built with `variant_kernels(...)` (abstractly, so whatever the constructor derives
+        from the Kernels value is as in dsv4; moe "xla_cap": its MoE layers swapped for `CapacityMoE`), on the same
+        weights (no copy). indexer None: XLA's for the jnp baseline, the two-pass Pallas path otherwise."""
+        kernels = variant_kernels(attention, moe, indexer, sinkhorn_loop)
+        key = (kernels, moe == "xla_cap")
         if key not in self.graphdefs:
-            make = lambda: DeepseekV4(self.cfg, rngs=nnx.Rngs(0), dtype=BF16, attention_impl=attention,  # noqa: E731
-                                      moe_impl=moe, indexer_impl=indexer)  # fmt: skip
-            self.graphdefs[key] = nnx.split(nnx.eval_shape(make))[0]
+            make = lambda: DeepseekV4(self.cfg, rngs=nnx.Rngs(0), dtype=BF16, kernels=kernels)  # noqa: E731
+            abstract = nnx.eval_shape(make)
+            if moe == "xla_cap":
+                use_capacity_moe(abstract)
+            self.graphdefs[key] = nnx.split(abstract)[0]
         self.model = nnx.merge(self.graphdefs[key], self.state)
         return self.model
 
@@ -936,10 +962,7 @@ class Bench:
         if not self.budget.fits(where, n_compiles * self.budget.compile_est(kind) + 2 * t_pred):
             self.record(seq, vkey, status="skip", note="budget")
             return
-        self.use_impls(v.attention, v.moe, v.indexer)
-        if dsv4.layers.SINKHORN_KERNEL == v.sinkhorn_loop:  # read at trace time: drop programs traced the other way
-            dsv4.layers.SINKHORN_KERNEL = not v.sinkhorn_loop
-            jax.clear_caches()
+        self.use_impls(v.attention, v.moe, v.indexer, v.sinkhorn_loop)
         peak_before = peak_in_use()
         self._pending_mem = None
         try:
@@ -1115,8 +1138,7 @@ class Bench:
                 return m.init_cache(1, seq)
             n_pages = -(-seq // PAGE_TOKENS)
             cache = m.init_cache(1, seq, kv_format=kv, page_tokens=PAGE_TOKENS, num_pages=n_pages + 1)
-            cache["block_table"] = jnp.arange(1, n_pages + 1, dtype=jnp.int32)[None]
-            return cache
+            return cache.replace(block_table=jnp.arange(1, n_pages + 1, dtype=jnp.int32)[None])
 
         chunks, valids, _ = self.chunk_plan(seq)
         gd, st = nnx.split(m)
@@ -1174,7 +1196,7 @@ class Bench:
             layer_exes, splits = [], []
             for i, layer in enumerate(m.layers):
                 gd, st = nnx.split(layer)
-                args = (gd, st, streams_abs, starts[0], valids[0], chunks[0], cache_abs["layers"][i])
+                args = (gd, st, streams_abs, starts[0], valids[0], chunks[0], cache_abs.layers[i])
                 e, c = self.exe("layer_chunk", j["layer_chunk"], args, "full", ("layer_chunk", gd, seq, n))
                 compile_s += c
                 layer_exes.append(e)
@@ -1185,7 +1207,7 @@ class Bench:
             track = MemTrack()
 
             def warm():  # one chunk through every layer, on scratch states
-                states = m.init_cache(1, seq)["layers"]
+                states = list(m.init_cache(1, seq).layers)
                 t0 = time.perf_counter()
                 streams = e_embed(embed_w, chunks[0])
                 for i, (e, st) in enumerate(zip(layer_exes, splits)):
@@ -1194,7 +1216,7 @@ class Bench:
                 return (time.perf_counter() - t0) * len(chunks)
 
             def one_pass():
-                states = m.init_cache(1, seq)["layers"]
+                states = list(m.init_cache(1, seq).layers)
                 jax.block_until_ready(states)
                 lay = [0.0] * len(layer_exes)
                 other = 0.0
@@ -1370,9 +1392,9 @@ class Bench:
         layer_idx = 0
         for impl in ("pallas", "xla_cap", "jnp"):
             ran = [self.results.get(seq, {}).get(k, {}).get("status") for k in ("xla", "pallas-attn")]
-            if impl == "jnp" and "ok" not in ran:  # lax.ragged_dot: ANCHORS.md saw it ask 96 GiB at 8K tokens
+            if impl == "jnp" and "ok" not in ran:  # lax.ragged_dot can ask for ~96 GiB at 8K tokens
                 self.rec.skip(f"{self.setup.name} S={fmt_len(seq)} breakdown moe-jnp",
-                              "no moe_impl=jnp variant ran at this length (did not fit, or not run)")  # fmt: skip
+                              "no XLA-MoE variant ran at this length (did not fit, or not run)")  # fmt: skip
                 continue
             gd, st = nnx.split(self.use_impls("jnp", impl).layers[layer_idx].mlp)
             self.piece(seq, f"moe-{impl}", bj["moe"], (gd, st, x, ids), (st, x, ids))
@@ -1463,7 +1485,7 @@ class Bench:
         ref = Config.preset("v4-flash")
         per_tok = model_flops(self.cfg, ref.layer_types, 524288) / 524288
         log(f"  43-layer V4-Flash mix {self.n43}: {per_tok:.3g} FLOPs/token at 512K = {per_tok * 524288:.3g} FLOPs "
-            f"(ANCHORS.md: ~5.6e10 / 2.9e16 at V4-Flash widths)")  # fmt: skip
+            f"(expected: ~5.6e10 / 2.9e16 at V4-Flash widths)")  # fmt: skip
 
     # ----- tables -----
     def type_times(self, row) -> dict[str, float] | None:

@@ -1,28 +1,28 @@
 #!/usr/bin/env python3
 """TTFT with sequence parallelism, end to end: the same V4-Flash-shaped model as `bench_ttft.py`, full-sequence
-prefill, on 1 device and on N devices of one host (the seed's "+ sequence parallelism" step).
+prefill, on 1 device and on N devices of one host.
 
     python3 scripts/bench_ttft_sp.py --lengths 128k,512k --out $OUT        # 2 H200s (kind nvidia-h200-x2)
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python3 scripts/bench_ttft_sp.py --smoke   # CPU check
 
 Model: `bench_ttft.py`'s (V4-Flash widths, 3 layers sliding / CSA / HCA, bf16, random weights drawn on the device,
-B = 1, random token ids), built with attention_impl="sp" (`dsv4/sharding/context_parallel.py`: the sequence split
-evenly over an "sp" mesh, halo exchange for the window, ring-passed compressed entries, each shard's core in
-jnp; ``--attention sp-pallas``: the Triton kernel per shard, entries all-gathered), indexer_impl="pallas" and
-moe_impl="pallas": the indexer runs per shard (`per_sequence_shard`); the routed experts are split over the devices
-and the tokens reach them round a ring (`dsv4/sharding/expert_parallel.py`; ``--experts replicated``: every
+B = 1, random token ids), built with Kernels(attention="sp", indexer="pallas", moe="pallas")
+(`dsv4/attention/sequence_parallel.py`: the sequence split evenly over an "sp" mesh, halo exchange for the window,
+ring-passed compressed entries, each shard's core in jnp; ``--attention sp-pallas``: the Triton kernel per shard,
+entries all-gathered): the indexer runs per shard (`per_sequence_shard`); the routed experts are split over the
+devices and the tokens reach them round a ring (`dsv4/sharding/expert_parallel.py`; ``--experts replicated``: every
 device holds every expert and runs its own tokens). The other weights are replicated. Token ids are sharded over the
 sequence. The whole prompt at once (no chunking), timed as `bench_ttft.py` times its full-sequence variants: embed,
 each layer, and the last token's head, each a jitted call.
 
-Per length, in one process: the 1-device run of the same model (attention_impl="sp" falls back to the jnp core
-with no mesh; the Pallas indexer and MoE as in (3); ``--one-device auto``: the Pallas attention kernels, i.e.
-bench_ttft's (3); ``none``: skipped) when it fits, then the N-device run for each ``--order`` (contiguous: the
-sequence split in order; zigzag: `SEQUENCE_PARALLEL_ZIGZAG`, the ids permuted once in the embed call, the last token
-read from its zigzag row); ``--baseline`` adds bench_ttft's XLA baseline (1c) on one device first, and every run's
-speed-up over it. Timing: AOT compile (reported apart), 1 warm-up call, median of --reps calls (1 when a call takes
-over 8 s); one layer in flight at a time, as in bench_ttft. Speed-up = t1 / tN, scaling efficiency = t1 / (N · tN).
-Peak memory per device from `memory_stats()`.
+Per length, in one process: the 1-device run of the same model (attention="sp" falls back to the jnp core
+with no mesh; the Pallas indexer and MoE as in (3); ``--one-device auto``: Kernels' defaults, the Pallas attention
+kernels, i.e. bench_ttft's (3); ``none``: skipped) when it fits, then the N-device run for each ``--order``
+(contiguous: the sequence split in order; zigzag: `SEQUENCE_PARALLEL_ZIGZAG`, the ids permuted once in the embed
+call, the last token read from its zigzag row); ``--baseline`` adds bench_ttft's XLA baseline (1c) on one device
+first, and every run's speed-up over it. Timing: AOT compile (reported apart), 1 warm-up call, median of --reps
+calls (1 when a call takes over 8 s); one layer in flight at a time, as in bench_ttft. Speed-up = t1 / tN, scaling
+efficiency = t1 / (N · tN). Peak memory per device from `memory_stats()`.
 """
 
 from __future__ import annotations
@@ -50,13 +50,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_ttft import build_model_on_device, default_mix, model_flops, with_layers  # noqa: E402
+from bench_ttft import build_model_on_device, default_mix, model_flops, use_capacity_moe, with_layers  # noqa: E402
 
 from dsv4.config import Config  # noqa: E402
+from dsv4.kernels import Kernels  # noqa: E402
 from dsv4.model import DeepseekV4  # noqa: E402
 from dsv4.sharding import SEQUENCE_ONLY, SEQUENCE_PARALLEL, make_mesh, use_mesh  # noqa: E402
-from dsv4.sharding.context_parallel import zigzag_model_rows, zigzag_permute, zigzag_row  # noqa: E402
 from dsv4.sharding.rules import named_sharding  # noqa: E402
+from dsv4.sharding.sequence import zigzag_model_rows, zigzag_permute, zigzag_row  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -154,7 +155,7 @@ def run(gd, state, ids, mesh, reps: int, rules=SEQUENCE_PARALLEL) -> dict:
             g, st, streams_abs, positions, ids, rules if mesh is not None else None).compile()
             for g, st in pieces]  # fmt: skip
         # The last token's streams are cut out (and replicated) by a call of their own: with the whole sharded
-        # [1, S, hc, D] streams as its input, the head's executable asked for 102 GiB at 512K on 2 H200s.
+        # [1, S, hc, D] streams as its input, the head's executable needs ~100 GiB at 512K.
         replicated = None if mesh is None else NamedSharding(mesh, P())
         e_last = jax.jit(_last, static_argnums=1, out_shardings=replicated).lower(streams_abs, last_row).compile()
         last_abs = jax.ShapeDtypeStruct((1, 1, hc, model.config.hidden_size), embed_w.dtype, sharding=replicated)
@@ -167,7 +168,7 @@ def run(gd, state, ids, mesh, reps: int, rules=SEQUENCE_PARALLEL) -> dict:
         for exe, (_, st) in zip(layer_exes, pieces):
             # One layer in flight at a time, as bench_ttft.py: a call dispatched while the previous one still runs
             # has its buffers allocated at dispatch, so two layers' temporaries would coexist (at 512K the XLA
-            # baseline's are ~64 GiB; the failure was reported against the last call dispatched, the head).
+            # baseline's are ~64 GiB, and an out-of-memory failure is reported against the last call dispatched).
             streams = jax.block_until_ready(exe(st, streams, positions, ids))
         out = jax.block_until_ready(e_head(st_h, st_n, e_last(streams), lm_w))
         return time.perf_counter() - t, out
@@ -212,7 +213,7 @@ def main():
                    help="N devices, comma-separated: contiguous (the sequence split in order) and/or zigzag (shard i "
                         "holds blocks i and 2N-1-i; the ids permuted once at the input, SEQUENCE_PARALLEL_ZIGZAG)")
     p.add_argument("--indexer", default="pallas",
-                   help="comma-separated indexer_impl values for the N-device runs: pallas (bf16 two-pass) and/or "
+                   help="comma-separated Kernels.indexer values for the N-device runs: pallas (bf16 two-pass) and/or "
                         "pallas-fp8 (e4m3 q and keys, the Mosaic scores kernel on Hopper); the first one also for "
                         "the 1-device run")
     p.add_argument("--ep", default="default",
@@ -223,7 +224,7 @@ def main():
     p.add_argument("--baseline", action="store_true",
                    help="also time bench_ttft's XLA baseline (1c) on one device, in the same process")
     p.add_argument("--one-device", default="same", choices=("same", "auto", "none"),
-                   help="the 1-device model: the same impls without a mesh, attention_impl='auto' (Pallas), or none "
+                   help="the 1-device model: the same kernels without a mesh, Kernels' defaults (Pallas), or none "
                         "(e.g. only the baseline at a length where the full-sequence 1-device model does not fit)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny preset at S = 64 and 96")
@@ -239,10 +240,12 @@ def main():
           f"{args.experts}, order {args.order}", flush=True)  # fmt: skip
     model, info = build_model_on_device(cfg, args.seed, F32 if args.smoke else BF16)
     _, state = nnx.split(model)
-    def graphdef(attention, indexer="pallas", moe="pallas", ep="default"):
+    def graphdef(kernels: Kernels, ep="default", capacity_moe=False):
+        """capacity_moe: the MoE layers as bench_ttft's capacity-padded XLA MoE (its (1c))."""
         abstract = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=F32 if args.smoke else BF16,
-                                                     attention_impl=attention, indexer_impl=indexer,
-                                                     moe_impl=moe))  # fmt: skip
+                                                     kernels=kernels))  # fmt: skip
+        if capacity_moe:
+            use_capacity_moe(abstract)
         if ep != "default":
             v = parse_ep_variant(ep)
             for layer in abstract.layers:
@@ -254,11 +257,13 @@ def main():
 
     indexers = [x.strip() for x in args.indexer.split(",") if x.strip()]
     eps = [x.strip() for x in args.ep.split(",") if x.strip()]
-    gds = {(ix, ep): graphdef(args.attention, indexer=ix, ep=ep) for ix in indexers for ep in eps}
+    gds = {(ix, ep): graphdef(Kernels(attention=args.attention, indexer=ix, moe="pallas"), ep=ep)
+           for ix in indexers for ep in eps}  # fmt: skip
     gd = gds[indexers[0], eps[0]]
     # The 1-device run: the same SP model without a mesh (its core falls back to jnp), or with --one-device
     # auto, the best 1-GPU full-sequence model (bench_ttft's (3): the Pallas / Mosaic attention kernels).
-    gd_one = gd if args.one_device == "same" else graphdef("auto", indexer=indexers[0])
+    gd_one = gd if args.one_device == "same" else graphdef(Kernels(indexer=indexers[0], moe="pallas"))
+    gd_base = graphdef(Kernels.all("jnp"), capacity_moe=True) if args.baseline else None
     del model
     print(f"  weights {info['param_bytes'] / 2**30:.1f} GiB, drawn in {info['init_s']:.0f} s", flush=True)
     mesh = make_mesh(n_dev) if n_dev > 1 else None
@@ -277,8 +282,7 @@ def main():
             print(f"  S={s} 1dev: skipped (--skip-1dev-from)", flush=True)
             continue
         if args.baseline:  # bench_ttft's (1c): XLA attention and indexer, the capacity-padded XLA MoE
-            measure("baseline", s, graphdef("jnp", "jnp", "xla_cap"), state, token_ids(s), None, args.reps, rows[s],
-                    rows[s]["flops"])  # fmt: skip
+            measure("baseline", s, gd_base, state, token_ids(s), None, args.reps, rows[s], rows[s]["flops"])
         if args.one_device != "none":
             measure("1dev", s, gd_one, state, token_ids(s), None, args.reps, rows[s], rows[s]["flops"])
     orders = args.order.split(",")
@@ -287,7 +291,7 @@ def main():
             for order in orders for ix in indexers for ep in eps]  # fmt: skip
     names = [name for *_, name in runs]
     if mesh is not None:
-        # split: the seed's layout (sequence and routed experts over the devices, the rest replicated);
+        # split: sequence and routed experts over the devices, the rest replicated;
         # replicated: every weight on every device, so the MoE runs data-parallel on each shard's tokens.
         rules = SEQUENCE_PARALLEL if args.experts == "split" else SEQUENCE_ONLY
         placed = jax.block_until_ready(place(state, mesh, rules))

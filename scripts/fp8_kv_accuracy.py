@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""FP8 KV-cache accuracy: each storage format of `dsv4/cache/quant.py` against a bf16 cache (issue 4).
+"""FP8 KV-cache accuracy: each storage format of `dsv4/cache/quant.py` against a bf16 cache.
 
     PYTHONPATH=. python scripts/fp8_kv_accuracy.py                      # both parts, defaults below
     PYTHONPATH=. python scripts/fp8_kv_accuracy.py --only tiny          # tiny fixture model only (~3 min on 2 CPUs)
@@ -9,10 +9,9 @@ Each variant runs the model over a cache that stores its rows in the format (`De
 index_format=)`, `Attention.init_state`: every window ring, compressed-entry and indexer-key array is a
 `dsv4.cache.store.KVStore`), so what is measured is what the engine stores and reads back. A chunk's own K=V
 rows are rounded through the format before its attention uses them (`KVStore.round_trip`), exactly as the
-cache will give them back to later chunks. (Semantic change from the earlier emulation, which rewrote the
-cache pytree with `dequantize(quantize(·))` after each chunk: there a chunk's own rows were used unrounded in
-flight.) The model computes in float32, so two runs differ only in how the cache stores rows; "bf16 vs f32
-cache" is the bf16 cache's own error against an unquantized float32 cache (kv_format None).
+cache will give them back to later chunks. The model computes in float32, so two runs differ only in how the
+cache stores rows; "bf16 vs f32 cache" is the bf16 cache's own error against an unquantized float32 cache
+(kv_format None).
 
 The script turns off XLA's "excess precision" (`--xla_allow_excess_precision=false` in XLA_FLAGS, before the
 backend starts): inside one jitted step XLA on GPU may otherwise drop the f32 → bf16/fp8 → f32 convert pair
@@ -66,6 +65,7 @@ import dsv4
 from dsv4.attention import Attention, Compressor
 from dsv4.cache.layout import CSA, HCA, SLIDING, CacheLayout, KVFormat
 from dsv4.cache.quant import init_scale_state, saturated
+from dsv4.cache.state import LayerCache
 from dsv4.cache.store import KVStore
 from dsv4.config import Config
 from dsv4.layers import apply_rope, linear
@@ -209,13 +209,13 @@ def _extend(graphdef, params, state, x, start):
     attn = nnx.merge(graphdef, params)
     n = x.shape[1]
     valid = jnp.full((1,), n, jnp.int32)
-    new = dict(state)
+    changes = {}
     if attn.layer_type != SLIDING:
-        new["compressor"] = attn.compressor.extend(state["compressor"], x, start, valid, attn.rope)
+        changes["compressor"] = attn.compressor.extend(state.compressor, x, start, valid, attn.rope)
     if attn.layer_type == CSA:
         indexer = attn.compressor.indexer
-        new["indexer"] = indexer.extend(state["indexer"], x, start, valid, attn.rope)
-    return new
+        changes["indexer"] = indexer.extend(state.indexer, x, start, valid, attn.rope)
+    return dataclasses.replace(state, **changes)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -226,10 +226,11 @@ def _ring(graphdef, params, state, x, start):
     positions = start[:, None] + jnp.arange(n - w, n)[None]  # [1, W]
     cos, sin = attn.rope.cos_sin(positions)
     kv = apply_rope(attn.kv_norm(linear(x[:, n - w :], attn.kv_proj["weight"][...])), cos, sin)  # [1, W, D]
-    new = dict(state)
-    new["window"] = state["window"].write(kv, positions % w)  # every ring row rewritten
-    new["window_pos"] = jnp.full_like(state["window_pos"], -1).at[0, positions[0] % w].set(positions[0])
-    return new
+    return dataclasses.replace(
+        state,
+        window=state.window.write(kv, positions % w),  # every ring row rewritten
+        window_pos=jnp.full_like(state.window_pos, -1).at[0, positions[0] % w].set(positions[0]),
+    )
 
 
 @jax.jit
@@ -246,31 +247,32 @@ def _decode(graphdef, params, state, x, start):
     if attn.layer_type == CSA:  # the same selection forward_chunk made, recomputed to compare it across variants
         q_residual = attn.q_a_norm(linear(x, attn.q_a_proj["weight"][...]))
         indexer = attn.compressor.indexer
-        keys = Compressor.read(new["indexer"], x.dtype)
+        keys = Compressor.read(new.indexer, x.dtype)
         picks = indexer.select(x, q_residual, start[:, None], keys, attn.rope)
     return out, new, picks
 
 
-def stored_as(attn: Attention, filled: dict, first_ring: dict, context: int, capacity: int,
-              fmts: tuple[KVFormat, KVFormat] | None, policy: str | None) -> dict:  # fmt: skip
+def stored_as(attn: Attention, filled: LayerCache, first_ring: LayerCache, context: int, capacity: int,
+              fmts: tuple[KVFormat, KVFormat] | None, policy: str | None) -> LayerCache:  # fmt: skip
     """The layer's state in `fmts` (None: unquantized float32) holding the rows of the float32 fill `filled`,
     written in the fill's order: chunk 0's ring (`first_ring`) then the last chunk's, and each fill chunk's
     compressed entries in turn, so a calibrated scale sees the first write it would have seen."""
     kv_fmt, index_fmt = fmts if fmts is not None else (None, None)
     state = with_policy(attn.init_state(1, capacity, F32, kv_fmt, index_fmt), policy)
     ring = jnp.arange(attn.sliding_window)[None]
+    window = state.window
     for source in (first_ring, filled):
-        state["window"] = _write(state["window"], source["window"].read(F32), ring)
-    state["window_pos"] = filled["window_pos"]
+        window = _write(window, source.window.read(F32), ring)
+    state = dataclasses.replace(state, window=window, window_pos=filled.window_pos)
     for key in ("compressor", "indexer"):
-        if key not in state:
+        if getattr(state, key) is None:
             continue
         rate = attn.compressor.rate  # the indexer's rate is CSA's too
-        rows = filled[key]["entries"].read(F32)  # [1, capacity // rate, hd]
-        store, per_chunk = state[key]["entries"], FILL_CHUNK // rate
+        rows = getattr(filled, key).entries.read(F32)  # [1, capacity // rate, hd]
+        store, per_chunk = getattr(state, key).entries, FILL_CHUNK // rate
         for first in range(0, context // rate, per_chunk):
             store = _write(store, rows[:, first : first + per_chunk], jnp.arange(first, first + per_chunk)[None])
-        state[key] = {**filled[key], "entries": store}
+        state = dataclasses.replace(state, **{key: dataclasses.replace(getattr(filled, key), entries=store)})
     return state
 
 
@@ -348,7 +350,7 @@ def part_real(args) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Bytes per token (docs/BENCHMARKS.md "KV cache bytes per token (issue 4)").
+# Bytes per token (docs/BENCHMARKS.md, "KV cache bytes per token").
 # ---------------------------------------------------------------------------------------------
 TABLE_FORMATS = ("bf16", "fp8-channel", "fp8-tile", "fp8-tile-e8m0")
 TABLE_TOKENS = 512 * 1024

@@ -1,5 +1,5 @@
 """Compiles dsv4's Triton-lowered Pallas kernels to Hopper machine code without a GPU, and prints each one's
-registers and spills: a check for sessions that have no device.
+registers and spills: a check for machines that have no GPU.
 
     scripts/dev python scripts/triton_compile_check.py --triton-python /tmp/tvenv/bin/python            # every kernel
     scripts/dev python scripts/triton_compile_check.py --triton-python /tmp/tvenv/bin/python --cases kv_write
@@ -15,8 +15,8 @@ cubin), and the cubin's resource usage is read back (`cuobjdump -res-usage`: reg
 frame, where spills go) with the shared memory Triton launches it with. A kernel whose ptxas run outlasts --timeout
 is reported as such.
 
-What a pass means: the IR is valid upstream Triton and assembles for Hopper, inline assembly included (the
-quantize-and-write kernel's `div.rn.f32` was first compiled this way, in a session without a device). It does not
+What a pass means: the IR is valid upstream Triton and assembles for Hopper, inline assembly included (e.g. the
+quantize-and-write kernel's `div.rn.f32`). It does not
 mean that XLA's own pipeline (jaxlib bundles another Triton) gives the same machine code, so the register counts are
 indicative only, and nothing here runs the code.
 """
