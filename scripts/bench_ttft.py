@@ -30,6 +30,8 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
     chunked-fp8idx   (4f) as (4) with Kernels.indexer="pallas-fp8": q and keys of the lightning indexer in e4m3, the
                           scores by the Mosaic FP8 kernel (`dsv4.pallas.indexer_mgpu`) on Hopper
     chunked-loop     (4l) as (4) with the mHC Sinkhorn normalization as XLA's while loop (Kernels.sinkhorn="jnp")
+    engine           (4e) the prompt through `dsv4.LLM(model)` with default arguments (kernels "auto", the paged cache)
+                          but ``--chunk``; TTFT = the request's own, arrival to first sampled token
     xla-cap          (1c) as (1) with a capacity-padded batched-einsum MoE (defined in this script, not in dsv4:
                           XLA's `lax.ragged_dot` can ask for ~96 GiB at 8K tokens, so (1) is not
                           expected to fit at 32K+; (1c) is "what a straightforward XLA port gets"). Capacity
@@ -138,6 +140,7 @@ sys.path.insert(0, str(ROOT))
 from dsv4 import moe as dsv4_moe  # noqa: E402
 from dsv4.attention import CompressedKeys, attention_core  # noqa: E402
 from dsv4.config import CSA, HCA, SLIDING, Config  # noqa: E402
+from dsv4.engine import LLM  # noqa: E402
 from dsv4.kernels import Kernels  # noqa: E402
 from dsv4.layers import apply_rope, hc_merge, linear, rms_normalize  # noqa: E402
 from dsv4.model import DeepseekV4  # noqa: E402
@@ -170,6 +173,8 @@ def variant_kernels(attention: str, moe: str, indexer: str | None = None, sinkho
     "pallas": the Pallas attention core, the paged decode kernel and the kv_write kernel, the indexer's `indexer`
     path (default the two-pass Pallas one). moe "xla_cap" builds the jnp MoE, swapped for `CapacityMoE` after."""
     moe = "jnp" if moe == "xla_cap" else moe
+    if attention == "auto":
+        return Kernels()
     if attention == "jnp":
         base = Kernels.all("jnp")
     else:
@@ -192,12 +197,13 @@ VARIANTS = {v.key: v for v in [
             indexer="pallas-fp8"),
     Variant("chunked-loop", "(4l)", "(4) with the mHC Sinkhorn as XLA's loop", "chunked", "pallas", "pallas",
             sinkhorn_loop=True),
+    Variant("engine", "(4e)", "(4) through dsv4.LLM, default arguments", "engine", "auto", "auto"),
     Variant("xla-cap", "(1c)", "XLA, capacity MoE", "full", "jnp", "xla_cap"),
     Variant("pallas-attn-cap", "(2c)", "+ Pallas attn + idx, capacity MoE", "full", "pallas", "xla_cap"),
 ]}  # fmt: skip
-PRIORITY = ["pallas", "chunked", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn", "chunked-fp8idx",
-            "chunked-loop"]  # fmt: skip
-TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-loop", "chunked",
+PRIORITY = ["pallas", "chunked", "engine", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn",
+            "chunked-fp8idx", "chunked-loop"]  # fmt: skip
+TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-loop", "chunked", "engine",
                "chunked-fp8idx", "chunked-fp8"]  # fmt: skip
 PAGE_TOKENS = 256  # (5)'s page size: a multiple of both compress rates
 
@@ -294,7 +300,7 @@ def parse_args():
         if args.smoke_all:
             tiny_v, small_v, lengths_t, checks = None, ["pallas", "chunked", "xla-cap"], "64,128", True
         else:
-            tiny_v, small_v = ["pallas", "chunked", "chunked-fp8", "xla-cap"], ["xla-cap"]
+            tiny_v, small_v = ["pallas", "chunked", "engine", "chunked-fp8", "xla-cap"], ["xla-cap"]
             lengths_t, checks = "64", False
         pick = lambda vs: None if vs is None else [v for v in vs if v in args.variants]  # noqa: E731
         args.setups = [Setup("tiny", tiny, parse_lengths(args.lengths or lengths_t), args.chunk or 32,
@@ -949,7 +955,7 @@ class Bench:
             self.record(seq, vkey, status="skip", note=self.failed[vkey])
             self.rec.skip(where, self.failed[vkey])
             return
-        if v.mode == "chunked" and seq < self.setup.chunk:
+        if v.mode in ("chunked", "engine") and seq < self.setup.chunk:
             self.rec.skip(where, f"S < chunk {self.setup.chunk}")
             return
         t_pred = self.predict_pass(vkey, seq)
@@ -966,7 +972,10 @@ class Bench:
         peak_before = peak_in_use()
         self._pending_mem = None
         try:
-            row = self.measure_full(seq) if v.mode == "full" else self.measure_chunked(seq, v.kv)
+            if v.mode == "engine":
+                row = self.measure_engine(seq)
+            else:
+                row = self.measure_full(seq) if v.mode == "full" else self.measure_chunked(seq, v.kv)
         except Exception as exc:
             kind_ = self.rec.error(where, exc)
             status = "oom" if kind_ == "OOM" else "error"
@@ -1170,6 +1179,26 @@ class Bench:
         row = self._passes(one_pass, warm)
         row.update(compile_s=compile_s, est_peak=track.est_peak, mode="chunked-whole", n_chunks=len(chunks),
                    chunk=self.setup.chunk, layer_s=[None] * len(self.types))  # fmt: skip
+        return row
+
+    def measure_engine(self, seq: int) -> dict:
+        """The prompt through the engine as a user runs it: `dsv4.LLM(model)` with default arguments (the model's
+        kernels "auto", the paged cache in its dtype) but the chunk size, compiled up front by `warmup`; TTFT is
+        the request's own (`RequestOutput.metrics.ttft_s`: arrival to first sampled token, the host's scheduling,
+        paging and sampling included)."""
+        llm = LLM(self.model, max_slots=1, max_model_len=seq + 1, chunk_size=self.setup.chunk)
+        ids, _ = self.inputs(seq)
+        prompt = np.asarray(ids)[0].tolist()
+        compile_s = llm.warmup([seq])
+
+        def one_pass():
+            out = llm.generate([prompt], max_new_tokens=1)[0]
+            return out.metrics.ttft_s, [], {}
+
+        row = self._passes(one_pass)
+        row.update(compile_s=compile_s, est_peak=None, mode="engine", n_chunks=-(-seq // self.setup.chunk),
+                   chunk=self.setup.chunk, layer_s=[None] * len(self.types),
+                   kernels=str(self.model.kernels))  # fmt: skip
         return row
 
     def measure_chunk_split(self, seq: int):
