@@ -22,7 +22,12 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+_SUBMODULES = ("attention", "cache", "engine", "kernels", "pallas", "sharding")
+
+
 def __getattr__(name: str):
+    if name in _SUBMODULES:  # dsv4.sharding.make_mesh() after a bare `import dsv4`
+        return importlib.import_module(f"dsv4.{name}")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'dsv4' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)

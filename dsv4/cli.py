@@ -110,6 +110,9 @@ def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
         default=16,
         help="chunks up to this width share one [max-slots, width] call; wider ones run alone (default 16)",
     )
+    e.add_argument("--devices", type=int, default=1,
+                   help="run on this many local devices (one mesh: each chunk's tokens split over them, the experts "
+                        "expert-parallel, the cache replicated); default 1")  # fmt: skip
     e.add_argument("--no-chat-template", action="store_true",
                    help="encode --prompt as is, even if the tokenizer has a chat template")  # fmt: skip
     k = p.add_argument_group("kernels", "which implementation runs each part (docs/BENCHMARKS.md compares them)")
@@ -136,11 +139,22 @@ def _parse_kernels(text: str):
 def _make_llm(args, *, max_slots: int, max_model_len: int):
     from dsv4.engine import LLM
 
+    mesh = None
+    if args.devices != 1:
+        import jax
+
+        from dsv4.sharding import make_mesh
+
+        if not 1 <= args.devices <= len(jax.devices()):
+            raise ValueError(f"--devices {args.devices}: this machine has {len(jax.devices())} device(s) "
+                             f"({jax.devices()[0].platform})")  # fmt: skip
+        mesh = make_mesh(args.devices)
+
     return LLM(args.model, max_slots=args.max_slots or max_slots, max_model_len=args.max_model_len or max_model_len,
                chunk_size=args.chunk_size, max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
                kv_format=args.kv_format, seed=args.seed, dtype=args.dtype, width_buckets=args.buckets,
                max_packed_width=args.max_packed_width, chat_template=not args.no_chat_template, kernels=args.kernels,
-               keep_quantized=args.keep_quantized)  # fmt: skip
+               keep_quantized=args.keep_quantized, mesh=mesh)  # fmt: skip
 
 
 def _max_position_embeddings(model: str) -> int:
@@ -399,12 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "plan", help="per-device memory ledger for one long prompt; refuses a plan that does not fit",
-        description="Adds up, per device, what one prompt of --context tokens needs with the sequence split evenly "
-                    "over --devices: weights (routed experts split over the devices, the rest replicated), the KV "
-                    "cache as dsv4.cache.layout lays it out (each device's share of the compressed entries, plus "
-                    "every layer's ring and open windows, plus FP8 scale state), one layer's all-gathered "
-                    "compressed KV, one chunk's activations and the MoE exchange buffers; then applies 1.2x "
-                    "headroom. Exits 1 if it does not fit the device, naming the changes that would make it fit.",
+        description="Adds up, per device, what one prompt of --context tokens needs as the engine lays it out on "
+                    "--devices: weights (routed experts split over the devices, the rest replicated), the whole KV "
+                    "cache replicated on every device as dsv4.cache.layout lays it out (compressed entries, every "
+                    "layer's ring and open windows, FP8 scale state), one layer's all-gathered K=V rows of a chunk, "
+                    "one chunk's activations (its tokens split over the devices) and the MoE exchange buffers; then "
+                    "applies 1.2x headroom. Exits 1 if it does not fit the device, naming the changes that would make it fit.",
         epilog="examples:\n  dsv4 plan --model v4-flash --context 512k --devices 8 --weights fp8\n"
                "  dsv4 plan --model v4-pro --context 512k --devices 8 --device h200 --weights fp4-experts",
         formatter_class=argparse.RawDescriptionHelpFormatter,

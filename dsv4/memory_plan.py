@@ -1,11 +1,11 @@
 """A per-device memory ledger for one long prompt, from the config alone (`dsv4 plan`).
 
 Everything here is arithmetic on `Config` fields (no JAX, no weights), so a 1.6T-parameter plan takes
-milliseconds. The layout it assumes is the one the seed article describes for 512K prompts on N GPUs:
+milliseconds. The placement it assumes is the engine's on a mesh (`dsv4.LLM(..., mesh=...)`, dsv4/runner.py):
 
 - Weights: routed experts split evenly over the devices (expert parallelism: ceil(E / N) experts each);
   everything else (attention, compressors, indexer, shared expert, router, embeddings, norms,
-  hyper-connections) replicated on every device, since sequence parallelism splits tokens, not these weights.
+  hyper-connections) replicated on every device, since the chunk's tokens are split, not these weights.
   Weight formats (`WEIGHT_FORMATS`), as DeepSeek releases them and `dsv4.load(..., keep_quantized=True)` holds
   them (`dsv4/quantization.py`, docs/CHECKPOINTS.md):
     bf16         every matrix 2 B; fp32: 4 B.
@@ -21,16 +21,23 @@ milliseconds. The layout it assumes is the one the seed article describes for 51
   (FP4 experts, other widths) the model dequantizes where it reads them (`param[...]`), so the plan also holds one
   layer's local experts dequantized to bf16 (transient). The dense FP8 matrices are dequantized one at a time
   where read (not counted: the largest, wq_b, is 64 MiB in bf16 at V4-Flash widths).
-- KV cache: bytes from `dsv4.cache.layout.CacheLayout` (the one definition, checked against
-  `DeepseekV4.init_cache` in tests/test_cache_layout.py), for the chosen `KVFormat` (`FORMAT_NAMES`).
-  Sequence parallelism: the prompt is split evenly, ceil(context / N) tokens per device, and each device
-  holds, per layer, the compressed entries (and CSA's indexer keys) of its own tokens plus the per-request
-  fixed parts (sliding-window ring and positions, the compressors' open windows), whose size does not depend
-  on the length; plus the per-array FP8 scale state (shared by all requests, replicated: every device needs
-  the same scales to read gathered entries).
-- Communication: each layer's compressed KV (entries + indexer keys of the whole context) is all-gathered
-  before that layer's attention and dropped after: one layer's gathered buffer, double-buffered so the gather
-  of the next layer overlaps this one; the MoE's expert-parallel exchange (`dsv4.sharding.expert_parallel`,
+- KV cache: replicated on every device. Bytes from `dsv4.cache.layout.CacheLayout` (the one definition,
+  checked against `DeepseekV4.init_cache` in tests/test_cache_layout.py), for the chosen `KVFormat`
+  (`FORMAT_NAMES`): every device holds the whole request's cache, per layer the compressed entries (and CSA's
+  indexer keys) of all `context` tokens plus the fixed per-request parts (sliding-window ring and positions,
+  the compressors' open windows), plus the per-array FP8 scale state. More devices do not shrink it. Why
+  replicated: V4's cache is small (about 4.1 KB per token in fp8-channel, ~2.2 GB for a 512K request, against
+  the 96-141 GB of an H20 / H200), and every device needs every compressed entry anyway (HCA attends to all
+  entries before each query; CSA's top-k and the lightning indexer's scores range over the whole context), so a
+  cache sharded by sequence would all-gather the whole context's entries for every layer of every chunk (at
+  512K, CSA's entries alone are 128 MiB a layer, per chunk), while a replicated one gathers only each chunk's new
+  rows. The host `KVCacheManager` and its page ids are the same for every device.
+- Per chunk, on N devices (what the engine does, dsv4/runner.py): the chunk's tokens are split over the devices,
+  ceil(chunk / N) each; each layer all-gathers the chunk's K=V rows ([chunk, head_dim] in the compute dtype) and
+  writes them, the closed windows' compressed entries and indexer keys into every device's copy of the cache;
+  the routed experts run expert-parallel.
+- Communication: one layer's gathered K=V rows of the chunk, double-buffered so the next layer's gather overlaps
+  this one (a few MiB); the MoE's expert-parallel exchange (`dsv4.sharding.expert_parallel`,
   schedule "direct"): per step of at most `EP_STEP_TOKENS` of this device's tokens, the copies received
   from the N − 1 other devices (bf16, or fp8 + one float32 scale per 128 values with FP8 experts) and the N − 1
   float32 partial results sent back and received.
@@ -273,9 +280,9 @@ def _weights_lines(config: Config, c: ParamCounts, weights: str, devices: int) -
 _TYPE_LABEL = {SLIDING: "sliding", CSA: "CSA", HCA: "HCA"}
 
 
-def _kv_lines(config: Config, layout: CacheLayout, context: int, devices: int) -> list[LedgerLine]:
-    """Per layer type: this device's share (its tokens' compressed rows + the fixed per-request parts)."""
-    shard = _ceil_div(context, devices)
+def _kv_lines(config: Config, layout: CacheLayout, context: int) -> list[LedgerLine]:
+    """Per layer type: the whole request's cache (every token's compressed rows + the fixed per-request parts),
+    which every device holds (replicated: the same on any device count)."""
     fmt = layout.kv_format.name
     lines = []
     for layer_type in (SLIDING, CSA, HCA):
@@ -284,17 +291,18 @@ def _kv_lines(config: Config, layout: CacheLayout, context: int, devices: int) -
             continue
         one = layers[0]
         growing = [a for a in one.arrays if a.tokens_per_row]
-        fixed = sum(a.bytes(shard) for a in one.arrays if not a.tokens_per_row)
-        parts = [f"{a.num_rows(shard)} {a.path} × {a.row_bytes} B" for a in growing]
-        ring = sum(a.bytes(shard) for a in one.arrays if a.path in ("window", "window_pos"))
+        fixed = sum(a.bytes(context) for a in one.arrays if not a.tokens_per_row)
+        parts = [f"{a.num_rows(context)} {a.path} × {a.row_bytes} B" for a in growing]
+        ring = sum(a.bytes(context) for a in one.arrays if a.path in ("window", "window_pos"))
         fixed_how = f"ring {ring / 1024:.1f} KiB" + (
             f" + open windows {(fixed - ring) / 1024:.1f} KiB" if fixed > ring else ""
         )
-        parts.append(f"fixed on every device: {fixed_how}")
-        total = sum(layer.bytes_per_request(shard) for layer in layers)
-        share = f"this device's {shard} tokens: " if growing else ""
+        parts.append(fixed_how)
+        total = sum(layer.bytes_per_request(context) for layer in layers)
+        tokens = f"all {context} tokens: " if growing else ""
         lines.append(LedgerLine(f"KV cache: {_TYPE_LABEL[layer_type]} layers", total,
-                                f"{len(layers)} × ({share}{' + '.join(parts)}); {fmt}"))  # fmt: skip
+                                f"{len(layers)} × ({tokens}{' + '.join(parts)}); {fmt}; replicated on every "
+                                "device"))  # fmt: skip
     lines.append(LedgerLine(
         "KV cache: scale state (replicated)", layout.shared_bytes,
         f"{fmt}: per-array float32 scales, every layer" if layout.shared_bytes else f"{fmt}: none per array",
@@ -342,19 +350,17 @@ def plan_memory(
     c = count_params(config)
     layout = cache_layout(config, kv_format)
     lines = _weights_lines(config, c, weights, devices)
-    lines += _kv_lines(config, layout, context, devices)
-
-    # One layer's compressed KV of the whole context, gathered: the largest layer's growing arrays.
-    gathered, gathered_how = 0, "one device: nothing to gather"
-    if devices > 1:
-        biggest = max(layout.layers, key=lambda layer: sum(a.bytes(context) for a in layer.arrays if a.tokens_per_row))
-        growing = [a for a in biggest.arrays if a.tokens_per_row]
-        gathered = 2 * sum(a.bytes(context) for a in growing)
-        gathered_how = (f"2 × one {_TYPE_LABEL[biggest.layer_type]} layer's " + " + ".join(
-            f"{a.num_rows(context)} {a.path} × {a.row_bytes} B" for a in growing) +
-            " of the whole context (all-gathered per layer, double-buffered)")  # fmt: skip
+    lines += _kv_lines(config, layout, context)
 
     t = _ceil_div(min(chunk_size, context), devices)  # this device's share of one chunk
+    # The cache is replicated: each layer gathers only the chunk's new K=V rows (every device's share, padded to
+    # the same length), in the compute dtype, double-buffered so the next layer's gather overlaps this one.
+    gathered, gathered_how = 0, "one device: nothing to gather"
+    if devices > 1:
+        gathered = 2 * devices * t * config.head_dim * ACT_BYTES
+        gathered_how = (f"2 × one layer's new K=V rows of the chunk: {devices} × {t} tokens × {config.head_dim} × "
+                        f"{ACT_BYTES} B (all-gathered per layer, double-buffered), written into every device's "
+                        "cache")  # fmt: skip
     d, k, i = config.hidden_size, config.num_experts_per_tok, config.moe_intermediate_size
     per_token = (
         2 * config.hc_mult * d  # residual streams in and out
@@ -375,14 +381,15 @@ def plan_memory(
     # results for them, sent back and received.
     step = min(t, EP_STEP_TOKENS)
     token_bytes = d + d // FP8_BLOCK * SCALE_BYTES if fp8_expert_kernels(config, weights) else d * ACT_BYTES
-    token_how = f"{d} B fp8 + {d // FP8_BLOCK} × 4 B scales" if fp8_expert_kernels(config, weights) else \
-        f"{d} × {ACT_BYTES} B"
+    token_how = (
+        f"{d} B fp8 + {d // FP8_BLOCK} × 4 B scales" if fp8_expert_kernels(config, weights) else f"{d} × {ACT_BYTES} B"
+    )
     exchange = (devices - 1) * step * (token_bytes + 2 * d * 4)
     lines += [
         LedgerLine("activations: one chunk", activations,
                    f"{t} tokens (of a {chunk_size}-token chunk) × {per_token} B, one layer; indexer scores "
                    f"{min(t, slab_rows)} × {csa_keys} × 4 B; last-token logits"),
-        LedgerLine("communication: KV all-gather", gathered, gathered_how),
+        LedgerLine("communication: chunk K=V all-gather", gathered, gathered_how),
         LedgerLine("communication: MoE exchange", exchange,
                    f"{devices - 1} other devices × {step} tokens × ({token_how} in + 2 × {d} × 4 B partial "
                    "results out and back)"),
@@ -406,7 +413,11 @@ def _replan(plan: MemoryPlan, **changes) -> MemoryPlan:
 
 
 def suggestions(plan: MemoryPlan, *, max_devices: int = 4096) -> list[str]:
-    """What would make a plan that does not fit, fit: each change alone, with its new per-device need."""
+    """What would make a plan that does not fit, fit: each change alone, with its new per-device need.
+
+    The KV cache is replicated, so more devices shrink only the routed experts, one chunk's activations and
+    the exchange buffers: `--devices` is named only where that alone makes the plan fit; a cache too big for
+    one device calls for an FP8 KV format or a shorter context."""
     if plan.fits:
         return []
     out = []
@@ -422,20 +433,20 @@ def suggestions(plan: MemoryPlan, *, max_devices: int = 4096) -> list[str]:
                 out.append(describe(flag, alt) + ("" if alt.fits else ", still too much alone"))
                 if alt.fits:
                     break
-    devices = plan.devices
-    while devices < max_devices and not _replan(plan, devices=devices).fits:
-        devices *= 2
-    if _replan(plan, devices=devices).fits:
-        lo = max(plan.devices + 1, devices // 2)  # the smallest device count that fits, between the doublings
-        while lo < devices:
-            mid = (lo + devices) // 2
-            if _replan(plan, devices=mid).fits:
-                devices = mid
-            else:
-                lo = mid + 1
+    # The engine splits the routed experts evenly (`dsv4.sharding.check_mesh`): only device counts dividing them.
+    e = plan.config.n_routed_experts
+    counts = [n for n in range(plan.devices + 1, min(e, max_devices) + 1) if e % n == 0]
+    devices = next((n for n in counts if _replan(plan, devices=n).fits), None)
+    if devices is not None:
         out.append(describe(f"--devices {devices}", _replan(plan, devices=devices)))
-    else:
-        out.append(f"more devices alone do not help up to {max_devices}: the replicated weights do not fit one device")
+    else:  # what no device count shrinks: the replicated weights and the KV cache (replicated, whole context)
+        weights = sum(ln.bytes_per_device for ln in plan.lines if ln.name.startswith("weights: ") and
+                      "(replicated)" in ln.name)  # fmt: skip
+        kv = sum(ln.bytes_per_device for ln in plan.lines if ln.name.startswith("KV cache: "))
+        tried = f" (up to {counts[-1]}, dividing the {e} routed experts)" if counts else ""
+        out.append(f"more devices alone do not help{tried}: every device holds the replicated weights "
+                   f"({weights / GIB:.1f} GiB) and the whole KV cache ({kv / GIB:.1f} GiB), whatever their "
+                   "number")  # fmt: skip
     lo, hi = 1, plan.context  # the longest context that fits as is
     if _replan(plan, context=lo).fits:
         while lo < hi:
@@ -461,7 +472,8 @@ def format_plan(plan: MemoryPlan) -> str:
     c = plan.config
     where = f"{plan.device} " if plan.device else ""
     rows = [f"memory plan: {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.n_routed_experts} experts; "
-            f"context {plan.context} tokens over {plan.devices} {where}device(s) (sequence split evenly), "
+            f"context {plan.context} tokens over {plan.devices} {where}device(s) (each chunk's tokens split evenly, "
+            f"KV cache replicated on every device), "
             f"weights {plan.weights}, KV {plan.kv_format} ({plan.kv_bytes_per_token:.1f} B/token for the whole "
             f"request), chunk {plan.chunk_size}", "per device:"]  # fmt: skip
     width = max(len(line.name) for line in plan.lines)

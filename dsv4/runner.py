@@ -354,6 +354,7 @@ class ModelRunner:
         out = {}
         for logits, row, request_id in pending:
             if id(logits) not in host:
-                host[id(logits)] = np.asarray(logits)
+                # replicated on the mesh: this process's copy is the whole array, whatever the process count
+                host[id(logits)] = np.asarray(logits if logits.is_fully_addressable else logits.addressable_data(0))
             out[request_id] = host[id(logits)][row]
         return out

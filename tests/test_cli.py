@@ -80,6 +80,11 @@ def test_kernel_flags_reach_the_model(monkeypatch, capsys):
     capsys.readouterr()
 
 
+def test_devices_beyond_the_machine_are_refused(capsys):
+    assert main(["generate", *ENGINE, "--token-ids", "1,2,3", "--devices", "2"]) == 2
+    assert "--devices 2: this machine has 1 device(s)" in capsys.readouterr().err
+
+
 def test_generate_refuses_a_prompt_over_the_limit(capsys):
     ids = ",".join(["5"] * 130)
     assert main(["generate", *ENGINE, "--token-ids", ids, "--max-new-tokens", "2"]) == 2
@@ -120,20 +125,21 @@ def test_param_counts_match_the_model():
 
 def test_plan_ledger_by_hand():
     """Tiny config (layers: sliding, CSA, HCA, CSA; head_dim 32, index_head_dim 16, window 16, rates 4 and
-    16), 1024 tokens on 2 devices (512 each), bf16 KV and weights."""
+    16), 1024 tokens on 2 devices, bf16 KV and weights; the cache replicated on both."""
     cfg = Config.preset("tiny")
     plan = plan_memory(cfg, context=1024, devices=2, kv_format="bf16", weights="bf16", chunk_size=8192)
     b = {line.name: line.bytes_per_device for line in plan.lines}
     ring = 16 * 32 * 2 + 16 * 4  # window rows (bf16) + their int32 positions = 1088
-    # CSA: this device's 512 / 4 = 128 entries × 64 B + 128 indexer keys × 32 B; open windows: compressor
+    # CSA: all 1024 / 4 = 256 entries × 64 B + 256 indexer keys × 32 B; open windows: compressor
     # (4 × 64 kv + 4 × 64 gate, bf16; overlap half 4 × 32 bf16 + 4 × 32 float32), indexer (same at 32 / 16 wide)
     open_windows = (2 * 4 * 64 * 2 + 4 * 32 * 2 + 4 * 32 * 4) + (2 * 4 * 32 * 2 + 4 * 16 * 2 + 4 * 16 * 4)
-    csa_layer = 128 * 64 + 128 * 32 + ring + open_windows
-    hca_layer = 512 // 16 * 64 + ring + 2 * 16 * 32 * 2  # entries + ring + open window (kv, gate)
-    assert b["KV cache: CSA layers"] == 2 * csa_layer == 32128
-    assert b["KV cache: HCA layers"] == hca_layer == 5184 and b["KV cache: sliding layers"] == ring == 1088
+    csa_layer = 256 * 64 + 256 * 32 + ring + open_windows
+    hca_layer = 1024 // 16 * 64 + ring + 2 * 16 * 32 * 2  # entries + ring + open window (kv, gate)
+    assert b["KV cache: CSA layers"] == 2 * csa_layer == 56704
+    assert b["KV cache: HCA layers"] == hca_layer == 7232 and b["KV cache: sliding layers"] == ring == 1088
     assert b["KV cache: scale state (replicated)"] == 0
-    assert b["communication: KV all-gather"] == 2 * (256 * 64 + 256 * 32) == 49152  # one CSA layer, whole context
+    # one layer's new K=V rows of the chunk (1024 tokens, 512 a device), gathered; double-buffered
+    assert b["communication: chunk K=V all-gather"] == 2 * 2 * 512 * 32 * 2 == 131072
     t = 1024 // 2  # this device's share of the (whole-prompt) chunk
     # the other device's 512 tokens in (bf16, one step) and their float32 partial results out and back
     assert b["communication: MoE exchange"] == 1 * t * (64 * 2 + 2 * 64 * 4) == 327680

@@ -1,5 +1,5 @@
-"""`dsv4.memory_plan`: the KV lines come from `dsv4.cache.layout.CacheLayout`, the weights from the config, and
-the 512K V4-Flash verdict on 8 × H20 is worked out by hand here.
+"""`dsv4.memory_plan`: the KV lines come from `dsv4.cache.layout.CacheLayout` (the whole request, replicated on
+every device), the weights from the config, and the 512K V4-Flash verdict on 8 × H20 is worked out by hand here.
 
 Plain arithmetic on the config (no JAX arrays, no device).
 """
@@ -43,22 +43,28 @@ def flash_layer_bytes(tokens: int, entry: int, key: int, window: int) -> dict[st
 ROWS = {"bf16": (1024, 256, 1024), "fp8-channel": (576, 192, 576)}
 
 
+@pytest.mark.parametrize("devices", [1, 2, 8])
 @pytest.mark.parametrize("fmt, hand_per_token", [("fp8-channel", 4139.5), ("bf16", 6902.2)])
-def test_kv_lines_are_the_cache_layout_v4_flash_512k(fmt, hand_per_token):
-    """One device holds the whole 512K request: the KV lines are CacheLayout's per-type bytes, which are
-    docs/BENCHMARKS.md's hand numbers (fp8-channel 4139.5, bf16 6902.2 B/token at 524,288 tokens)."""
+def test_kv_lines_are_the_whole_request_on_every_device_v4_flash_512k(fmt, hand_per_token, devices):
+    """The cache is replicated: on any device count each device holds the whole 512K request, the KV lines are
+    CacheLayout's per-type bytes for all 524,288 tokens, which are docs/BENCHMARKS.md's hand numbers
+    (fp8-channel 4139.5, bf16 6902.2 B/token)."""
     layers = flash_layer_bytes(N, *ROWS[fmt])
     want = {"KV cache: sliding layers": 2 * layers[SLIDING], "KV cache: CSA layers": 21 * layers[CSA],
             "KV cache: HCA layers": 20 * layers[HCA]}  # fmt: skip
-    plan = plan_memory(FLASH, context=N, devices=1, kv_format=fmt, weights="fp8")
+    plan = plan_memory(FLASH, context=N, devices=devices, kv_format=fmt, weights="fp8")
     assert kv_by_type(plan) == want
-    # fp8-channel: CSA 21 × (131072 × 768 + 74240 + 35840) = 2,116,265,280; HCA 20 × (4096 × 576 + 74240 +
-    # 262144) = 53,914,880; sliding 2 × 74240 → 2,170,328,640 B = 4139.52 B/token.
+    # fp8-channel: CSA 21 × (131072 × 768 + 74240 + 35840) = 2,116,240,896; HCA 20 × (4096 × 576 + 74240 +
+    # 262144) = 53,913,600; sliding 2 × 74240 = 148,480 → 2,170,302,976 B = 4139.50 B/token.
     total = sum(want.values())
+    if fmt == "fp8-channel":
+        assert want["KV cache: CSA layers"] == 2_116_240_896 and want["KV cache: HCA layers"] == 53_913_600
+        assert total == 2_170_302_976
     assert total / N == pytest.approx(hand_per_token, abs=0.05)
     layout = CacheLayout.from_config(FLASH, KVFormat.named(fmt, rope_dim=64))
     assert total == layout.bytes_per_request(N) - 4  # (the layout's 4-byte token count is left out)
     assert plan.kv_bytes_per_token == pytest.approx(hand_per_token, abs=0.05)
+    assert all("replicated on every device" in plan.line(name).how for name in KV_LINES)
     # Per-array scale state, fp8-channel: scale + amax per nope channel, float32, for each layer's ring and
     # compressed entries (448 channels) and CSA's indexer keys (64): 2 × 3584 + 21 × 7680 + 20 × 7168.
     scale = plan.line("KV cache: scale state (replicated)").bytes_per_device
@@ -66,17 +72,30 @@ def test_kv_lines_are_the_cache_layout_v4_flash_512k(fmt, hand_per_token):
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
-def test_every_format_is_sized_by_the_layout_under_sequence_parallelism(fmt):
-    """8 devices: each holds the entries of its 65,536 tokens plus every layer's ring and open windows."""
+def test_every_format_is_sized_by_the_layout_and_only_new_rows_are_gathered(fmt):
+    """8 devices: each holds every token's entries (the layout's bytes for the whole context); the gather is one
+    layer's new K=V rows of the chunk, [8192, 512] bf16, double-buffered: 16 MiB whatever the KV format."""
     plan = plan_memory(FLASH, context=N, devices=8, kv_format=fmt, weights="fp8")
     layout = CacheLayout.from_config(FLASH, KVFormat.named(fmt, rope_dim=64))
-    assert sum(kv_by_type(plan).values()) == layout.bytes_per_request(N // 8) - 4
+    assert sum(kv_by_type(plan).values()) == layout.bytes_per_request(N) - 4
+    assert plan.line("KV cache: scale state (replicated)").bytes_per_device == layout.shared_bytes
     if fmt in ROWS:
-        layers = flash_layer_bytes(N // 8, *ROWS[fmt])
-        assert plan.line("KV cache: CSA layers").bytes_per_device == 21 * layers[CSA]
-    # Transient: one CSA layer's entries + indexer keys of the whole context, gathered, double-buffered.
-    entry, key = (a.row_bytes for a in layout.layers[2].arrays if a.tokens_per_row)
-    assert plan.line("communication: KV all-gather").bytes_per_device == 2 * (N // 4) * (entry + key)
+        assert plan.line("KV cache: CSA layers").bytes_per_device == 21 * flash_layer_bytes(N, *ROWS[fmt])[CSA]
+    assert plan.line("communication: chunk K=V all-gather").bytes_per_device == 2 * 8192 * 512 * 2 == 16 * MIB
+    assert "communication: KV all-gather" not in {line.name for line in plan.lines}  # no whole-context gather
+
+
+@pytest.mark.parametrize("devices, chunk, context, rows", [
+    (1, 8192, N, 0),       # one device: nothing to gather
+    (2, 8192, N, 8192),    # 4096 tokens each
+    (8, 4096, N, 4096),    # 512 each
+    (8, 8192, 1024, 1024),  # the whole prompt is one chunk of 1024 tokens, 128 each
+    (8, 1001, N, 1008),    # ceil(1001 / 8) = 126 each, padded to the same share: 8 × 126
+])  # fmt: skip
+def test_the_gather_is_the_chunks_new_kv_rows(devices, chunk, context, rows):
+    """rows × head_dim 512 × 2 B (bf16, the compute dtype), 2 buffers; it does not grow with the context."""
+    plan = plan_memory(FLASH, context=context, devices=devices, chunk_size=chunk, weights="fp8")
+    assert plan.line("communication: chunk K=V all-gather").bytes_per_device == 2 * rows * 512 * 2
 
 
 def test_v4_flash_fp8_weights_fit_8_h20_at_512k_bf16_do_not():
@@ -96,19 +115,21 @@ def test_v4_flash_fp8_weights_fit_8_h20_at_512k_bf16_do_not():
       bf16: 6,212,026,368 weights × 2                      = 12,424,052,736 B (11.57 GiB)
     Embedding + LM head 2 × 129280 × 4096 × 2 B = 2,118,123,520 B; norms, mHC, sinks, hash tables 152,355,164 B.
     fp8: no dequantized layer (4096 and 2048 are multiples of 128: the FP8 expert kernels read the experts as stored).
-    KV (65,536 tokens per device, fp8-channel): 21 × 12,692,992 + 20 × 631,296 + 2 × 74,240 + 311,808 scales
-      = 279,639,040 B. All-gather: 2 × 131072 × (576 + 192) = 201,326,592 B.
+    Weights: fp8 44,917,732,188 B; bf16 83,950,879,068 B.
+    KV, replicated: the whole 524,288 tokens on every device, fp8-channel 2,170,302,976 B (see above) + 311,808 B
+      scales = 2,170,614,784 B (2.02 GiB). Gather: one layer's new K=V rows of the chunk, 2 × 8192 × 512 × 2 B
+      = 16,777,216 B.
     Activations, 1024 tokens (8192 / 8): 1024 × 502,784 B + indexer scores 512 × 131072 × 4 (the two-pass
       indexer's slab: 2^28 / (4 × 131072) = 512 queries per step) + logits 129280 × 4 = 783,803,392 B.
       MoE exchange (1024 tokens in one step, 7 other devices): 7 × 1024 × (tokens in + 2 × 4096 × 4 B partial
       results out and back); tokens fp8 + scales (4096 + 32 × 4 B) → 265,158,656 B, bf16 (4096 × 2 B) →
       293,601,280 B.
-    fp8:  44,917,732,188 + 279,639,040 + 783,803,392 + 201,326,592 + 265,158,656 = 46,447,659,868 B
-          (43.26 GiB) × 1.2 = 55,737,191,842 B (51.91 GiB)  ≤  102,625,181,696 B: fits, 43.67 GiB spare.
-    bf16: 83,950,879,068 + 279,639,040 + 783,803,392 + 201,326,592 + 293,601,280 = 85,509,249,372 B (79.64 GiB)
-          × 1.2 = 102,611,099,247 B (95.56 GiB)  ≤  102,625,181,696 B: fits by 0.013 GiB. The bf16 weights alone
-          take 78.19 GiB (93.82 with headroom): bf16 fits barely, fp8 with a wide margin. On a 95 GiB device
-          bf16 misses (by 0.56 GiB) and the advice names FP8 weights first.
+    fp8:  44,917,732,188 + 2,170,614,784 + 783,803,392 + 16,777,216 + 265,158,656 = 48,154,086,236 B (44.85 GiB)
+          × 1.2 = 57,784,903,484 B (53.82 GiB, rounded up)  ≤  102,625,181,696 B: fits, 44,840,278,212 B =
+          41.76 GiB spare.
+    bf16: 83,950,879,068 + 2,170,614,784 + 783,803,392 + 16,777,216 + 293,601,280 = 87,215,675,740 B (81.23 GiB)
+          × 1.2 = 104,658,810,888 B (97.47 GiB)  >  102,625,181,696 B: does not fit, 2,033,629,192 B = 1.89 GiB
+          over (the whole-context cache on every device, 2.02 GiB, tips it).
     """
     fp8 = plan_memory(FLASH, context=N, devices=8, weights="fp8", device="h20")
     bf16 = plan_memory(FLASH, context=N, devices=8, weights="bf16", device="h20")
@@ -118,18 +139,28 @@ def test_v4_flash_fp8_weights_fit_8_h20_at_512k_bf16_do_not():
     assert w["weights: dense (replicated)"] == 4_414_504_960 + 1_077_760 + 3_595_042_816 == 8_010_625_536
     assert w["weights: embeddings, norms (replicated)"] == 2_118_123_520 + 152_355_164
     assert w["weights: dequantized layer (transient)"] == 0
-    assert sum(kv_by_type(fp8).values()) + w["KV cache: scale state (replicated)"] == 279_639_040
-    assert w["communication: KV all-gather"] == 201_326_592
+    assert sum(kv_by_type(fp8).values()) + w["KV cache: scale state (replicated)"] == 2_170_614_784
+    assert w["communication: chunk K=V all-gather"] == 2 * 8192 * 512 * 2 == 16_777_216
     assert w["communication: MoE exchange"] == 7 * 1024 * ((4096 + 32 * 4) + 2 * 4096 * 4) == 265_158_656
     assert w["activations: one chunk"] == 783_803_392
-    assert fp8.total_bytes == 46_447_659_868 and fp8.required_bytes == 55_737_191_842 and fp8.fits
+    assert fp8.total_bytes == 48_154_086_236 and fp8.required_bytes == 57_784_903_484 and fp8.fits
+    assert H20 - fp8.required_bytes == 44_840_278_212
 
     assert bf16.line("weights: routed experts").bytes_per_device == 69_256_347_648
     assert bf16.line("weights: dense (replicated)").bytes_per_device == 12_424_052_736
     assert bf16.line("communication: MoE exchange").bytes_per_device == 7 * 1024 * (4096 * 2 + 2 * 4096 * 4)
-    assert bf16.total_bytes == 85_509_249_372 and bf16.required_bytes == 102_611_099_247 and bf16.fits
-    tips = suggestions(plan_memory(FLASH, context=N, devices=8, weights="bf16", device_memory_gib=95.0))
-    assert tips[0].startswith("--weights fp8: needs 51.9 GiB")
+    assert bf16.total_bytes == 87_215_675_740 and bf16.required_bytes == 104_658_810_888 and not bf16.fits
+    assert bf16.required_bytes - H20 == 2_033_629_192
+    # The advice: FP8 weights first; then the fewest devices that split the 256 experts evenly (not 9-15: the
+    # engine refuses those) and fit. At 16 devices, by hand: experts 16 × 43 × 25,165,824 × 2 = 34,628,173,824;
+    # replicated weights 12,424,052,736 + 2,270,478,684 and the KV cache 2,170,614,784 unchanged; 512 tokens:
+    # activations 512 × 502,784 + 512 × 131072 × 4 + 129280 × 4 = 526,377,984, gather 2 × 16 × 512 × 512 × 2 =
+    # 16,777,216, exchange 15 × 512 × (4096 × 2 + 2 × 4096 × 4) = 314,572,800 → 52,351,048,028 B × 1.2 = 58.5 GiB.
+    tips = suggestions(bf16)
+    assert tips[0].startswith("--weights fp8: needs 53.8 GiB")
+    assert tips[1] == "--devices 16: needs 58.5 GiB per device (with headroom)"
+    assert plan_memory(FLASH, context=N, devices=16, weights="bf16").total_bytes == 52_351_048_028
+    assert plan_memory(FLASH, context=N, devices=9, weights="bf16").fits  # fits on paper, but 9 ∤ 256
 
     # fp4 experts: ½ B per weight + one float32 scale per row and 32 columns (786,432 per expert).
     fp4 = plan_memory(FLASH, context=N, devices=8, weights="fp4-experts")
@@ -137,15 +168,38 @@ def test_v4_flash_fp8_weights_fit_8_h20_at_512k_bf16_do_not():
     assert count_params(FLASH).routed_experts_fp4_scales == 256 * 43 * 786_432
 
 
+def test_more_devices_are_not_suggested_when_the_replicated_cache_is_what_does_not_fit():
+    """1M tokens, bf16 KV (6.74 GiB on every device), fp8 weights, on 20 GiB devices: even at 256 devices (one
+    expert each) the replicated weights (9.56 GiB) and the cache do not fit with headroom, so the advice names the
+    FP8 KV format and says why more devices do not help; with both, 256 devices would fit."""
+    m = 1 << 20
+    plan = plan_memory(FLASH, context=m, devices=8, weights="fp8", kv_format="bf16", device_memory_gib=20)
+    layout = CacheLayout.from_config(FLASH, KVFormat.named("bf16", rope_dim=64))
+    kv = sum(kv_by_type(plan).values())
+    assert kv == layout.bytes_per_request(m) - 4 and 6.7 < kv / GIB < 6.8
+    assert not plan.fits and not plan_memory(FLASH, context=m, devices=256, weights="fp8", kv_format="bf16",
+                                             device_memory_gib=20).fits  # fmt: skip
+    assert plan_memory(FLASH, context=m, devices=256, weights="fp8", kv_format="fp8-channel",
+                       device_memory_gib=20).fits  # fmt: skip
+    tips = suggestions(plan)
+    assert not any(t.startswith("--devices") for t in tips)
+    assert any(t.startswith("--kv-format fp8-channel: needs") for t in tips)
+    (why,) = [t for t in tips if t.startswith("more devices alone do not help")]
+    assert "(up to 256, dividing the 256 routed experts)" in why and "the whole KV cache (6.7 GiB)" in why
+
+
 def test_cli_prints_the_ledger_and_verdict(capsys):
     argv = ["plan", "--model", "v4-flash", "--context", "512k", "--devices", "8", "--weights", "fp8"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "8 h20 device(s)" in out and "4139.5 B/token" in out and "KV cache: CSA layers" in out
-    assert "fits: 43.67 GiB per device to spare" in out and "of 95.58 GiB per h20 device" in out
-    assert main([*argv[:-1], "bf16", "--device-memory-gib", "95"]) == 1
+    assert "KV cache replicated on every device" in out and out.count("replicated on every device") >= 4
+    assert "communication: chunk K=V all-gather" in out
+    assert "fits: 41.76 GiB per device to spare" in out and "of 95.58 GiB per h20 device" in out
+    assert main([*argv[:-1], "bf16"]) == 1
     out = capsys.readouterr().out
-    assert "DOES NOT FIT: 0.56 GiB per device over" in out and "--weights fp8: needs 51.9 GiB" in out
+    assert "DOES NOT FIT: 1.89 GiB per device over" in out and "--weights fp8: needs 53.8 GiB" in out
+    assert "--devices 16: needs 58.5 GiB" in out
     # The old flags still work and mean the same plan.
     assert main([*argv, "--json"]) == 0
     new = json.loads(capsys.readouterr().out)
@@ -155,8 +209,8 @@ def test_cli_prints_the_ledger_and_verdict(capsys):
     assert main([*argv[:-1], "bf16", "--device", "h200", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["capacity_bytes"] == DEVICE_MIB["h200"] * MIB and plan["device"] == "h200"
-    assert main([*argv[:-1], "bf16", "--device-memory-gib", "96", "--json"]) == 0  # 95.76 ≤ 96 GiB
-    assert json.loads(capsys.readouterr().out)["capacity_bytes"] == 96 * GIB
+    assert main([*argv[:-1], "bf16", "--device-memory-gib", "98", "--json"]) == 0  # 97.47 ≤ 98 GiB
+    assert json.loads(capsys.readouterr().out)["capacity_bytes"] == 98 * GIB
 
 
 def test_too_long_a_context_is_refused_naming_the_limit(capsys):

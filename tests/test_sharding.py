@@ -4,11 +4,13 @@ The test process has one CPU device, so multi-device runs happen in subprocesses
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (and, for jax.distributed, two processes on localhost).
 """
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -92,26 +94,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_under_jax_distributed_match_one(tmp_path):
-    """scripts/launch.py in 2 processes × 2 CPU devices (a 4-device mesh; its defaults: the SP core in zigzag order)
-    gives the reference logits."""
-    ids = np.load(os.path.join(FIXTURES, "tiny_long", "reference.npz"))["input_ids"]
-    np.save(tmp_path / "ids.npy", ids)
+def _launch(tmp_path, port: int, process_id: int, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "launch.py"), "--coordinator", f"127.0.0.1:{port}",
+           "--num-processes", "2", "--process-id", str(process_id), "--cpu-devices", "2", "--model",
+           os.path.join(FIXTURES, "tiny_long"), "--dtype", "float32", "--token-ids-file", str(tmp_path / "ids.json"),
+           "--chunk-size", "16", *extra]  # fmt: skip
+    return subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def test_two_processes_under_jax_distributed_generate_the_reference_tokens(tmp_path):
+    """scripts/launch.py in 2 processes × 2 CPU devices: the engine on one 4-device mesh, requests entering at
+    process 0 and broadcast, every process stepping the same plans. The greedy tokens are the reference's, which
+    the one-process engine also gives (tests/test_engine.py, tests/test_engine_mesh.py)."""
+    ref = np.load(os.path.join(FIXTURES, "tiny_long", "reference.npz"))
+    s = ref["input_ids"].shape[1]
+    (tmp_path / "ids.json").write_text(json.dumps(ref["input_ids"].tolist()))
+    n_new = ref["generated"].shape[1] - s
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    common = [sys.executable, os.path.join(ROOT, "scripts", "launch.py"), "--coordinator", f"127.0.0.1:{port}",
-              "--num-processes", "2", "--cpu-devices", "2", "--model", os.path.join(FIXTURES, "tiny_long"),
-              "--token-ids-file", str(tmp_path / "ids.npy")]  # fmt: skip
-    save = ["--save-logits", str(tmp_path / "out.npy")]
-    procs = [subprocess.Popen([*common, "--process-id", str(i), *(save if i == 0 else [])],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-             for i in range(2)]
+    save = ["--save-tokens", str(tmp_path / "out.json")]
+    procs = [_launch(tmp_path, port, i, "--max-new-tokens", str(n_new), *(save if i == 0 else [])) for i in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     assert "2 processes, 4 devices" in outs[0]
-    want = np.load(os.path.join(FIXTURES, "tiny_long", "reference.npz"))["logits"][:, -1]
-    got = np.load(tmp_path / "out.npy")
-    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+    assert json.loads((tmp_path / "out.json").read_text()) == ref["generated"][:, s:].tolist()
+
+
+def test_a_dead_peer_stops_the_others_with_an_error(tmp_path):
+    """Process 1 is killed once both have joined: process 0 must not hang but exit with the coordination service's
+    error (the dead task's heartbeat timed out, or the task crashed), within the heartbeat timeout and a margin."""
+    (tmp_path / "ids.json").write_text(json.dumps(list(range(1, 90))))
+    port = _free_port()
+    procs = [_launch(tmp_path, port, i, "--max-new-tokens", "400", "--heartbeat-timeout", "5") for i in range(2)]
+    try:
+        for line in procs[1].stdout:
+            if line.startswith("joined:"):
+                break
+        procs[1].kill()
+        start = time.monotonic()
+        out = procs[0].communicate(timeout=120)[0]
+        elapsed = time.monotonic() - start
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode != 0, out[-2000:]
+    assert "heartbeat timeout" in out or "tasks have crashed" in out, out[-2000:]
+    assert elapsed < 60
 
 
 PAGED_INDEX_SCRIPT = """
