@@ -418,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "cache replicated on every device as dsv4.cache.layout lays it out (compressed entries, every "
                     "layer's ring and open windows, FP8 scale state), one layer's all-gathered K=V rows of a chunk, "
                     "one chunk's activations (its tokens split over the devices) and the MoE exchange buffers; then "
-                    "applies 1.2x headroom. Exits 1 if it does not fit the device, naming the changes that would make it fit.",
+                    "applies 1.2x headroom. Exits 1 if it does not fit the device, naming the changes that would make "
+                    "it fit.",
         epilog="examples:\n  dsv4 plan --model v4-flash --context 512k --devices 8 --weights fp8\n"
                "  dsv4 plan --model v4-pro --context 512k --devices 8 --device h200 --weights fp4-experts",
         formatter_class=argparse.RawDescriptionHelpFormatter,
