@@ -114,6 +114,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -144,6 +145,7 @@ from dsv4.engine import LLM  # noqa: E402
 from dsv4.kernels import Kernels  # noqa: E402
 from dsv4.layers import apply_rope, hc_merge, linear, rms_normalize  # noqa: E402
 from dsv4.model import DeepseekV4  # noqa: E402
+from dsv4.quantization import BlockQuantized  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 GiB = 1 << 30
@@ -267,6 +269,10 @@ def parse_args():
     p.add_argument("--layer-types", default=None, help="explicit mix, e.g. sliding,csa,hca,csa (overrides --layers)")
     p.add_argument("--variants", default=",".join(PRIORITY), help=f"subset of {','.join(PRIORITY)} (run in that order)")
     p.add_argument("--chunk", type=int, default=None, help="chunked-prefill chunk (default 8192; smoke 32 / 64)")
+    p.add_argument("--weights", default="bf16", choices=WEIGHT_FORMATS,
+                   help="bf16 (default), or as V4 releases store them, kept quantized on the device: fp8 (e4m3, "
+                        "128x128 block scales; the experts on the W8A8 kernels), fp8-fp4-experts (routed experts "
+                        "e2m1 with per-32 scales)")  # fmt: skip
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-component breakdown")
     p.add_argument("--no-chunk-split", action="store_true", help="skip the layer-by-layer pass of the chunked variant")
     p.add_argument("--no-whole-check", action="store_true", help="skip the whole-model jit check of variant (3)")
@@ -667,6 +673,78 @@ def build_model_on_device(config: Config, seed: int, dtype) -> tuple[DeepseekV4,
     return model, dict(init_s=time.perf_counter() - t0, param_bytes=nbytes, n_leaves=len(values), kinds=kinds)
 
 
+# ---- the released weight formats, made on the device -------------------------------------------------------
+# Module paths of the matrices a V4 release stores in FP8 (`dsv4.weights.RELEASED_FP8` in checkpoint names): the
+# attention q / kv / output-b projections, the indexer's q projection, the shared and the routed experts.
+_RELEASED_FP8 = re.compile(r"self_attn\.(q_a_proj|q_b_proj|kv_proj|o_b_proj)\.weight$|indexer\.q_b_proj\.weight$"
+                           r"|shared_experts\.\w+\.weight$|mlp\.experts\.(gate_up_proj|down_proj)$")
+_ROUTED = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)$")
+WEIGHT_FORMATS = ("bf16", "fp8", "fp8-fp4-experts")
+
+
+def _ue8m0(amax, top):
+    return jnp.exp2(jnp.ceil(jnp.log2(jnp.where(amax > 0, amax / top, 1.0))))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_fp8(w, block=128):
+    """[..., out, in] → (e4m3 q, float32 scale [..., out/128, in/128]): one scale per 128 × 128 block, the power of
+    two at least amax / 448 (ue8m0, as the releases store them), values rounded to nearest."""
+    *lead, rows, cols = w.shape
+    pr, pc = -rows % block, -cols % block  # edge blocks are partial: zeros do not change their amax
+    wp = jnp.pad(w.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, pr), (0, pc)])
+    wb = wp.reshape(*lead, (rows + pr) // block, block, (cols + pc) // block, block)
+    amax = jnp.max(jnp.abs(wb), axis=(-3, -1))
+    scale = _ue8m0(amax, 448.0)
+    q = jnp.clip(wb / scale[..., :, None, :, None], -448.0, 448.0)
+    q = q.reshape(wp.shape)[..., :rows, :cols].astype(jnp.float8_e4m3fn)
+    return q, scale
+
+
+@jax.jit
+def _quantize_fp4(w):
+    """[E, out, in] → (packed e2m1 uint8 [E, out, in/2], float32 scale [E, out, in/32]), expert by expert: one scale
+    per row and 32 columns (ue8m0: the power of two at least amax / 6), each value rounded to the nearest e2m1
+    magnitude, even columns in the low nibble (the release's layout, `dsv4.quantization`)."""
+    magnitudes = jnp.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], jnp.float32)
+
+    def one(we):
+        out, cols = we.shape  # cols even (two codes a byte); a partial last group is padded with zeros
+        g = jnp.pad(we.astype(jnp.float32), [(0, 0), (0, -cols % 32)]).reshape(out, -1, 32)
+        amax = jnp.max(jnp.abs(g), axis=-1)
+        scale = _ue8m0(amax, 6.0)
+        x = (g / scale[..., None]).reshape(out, -1)[:, :cols]
+        code = jnp.argmin(jnp.abs(jnp.abs(x)[..., None] - magnitudes), axis=-1).astype(jnp.uint8)
+        code = code | jnp.where(x < 0, 8, 0).astype(jnp.uint8)
+        return code[:, 0::2] | (code[:, 1::2] << 4), scale
+
+    return jax.lax.map(one, w)
+
+
+def quantize_released(model: DeepseekV4, weights: str) -> dict:
+    """The model's weights in place as a release stores them, kept quantized on the device (`BlockQuantized`):
+    "fp8" puts every released-FP8 matrix in e4m3 with 128 × 128 block scales; "fp8-fp4-experts" the routed experts
+    in e2m1 with per-32 scales instead. The rest stays bf16. → counts and bytes for the log."""
+    counts, nbytes = {}, 0
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = ".".join(str(p) for p in path)
+        if not _RELEASED_FP8.search(name):
+            continue
+        w = var.get_value()
+        if weights == "fp8-fp4-experts" and _ROUTED.search(name):
+            q, scale = _quantize_fp4(w)
+            value = BlockQuantized(q, scale, "fp4", (1, 32), tuple(w.shape), jnp.dtype(w.dtype).name)
+        else:
+            q, scale = _quantize_fp8(w)
+            value = BlockQuantized(q, scale, "fp8", (128, 128), tuple(w.shape), jnp.dtype(w.dtype).name)
+        jax.block_until_ready(value)
+        var.set_value(value)
+        del w
+        counts[value.fmt] = counts.get(value.fmt, 0) + 1
+        nbytes += int(value.q.nbytes + value.scale.nbytes)
+    return dict(weights=weights, quantized=counts, quantized_bytes=nbytes)
+
+
 # ---- jitted pieces (static graphdefs) ---------------------------------------------------------
 def _embed(embed_w, ids, hc):
     x = embed_w[ids]
@@ -915,6 +993,9 @@ class Bench:
             self.model = nnx.merge(graphdef, state)
             info = dict(init_s=time.perf_counter() - t0, n_leaves=len(jax.tree.leaves(state)), kinds={},
                         param_bytes=sum(int(x.nbytes) for x in jax.tree.leaves(state)), fallback=True)  # fmt: skip
+        if self.args.weights != "bf16":
+            info.update(quantize_released(self.model, self.args.weights))
+            free()
         self.state = nnx.split(self.model)[1]
         info["bytes_in_use_after_gib"] = bytes_in_use() / GiB
         info["weights_gib"] = (bytes_in_use() - before) / GiB
