@@ -47,8 +47,32 @@ def init_random(config: Config | str, seed: int = 0, *, dtype=jnp.float32,
     return model
 
 
+CHECK_FINITE_MAX_BYTES = 2 << 30
+"""`load` checks every weight for NaN / inf by default below this many bytes of parameters."""
+
+
+def check_finite(model: DeepseekV4, where: str = "") -> None:
+    """Raises CheckpointError (a ValueError) naming the first parameter holding NaN or inf, and how many."""
+    state = nnx.state(model, nnx.Param)
+    for path, value in jax.tree_util.tree_leaves_with_path(state):
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            continue
+        bad = int(_count_non_finite(value))
+        if bad:
+            parts = (str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+            name = ".".join(p for p in parts if p and p != "value")
+            raise CheckpointError(f"tensor model.{name}{' in ' + where if where else ''} holds {bad} non-finite values "
+                                  f"(NaN or inf) of {value.size}")  # fmt: skip
+
+
+@jax.jit
+def _count_non_finite(x):
+    return jnp.sum(~jnp.isfinite(x.astype(jnp.float32)))
+
+
 def load(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, kernels: Kernels | str | None = None, mesh=None,
-         shardings=None, keep_quantized: bool = False, progress: bool | None = None) -> DeepseekV4:  # fmt: skip
+         shardings=None, keep_quantized: bool = False, progress: bool | None = None,
+         check_finite_weights: bool | None = None) -> DeepseekV4:  # fmt: skip
     """Loads a checkpoint directory: config.json + safetensors (either tensor layout, plain or FP8/FP4
     block-quantized), or an orbax checkpoint written by `dsv4.convert`; the log says which it found.
 
@@ -62,7 +86,8 @@ def load(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, kernels: Kernels |
     them to `dtype` on load. progress: a stderr progress line (default: for checkpoints of 1 GB or more).
 
     Raises ValueError (CheckpointError) naming the config field or tensor and file on bad input; nothing is
-    placed on a device until the whole checkpoint has been checked.
+    placed on a device until the whole checkpoint has been checked. check_finite_weights: also check every weight
+    for NaN / inf (a ValueError naming the tensor); default: for models under 2 GB of parameters.
     """
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
@@ -85,6 +110,11 @@ def load(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, kernels: Kernels |
         fmt = "safetensors"
         model = load_into(abstract, model_dir, sharding_for=sharding_for, keep_quantized=keep_quantized,
                           progress=progress, check_integer=check_integer)  # fmt: skip
+    if check_finite_weights is None:
+        nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        check_finite_weights = nbytes < CHECK_FINITE_MAX_BYTES
+    if check_finite_weights:
+        check_finite(model, model_dir)
     log.info("loaded %s (%s checkpoint, %d layers, %s%s)", model_dir, fmt, config.num_hidden_layers,
              jnp.dtype(dtype).name, ", quantized weights kept" if keep_quantized else "")  # fmt: skip
     return model

@@ -2,7 +2,7 @@
 
     llm = dsv4.LLM("tiny", max_slots=8, max_model_len=8192)
     outputs = llm.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)          # blocking, in prompt order
-    for request_id, token_id, finish_reason, output in llm.stream(prompts):  # tokens as they come
+    for event in llm.stream(prompts):  # TokenEvent(request_id, token_id, finish_reason, output, ...)
         ...
     rid = llm.add_request(prompt_ids, max_new_tokens=16); llm.step(); llm.cancel(rid)   # online
 
@@ -11,11 +11,24 @@ One engine step is: `Scheduler.schedule()` (host, pure Python: who runs, how man
 from the last position's logits of each chunk that needs them, `Scheduler.update(plan, sampled)`. The
 engine adds what neither side knows about: prompts as text, sampling state, per-request metrics, and the
 mapping of errors to the request that caused them.
+
+Faults. A step is a transaction over the requests it planned: if anything fails after `schedule()` (the runner
+before or after its device calls, the host bookkeeping, `update`), every request in the plan is finished with
+finish_reason "error" (the exception in `RequestOutput.error`), its pages and slot released (`Scheduler.abort`,
+`ModelRunner.release`); the other requests are untouched: the plan changed nothing of theirs but preemptions,
+which are already a consistent state (they recompute from scratch). The device cache is donated to every jitted
+call, so a failed call may have consumed it: then the runner rebuilds an empty cache (`ModelRunner.rebuild_cache`)
+and every other request that had state in it is preempted, i.e. recomputes its prompt and outputs from position 0
+(the scheduler's preemption), so its tokens are the same as if nothing had happened. Either way the next step runs.
+A failure that belongs to one request fails only that request: its logits are not finite, its sampling raises, or
+decoding its text raises. Requests are validated at the door (`add_request`, `SamplingParams`): a bad one raises
+ValueError naming the field and the value and never reaches a step.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import time
@@ -30,7 +43,7 @@ from jax.sharding import Mesh
 from dsv4.api import init_random, load
 from dsv4.cache import BlockPool, KVCacheManager, PageSpec
 from dsv4.config import SLIDING, Config
-from dsv4.generate import SamplingParams, sample
+from dsv4.generate import SamplingParams, _is_int, _is_real, logprobs, sample
 from dsv4.kernels import Kernels
 from dsv4.model import DeepseekV4, check_token_ids
 from dsv4.runner import ModelRunner, power_of_two_buckets
@@ -40,6 +53,8 @@ from dsv4.tokenizer import TextTokenizer, load_tokenizer
 
 Prompt = str | Sequence[int]
 
+log = logging.getLogger("dsv4")
+
 DEFAULT_PAGE_TOKENS = 256
 """Default tokens per KV page, rounded up to a multiple of every compress rate."""
 
@@ -47,6 +62,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_CANCELLED: "cancelled",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -62,11 +78,19 @@ class RequestMetrics:
     """When each generated token reached the host, in order."""
     finished_time: float | None = None
     num_preemptions: int = 0
+    compile_s: float = 0.0
+    """Seconds of one-time compilation in the steps of this request's life (every running request waits for it).
+    Not counted in `ttft_s`; `LLM(warmup=True)` (the default) compiles up front so this stays 0."""
+    compile_before_first_token_s: float = 0.0
+    """The part of `compile_s` before the first token, which `ttft_s` leaves out."""
 
     @property
     def ttft_s(self) -> float | None:
-        """Arrival → first token: queueing, the whole (chunked) prefill, and the first sample."""
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        """Arrival → first token: queueing, the whole (chunked) prefill, and the first sample; one-time
+        compilation (`compile_s`) left out."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time - self.compile_before_first_token_s
 
     @property
     def itl_s(self) -> list[float]:
@@ -95,9 +119,16 @@ class RequestOutput:
     finish_reason: str | None = None
     """None while running; then "stop" (a stop token), "length" (max_new_tokens), "cancelled" or "error"."""
     error: str | None = None
-    """Why the request was refused (finish_reason "error"): too long for the model or the KV memory, bad ids."""
+    """Why the request failed (finish_reason "error"): refused (too long for the model or the KV memory, bad ids),
+    its step failed, its logits were not finite, or decoding its text failed."""
     text: str | None = None
     """The generated tokens decoded, when the engine has a tokenizer."""
+    logprobs: list[float] | None = None
+    """With `SamplingParams.logprobs` set: each generated token's log-probability (log_softmax of the float32
+    logits, before temperature / top-k / top-p)."""
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+    """With `SamplingParams.logprobs` = k: for each generated token, the k most likely (token id, log-probability)
+    pairs, most likely first."""
 
     @property
     def finished(self) -> bool:
@@ -113,11 +144,15 @@ class TokenEvent(NamedTuple):
 
     request_id: str
     token_id: int | None
-    """None only for a refused request's single event (finish_reason "error")."""
+    """None only on a failed request's last event (finish_reason "error": refused, or its step failed)."""
     finish_reason: str | None = None
     """Set on the request's last event."""
     output: RequestOutput | None = None
     """The finished request's output (tokens, metrics), on its last event only."""
+    logprob: float | None = None
+    """The token's log-probability, when the request asked for logprobs."""
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    """The k most likely (token id, log-probability) pairs, when the request asked for logprobs = k."""
 
 
 @dataclass
@@ -142,8 +177,19 @@ def _resolve_model(model, *, dtype, seed: int, kernels: Kernels | str | None = N
     if os.path.isdir(name):
         if mesh is not None:
             check_mesh(mesh, Config.from_hf(name).n_routed_experts)
-        return load(name, dtype=jnp.dtype(dtype or "bfloat16"), kernels=kernels, keep_quantized=keep_quantized,
-                    mesh=mesh), name  # fmt: skip
+        try:
+            return load(name, dtype=jnp.dtype(dtype or "bfloat16"), kernels=kernels, keep_quantized=keep_quantized,
+                        mesh=mesh), name  # fmt: skip
+        except ValueError as e:
+            pickles = sorted(f for f in os.listdir(name) if f.endswith((".bin", ".pt", ".pth", ".ckpt")))
+            if "no .safetensors files" in str(e) and pickles:
+                raise type(e)(f"{e}; {', '.join(pickles[:3])} {'is' if len(pickles) == 1 else 'are'} PyTorch pickle "
+                              "file(s), refused, not read (unpickling can run arbitrary code): convert the checkpoint "
+                              "to safetensors") from None  # fmt: skip
+            raise
+    if name not in ("tiny", "v4-flash", "v4-pro") and (os.sep in name or os.path.exists(name)):
+        raise FileNotFoundError(f"model {name!r}: {'not a directory' if os.path.exists(name) else 'no such directory'}"
+                                " (a checkpoint is a directory with config.json; presets: tiny, v4-flash, v4-pro)")
     if keep_quantized:
         raise ValueError(f"keep_quantized: {name!r} is a preset (random weights, nothing quantized); it applies to a "
                          "checkpoint directory with FP8 / FP4 weights")  # fmt: skip
@@ -190,6 +236,12 @@ class LLM:
     mesh: run on these devices (`dsv4.sharding.make_mesh()`: every device, over every process): each chunk's tokens
         split over them, the routed experts expert-parallel, the cache replicated; the same greedy tokens as one
         device. A model instance is placed on it, a checkpoint streamed onto it (each device reads its slice).
+    warmup: compile the call shapes up front: the decode width, every packed width (chunks up to max_packed_width:
+        short prompts and decode batches) and the full chunk's width, so a request waits for no compilation (a long
+        prompt's last, partial chunk may still compile its width once); `compile_s` says how long it took. False
+        compiles each shape on first use (faster to build, e.g. for tests that build many engines; `warmup()`
+        compiles chosen shapes later). Compilation a request waits for is in its `metrics.compile_s`, never in its
+        TTFT.
     """
 
     def __init__(
@@ -214,6 +266,7 @@ class LLM:
         kernels: Kernels | str | None = None,
         keep_quantized: bool = False,
         mesh: Mesh | None = None,
+        warmup: bool = True,
     ) -> None:
         self.model, model_dir = _resolve_model(model, dtype=dtype, seed=seed, kernels=kernels,
                                                keep_quantized=keep_quantized, mesh=mesh)  # fmt: skip
@@ -224,8 +277,12 @@ class LLM:
         if not 2 <= max_model_len <= config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} must be in [2, max_position_embeddings="
                              f"{config.max_position_embeddings}]")  # fmt: skip
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+        for name, value in (("max_slots", max_slots), ("max_model_len", max_model_len), ("chunk_size", chunk_size),
+                            ("max_packed_width", max_packed_width)):  # fmt: skip
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if max_num_batched_tokens is not None and (not _is_int(max_num_batched_tokens) or max_num_batched_tokens < 1):
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens!r} must be an int >= 1 or None")
         self.max_model_len, self.chunk_size = max_model_len, chunk_size
         buckets = sorted(set(width_buckets)) if width_buckets is not None else list(power_of_two_buckets(chunk_size))
         if buckets[-1] < chunk_size:
@@ -262,71 +319,164 @@ class LLM:
         self._live: dict[str, _Live] = {}
         self._finished: dict[str, RequestOutput] = {}
         self._ids = itertools.count()
+        # Up front: decode and every packed width (short prompts, decode batches) and the full chunk's width; a
+        # long prompt's remainder width compiles on first use (a whole-model compile each: minutes for every bucket).
+        widths = [w for w in self.runner.width_buckets if self.runner.is_packed(w)] + [chunk_size]
+        self.compile_s = self.warmup(widths=widths) if warmup else 0.0
+        """Seconds spent compiling up front (`warmup`)."""
 
     # ----- online API ------------------------------------------------------------------------------------
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """A prompt as token ids: str prompts need the checkpoint's tokenizer."""
+        """A prompt as token ids: a str through the checkpoint's tokenizer, or a flat sequence of ints (Python or
+        numpy; a 1-D integer array). Raises ValueError naming the problem: a float or nested element, a 2-D
+        array, a str without a tokenizer. (Empty prompts and ids out of range are `add_request`'s to refuse.)"""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer, and this model has none (no tokenizer.json in "
                                  "its directory): pass token ids instead")  # fmt: skip
             return self.tokenizer.encode(prompt, chat_template=self.chat_template)
-        ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
+        if isinstance(prompt, (bytes, bytearray, dict, set, frozenset)) or not (
+            isinstance(prompt, Sequence) or hasattr(prompt, "__array__")
+        ):
+            raise ValueError(f"prompt: expected a str or a flat sequence of int token ids; got {type(prompt).__name__}")
+        if hasattr(prompt, "__array__") and not isinstance(prompt, Sequence):
+            array = np.asarray(prompt)
+            if array.ndim != 1:
+                raise ValueError(f"prompt: token ids must be a flat sequence; got an array of shape {array.shape}")
+            if not np.issubdtype(array.dtype, np.integer):
+                raise ValueError(f"prompt: token ids must be integers; got an array of dtype {array.dtype}")
+            return [int(t) for t in array]
+        ids = []
+        for position, token in enumerate(prompt):
+            if not _is_int(token):
+                kind = type(token).__name__
+                if isinstance(token, (Sequence, np.ndarray)):
+                    kind += ", a nested sequence: prompts are flat"
+                raise ValueError(f"prompt: the token id at position {position} is {token!r} ({kind}); token ids "
+                                 "are ints")  # fmt: skip
+            ids.append(int(token))
         return ids
 
     def add_request(self, prompt: Prompt, *, max_new_tokens: int = 16, sampling: SamplingParams | None = None,
                     stop_token_ids: Iterable[int] = (), request_id: str | None = None,
                     arrival_time: float | None = None) -> str:  # fmt: skip
-        """Queues a request and returns its id. Raises ValueError naming the problem when it can never run:
-        empty prompt, token id out of range, prompt + max_new_tokens over max_model_len, or more KV than the
-        whole page pool. `arrival_time` (perf_counter seconds, default now) is where TTFT starts."""
-        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        """Queues a request and returns its id. Raises ValueError naming the field and the value when it can never
+        run: a prompt that is empty, not a str or flat sequence of ints, or has an id out of range; max_new_tokens
+        not an int >= 1; sampling not a `SamplingParams` (whose own fields are checked when it is made); a stop
+        token that is not an int; prompt + max_new_tokens over max_model_len, or more KV than the whole page pool.
+        `arrival_time` (perf_counter seconds, default now) is where TTFT starts."""
+        if arrival_time is not None and (not _is_real(arrival_time) or not math.isfinite(arrival_time)):
+            raise ValueError(f"arrival_time={arrival_time!r} must be a finite number (perf_counter seconds)")
+        arrival = time.perf_counter() if arrival_time is None else float(arrival_time)
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id={request_id!r} must be a str")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already running")
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_new_tokens={max_new_tokens!r} must be an int >= 1")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ValueError(f"request {request_id!r}: sampling={sampling!r} must be a dsv4.SamplingParams")
+        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable):
+            raise ValueError(f"request {request_id!r}: stop_token_ids={stop_token_ids!r} must be a collection of ints")
+        stop = list(stop_token_ids)
+        bad_stop = [t for t in stop if not _is_int(t)]
+        if bad_stop:
+            raise ValueError(f"request {request_id!r}: stop_token_ids holds {bad_stop[0]!r}, not an int token id")
         ids = self.encode(prompt)
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         check_token_ids(np.asarray(ids), self.config.vocab_size)
-        request = Request(request_id, ids, max_new_tokens, frozenset(stop_token_ids))
+        request = Request(request_id, ids, int(max_new_tokens), frozenset(int(t) for t in stop))
         self.scheduler.add_request(request)  # may raise: too long for max_model_len or the pool
         sampling = sampling or SamplingParams()
         metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids))
         output = RequestOutput(request_id, request.prompt_token_ids, request.output_token_ids, metrics)
+        if sampling.logprobs is not None:
+            output.logprobs, output.top_logprobs = [], []
         self._live[request_id] = _Live(request, sampling, np.random.default_rng(sampling.seed), output)
         self._finished.pop(request_id, None)
         return request_id
 
     def step(self) -> list[TokenEvent]:
-        """Runs one engine step; returns the tokens it produced (last event of a request: finish_reason set)."""
+        """Runs one engine step; returns the tokens it produced (last event of a request: finish_reason set).
+
+        Never raises for a fault inside the step: the requests it hits are finished with finish_reason "error"
+        (their last event has token_id None unless a token was sampled), and the next step runs; see the module
+        docstring, "Faults"."""
         if not self.scheduler.has_unfinished_requests():
             return []
         plan = self.scheduler.schedule()
-        now = time.perf_counter()
-        for chunk in plan.chunks:
-            metrics = self._live[chunk.request_id].output.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-        logits = self.runner.execute(plan)
-        sampled = {}
+        compile_before = self.runner.compile_s
+        try:
+            now = time.perf_counter()
+            for chunk in plan.chunks:
+                metrics = self._live[chunk.request_id].output.metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
+            logits = self.runner.execute(plan)
+        except Exception as e:  # noqa: BLE001 -- any fault: the plan's requests fail, the engine goes on
+            self._charge_compile(self.runner.compile_s - compile_before)
+            return self._fail_step(plan, e)
+        self._charge_compile(self.runner.compile_s - compile_before)
+        for chunk in plan.chunks:  # cancelled while the step ran: `execute` may have given it a slot again
+            if chunk.request_id not in self._live:
+                self.runner.release(chunk.request_id)
+
+        events: list[TokenEvent] = []
+        sampled: dict[str, int] = {}
+        extra: dict[str, tuple[float, tuple[tuple[int, float], ...]] | None] = {}
+        failed: dict[str, str] = {}
         for request_id, row in logits.items():
-            live = self._live[request_id]
-            sampled[request_id] = sample(row, live.sampling, live.rng)
-        finished = {request.request_id: request for request in self.scheduler.update(plan, sampled)}
+            live = self._live.get(request_id)
+            if live is None or live.request.status is not RequestStatus.RUNNING:
+                continue  # cancelled while the step ran
+            try:
+                token = sample(row, live.sampling, live.rng)
+                k = live.sampling.logprobs
+                extra[request_id] = None if k is None else logprobs(row, token, k)
+            except Exception as e:  # noqa: BLE001 -- this request's fault: it fails alone
+                failed[request_id] = f"sampling failed: {type(e).__name__}: {e}"
+                continue
+            sampled[request_id] = token
         now = time.perf_counter()
-        events = []
+        for request_id, message in failed.items():
+            events += self._fail(request_id, message, now)
+        try:
+            finished = {request.request_id: request for request in self.scheduler.update(plan, sampled)}
+        except Exception as e:  # noqa: BLE001
+            return events + self._fail_step(plan, e)
+        now = time.perf_counter()
         for request_id, token in sampled.items():
-            live = self._live[request_id]
-            metrics = live.output.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.token_times.append(now)
-            if request_id in finished:
-                output = self._finish(request_id, _FINISH_REASONS[finished[request_id].status], now)
-                events.append(TokenEvent(request_id, token, output.finish_reason, output))
-            else:
-                events.append(TokenEvent(request_id, token))
+            live = self._live.get(request_id)
+            if live is None:
+                continue  # cancelled meanwhile: no more events
+            try:
+                output, metrics = live.output, live.output.metrics
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                metrics.token_times.append(now)
+                logprob, top = extra[request_id] if extra[request_id] is not None else (None, None)
+                if logprob is not None:
+                    output.logprobs.append(logprob)
+                    output.top_logprobs.append(top)
+                if request_id in finished:
+                    output = self._finish(request_id, _FINISH_REASONS[finished[request_id].status], now)
+                    events.append(TokenEvent(request_id, token, output.finish_reason, output, logprob, top))
+                else:
+                    events.append(TokenEvent(request_id, token, None, None, logprob, top))
+            except Exception as e:  # noqa: BLE001
+                log.warning("request %s failed after its step", request_id, exc_info=True)
+                message = f"{type(e).__name__}: {e}"
+                if request_id in self._live:
+                    events += self._fail(request_id, message, now, token)
+                else:  # failed inside `_finish`, after leaving the engine: finish its output here
+                    self.scheduler.abort(request_id)
+                    self.runner.release(request_id)
+                    live.output.finish_reason, live.output.error = "error", message
+                    self._finished[request_id] = live.output
+                    events.append(TokenEvent(request_id, token, "error", live.output))
         return events
 
     def cancel(self, request_id: str) -> bool:
@@ -420,18 +570,60 @@ class LLM:
 
     # ----- internals -------------------------------------------------------------------------------------
 
-    def _finish(self, request_id: str, reason: str, now: float) -> RequestOutput:
+    def _finish(self, request_id: str, reason: str, now: float, error: str | None = None) -> RequestOutput:
+        """Takes a request that the scheduler has finished out of the engine: releases its slot, completes its
+        output (text included: if decoding it fails, the request fails, with the tokens kept)."""
         live = self._live.pop(request_id)
         self.runner.release(request_id)
         output = live.output
-        output.finish_reason = reason
+        output.finish_reason, output.error = reason, error
         output.metrics.finished_time = now
         output.metrics.num_preemptions = live.request.num_preemptions
         output.token_ids = list(live.request.output_token_ids)
         if self.tokenizer is not None:
-            output.text = self.tokenizer.decode(output.token_ids)
+            try:
+                output.text = self.tokenizer.decode(output.token_ids)
+            except Exception as e:  # noqa: BLE001 -- this request's fault alone
+                output.finish_reason = "error"
+                output.error = (error + "; " if error else "") + f"decoding the text failed: {type(e).__name__}: {e}"
         self._finished[request_id] = output
         return output
+
+    def _fail(self, request_id: str, message: str, now: float, token: int | None = None) -> list[TokenEvent]:
+        """Finishes a live request with finish_reason "error": its pages and slot released. → its last event
+        (none if it is no longer live)."""
+        if request_id not in self._live:
+            return []
+        self.scheduler.abort(request_id)  # None if the scheduler had already finished it
+        output = self._finish(request_id, "error", now, message)
+        output.finish_reason = "error"
+        return [TokenEvent(request_id, token, "error", output)]
+
+    def _fail_step(self, plan, error: Exception) -> list[TokenEvent]:
+        """A step failed after `schedule()`: every request of its plan fails; if the device cache was lost, every
+        other request with state in it is preempted (recomputes from scratch). See the module docstring."""
+        log.warning("engine step failed; its requests are finished with an error", exc_info=error)
+        message = f"the engine step failed: {type(error).__name__}: {error}"
+        for request_id in plan.preempted_request_ids:
+            self.runner.release(request_id)
+        now = time.perf_counter()
+        events = []
+        for chunk in plan.chunks:
+            events += self._fail(chunk.request_id, message, now)
+        if not self.runner.cache_ok():
+            for request_id in self.runner.rebuild_cache():
+                self.scheduler.preempt(request_id)  # recomputes from position 0 when next scheduled
+        return events
+
+    def _charge_compile(self, seconds: float) -> None:
+        """Compilation in a step delays every live request: it goes to their `compile_s`, and out of TTFT."""
+        if seconds <= 0:
+            return
+        for live in self._live.values():
+            metrics = live.output.metrics
+            metrics.compile_s += seconds
+            if metrics.first_token_time is None:
+                metrics.compile_before_first_token_s += seconds
 
     def _error_output(self, request_id: str, prompt: Prompt, error: Exception) -> RequestOutput:
         try:

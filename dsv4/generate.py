@@ -10,6 +10,7 @@ compilation for the whole request. The paged-cache engine replaces this for deco
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -20,21 +21,57 @@ from flax import nnx
 
 from dsv4.model import DeepseekV4, check_token_ids
 
+MAX_LOGPROBS = 20
+"""The most alternatives `SamplingParams.logprobs` may ask for (OpenAI-compatible servers allow 20)."""
+
+
+def _is_int(value) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Greedy when temperature == 0. top_k <= 0 and top_p >= 1 disable those filters."""
+    """Greedy when temperature == 0; top_k == 0 and top_p == 1 disable those filters.
+
+    Validated here, so sampling only ever sees good values: temperature a finite number >= 0, top_k an int
+    >= 0, top_p a finite number in (0, 1], seed an int >= 0, logprobs None or an int in [0, 20]. A bad value
+    raises ValueError naming the field and the value.
+
+    logprobs: None (none reported), or k: each generated token's log-probability plus the k most likely
+    alternatives (`TokenEvent.logprob` / `.top_logprobs`, `RequestOutput.logprobs` / `.top_logprobs`). They are
+    the log_softmax of the model's float32 logits, before temperature, top-k and top-p.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        t, p = self.temperature, self.top_p
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature={t!r} must be a finite number >= 0")
+        if not _is_real(p) or not math.isfinite(p) or not 0 < p <= 1:
+            raise ValueError(f"top_p={p!r} must be a finite number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0: no top-k filter)")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"seed={self.seed!r} must be an int >= 0")
+        k = self.logprobs
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs={k!r} must be None or an int in [0, {MAX_LOGPROBS}]")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "seed", int(self.seed))
+        if k is not None:
+            object.__setattr__(self, "logprobs", int(k))
 
 
 @dataclass
@@ -58,8 +95,18 @@ def _logits_at(graphdef, state, ids, position):
     return model.lm_logits(h)
 
 
+def check_logits(logits: np.ndarray) -> None:
+    """Raises ValueError if the logits hold NaN or +inf (-inf, a masked token, is fine)."""
+    bad = np.isnan(logits) | (logits == np.inf)
+    if bad.any():
+        first = int(np.argmax(bad))
+        raise ValueError(f"the model's logits are not finite ({int(bad.sum())} of {logits.size} NaN or +inf, the "
+                         f"first at token {first}: {logits[first]})")  # fmt: skip
+
+
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token from float32 logits [vocab] on the host."""
+    """One token from float32 logits [vocab] on the host. Raises ValueError on NaN / +inf logits."""
+    check_logits(logits)
     if params.temperature == 0:
         return int(np.argmax(logits))
     z = logits.astype(np.float64) / params.temperature
@@ -78,14 +125,28 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     return int(rng.choice(probs.size, p=probs))
 
 
+def logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """(log-probability of `token`, the k most likely tokens with theirs, most likely first), from the
+    log_softmax of float32 logits [vocab] (before temperature and filters)."""
+    z = logits.astype(np.float64)
+    z = z - z.max()
+    lse = np.log(np.exp(z).sum())
+    chosen = float(z[token] - lse)
+    if k <= 0:
+        return chosen, ()
+    top = np.argpartition(-z, min(k, z.size) - 1)[:k]
+    top = top[np.lexsort((top, -z[top]))]  # most likely first, ties by token id
+    return chosen, tuple((int(t), float(z[t] - lse)) for t in top)
+
+
 def generate(model: DeepseekV4, prompt_ids, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
              stop_token_ids: tuple[int, ...] = (), on_token=None) -> GenerationResult:  # fmt: skip
     """Generates up to `max_new_tokens` after `prompt_ids` ([S] ints); stops early on a stop token."""
     prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     if prompt.size == 0:
         raise ValueError("prompt is empty: give at least one token")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
     check_token_ids(prompt, model.config.vocab_size)
     total = prompt.size + max_new_tokens
     if total > model.config.max_position_embeddings:

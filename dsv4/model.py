@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dsv4.attention import Attention
@@ -182,15 +183,43 @@ class DeepseekV4(nnx.Module):
         logits = self.lm_logits(h)
         return logits, cache.replace(num_tokens=start + valid, layers=tuple(states))
 
-    def prefill_chunk(self, cache: ModelCache, token_ids: jax.Array, valid: jax.Array | None = None):
-        """The next prompt chunk of each slot (any length, any split of the prompt): `forward_chunk`."""
-        return self.forward_chunk(cache, token_ids, valid)
+    def prefill_chunk(self, cache: ModelCache, token_ids, valid=None):
+        """The next prompt chunk of each slot (any length, any split of the prompt): `forward_chunk`, compiled.
 
-    def decode(self, cache: ModelCache, token_ids: jax.Array, active: jax.Array | None = None):
-        """One generated token per slot: token_ids [B] → (logits [B, vocab], new cache). `active` [B] bool
-        (default all): inactive slots are left untouched."""
-        valid = None if active is None else active.astype(jnp.int32)
-        return self.forward_chunk(cache, token_ids[:, None], valid)
+        token_ids: int [B, n] with B the cache's batch, each id in [0, vocab_size); valid: int [B] in [0, n]
+        (default all n). Checked on the host (ValueError naming the problem), then run as one compiled program,
+        cached per shape (the cache is not donated: the caller's `cache` stays valid). Inside a caller's own
+        `jax.jit` it is traced inline as `forward_chunk`."""
+        if _traced(self, cache, token_ids, valid):
+            return self.forward_chunk(cache, token_ids, valid)
+        ids = _check_chunk_ids(token_ids, cache, self.config.vocab_size, ndim=2, name="prefill_chunk")
+        n = ids.shape[1]
+        if valid is None:
+            valid = np.full((ids.shape[0],), n, np.int32)
+        else:
+            valid = np.asarray(valid)
+            if valid.shape != (ids.shape[0],) or not np.issubdtype(valid.dtype, np.integer):
+                raise ValueError(f"prefill_chunk: valid must be int [{ids.shape[0]}]; got {valid.dtype}"
+                                 f"{list(valid.shape)}")  # fmt: skip
+            if valid.size and (valid.min() < 0 or valid.max() > n):
+                raise ValueError(f"prefill_chunk: valid lengths {valid.tolist()} must be in [0, {n}]")
+        graphdef, state = nnx.split(self)
+        return _jitted_chunk(graphdef, state, cache, ids.astype(np.int32), valid.astype(np.int32), active())
+
+    def decode(self, cache: ModelCache, token_ids, active=None):
+        """One generated token per slot: token_ids int [B] → (logits [B, vocab], new cache), compiled and checked
+        as `prefill_chunk`. `active` [B] bool (default all): inactive slots are left untouched."""
+        if _traced(self, cache, token_ids, active):
+            valid = None if active is None else jnp.asarray(active).astype(jnp.int32)
+            return self.forward_chunk(cache, jnp.asarray(token_ids)[:, None], valid)
+        ids = _check_chunk_ids(token_ids, cache, self.config.vocab_size, ndim=1, name="decode")
+        valid = None
+        if active is not None:
+            valid = np.asarray(active)
+            if valid.shape != ids.shape:
+                raise ValueError(f"decode: active must be bool [{ids.shape[0]}]; got {list(valid.shape)}")
+            valid = valid.astype(np.int32)
+        return self.prefill_chunk(cache, ids[:, None], valid)
 
     # ---- user-facing, jitted ------------------------------------------------------------------
     def logits(self, token_ids) -> jax.Array:
@@ -219,10 +248,37 @@ def _jitted_logits(graphdef, state, ids, layout):
         return nnx.merge(graphdef, state)(ids)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _jitted_chunk(graphdef, state, cache, ids, valid, layout):
+    """`prefill_chunk` / `decode` compiled: one program per model graph, layout and shapes (jit's own cache)."""
+    if layout is None:
+        return nnx.merge(graphdef, state).forward_chunk(cache, ids, valid)
+    with use_mesh(*layout):
+        return nnx.merge(graphdef, state).forward_chunk(cache, ids, valid)
+
+
+def _traced(model, *args) -> bool:
+    """Whether we are inside a caller's trace (its jit): any argument or the weights are tracers."""
+    leaves = jax.tree.leaves(args) + [model.embed_tokens["weight"][...]]
+    return any(isinstance(x, jax.core.Tracer) for x in leaves)
+
+
+def _check_chunk_ids(token_ids, cache: ModelCache, vocab_size: int, *, ndim: int, name: str):
+    """Token ids for a cached call, checked on the host: integers, `ndim` dims with the cache's batch, in range."""
+    ids = np.asarray(token_ids)
+    batch = cache.num_tokens.shape[0]
+    shape = f"[{batch}]" if ndim == 1 else f"[{batch}, n]"
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{name}: token ids must be integers {shape}; got dtype {ids.dtype}")
+    if ids.ndim != ndim or ids.shape[0] != batch or (ndim == 2 and ids.shape[1] < 1):
+        raise ValueError(f"{name}: token ids must be int {shape} (the cache has {batch} slots); got shape "
+                         f"{list(ids.shape)}")  # fmt: skip
+    check_token_ids(ids, vocab_size)
+    return ids
+
+
 def check_token_ids(ids, vocab_size: int) -> None:
     """Raises ValueError naming the first out-of-range token id and its position."""
-    import numpy as np
-
     host = np.asarray(ids)
     bad = np.argwhere((host < 0) | (host >= vocab_size))
     if bad.size:

@@ -185,10 +185,7 @@ class ModelRunner:
         self.mesh = mesh
         self._programs = _programs(self.graphdef, state_def, None if mesh is None else (mesh, rules))
         self.page_tokens, self.num_pages = page_tokens, num_pages
-        # Committed from the start: every jitted call returns committed arrays, and jit keys its cache on
-        # commitment too, so an uncommitted first cache would compile each shape twice.
-        self.cache = self._programs.init_cache(self._weights, max_slots, max_model_len, self.cache_dtype,
-                                               self.kv_format, page_tokens, num_pages)  # fmt: skip
+        self.cache = self._new_cache()
         # Host mirror of cache.block_table, passed to every call (None: dense). A row is its slot's request's
         # token pages, zero-padded; a free slot's row is all null pages.
         self._block_tables = (None if page_tokens is None else
@@ -199,6 +196,16 @@ class ModelRunner:
         self._seen_shapes: set[tuple[str, int]] = set()
         self.compile_s = 0.0
         """Wall time of the first call of each shape (compilation plus one run), summed."""
+
+    def _new_cache(self):
+        """An empty cache, committed to the weights' device(s): the jitted steps return committed arrays, and jit
+        keys its cache on commitment too, so an uncommitted first cache would compile each shape twice (once in
+        `warmup`, again at the first real step)."""
+        cache = self._programs.init_cache(self._weights, self.max_slots, self.max_model_len, self.cache_dtype,
+                                          self.kv_format, self.page_tokens, self.num_pages)  # fmt: skip
+        if self.mesh is None:
+            cache = jax.device_put(cache, next(iter(self._weights[0].devices())))
+        return cache
 
     # ----- slots -----------------------------------------------------------------------------------------
 
@@ -231,6 +238,32 @@ class ModelRunner:
                                  self.page_tokens)  # fmt: skip
         self._num_tokens[slot] = 0
         return slot
+
+    # ----- recovery after a failed step ----------------------------------------------------------------------
+
+    def cache_ok(self) -> bool:
+        """Whether the device cache is still usable: a failed jitted call may have consumed it (the cache is
+        donated to every call) or left it holding the failed computation's error."""
+        try:
+            leaves = jax.tree.leaves(self.cache)
+            if any(x.is_deleted() for x in leaves):
+                return False
+            jax.block_until_ready(leaves)
+            return True
+        except Exception:  # noqa: BLE001 -- any error here means the cache is gone
+            return False
+
+    def rebuild_cache(self) -> list[str]:
+        """Replaces the cache with an empty one (the init program, already compiled) and frees every slot.
+        Returns the requests that held a slot: their cached state is gone (the engine preempts or fails them)."""
+        lost = list(self._slot_of)
+        self.cache = self._new_cache()
+        self._slot_of.clear()
+        self._free_slots = list(range(self.max_slots))
+        self._num_tokens = [0] * self.max_slots
+        if self._block_tables is not None:
+            self._block_tables[:] = 0
+        return lost
 
     # ----- shapes ----------------------------------------------------------------------------------------
 

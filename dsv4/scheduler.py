@@ -50,10 +50,13 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_CANCELLED = "finished_cancelled"
+    FINISHED_ERROR = "finished_error"
+    """Failed: its step failed, or sampling it did (`Scheduler.abort`)."""
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_CANCELLED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_CANCELLED, RequestStatus.FINISHED_ERROR)  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -81,8 +84,8 @@ class Request:
         self.stop_token_ids = frozenset(self.stop_token_ids)
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: prompt_token_ids is empty")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"request {self.request_id!r}: max_new_tokens={self.max_new_tokens} must be >= 1")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"request {self.request_id!r}: max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -256,6 +259,25 @@ class Scheduler:
         (self._running if request.status is RequestStatus.RUNNING else self._waiting).remove(request)
         self._finish(request, RequestStatus.FINISHED_CANCELLED)
         return request
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finishes a live request as failed (FINISHED_ERROR) and frees its pages now; None if it is not live.
+        The engine calls it for the requests of a step that failed, and for one whose sampling failed."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        (self._running if request.status is RequestStatus.RUNNING else self._waiting).remove(request)
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        return request
+
+    def preempt(self, request_id: str) -> bool:
+        """Preempts a running request now (frees its pages; it recomputes from position 0 when resumed, keeping its
+        outputs). False if it is not running. The engine calls it when the device cache had to be rebuilt."""
+        request = self._requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            return False
+        self._preempt(request)
+        return True
 
     # ----- one step ------------------------------------------------------------------------------------
 

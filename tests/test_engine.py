@@ -68,7 +68,7 @@ def test_paged_cache_layout(llm):
     assert llm.page_size == 16 and llm.pool.num_blocks == 33 and llm.pool.block_size == 16
     assert llm.runner.page_tokens == 16 and llm.runner.num_pages == 33
     assert llm.runner.cache.block_table.shape == (4, 8)
-    default = LLM(llm.model, max_slots=1, max_model_len=64)
+    default = LLM(llm.model, max_slots=1, max_model_len=64, warmup=False)
     assert default.page_size == 256 and default.pool.num_usable_blocks == 1
     assert default.runner.cache.block_table.shape == (1, 1)
     with pytest.raises(ValueError, match="page_size=24"):
@@ -96,7 +96,7 @@ def test_concurrent_mixed_lengths_equal_each_alone(llm):
     alone = [llm.generate([p], max_new_tokens=8)[0].token_ids for p in prompts]
     streamed: dict[str, list[int]] = {}
     finals = {}
-    for request_id, token, finish_reason, output in llm.stream(prompts, max_new_tokens=8):
+    for request_id, token, finish_reason, output, *_ in llm.stream(prompts, max_new_tokens=8):
         assert request_id not in finals, "no event after a request's last one"
         streamed.setdefault(request_id, []).append(token)
         if finish_reason is not None:

@@ -513,3 +513,18 @@ def test_randomized_soak_keeps_invariants_and_finishes_every_request(policy, pag
     assert num_rejected > 0 and num_cancelled > 0
     assert sum(r.num_preemptions for r in accepted) > 0
     assert sum(r.status is RequestStatus.FINISHED_STOPPED for r in accepted) > 0
+
+
+def test_abort_and_preempt_free_pages_for_the_engines_fault_path():
+    """`abort` finishes a request as FINISHED_ERROR from any state; `preempt` sends a running one back to recompute."""
+    scheduler, pool = make_scheduler(num_blocks=64, block_size=16)
+    for name in ("a", "b", "c"):
+        scheduler.add_request(request(name, 40, 4))
+    step(scheduler)
+    a, b = scheduler.get_request("a"), scheduler.get_request("b")
+    assert scheduler.preempt("b") and b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert not scheduler.preempt("b") and not scheduler.preempt("nope")
+    assert scheduler.abort("a") is a and a.status is RequestStatus.FINISHED_ERROR and a.status.is_finished
+    assert scheduler.abort("a") is None and scheduler.abort("c").status is RequestStatus.FINISHED_ERROR
+    run_to_completion(scheduler, pool)
+    assert b.output_token_ids == [1040, 1041, 1042, 1043]
