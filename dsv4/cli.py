@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -40,7 +41,96 @@ def parse_count(text: str) -> int:
 
 
 def parse_counts(text: str) -> list[int]:
-    return [parse_count(part) for part in text.split(",") if part.strip()]
+    counts = [parse_count(part) for part in text.split(",") if part.strip()]
+    if not counts:
+        raise argparse.ArgumentTypeError(f"{text!r} holds no counts: give e.g. 1024,4096")
+    return counts
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
+    return value
+
+
+def temperature(text: str) -> float:
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0 (0 = greedy)")
+    return value
+
+
+def probability(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} must be in (0, 1]")
+    return value
+
+
+def token_ids(text: str) -> list[int]:
+    """'1,2,3' → [1, 2, 3]; each must be an integer >= 0, and there must be at least one."""
+    ids = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        try:
+            ids.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} is not an integer") from None
+        if ids[-1] < 0:
+            raise argparse.ArgumentTypeError(f"{ids[-1]} is negative; token ids are >= 0")
+    if not ids:
+        raise argparse.ArgumentTypeError(f"{text!r} holds no token ids: give e.g. 1,2,3")
+    return ids
+
+
+class UserError(ValueError):
+    """A mistake in what the user asked for: one line on stderr, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported as one line (no usage block) and exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _config_of(model: str):
+    """The config of a preset or a checkpoint directory, or a UserError saying which it is not."""
+    from dsv4.config import _PRESETS, Config
+
+    if os.path.isdir(model):
+        return Config.from_hf(model)
+    if model in _PRESETS:
+        return Config.preset(model)
+    if os.sep in model or model.startswith((".", "~")) or os.path.exists(model):
+        what = "is not a directory" if os.path.exists(model) else "does not exist"
+        raise UserError(f"--model {model}: {what} (a checkpoint is a directory with config.json)")
+    raise UserError(f"--model {model!r}: no such directory, and not a preset ({', '.join(_PRESETS)})")
 
 
 # ----- shared options ------------------------------------------------------------------------------------
@@ -59,12 +149,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16"],
         help="weights and activations (default: float32 for tiny, bfloat16 otherwise)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed for random weights, synthetic prompts and sampling")
+    p.add_argument("--seed", type=nonnegative_int, default=0,
+                   help="seed for random weights, synthetic prompts and sampling")  # fmt: skip
 
 
 def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
     e = p.add_argument_group("engine", "how the engine batches and pads work (the defaults suit one long prompt)")
-    e.add_argument("--max-slots", type=int, default=None, help=f"requests running at once (default: {slots_default})")
+    e.add_argument("--max-slots", type=positive_int, default=None,
+                   help=f"requests running at once (default: {slots_default})")  # fmt: skip
     e.add_argument(
         "--max-model-len",
         type=parse_count,
@@ -106,11 +198,11 @@ def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
     )
     e.add_argument(
         "--max-packed-width",
-        type=int,
+        type=positive_int,
         default=16,
         help="chunks up to this width share one [max-slots, width] call; wider ones run alone (default 16)",
     )
-    e.add_argument("--devices", type=int, default=1,
+    e.add_argument("--devices", type=positive_int, default=1,
                    help="run on this many local devices (one mesh: each chunk's tokens split over them, the experts "
                         "expert-parallel, the cache replicated); default 1")  # fmt: skip
     e.add_argument("--no-chat-template", action="store_true",
@@ -137,7 +229,6 @@ def _parse_kernels(text: str):
 
 
 def _make_llm(args, *, max_slots: int, max_model_len: int):
-    from dsv4.engine import LLM
 
     mesh = None
     if args.devices != 1:
@@ -150,17 +241,81 @@ def _make_llm(args, *, max_slots: int, max_model_len: int):
                              f"({jax.devices()[0].platform})")  # fmt: skip
         mesh = make_mesh(args.devices)
 
+    check_memory(args, max_slots=args.max_slots or max_slots, max_model_len=args.max_model_len or max_model_len)
+    try:
+        return _new_llm(args, max_slots=max_slots, max_model_len=max_model_len, mesh=mesh)
+    except (ValueError, OSError):
+        raise
+    except Exception as e:  # noqa: BLE001 -- an unreadable checkpoint: orbax / tensorstore errors of every kind
+        if not os.path.isdir(args.model):
+            raise
+        raise UserError(f"--model {args.model}: reading the checkpoint failed (a corrupt or truncated file?): "
+                        f"{type(e).__name__}: {_one_line(e)}") from e
+
+
+def _new_llm(args, *, max_slots: int, max_model_len: int, mesh):
+    from dsv4.engine import LLM
+
     return LLM(args.model, max_slots=args.max_slots or max_slots, max_model_len=args.max_model_len or max_model_len,
                chunk_size=args.chunk_size, max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
                kv_format=args.kv_format, seed=args.seed, dtype=args.dtype, width_buckets=args.buckets,
                max_packed_width=args.max_packed_width, chat_template=not args.no_chat_template, kernels=args.kernels,
-               keep_quantized=args.keep_quantized, mesh=mesh)  # fmt: skip
+               keep_quantized=args.keep_quantized, mesh=mesh, warmup=False)  # fmt: skip
 
 
 def _max_position_embeddings(model: str) -> int:
-    from dsv4.config import Config
+    return _config_of(model).max_position_embeddings
 
-    return (Config.from_hf(model) if os.path.isdir(model) else Config.preset(model)).max_position_embeddings
+
+def _meminfo_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(args, *, max_slots: int, max_model_len: int) -> None:
+    """Before any weight is loaded: refuses (UserError) a model whose memory plan (`dsv4.memory_plan`) does not fit
+    the devices (their memory as jax reports it) or, where the weights pass through the host (random weights of a
+    preset, or a CPU backend), the host's available RAM (/proc/meminfo). Says what to change."""
+    import jax
+
+    from dsv4.memory_plan import GIB, plan_memory, suggestions
+
+    cfg = _config_of(args.model)
+    dtype = args.dtype or ("float32" if args.model == "tiny" else "bfloat16")
+    weights = "fp8" if args.keep_quantized and cfg.quantization_config else "bf16"
+    kv = args.kv_format if args.kv_format in ("bf16", "fp8-tensor", "fp8-channel", "fp8-tile", "fp8-tile-e8m0") else \
+        "bf16"  # fmt: skip
+    device = jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    limit = (stats or {}).get("bytes_limit")
+    host = _meminfo_bytes("MemAvailable")
+    on_host = device.platform == "cpu"
+    capacity = limit or (host if on_host else None)
+    context = min(max_model_len, cfg.max_position_embeddings)
+    plan = plan_memory(cfg, context=context, devices=args.devices, kv_format=kv, weights=weights,
+                       chunk_size=min(args.chunk_size, context), device_memory_gib=(capacity or GIB) / GIB)  # fmt: skip
+    scale = (4 if dtype == "float32" else 2) / 2  # the plan counts 2-byte weights and activations
+    needed = plan.required_bytes * scale + (max_slots - 1) * plan.kv_bytes_per_token * context
+    where = "host RAM available (MemAvailable)" if on_host and not limit else f"{device.platform} device memory"
+    if capacity is not None and needed > capacity:
+        hints = "; ".join(suggestions(plan)[:2]) or "a smaller --max-model-len or --max-slots"
+        raise UserError(f"--model {args.model}: needs about {needed / GIB:.1f} GiB per device ({dtype} weights, "
+                        f"{max_slots} slot(s) of {context} tokens), but this machine has {capacity / GIB:.1f} GiB of "
+                        f"{where}. Change: {hints}; or use a machine with more memory (dsv4 plan shows the "
+                        "ledger)")  # fmt: skip
+    if not os.path.isdir(args.model) and not on_host and host is not None:
+        weight_bytes = sum(line.bytes_per_device for line in plan.lines if line.name.startswith("weights")) * \
+            args.devices * scale  # fmt: skip
+        if weight_bytes > host:
+            raise UserError(f"--model {args.model}: random weights are built in host memory, about "
+                            f"{weight_bytes / GIB:.1f} GiB, but {host / GIB:.1f} GiB is available; use a checkpoint "
+                            "directory (streamed to the devices) or a smaller preset")  # fmt: skip
 
 
 # ----- generate ------------------------------------------------------------------------------------------
@@ -172,20 +327,24 @@ def cmd_generate(args) -> int:
     from dsv4.generate import SamplingParams
 
     t0 = time.perf_counter()
-    limit = _max_position_embeddings(args.model)
-    if args.token_ids:
-        prompt: list[int] | str = [int(t) for t in args.token_ids.split(",") if t.strip()]
+    config = _config_of(args.model)
+    limit = config.max_position_embeddings
+    if args.token_ids is not None:
+        prompt: list[int] | str = args.token_ids
+        bad = [t for t in prompt if t >= config.vocab_size]
+        if bad:
+            raise UserError(f"--token-ids: token id {bad[0]} is out of range [0, {config.vocab_size})")
         prompt_len = len(prompt)
     elif args.prompt is not None:
         from dsv4.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.model) if os.path.isdir(args.model) else None
         if tokenizer is None:
-            raise ValueError(f"--prompt needs a tokenizer, and {args.model} has no tokenizer.json: use --token-ids")
+            raise UserError(f"--prompt needs a tokenizer, and {args.model} has no tokenizer.json: use --token-ids")
         prompt = tokenizer.encode(args.prompt, chat_template=not args.no_chat_template)
         prompt_len = len(prompt)
     else:
-        prompt_len = args.prompt_len
+        prompt_len = args.prompt_len or 4096
         prompt = None  # drawn once the vocabulary is known
     wanted_len = min(prompt_len + args.max_new_tokens, limit)
     llm = _make_llm(args, max_slots=1, max_model_len=max(wanted_len, 2))
@@ -198,6 +357,7 @@ def cmd_generate(args) -> int:
           file=sys.stderr)  # fmt: skip
     print(f"prompt: {len(ids)} tokens; generating up to {args.max_new_tokens}", file=sys.stderr)
     compile_s = llm.warmup(prompt_lens=[len(ids)]) if len(ids) + args.max_new_tokens <= llm.max_model_len else 0.0
+    print(f"compiled in {compile_s:.1f} s", file=sys.stderr)
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     stop = tuple(cfg.eos_token_ids) if args.stop_at_eos else ()
@@ -221,9 +381,12 @@ def cmd_generate(args) -> int:
             if event.output is not None:
                 output = event.output
     metrics = output.metrics
+    if output.finish_reason == "error":
+        raise RuntimeError(output.error)
+    compile_s += metrics.compile_s  # any shape the warm-up did not cover: not in TTFT either
     summary = {
         "prompt_tokens": len(ids), "generated_tokens": output.num_tokens, "token_ids": output.token_ids,
-        "finish_reason": output.finish_reason, "ttft_s": round(metrics.ttft_s, 4), "compile_s": round(compile_s, 2),
+        "finish_reason": output.finish_reason, "ttft_s": round(metrics.ttft_s, 4), "compile_s": round(compile_s, 3),
         "tpot_s": None if metrics.tpot_s is None else round(metrics.tpot_s, 4),
         "prefill_tokens_per_s": round(len(ids) / metrics.ttft_s, 1),
     }  # fmt: skip
@@ -235,7 +398,7 @@ def cmd_generate(args) -> int:
         if output.text is not None:
             print(output.text)
         print(f"TTFT {metrics.ttft_s * 1e3:.1f} ms for {len(ids)} prompt tokens "
-              f"({summary['prefill_tokens_per_s']:.0f} tokens/s; compile {compile_s:.1f} s, not counted)")  # fmt: skip
+              f"({summary['prefill_tokens_per_s']:.0f} tokens/s); compile {compile_s:.1f} s, not counted")  # fmt: skip
         if metrics.tpot_s is not None:
             print(f"TPOT {metrics.tpot_s * 1e3:.1f} ms (mean of {output.num_tokens - 1} steps, cached decode)")
     return 0
@@ -257,8 +420,10 @@ def run_ttft_bench(llm, *, length: int, concurrency: int, max_new_tokens: int, s
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, llm.config.vocab_size, length).tolist() for _ in range(concurrency)]
     t0 = time.perf_counter()
+    compile_before = llm.runner.compile_s
     outputs = llm.generate(prompts, max_new_tokens=max_new_tokens)
     wall = time.perf_counter() - t0
+    compile_s = llm.runner.compile_s - compile_before
     errors = [o.error for o in outputs if o.error]
     if errors:
         raise ValueError(errors[0])
@@ -271,6 +436,7 @@ def run_ttft_bench(llm, *, length: int, concurrency: int, max_new_tokens: int, s
         "concurrency": concurrency,
         "max_new_tokens": max_new_tokens,
         "wall_s": wall,
+        "compile_s": compile_s,
         "output_tokens_per_s": generated / wall,
         "prefill_tokens_per_s": length * concurrency / max(ttft),
     }
@@ -284,22 +450,24 @@ def format_latency_table(rows: list[dict]) -> str:
         return "-" if value is None else f"{value * 1e3:.1f}"
 
     header = (f"{'length':>8} {'conc':>4} {'TTFT p50':>10} {'TTFT p99':>10} {'TPOT p50':>9} {'TPOT p99':>9} "
-              f"{'ITL p50':>9} {'ITL p99':>9} {'out tok/s':>9} {'prefill tok/s':>13}")  # fmt: skip
+              f"{'ITL p50':>9} {'ITL p99':>9} {'out tok/s':>9} {'prefill tok/s':>13} {'compile s':>9}")  # fmt: skip
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
             f"{r['length']:>8} {r['concurrency']:>4} {ms(r['ttft_p50_s']):>10} {ms(r['ttft_p99_s']):>10} "
             f"{ms(r['tpot_p50_s']):>9} {ms(r['tpot_p99_s']):>9} {ms(r['itl_p50_s']):>9} "
-            f"{ms(r['itl_p99_s']):>9} {r['output_tokens_per_s']:>9.1f} {r['prefill_tokens_per_s']:>13.0f}"
+            f"{ms(r['itl_p99_s']):>9} {r['output_tokens_per_s']:>9.1f} {r['prefill_tokens_per_s']:>13.0f} "
+            f"{r.get('compile_s', 0.0):>9.1f}"
         )
-    return "\n".join(lines) + "\n(latencies in ms; p50 / p99 over requests, ITL over every gap between tokens)"
+    return "\n".join(lines) + ("\n(latencies in ms; p50 / p99 over requests, ITL over every gap between tokens; "
+                                "compile s: one-time compilation in the measured run, left out of TTFT)")
 
 
 def cmd_bench_ttft(args) -> int:
     limit = _max_position_embeddings(args.model)
     longest = max(args.lengths) + args.max_new_tokens
     if longest > limit:
-        raise ValueError(f"length {max(args.lengths)} + {args.max_new_tokens} new tokens exceeds the model's "
+        raise UserError(f"length {max(args.lengths)} + {args.max_new_tokens} new tokens exceeds the model's "
                          f"max_position_embeddings={limit}")  # fmt: skip
     t0 = time.perf_counter()
     llm = _make_llm(args, max_slots=max(args.concurrency), max_model_len=longest)
@@ -315,6 +483,9 @@ def cmd_bench_ttft(args) -> int:
                 print(f"warm-up length {length} × {concurrency}: compiled for "
                       f"{llm.runner.compile_s - compile_before:.1f} s", file=sys.stderr)  # fmt: skip
             rows.append(run_ttft_bench(llm, **kwargs))
+            if rows[-1]["compile_s"] > 0:
+                print(f"length {length} × {concurrency}: {rows[-1]['compile_s']:.1f} s of compilation during the "
+                      "measured run (TTFT leaves it out)", file=sys.stderr)  # fmt: skip
     if args.json:
         print(json.dumps({"model": args.model, "chunk_size": llm.chunk_size, "max_slots": llm.runner.max_slots,
                           "rows": rows}))  # fmt: skip
@@ -327,10 +498,9 @@ def cmd_bench_ttft(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from dsv4.config import Config
     from dsv4.memory_plan import format_plan, plan_memory, plan_to_dict
 
-    cfg = Config.from_hf(args.model) if os.path.isdir(args.model) else Config.preset(args.model)
+    cfg = _config_of(args.model)
     plan = plan_memory(cfg, context=args.context, devices=args.devices, kv_format=args.kv_format,
                        weights=args.weights, chunk_size=args.chunk_size, device=args.device,
                        device_memory_gib=args.device_memory_gib, headroom=args.headroom)  # fmt: skip
@@ -342,20 +512,21 @@ def cmd_plan(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from dsv4.config import Config
 
-    cfg = Config.from_hf(args.model) if os.path.isdir(args.model) else Config.preset(args.model)
+    cfg = _config_of(args.model)
     print(json.dumps(cfg.to_hf(), indent=2))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dsv4",
         description="dsv4: DeepSeek-V4 inference in JAX, built for long-prompt time to first token.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--verbose", action="store_true",
+                        help="on an error, show the whole traceback (also accepted after the command)")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser(
@@ -369,26 +540,27 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     _add_model_args(g)
-    prompt = g.add_argument_group("prompt (one of)")
+    prompt = g.add_argument_group("prompt (at most one of)").add_mutually_exclusive_group()
     prompt.add_argument(
         "--prompt-len",
         type=parse_count,
-        default=4096,
+        default=None,
         help="length of a random synthetic prompt, e.g. 4096 or 32k (default 4096)",
     )
-    prompt.add_argument("--token-ids", default=None, help="comma-separated prompt token ids")
+    prompt.add_argument("--token-ids", type=token_ids, default=None, help="comma-separated prompt token ids")
     prompt.add_argument("--prompt", default=None, help="prompt text (needs tokenizer.json in the checkpoint)")
     s = g.add_argument_group("sampling")
-    s.add_argument("--max-new-tokens", type=int, default=8, help="tokens to generate (default 8)")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    s.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    s.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set reaching this probability")
+    s.add_argument("--max-new-tokens", type=positive_int, default=8, help="tokens to generate (default 8)")
+    s.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-k", type=nonnegative_int, default=0, help="keep the k most likely tokens (0 = off)")
+    s.add_argument("--top-p", type=probability, default=1.0,
+                   help="keep the smallest set reaching this probability")  # fmt: skip
     s.add_argument("--stop-at-eos", action="store_true", help="stop at the config's eos_token_id")
     g.add_argument("--json", action="store_true", help="print one JSON summary line instead of text")
     _add_engine_args(g, slots_default="1")
     g.set_defaults(func=cmd_generate)  # fmt: skip
 
-    b = sub.add_parser("bench", help="serving benchmarks (bench ttft)",
+    b = sub.add_parser("bench", help="benchmarks (bench ttft, bench serve)",
                        description="Serving benchmarks on synthetic prompts.")  # fmt: skip
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
     t = bsub.add_parser(
@@ -403,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(t)
     t.add_argument("--lengths", type=parse_counts, default=[1024, 4096], help="prompt lengths (default 1024,4096)")
     t.add_argument("--concurrency", type=parse_counts, default=[1, 4], help="requests at once (default 1,4)")
-    t.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per request (default 8)")
+    t.add_argument("--max-new-tokens", type=positive_int, default=8, help="tokens generated per request (default 8)")
     t.add_argument("--no-warmup", action="store_true", help="skip the unmeasured first run (numbers include compiles)")
     t.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     _add_engine_args(t, slots_default="the largest concurrency")
@@ -428,7 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--context", type=parse_count, default=524288, help="prompt tokens, e.g. 524288 or 512k (default 512k)"
     )
-    p.add_argument("--devices", type=int, default=8, help="devices (GPUs) the model is spread over (default 8)")
+    p.add_argument("--devices", type=positive_int, default=8,
+                   help="devices (GPUs) the model is spread over (default 8)")  # fmt: skip
     p.add_argument(
         "--kv-format", default="fp8-channel", choices=KV_FORMATS,
         help="KV cache storage (dsv4.cache.layout formats; fp8 = fp8-channel; default fp8-channel)",
@@ -460,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="dtype of the stored weights (default bfloat16; norms and similar stay float32)")
     c.add_argument("--keep-quantized", action="store_true", help="store FP8/FP4 weights as they are, with their scales")
-    c.add_argument("--devices", type=int, default=1,
+    c.add_argument("--devices", type=positive_int, default=1,
                    help="spread the model over this many local devices while converting (default 1)")
     c.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     c.set_defaults(func=cmd_convert)
@@ -468,6 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="print the resolved config of a preset or checkpoint")
     i.add_argument("--model", default="tiny", help="a preset or a checkpoint directory (default tiny)")
     i.set_defaults(func=cmd_info)
+    from dsv4.serve import add_commands  # argparse only: aiohttp and JAX load when `serve` runs
+
+    add_commands(sub, bsub, engine_args=_add_engine_args, make_llm=_make_llm)
     return parser
 
 
@@ -484,12 +660,41 @@ def cmd_convert(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the command. A user error is one line on stderr and exit 2; any other failure one line and exit 1
+    (`--verbose`: the traceback); Ctrl-C exit 130; a closed stdout pipe (`dsv4 info | head`) exit 0, quietly."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = "--verbose" in argv
+    argv = [a for a in argv if a != "--verbose"]
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"dsv4: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if verbose:
+            raise
+        print("dsv4: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): say nothing, and keep Python from complaining when it flushes stdout.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
+    except Exception as e:  # noqa: BLE001 -- one line for a person; --verbose for the traceback
+        if verbose:
+            raise
+        user = isinstance(e, (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError))
+        message = _one_line(e) if user else f"{type(e).__name__}: {_one_line(e)} (--verbose shows the traceback)"
+        print(f"dsv4: error: {message}", file=sys.stderr)
+        return 2 if user else 1
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's message on one line (the first non-empty line, at most 500 characters)."""
+    text = str(error).strip() or type(error).__name__
+    first = next((line.strip() for line in text.splitlines() if line.strip()), text)
+    more = " ..." if first != text.replace("\n", " ").strip() and len(text.splitlines()) > 1 else ""
+    return (first[:500] + ("..." if len(first) > 500 else "")) + more
 
 
 if __name__ == "__main__":

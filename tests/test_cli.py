@@ -6,6 +6,7 @@ one pytest process they reuse its compiled functions.
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -57,21 +58,24 @@ def test_kernel_flags_reach_the_model(monkeypatch, capsys):
 
     seen = {}
 
+    class Stop(BaseException):  # not an Exception: passes main's one-line error handling
+        pass
+
     def capture(model, **kwargs):
         seen.update(kwargs)
-        raise RuntimeError("stop here")
+        raise Stop("stop here")
 
     monkeypatch.setattr(dsv4.engine, "_resolve_model", capture)
-    with pytest.raises(RuntimeError, match="stop here"):
+    with pytest.raises(Stop, match="stop here"):
         main(["generate", *ENGINE, "--token-ids", "1,2,3", "--kernels", "attention=pallas,indexer=pallas-stream"])
     assert seen["kernels"] == Kernels(attention="pallas", indexer="pallas-stream")
-    with pytest.raises(RuntimeError, match="stop here"):
+    with pytest.raises(Stop, match="stop here"):
         main(["generate", *ENGINE, "--token-ids", "1,2,3"])
     assert seen["kernels"] is None  # auto: resolved by the model for its device
     assert KERNEL_PARTS == tuple(CHOICES)  # the CLI's help names every part
     for part, names in CHOICES.items():
         for name in names:
-            with pytest.raises(RuntimeError, match="stop here"):
+            with pytest.raises(Stop, match="stop here"):
                 main(["generate", *ENGINE, "--token-ids", "1,2,3", "--kernels", f"{part}={name}"])
             assert getattr(seen["kernels"], part) == name
     for bad in ("indexer=fp4", "attention", "speed=pallas"):
@@ -169,3 +173,82 @@ def test_plan_refuses_what_does_not_fit(capsys):
     assert plan["fits"] and plan["required_bytes"] < 80 * GIB and plan["suggestions"] == []
     assert main(["plan", "--model", "tiny", "--context", "2m"]) == 2  # beyond max_position_embeddings (1M)
     assert "max_position_embeddings" in capsys.readouterr().err
+
+
+# ----- errors: one line for a person ------------------------------------------------------------------------
+
+
+def _pickle_only(tmp_path):
+    (tmp_path / "config.json").write_text(open(os.path.join(MODEL_DIR, "config.json")).read())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    return str(tmp_path)
+
+
+def _truncated_safetensors(tmp_path):
+    import shutil
+
+    shutil.copytree(MODEL_DIR, tmp_path / "m")
+    (name,) = [f for f in os.listdir(tmp_path / "m") if f.endswith(".safetensors")]
+    data = (tmp_path / "m" / name).read_bytes()
+    (tmp_path / "m" / name).write_bytes(data[: len(data) // 2])
+    return str(tmp_path / "m")
+
+
+GEN = ["generate", "--model", "tiny"]
+ERROR_TABLE = [
+    (["generate", "--model", "/no/such/checkpoint"], "--model /no/such/checkpoint: does not exist", 2),
+    (["info", "--model", "no-such-preset"], "not a preset (tiny, v4-flash, v4-pro)", 2),
+    ([*GEN, "--token-ids", "1,a"], "argument --token-ids: 'a' is not an integer", 2),
+    ([*GEN, "--token-ids", ""], "argument --token-ids: '' holds no token ids", 2),
+    ([*GEN, "--token-ids", "1,2", "--prompt", "hi"], "argument --prompt: not allowed with argument --token-ids", 2),
+    ([*GEN, "--top-k", "-5"], "argument --top-k: -5 must be >= 0", 2),
+    ([*GEN, "--max-slots", "0"], "argument --max-slots: 0 must be >= 1", 2),
+    ([*GEN, "--max-new-tokens", "2.5"], "argument --max-new-tokens: '2.5' is not an integer", 2),
+    ([*GEN, "--temperature", "nan"], "argument --temperature: 'nan' must be a finite number", 2),
+    ([*GEN, "--top-p", "0"], "argument --top-p: 0 must be in (0, 1]", 2),
+    ([*GEN, "--token-ids", "1,300"], "--token-ids: token id 300 is out of range [0, 256)", 2),
+    (["generate", "--model", "v4-flash", "--token-ids", "1"], "GiB", 2),  # the memory plan, before any weight
+    (["generate", "--model", _pickle_only, "--token-ids", "1"], "pytorch_model.bin is PyTorch pickle", 2),
+    (["generate", "--model", _truncated_safetensors, "--token-ids", "1"], ".safetensors", 2),
+]
+
+
+@pytest.mark.parametrize("argv, message, code", ERROR_TABLE, ids=lambda v: None if isinstance(v, list) else "")
+def test_user_errors_are_one_line(argv, message, code, capsys, tmp_path):
+    argv = [a(tmp_path) if callable(a) else a for a in argv]
+    try:
+        got = main(argv)
+    except SystemExit as e:  # argparse's errors
+        got = e.code
+    out, err = capsys.readouterr()
+    assert got == code and message in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_interrupt_broken_pipe_and_verbose(monkeypatch, capsys):
+    import dsv4.cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dsv4.cli, "cmd_info", interrupted)
+    assert main(["info"]) == 130
+    assert capsys.readouterr().err == "dsv4: interrupted\n"
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def fileno(self):
+            raise ValueError("no file")
+
+    monkeypatch.undo()
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["info", "--model", "tiny"]) == 0
+    monkeypatch.undo()
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="not a preset"):
+        main(["info", "--model", "nope", "--verbose"])

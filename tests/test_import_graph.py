@@ -26,6 +26,8 @@ LAYERS = [
     ("model", ["dsv4.layers", "dsv4.attention", "dsv4.attention.*", "dsv4.moe", "dsv4.model"]),
     ("loading", ["dsv4.weights", "dsv4.orbax_checkpoint", "dsv4.api"]),
     ("engine", ["dsv4.generate", "dsv4.runner", "dsv4.engine", "dsv4.distributed"]),
+    # the HTTP server and its load generator, over the engine
+    ("serve", ["dsv4.serve", "dsv4.serve.*"]),
     ("cli", ["dsv4.cli", "dsv4"]),
 ]
 HOST_MODULES = ["dsv4.scheduler", "dsv4.cache", "dsv4.cache.manager", "dsv4.cache.block_pool", "dsv4.config",
