@@ -1611,7 +1611,8 @@ class Bench:
                 if "out" in bf16_out:
                     ref = {"out": bf16_out["out"], "full": True, "name": "bf16deq"}
                 # the kernel's own FP8 default when the baseline is the plain default (its 128-row tiles do not fit
-                # in shared memory with FP8 inputs at D = 512: KERNEL_NOTES E15); the row records the sizes used
+                # in shared memory with FP8 inputs at D = 512, docs/kernels/attention.md); the row records the sizes
+                # used
                 bs8 = self.pa.default_block_sizes(FP8) if bs == self.pa.BlockSizes() else bs
                 row8 = self.run_pallas(fp8_inputs, name, bs8, ref, {}, section="v4-fp8", tag="fp8",
                                        label=f"fp8ch-{name}", kv_itemsize=1)  # fmt: skip

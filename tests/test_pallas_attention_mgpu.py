@@ -282,7 +282,7 @@ def _check_on_gpu(config, hca, seq, **shape):
 @pytest.mark.parametrize("check_positions, seq, off", [(False, 301, 127), (True, 301, 127), (False, 1, 128),
                                                        (True, 1, 128), (False, 3, 128)])  # fmt: skip
 def test_gpu_with_a_halo_before_q(check_positions, seq, off):
-    """A sequence shard as `context_parallel` hands it over: 127 halo rows (W - 1) before q's 301, q at global
+    """A sequence shard as the sequence-parallel core hands it over: 127 halo rows (W - 1) before q's 301, q at global
     positions 1000.. (HCA entries visible by global position). check_positions=True compiles the Triton fallback
     too (its kv positions must include the halo's) and runs the persistent form, False one CTA per token. seq 1
     and 3 after 128 rows: a cached chunk's layout (`core_attention_pallas` kv_prefix = W) for one and three tokens

@@ -128,7 +128,7 @@ class MgpuConfig:
     # SMEM), "interpret" (P via SMEM, zero accumulator + add: doubles O's registers, so only for the CPU interpreter,
     # which cannot run the others: "Cannot lower jaxpr with effects" / accumulator store).
     pv_form: str = "run_state"
-    # Debug switches (scripts/debug_attention_mgpu.py), a tuple of:
+    # Debug switches (set by hand when a tiling is wrong on the GPU), a tuple of:
     #   "unaligned_window": the original window tiling (tiles start at row tok - W + 1: wrong on the GPU, see body);
     #   "no_exchange": each consumer computes the full S = Q·Kᵀ from both halves (no SMEM exchange; "ws" only);
     #   "plain_exchange": the exchange buffer without tiling/swizzle transforms;
