@@ -139,12 +139,12 @@ def make_prompt(rng: random.Random, length: int, kind: str, vocab: int | None, c
     return " ".join(rng.choice(WORDS) for _ in range(length))
 
 
-async def _one(session, url: str, body: dict, result: Result, timeout: float) -> Result:
+async def _one(http, url: str, body: dict, result: Result, timeout: float) -> Result:
     import aiohttp
 
     result.sent = time.perf_counter()
     try:
-        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+        async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
             if response.status != 200:
                 text = await response.text()
                 try:
@@ -192,12 +192,12 @@ async def _one(session, url: str, body: dict, result: Result, timeout: float) ->
 SERVER_GAUGES = ("dsv4_num_requests_running", "dsv4_num_requests_waiting", "dsv4_kv_pages_used")
 
 
-async def _server_state(session, base: str) -> dict[str, float]:
+async def _server_state(http, base: str) -> dict[str, float]:
     """dsv4 serve's gauges once the run is over (nothing running, no KV page held: no leak); {} elsewhere."""
     import aiohttp
 
     try:
-        async with session.get(f"{base}/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+        async with http.get(f"{base}/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
             text = await r.text() if r.status == 200 else ""
     except aiohttp.ClientError:
         return {}
@@ -313,10 +313,10 @@ async def run(args) -> dict:
     url = f"{base}/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
     rng = random.Random(args.seed)
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=connector) as http:
         card = {}
         try:
-            async with session.get(f"{base}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as r:
+            async with http.get(f"{base}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as r:
                 if r.status == 200:
                     card = ((await r.json()).get("data") or [{}])[0]
         except aiohttp.ClientError as e:
@@ -350,7 +350,7 @@ async def run(args) -> dict:
 
         # warm-up: one short request, so a server that compiles lazily does so outside the numbers
         warm = await _one(
-            session,
+            http,
             url,
             _body(args, model, make_prompt(rng, lo, args.prompt_kind, vocab, chat)),
             Result(-1, lo),
@@ -364,7 +364,7 @@ async def run(args) -> dict:
         if args.long_prompt_len:
             long_prompt = make_prompt(rng, args.long_prompt_len, args.prompt_kind, vocab, chat)
             alone = await _one(
-                session, url, _body(args, model, long_prompt), Result(-1, args.long_prompt_len, long=True), args.timeout
+                http, url, _body(args, model, long_prompt), Result(-1, args.long_prompt_len, long=True), args.timeout
             )
             if not alone.ok:
                 raise ValueError(f"the long prompt alone failed: {alone.error}")
@@ -375,9 +375,9 @@ async def run(args) -> dict:
 
         async def limited(body, result):
             if semaphore is None:
-                return await _one(session, url, body, result, args.timeout)
+                return await _one(http, url, body, result, args.timeout)
             async with semaphore:
-                return await _one(session, url, body, result, args.timeout)
+                return await _one(http, url, body, result, args.timeout)
 
         tasks = []
         long_task = None
@@ -385,7 +385,7 @@ async def run(args) -> dict:
         if long_prompt is not None:
             long_task = asyncio.create_task(
                 _one(
-                    session,
+                    http,
                     url,
                     _body(args, model, long_prompt),
                     Result(-1, args.long_prompt_len, long=True),
@@ -402,7 +402,7 @@ async def run(args) -> dict:
         results = await asyncio.gather(*tasks)
         long_result = await long_task if long_task is not None else None
         duration = time.perf_counter() - t0
-        server_after = await _server_state(session, base)
+        server_after = await _server_state(http, base)
 
     summary = summarize(list(results), duration, args)
     if server_after:
