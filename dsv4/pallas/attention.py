@@ -38,6 +38,7 @@ from dsv4.pallas.attention_common import (
     M_FLOOR,
     MIN_DOT_DIM,
     SCALE_TILE,
+    check_page_scales,
     is_power_of_2,
     load_values,
     online_softmax_step,
@@ -112,27 +113,6 @@ def default_block_sizes(kv_dtype, compressed_dtype=None) -> BlockSizes:
 # ---------------------------------------------------------------------------------------------
 # Input checks shared by the kernel entry and the reference.
 # ---------------------------------------------------------------------------------------------
-def _check_scales(name: str, scales, values, value_name: str) -> str | None:
-    """Validates an FP8 scale array for `values` [B, N, D]; → "channel", "tile" or None (not FP8)."""
-    b, n, d = values.shape
-    if values.dtype != FP8:
-        if scales is not None:
-            raise ValueError(f"{name} given but {value_name} is {values.dtype}, not float8_e4m3fn")
-        return None
-    if scales is None:
-        raise ValueError(f"{value_name} is float8_e4m3fn {values.shape}; {name} is required")
-    if scales.dtype != F32:
-        raise ValueError(f"{name} must be float32, got {scales.dtype}")
-    if scales.shape == (d,):
-        return "channel"
-    if d % SCALE_TILE == 0 and scales.shape == (b, n, d // SCALE_TILE):
-        return "tile"
-    raise ValueError(
-        f"{name}.shape={scales.shape} fits neither per-channel ({d},) nor per-token-tile "
-        f"({b}, {n}, {d // SCALE_TILE}) (D % {SCALE_TILE} == 0) for {value_name}.shape={values.shape}"
-    )
-
-
 def _check_inputs(
     q,
     kv,
@@ -166,7 +146,7 @@ def _check_inputs(
         raise ValueError(f"kv.dtype={kv.dtype} must be q.dtype={q.dtype} or float8_e4m3fn")
     if not isinstance(sliding_window, int) or sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window!r} must be a positive int")
-    kv_layout = _check_scales("kv_scales", kv_scales, kv, "kv")
+    kv_layout = check_page_scales("kv_scales", kv_scales, kv, "kv")
     compressed_layout = None
     if compressed is None:
         if compress_rate is not None or topk_indices is not None or compressed_scales is not None:
@@ -185,7 +165,7 @@ def _check_inputs(
                              f"got {topk_indices.dtype} {topk_indices.shape}")  # fmt: skip
         elif topk_indices.shape[2] == 0:
             raise ValueError(f"topk_indices.shape={topk_indices.shape} has K = 0")
-        compressed_layout = _check_scales("compressed_scales", compressed_scales, compressed, "compressed")
+        compressed_layout = check_page_scales("compressed_scales", compressed_scales, compressed, "compressed")
     return kv_layout, compressed_layout
 
 

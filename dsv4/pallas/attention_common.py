@@ -112,8 +112,9 @@ def default_num_splits(programs: int, max_blocks: int, sm_count: int | None = No
 
 
 def check_page_scales(name, scales, pages, pages_name, *, mixed=False) -> str | None:
-    """Validates FP8 scales for pages [P, page_size, n]; → "channel", "tile" or None (not FP8). mixed: the pages
-    hold only a row's first n channels (its RoPE channels are in their own pages), and a short last tile is fine."""
+    """Validates FP8 scales for rows [P, R, n] (pages, or a dense array [B, N, D]); → "channel", "tile" or None
+    (not FP8). mixed: the pages hold only a row's first n channels (its RoPE channels are in their own pages), and
+    a short last tile is fine."""
     p, page_size, d = pages.shape
     if pages.dtype != FP8:
         if scales is not None:

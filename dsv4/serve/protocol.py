@@ -554,19 +554,7 @@ def completion_response(request_id: str, model: str, created: int, out: OutputBu
     req = out.request
     logprobs = completion_logprobs(out.logprobs, tokenizer) if req.logprobs is not None else None
     choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": logprobs}
-    if req.return_token_ids:
-        choice["token_ids"] = out.token_ids
-    body = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": out.usage(),
-    }
-    if req.return_token_ids:
-        body["prompt_token_ids"] = req.prompt_ids
-    return body
+    return _response(request_id, "text_completion", model, created, choice, out)
 
 
 def chat_response(request_id: str, model: str, created: int, out: OutputBuilder, tokenizer) -> dict:
@@ -577,18 +565,16 @@ def chat_response(request_id: str, model: str, created: int, out: OutputBuilder,
         "finish_reason": out.finish_reason,
         "logprobs": chat_logprobs(out.logprobs, tokenizer) if req.logprobs is not None else None,
     }
-    if req.return_token_ids:
+    return _response(request_id, "chat.completion", model, created, choice, out)
+
+
+def _response(request_id: str, kind: str, model: str, created: int, choice: dict, out: OutputBuilder) -> dict:
+    """A whole (non-streamed) response around its one choice, with the token ids when the request asked for them."""
+    body = {"id": request_id, "object": kind, "created": created, "model": model, "choices": [choice],
+            "usage": out.usage()}  # fmt: skip
+    if out.request.return_token_ids:
         choice["token_ids"] = out.token_ids
-    body = {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": out.usage(),
-    }
-    if req.return_token_ids:
-        body["prompt_token_ids"] = req.prompt_ids
+        body["prompt_token_ids"] = out.request.prompt_ids
     return body
 
 
