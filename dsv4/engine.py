@@ -210,6 +210,9 @@ class LLM:
     max_model_len: prompt + max_new_tokens limit of one request, and the longest block table (default:
         min(max_position_embeddings, 32768)).
     chunk_size: at most this many tokens of one request per step (chunked prefill).
+    mixed_chunk_size: in a step that also runs decodes, prefills get at most this many tokens (default: no limit
+        beyond chunk_size). Every running request waits for the whole step, so this bounds their inter-token
+        latency while a long prompt prefills; a prompt alone still gets whole chunks.
     max_num_batched_tokens: token budget of one step (default chunk_size + max_slots, so a running long
         prefill keeps its whole chunk while every running decode also gets its token).
     policy: "prefill_priority" (default), "decode_priority" or "fcfs"; see `dsv4.scheduler.SchedulingPolicy`.
@@ -251,6 +254,7 @@ class LLM:
         max_slots: int = 8,
         max_model_len: int | None = None,
         chunk_size: int = 8192,
+        mixed_chunk_size: int | None = None,
         max_num_batched_tokens: int | None = None,
         policy: str = "prefill_priority",
         kv_format: str | None = None,
@@ -281,8 +285,9 @@ class LLM:
                             ("max_packed_width", max_packed_width)):  # fmt: skip
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
-        if max_num_batched_tokens is not None and (not _is_int(max_num_batched_tokens) or max_num_batched_tokens < 1):
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens!r} must be an int >= 1 or None")
+        for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("mixed_chunk_size", mixed_chunk_size)):
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name}={value!r} must be an int >= 1 or None")
         self.max_model_len, self.chunk_size = max_model_len, chunk_size
         buckets = sorted(set(width_buckets)) if width_buckets is not None else list(power_of_two_buckets(chunk_size))
         if buckets[-1] < chunk_size:
@@ -310,7 +315,8 @@ class LLM:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens or chunk_size + max_slots, max_num_seqs=max_slots,
-                long_prefill_chunk=chunk_size, policy=policy, max_model_len=max_model_len,
+                long_prefill_chunk=chunk_size, mixed_prefill_chunk=mixed_chunk_size, policy=policy,
+                max_model_len=max_model_len,
             ),
             self.kv_cache,
         )  # fmt: skip

@@ -156,6 +156,11 @@ class SchedulerConfig:
     long_prefill_chunk: int = 8192
     """At most this many tokens for one request in one step (8K: the seed article's measured sweet spot)."""
     policy: SchedulingPolicy = SchedulingPolicy.PREFILL_PRIORITY
+    mixed_prefill_chunk: int | None = None
+    """In a step that also carries decodes, prefills get at most this many tokens in all (None: no limit beyond
+    the others). A decode's inter-token latency is its whole step, so while requests stream tokens a long prefill
+    advances in pieces of this size; a step without decodes keeps the full chunk, so a prompt alone keeps prefill
+    priority's TTFT. (Sarathi-Serve's stall-free batching bounds a step the same way.)"""
     max_model_len: int | None = None
     """Prompt + max_new_tokens may not exceed this. None: only the KV pool's size limits a request."""
 
@@ -164,6 +169,8 @@ class SchedulerConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs", "long_prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.mixed_prefill_chunk is not None and self.mixed_prefill_chunk < 1:
+            raise ValueError(f"SchedulerConfig.mixed_prefill_chunk={self.mixed_prefill_chunk} must be >= 1 or None")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Otherwise a full batch of decodes could not all get their token in one step.
             raise ValueError(
@@ -295,6 +302,8 @@ class Scheduler:
         not starved by smaller ones slipping past it. Running requests later in the order still get grants.
         """
         budget = self.config.max_num_batched_tokens
+        decoding = any(r.num_remaining_tokens == 1 for r in self._running)
+        prefill_budget = self.config.mixed_prefill_chunk if decoding else None  # None: no separate prefill cap
         planned: dict[str, ScheduledChunk] = {}  # insertion order = grant order
         preempted: list[str] = []  # in preemption order, for the plan
         preempted_now: set[str] = set()
@@ -307,7 +316,9 @@ class Scheduler:
                 break
             running_unvisited.discard(request)
             if request.status is RequestStatus.RUNNING:
-                num_new = self._grant_size(request, budget)
+                num_new = self._grant_size(request, budget, prefill_budget)
+                if num_new == 0:
+                    continue  # a prefill, and this step's prefill share is spent
                 while self.kv_cache.allocate_slots(request.request_id, num_new) is None:
                     victim = self._running[-1]
                     self._preempt(victim)
@@ -325,9 +336,11 @@ class Scheduler:
             else:
                 if not admitting:
                     continue
-                num_new = self._grant_size(request, budget)
-                if len(self._running) >= self.config.max_num_seqs or (
-                    self.kv_cache.allocate_slots(request.request_id, num_new) is None
+                num_new = self._grant_size(request, budget, prefill_budget)
+                if (
+                    num_new == 0
+                    or len(self._running) >= self.config.max_num_seqs
+                    or (self.kv_cache.allocate_slots(request.request_id, num_new) is None)
                 ):
                     admitting = False
                     continue
@@ -344,6 +357,8 @@ class Scheduler:
                 needs_logits=start + num_new == request.num_tokens,
             )
             budget -= num_new
+            if prefill_budget is not None and request.num_remaining_tokens > 1:
+                prefill_budget -= num_new
         finished, self._finished_since_schedule = self._finished_since_schedule, []
         return SchedulerOutput(list(planned.values()), preempted, finished)
 
@@ -408,8 +423,11 @@ class Scheduler:
         # queue every step, O(W log W); fine for hundreds of waiting requests, a heap if it ever is not.
         return iter(decodes + sorted(prefills + waiting, key=lambda r: (r.num_remaining_tokens, r.arrival_seq)))
 
-    def _grant_size(self, request: Request, budget: int) -> int:
-        return min(request.num_remaining_tokens, self.config.long_prefill_chunk, budget)
+    def _grant_size(self, request: Request, budget: int, prefill_budget: int | None) -> int:
+        size = min(request.num_remaining_tokens, self.config.long_prefill_chunk, budget)
+        if prefill_budget is not None and request.num_remaining_tokens > 1:  # a prefill in a step with decodes
+            size = min(size, prefill_budget)
+        return size
 
     def _preempt(self, request: Request) -> None:
         # Recompute on resume: its pages are freed now, and its outputs are kept so it resumes as one long

@@ -11,6 +11,7 @@ above 1e-3 (tests/fixtures/README.md), and "alone" runs go through the same shap
 Every test leaves the shared engine idle: no request, every page and slot back (checked after each test).
 """
 
+import dataclasses
 import json
 import os
 
@@ -106,6 +107,35 @@ def test_concurrent_mixed_lengths_equal_each_alone(llm):
     assert sorted(streamed.values()) == sorted(alone)
     together = llm.generate(prompts, max_new_tokens=8)
     assert [o.token_ids for o in together] == alone
+    assert_idle(llm)
+
+
+def test_mixed_chunk_size_splits_prefills_only_while_others_decode(llm, monkeypatch):
+    """With a mixed-step prefill share of 8 tokens, the 96-token prompt arriving behind two short ones advances 8
+    tokens a step while they decode, and whole chunks once they are done; every request gives its tokens alone."""
+    prompts = [random_prompt(n, 40 + seed) for seed, n in enumerate([5, 3, 96])]
+    alone = [llm.generate([p], max_new_tokens=6)[0].token_ids for p in prompts]
+    monkeypatch.setattr(llm.scheduler, "config", dataclasses.replace(llm.scheduler.config, mixed_prefill_chunk=8))
+    steps = []
+    schedule = llm.scheduler.schedule
+
+    def recorded():
+        plan = schedule()
+        steps.append([(c.request_id, c.start, c.num_tokens) for c in plan.chunks])
+        return plan
+
+    monkeypatch.setattr(llm.scheduler, "schedule", recorded)
+    outputs = llm.generate(prompts, max_new_tokens=6)
+    assert [o.token_ids for o in outputs] == alone
+    prompt_len = {o.request_id: len(o.prompt_token_ids) for o in outputs}
+    long_id = outputs[2].request_id
+    pieces = []  # (long prompt's piece, did the step carry a decode)
+    for step in steps:
+        decoding = any(start >= prompt_len[rid] for rid, start, _ in step)
+        pieces += [(n, decoding) for rid, start, n in step if rid == long_id and start < prompt_len[rid]]
+    assert sum(n for n, _ in pieces) == 96
+    assert all(n <= 8 for n, decoding in pieces if decoding) and any(decoding for _, decoding in pieces)
+    assert any(n > 8 for n, decoding in pieces if not decoding)  # alone again: whole chunks
     assert_idle(llm)
 
 

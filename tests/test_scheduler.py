@@ -119,6 +119,24 @@ def test_budget_goes_to_running_decodes_first_then_the_running_prefill():
     run_to_completion(scheduler, pool)
 
 
+def test_mixed_prefill_chunk_caps_prefills_only_in_steps_that_carry_decodes():
+    scheduler, pool = make_scheduler(max_num_batched_tokens=1000, long_prefill_chunk=800, mixed_prefill_chunk=96)
+    scheduler.add_request(request("long", 2000, 2))
+    # Alone: whole chunks (prefill priority's TTFT is untouched).
+    assert grants(step(scheduler)) == [("long", 800)]
+    scheduler.add_request(request("s1", 40, 5))
+    scheduler.add_request(request("s2", 40, 5))
+    # Nobody decodes yet: the newcomers' prefills share what the budget leaves (200 -> 40 + 40).
+    assert grants(step(scheduler)) == [("long", 800), ("s1", 40), ("s2", 40)]
+    # s1 and s2 now decode, so all prefills together get 96 tokens; the running long prefill comes first.
+    assert grants(step(scheduler)) == [("s1", 1), ("s2", 1), ("long", 96)]
+    scheduler.add_request(request("s3", 30, 5))
+    assert grants(step(scheduler)) == [("s1", 1), ("s2", 1), ("long", 96)]  # s3 waits: the share is spent
+    scheduler.cancel("long")
+    assert grants(step(scheduler)) == [("s1", 1), ("s2", 1), ("s3", 30)]
+    run_to_completion(scheduler, pool)
+
+
 def test_several_long_prefills_progress_together_when_the_budget_allows():
     scheduler, pool = make_scheduler(num_blocks=4000, max_num_batched_tokens=16384, long_prefill_chunk=8192)
     scheduler.add_request(request("a", 20_000, 2))
@@ -370,6 +388,7 @@ def test_requests_that_can_never_run_are_rejected_naming_the_request_and_the_lim
         (lambda: Request("r", [1], 0), "'r': max_new_tokens=0"),
         (lambda: SchedulerConfig(max_num_batched_tokens=0), "max_num_batched_tokens=0"),
         (lambda: SchedulerConfig(long_prefill_chunk=0), "long_prefill_chunk=0"),
+        (lambda: SchedulerConfig(mixed_prefill_chunk=0), "mixed_prefill_chunk=0"),
         (lambda: SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=16), "max_num_seqs=16"),
         (lambda: SchedulerConfig(policy="lifo"), "lifo"),
     ],
@@ -458,6 +477,7 @@ def test_randomized_soak_keeps_invariants_and_finishes_every_request(policy, pag
         long_prefill_chunk=16,
         max_num_seqs=4,
         policy=policy,
+        mixed_prefill_chunk=5 if page_spec_name == "tokens" else None,  # both ways of granting prefills
     )
     stop_token = 7
     accepted: list[Request] = []
