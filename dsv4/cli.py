@@ -170,6 +170,13 @@ def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
         help="prefill at most this many tokens of one prompt per step (default 8192)",
     )
     e.add_argument(
+        "--mixed-chunk-size",
+        type=parse_count,
+        default=None,
+        help="while other requests are decoding, prefill at most this many tokens per step, so their inter-token "
+        "latency stays near one such piece (default: the chunk size; dsv4 serve: a quarter of it)",
+    )
+    e.add_argument(
         "--max-num-batched-tokens",
         type=parse_count,
         default=None,
@@ -257,7 +264,8 @@ def _new_llm(args, *, max_slots: int, max_model_len: int, mesh):
     from dsv4.engine import LLM
 
     return LLM(args.model, max_slots=args.max_slots or max_slots, max_model_len=args.max_model_len or max_model_len,
-               chunk_size=args.chunk_size, max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
+               chunk_size=args.chunk_size, mixed_chunk_size=args.mixed_chunk_size,
+               max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
                kv_format=args.kv_format, seed=args.seed, dtype=args.dtype, width_buckets=args.buckets,
                max_packed_width=args.max_packed_width, chat_template=not args.no_chat_template, kernels=args.kernels,
                keep_quantized=args.keep_quantized, mesh=mesh, warmup=False)  # fmt: skip

@@ -345,6 +345,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": [1, 2], "max_tokens": 127}, "max_tokens"),  # 2 + 127 > max_model_len 128
     ("completions", {"prompt": list(range(2, 200)), "max_tokens": 1}, "prompt"),  # longer than the model's limit
+    ("completions", {"prompt": [7] * 40_000, "max_tokens": 1}, "prompt"),  # > 64 KiB: parsed off the event loop
+    ("completions", b'{"prompt": [' + b"7, " * 40_000, None),  # the same, malformed
     ("completions", {"prompt": [1, 999]}, "prompt"),
     ("completions", {"prompt": [1, 2], "n": 2}, "n"),
     ("completions", {"prompt": [1, 2], "stop": [""]}, "stop"),

@@ -139,6 +139,32 @@ def make_prompt(rng: random.Random, length: int, kind: str, vocab: int | None, c
     return " ".join(rng.choice(WORDS) for _ in range(length))
 
 
+@dataclass
+class Workload:
+    """The prompts and arrival gaps of one run: a function of the arguments and the seed alone, so another driver
+    (scripts/bench_serve_overhead.py feeds the same requests to the engine in process) replays exactly this."""
+
+    lo: int
+    hi: int
+    lengths: list[int]
+    prompts: list
+    gaps: list[float]  # seconds between arrivals; the first request arrives after gaps[0]
+    warm_prompt: object
+    long_prompt: object | None
+
+
+def make_workload(args, vocab: int | None, chat: bool) -> Workload:
+    rng = random.Random(args.seed)
+    lo = max(1, round(args.input_len * (1 - args.input_len_range)))
+    hi = max(lo, round(args.input_len * (1 + args.input_len_range)))
+    lengths = [rng.randint(lo, hi) for _ in range(args.num_prompts)]
+    prompts = [make_prompt(rng, n, args.prompt_kind, vocab, chat) for n in lengths]
+    gaps = [0.0 if math.isinf(args.request_rate) else rng.expovariate(args.request_rate) for _ in prompts]
+    warm = make_prompt(rng, lo, args.prompt_kind, vocab, chat)
+    long = make_prompt(rng, args.long_prompt_len, args.prompt_kind, vocab, chat) if args.long_prompt_len else None
+    return Workload(lo, hi, lengths, prompts, gaps, warm, long)
+
+
 async def _one(http, url: str, body: dict, result: Result, timeout: float) -> Result:
     import aiohttp
 
@@ -311,7 +337,6 @@ async def run(args) -> dict:
 
     base = args.base_url.rstrip("/")
     url = f"{base}/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
-    rng = random.Random(args.seed)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
         card = {}
@@ -332,16 +357,13 @@ async def run(args) -> dict:
                 "--vocab-size, or use --prompt-kind words"
             )
         limit = card.get("max_model_len")
-        lo = max(1, round(args.input_len * (1 - args.input_len_range)))
-        hi = max(lo, round(args.input_len * (1 + args.input_len_range)))
-        for length in (hi, args.long_prompt_len or 0):
+        work = make_workload(args, vocab, chat)
+        for length in (work.hi, args.long_prompt_len or 0):
             if limit and length + args.output_len > limit:
                 raise ValueError(
                     f"prompts of {length} tokens + {args.output_len} new exceed the server's max_model_len={limit}"
                 )
-        lengths = [rng.randint(lo, hi) for _ in range(args.num_prompts)]
-        prompts = [make_prompt(rng, n, args.prompt_kind, vocab, chat) for n in lengths]
-        gaps = [0.0 if math.isinf(args.request_rate) else rng.expovariate(args.request_rate) for _ in prompts]
+        lo, hi, lengths, prompts, gaps = work.lo, work.hi, work.lengths, work.prompts, work.gaps
         say = (lambda *a: None) if args.quiet else (lambda msg: print(f"bench serve: {msg}", file=sys.stderr))
         say(
             f"{model} at {base}: {args.num_prompts} requests, rate {args.request_rate}/s, prompts {lo}-{hi} tokens, "
@@ -352,7 +374,7 @@ async def run(args) -> dict:
         warm = await _one(
             http,
             url,
-            _body(args, model, make_prompt(rng, lo, args.prompt_kind, vocab, chat)),
+            _body(args, model, work.warm_prompt),
             Result(-1, lo),
             args.timeout,
         )
@@ -362,7 +384,7 @@ async def run(args) -> dict:
         long_info = None
         long_prompt = None
         if args.long_prompt_len:
-            long_prompt = make_prompt(rng, args.long_prompt_len, args.prompt_kind, vocab, chat)
+            long_prompt = work.long_prompt
             alone = await _one(
                 http, url, _body(args, model, long_prompt), Result(-1, args.long_prompt_len, long=True), args.timeout
             )

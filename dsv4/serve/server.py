@@ -29,6 +29,11 @@ from dsv4.serve.worker import EngineWorker, Job
 log = logging.getLogger("dsv4.serve")
 
 STATE = web.AppKey("state", object)
+PARSE_INLINE_MAX_BYTES = 64 * 1024
+"""Bodies above this are parsed (JSON, validation, tokenization) on a worker thread: a 128K-token prompt takes tens
+of milliseconds, which on the event loop would hold back every stream's next chunk."""
+MIXED_CHUNK_DIVISOR = 4
+"""`dsv4 serve`'s default --mixed-chunk-size is the chunk size over this."""
 
 
 class ServerState:
@@ -65,12 +70,12 @@ async def _errors_as_json(request: web.Request, handler):
     return response
 
 
-async def _read_json(request: web.Request):
-    raw = await request.read()
+def _parse(raw: bytes, parse, ctx: ServeContext):
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
+    return parse(body, ctx)
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
@@ -85,9 +90,12 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     if state.draining:
         return _error(503, "the server is shutting down", type="server_error", code="shutting_down")
-    body = await _read_json(request)
+    raw = await request.read()
     parse = protocol.parse_chat if kind == "chat" else protocol.parse_completion
-    req = parse(body, state.ctx)
+    if len(raw) > PARSE_INLINE_MAX_BYTES:  # a long prompt: decode, check and tokenize it without stalling the streams
+        req = await asyncio.to_thread(_parse, raw, parse, state.ctx)
+    else:
+        req = _parse(raw, parse, state.ctx)
 
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
@@ -99,7 +107,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             pass
 
     request_id = protocol.new_id(kind)
-    job = Job(request_id, req.prompt_ids, req.max_tokens, req.sampling_params(), req.stop_token_ids, post)
+    job = Job(request_id, req.prompt_ids, req.max_tokens, req.sampling_params(), req.stop_token_ids, post,
+              put=events.put_nowait)  # fmt: skip
     out = OutputBuilder(req, state.ctx.tokenizer)
     state.in_flight += 1
     done = False
@@ -229,10 +238,26 @@ def context_for(llm, model_name: str) -> ServeContext:
     )
 
 
+def _deliver_on(loop: asyncio.AbstractEventLoop):
+    """A step's events, handed to the loop in one wake-up (called from the engine thread)."""
+
+    def dispatch(batch) -> None:
+        for job, item in batch:
+            job.put(item)
+
+    def deliver(batch) -> None:
+        try:
+            loop.call_soon_threadsafe(dispatch, batch)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+    return deliver
+
+
 async def serve(llm, *, host: str, port: int, model_name: str, shutdown_timeout: float = 30.0) -> None:
     """Serves until SIGTERM / SIGINT, then shuts down gracefully."""
     metrics = ServerMetrics()
-    worker = EngineWorker(llm, metrics)
+    worker = EngineWorker(llm, metrics, deliver=_deliver_on(asyncio.get_running_loop()))
     state = ServerState(worker, context_for(llm, model_name), metrics)
     worker.start()
     runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=None)
@@ -272,14 +297,19 @@ def cmd_serve(args) -> int:
     from dsv4.config import Config
 
     config = Config.from_hf(args.model) if os.path.isdir(args.model) else Config.preset(args.model)
+    if args.mixed_chunk_size is None:
+        # Clients stream tokens: while one of them decodes, a long prompt prefills in quarter chunks, so the others'
+        # inter-token latency stays near a quarter chunk's step (docs/BENCHMARKS.md, "Serving").
+        args.mixed_chunk_size = max(1, args.chunk_size // MIXED_CHUNK_DIVISOR)
     llm = args.make_llm(args, max_slots=8, max_model_len=min(config.max_position_embeddings, 32768))  # LLM's default
     log.info(
-        "loaded %s in %.1f s: %d slots of %d tokens, chunk %d, %d KV pages of %d tokens%s",
+        "loaded %s in %.1f s: %d slots of %d tokens, chunk %d, mixed-step prefill %d, %d KV pages of %d tokens%s",
         args.model,
         time.perf_counter() - t0,
         llm.runner.max_slots,
         llm.max_model_len,
         llm.chunk_size,
+        args.mixed_chunk_size,
         llm.pool.num_usable_blocks,
         llm.page_size,
         f", mesh of {args.devices} devices" if llm.mesh is not None else "",

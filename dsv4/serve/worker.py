@@ -4,7 +4,9 @@ HTTP handlers never call the engine. They `submit` a `Job` and `cancel` request 
 queue; the thread drains it between steps (so `add_request` / `cancel` happen only between `update` and the next
 `schedule`, as the scheduler requires), runs `LLM.step()` while anything is unfinished, and posts each job's
 events back through the job's `post` callable (the server makes it `loop.call_soon_threadsafe(queue.put_nowait,
-...)`). Events, as tuples:
+...)`). A step's tokens, one per running request, go out together through `deliver(batch)` when the worker has
+one: the server hands the whole batch to its event loop in one wake-up instead of one per stream. Events, as
+tuples:
 
     ("accepted",)                                          queued in the engine
     ("rejected", message)                                  add_request refused it (a 400)
@@ -35,6 +37,9 @@ class Job:
     sampling: object  # dsv4.generate.SamplingParams
     stop_token_ids: frozenset[int]
     post: Callable[[tuple], None]
+    """Hands one event to the job's consumer; called from the engine thread."""
+    put: Callable[[tuple], None] | None = None
+    """The consumer's own enqueue, for a `deliver` that runs on the consumer's side (the server's event loop)."""
     arrival_time: float = field(default_factory=time.perf_counter)
     # engine-thread bookkeeping
     prefilled: int = 0
@@ -43,8 +48,10 @@ class Job:
 
 
 class EngineWorker:
-    def __init__(self, llm, metrics=None, *, log_interval_s: float = 1.0) -> None:
+    def __init__(self, llm, metrics=None, *, log_interval_s: float = 1.0,
+                 deliver: Callable[[list[tuple[Job, tuple]]], None] | None = None) -> None:  # fmt: skip
         self.llm = llm
+        self.deliver = deliver
         self.metrics = metrics
         self.log_interval_s = log_interval_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -180,6 +187,9 @@ class EngineWorker:
             posts.append((job, ("token", event.token_id, logprob, top, event.finish_reason, output)))
         self._account_prefill(now)
         self._update_gauges()
+        if self.deliver is not None and posts:
+            self.deliver(posts)
+            return
         for job, item in posts:
             job.post(item)
 

@@ -1,0 +1,219 @@
+"""What `dsv4 serve` costs over the engine, and what one long prompt costs the short requests' streams.
+
+Starts `dsv4 serve MODEL` as a subprocess and builds the same engine in this process, then runs rounds of:
+
+    engine       the workload fed to `dsv4.LLM` here: each request added at its arrival time (between steps, as the
+                 server's engine thread does), TTFT and ITL from the engine's own request metrics
+    http         the same prompts at the same arrival times through `dsv4 bench serve`'s client and the server
+    http+long    (with --long-prompt-len) the same plus one long prompt at t = 0
+    engine+long  (with --long-prompt-len) that, fed to the engine here
+
+Only one side runs at a time, so on a small CPU box the two processes never compete, and the sides alternate within
+every round, so a slow spell of the machine hits both. Reported: the median over rounds of each side's TTFT p50 and
+ITL p50 / p99, and the ratios http / engine (the HTTP layer's cost) and with / without the long prompt
+(interference). Both processes share a persistent JAX compilation cache, so each shape compiles once.
+
+    python scripts/bench_serve_overhead.py --model tiny --max-slots 16 --chunk-size 256 --max-model-len 9000 \\
+        --num-prompts 100 --request-rate 10 --input-len 64 --output-len 32 --long-prompt-len 8192 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dsv4.serve import bench  # noqa: E402  (after the path)
+
+STATS = ("ttft_p50_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "long_ttft_ms")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="preset or checkpoint directory (default tiny)")
+    p.add_argument("--max-slots", type=int, default=16)
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--mixed-chunk-size", type=int, default=None, help="default: the server's default")
+    p.add_argument("--max-model-len", type=int, default=9000)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=10.0)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--input-len-range", type=float, default=0.0)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--long-prompt-len", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
+    p.add_argument("--json-out", default=None)
+    return p.parse_args(argv)
+
+
+def engine_options(args) -> list[str]:
+    opts = ["--max-slots", str(args.max_slots), "--chunk-size", str(args.chunk_size),
+            "--max-model-len", str(args.max_model_len)]  # fmt: skip
+    if args.mixed_chunk_size is not None:
+        opts += ["--mixed-chunk-size", str(args.mixed_chunk_size)]
+    if args.dtype:
+        opts += ["--dtype", args.dtype]
+    return opts
+
+
+class Server:
+    def __init__(self, args, env: dict, log_path: pathlib.Path) -> None:
+        cmd = [sys.executable, "-m", "dsv4.cli", "serve", args.model, "--port", str(args.port), *engine_options(args)]
+        self.log_path = log_path
+        self.proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            text = log_path.read_text()
+            match = re.search(r"on (http://127\.0\.0\.1:\d+)", text)
+            if match:
+                self.url = match.group(1)
+                self.mixed = re.search(r"mixed-step prefill (\d+)", text)
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.proc.kill()
+        raise RuntimeError(f"the server did not start:\n{log_path.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def bench_args(args, url: str, *, long: bool) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p.parse_args([
+        "--base-url", url, "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate),
+        "--input-len", str(args.input_len), "--input-len-range", str(args.input_len_range),
+        "--output-len", str(args.output_len), "--seed", str(args.seed), "--quiet",
+        *(["--long-prompt-len", str(args.long_prompt_len)] if long else []),
+    ])  # fmt: skip
+
+
+def engine_round(llm, work: bench.Workload, bargs, *, long: bool) -> dict:
+    """The workload through `llm` in this process: requests added at their arrival times, between steps."""
+    from dsv4.generate import SamplingParams
+
+    greedy = SamplingParams()
+    llm.add_request(work.warm_prompt, max_new_tokens=bargs.output_len, sampling=greedy)  # as the client's warm-up
+    while llm.has_unfinished_requests():
+        llm.step()
+    arrivals, at = [], 0.0
+    for gap in work.gaps:
+        at += gap
+        arrivals.append(at)
+    t0 = time.perf_counter()
+    ids, long_id, i = [], None, 0
+    if long:
+        long_id = llm.add_request(work.long_prompt, max_new_tokens=bargs.output_len, sampling=greedy, arrival_time=t0)
+    while i < len(work.prompts) or llm.has_unfinished_requests():
+        now = time.perf_counter()
+        while i < len(work.prompts) and t0 + arrivals[i] <= now:
+            ids.append(llm.add_request(work.prompts[i], max_new_tokens=bargs.output_len, sampling=greedy,
+                                       arrival_time=t0 + arrivals[i]))  # fmt: skip
+            i += 1
+        if llm.has_unfinished_requests():
+            llm.step()
+        elif i < len(work.prompts):
+            time.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+    duration = time.perf_counter() - t0
+    results = []
+    for index, request_id in enumerate(ids):
+        out = llm.pop_output(request_id)
+        m = out.metrics
+        results.append(bench.Result(index, len(work.prompts[index]), sent=m.arrival_time,
+                                    ok=out.finish_reason != "error", ttft=m.ttft_s, e2e=m.e2e_s,
+                                    output_tokens=len(out.token_ids), chunk_times=list(m.token_times)))  # fmt: skip
+    summary = bench.summarize(results, duration, bargs)
+    if long_id is not None:
+        summary["long_prompt"] = {"ttft_loaded_ms": llm.pop_output(long_id).metrics.ttft_s * 1e3}
+    return summary
+
+
+def http_round(bargs) -> dict:
+    return asyncio.run(bench.run(bargs))["summary"]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cache = tempfile.mkdtemp(prefix="dsv4_jax_cache_")
+    env = os.environ | {"JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}  # fmt: skip
+    os.environ.update(env)
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", cache)
+    log_path = pathlib.Path(cache) / "server.log"
+    server = Server(args, env, log_path)
+    try:
+        mixed = args.mixed_chunk_size
+        if mixed is None and server.mixed:  # the server's own default
+            mixed = int(server.mixed.group(1))
+        from dsv4.engine import LLM
+
+        llm = LLM(args.model, max_slots=args.max_slots, chunk_size=args.chunk_size, mixed_chunk_size=mixed,
+                  max_model_len=args.max_model_len, dtype=args.dtype)  # fmt: skip
+        llm.warmup(widths=llm.runner.width_buckets)
+        sides = ["engine", "http"] + (["http+long", "engine+long"] if args.long_prompt_len else [])
+        rounds: dict[str, list[dict]] = {side: [] for side in sides}
+        for r in range(args.rounds):
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                long = side.endswith("+long")
+                bargs = bench_args(args, server.url, long=long)
+                if side.startswith("http"):
+                    summary = http_round(bargs)
+                else:
+                    work = bench.make_workload(bargs, llm.config.vocab_size, chat=False)
+                    summary = engine_round(llm, work, bargs, long=long)
+                if summary["failed"]:
+                    raise RuntimeError(f"{side}: {summary['failed']} requests failed: {summary.get('first_error')}")
+                summary["long_ttft_ms"] = (summary.get("long_prompt") or {}).get("ttft_loaded_ms", math.nan)
+                rounds[side].append({k: summary[k] for k in STATS})
+                print(f"round {r + 1} {side:<12} " + "  ".join(f"{k} {summary[k]:.1f}" for k in STATS),
+                      file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        server.stop()
+
+    med = {side: {k: statistics.median(row[k] for row in rows) for k in STATS} for side, rows in rounds.items()}
+    print(f"\n{args.model}: {args.num_prompts} prompts of {args.input_len} tokens at {args.request_rate}/s, "
+          f"{args.output_len} new; chunk {args.chunk_size}, mixed-step prefill {mixed}; "
+          f"median of {args.rounds} rounds")  # fmt: skip
+    print(f"{'side':<12} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>9} {'long TTFT':>10}   (ms)")
+    for side, row in med.items():
+        print(f"{side:<12} {row['ttft_p50_ms']:>9.1f} {row['itl_p50_ms']:>8.1f} {row['itl_p99_ms']:>8.1f} "
+              f"{row['tpot_p50_ms']:>9.1f} {row['long_ttft_ms']:>10.1f}")  # fmt: skip
+    ratios = {"http_over_engine_ttft_p50": med["http"]["ttft_p50_ms"] / med["engine"]["ttft_p50_ms"]}
+    print(f"\nTTFT p50 through HTTP / the engine's: {ratios['http_over_engine_ttft_p50']:.3f}")
+    if args.long_prompt_len:
+        for base in ("http", "engine"):
+            key = f"{base}_itl_p99_long_over_alone"
+            ratios[key] = med[f"{base}+long"]["itl_p99_ms"] / med[base]["itl_p99_ms"]
+            print(f"ITL p99 with the {args.long_prompt_len}-token prompt / without ({base}): {ratios[key]:.2f}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"args": vars(args) | {"mixed_chunk_size": mixed}, "rounds": rounds, "median": med,
+                       "ratios": ratios}, f, indent=2)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
