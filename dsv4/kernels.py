@@ -29,7 +29,8 @@ CHOICES = {
     "moe": ("jnp", "pallas"),
     # cache writes: XLA's quantize + scatter, or the quantize-and-write kernel
     "kv_write": ("jnp", "pallas"),
-    "sinkhorn": ("jnp", "pallas"),
+    # "pallas-mgpu": the Mosaic GPU form (Hopper; "auto" keeps the Triton kernel until a GPU has timed it)
+    "sinkhorn": ("jnp", "pallas", "pallas-mgpu"),
 }
 SEQUENCE_PARALLEL_CORES = ("sp", "sp-pallas")
 _FAST_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -156,11 +156,18 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def sinkhorn_normalize(comb: jax.Array, iters: int, eps: float, impl: str = "jnp") -> jax.Array:
     """comb [B, S, hc, hc] (positive) → doubly stochastic, float32: columns first, then (iters - 1) rounds of rows
     and columns, as in the reference. impl="pallas": one kernel launch (per sequence shard under a
-    sequence-parallel layout; interpreted off a GPU) instead of XLA's host-driven loop, for hc a power of two."""
+    sequence-parallel layout; interpreted off a GPU) instead of XLA's host-driven loop, for hc a power of two;
+    "pallas-mgpu": the same as a Mosaic GPU kernel (Hopper; the Mosaic GPU interpreter off a GPU), any hc."""
     hc = comb.shape[-1]
     if impl == "pallas" and hc & (hc - 1) == 0:
         interpret = not on_gpu()
         return per_sequence_shard(lambda c: sk.sinkhorn(c, iters, eps, interpret=interpret), (comb,), fill=(1.0,))
+    if impl == "pallas-mgpu":
+        from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+
+        interpret = None if on_gpu() else InterpretGPUParams()
+        return per_sequence_shard(lambda c: sk.sinkhorn_mgpu(c, iters, eps, interpret=interpret), (comb,),
+                                  fill=(1.0,))  # fmt: skip
     return sk.sinkhorn_reference(comb, iters, eps)
 
 

@@ -7,8 +7,9 @@ Triton kernel, the same run's bf16 matmul and, optionally, cuDNN's causal attent
         --rounds 5 --iters 3 --cudnn                                         # interleaved rounds, cuDNN as ceiling
     PYTHONPATH=. python3 scripts/bench_attention.py --seqs 131072 --variants mgpu-persistent --fp8 --iters 9
     PYTHONPATH=. python3 scripts/bench_attention.py --only one-token --iters 15   # decode-sized chunks
+    PYTHONPATH=. python3 scripts/bench_attention.py --only csa --seqs 131072,524288 --iters 3   # CSA: Mosaic vs Triton
 
-Sections (``--only prefill,one-token``; prefill by default):
+Sections (``--only prefill,one-token,csa``; prefill by default):
 
 prefill  1. Correctness of every variant against the jnp reference (B=1, H=64, D=512, W=128; S = 301 and 1000;
             window and HCA with rate 4 so several HCA tiles are visited): max abs error, PASS if < 3e-2. A variant
@@ -31,6 +32,12 @@ one-token  one-token chunks (a decode step over a dense cache), the Triton kerne
            timing is the median over --iters runs of one jit that calls the kernel 8 times on 8 different queries
            (as a model step calls its layers), divided by 8: µs per call, Mosaic's speed-up over Triton, and the
            max abs difference between the two outputs.
+csa      CSA layers (rate 4: C = S / 4 entries, 512 listed per token): the Mosaic kernel's CSA mode (each listed
+         row gathered by its own TMA, ``v4_attention_mgpu(topk_indices=...)``, the mgpu-persistent configuration)
+         against the Triton kernel. Correctness first (S = 301, 1000 against the jnp reference; PASS < 3e-2), then
+         timings at --seqs. Lists: token p takes min(512, n) of its n = (p + 1) // 4 visible entries, evenly spread
+         and rotated by a random offset per token (distinct; neighbours share few rows, so L2 helps less than with
+         an indexer's picks). Useful FLOPs = 4·H·D per (query, key) pair: window keys plus listed entries.
 
 Every variant is caught separately: one failure prints its error and the rest go on. Progress is flushed.
 """
@@ -297,6 +304,74 @@ def prefill(args):
     sys.stdout.flush()
 
 
+CSA_RATE, CSA_TOPK = 4, 512
+
+
+def csa_inputs(seq, seed=0):
+    """Window inputs plus CSA entries [1, S / 4, D] and lists [1, S, 512] (see the module docstring)."""
+    q, kv, q_pos, sinks, _ = inputs(seq, hca=False, rate=RATE, seed=seed)
+    kc, kr = jax.random.split(jax.random.PRNGKey(seed + 1))
+    comp = jax.random.normal(kc, (1, max(seq // CSA_RATE, 1), D), jnp.bfloat16)
+    p = jnp.arange(seq, dtype=jnp.int32)[:, None]
+    j = jnp.arange(CSA_TOPK, dtype=jnp.int32)[None, :]
+    n = (p + 1) // CSA_RATE  # visible entries
+    spread = j * jnp.maximum(n, CSA_TOPK) // CSA_TOPK  # distinct, < max(n, 512)
+    rotated = (spread + jax.random.randint(kr, (seq, 1), 0, 2**30)) % jnp.maximum(n, 1)
+    topk = jnp.where(j < n, rotated, -1).astype(jnp.int32)[None]
+    return q, kv, q_pos, sinks, comp, topk
+
+
+def csa_flops(seq):
+    p = np.arange(seq, dtype=np.int64)
+    return 4 * H * D * int((np.minimum(p + 1, W) + np.minimum((p + 1) // CSA_RATE, CSA_TOPK)).sum())
+
+
+def csa(args):
+    config = VARIANTS["mgpu-persistent"]
+
+    def mosaic(q, kv, q_pos, sinks, comp, topk):
+        return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=W, scale=D**-0.5, compressed=comp,
+                                 topk_indices=topk, config=config, check_positions=False)  # fmt: skip
+
+    def triton(q, kv, q_pos, sinks, comp, topk):
+        return v4_attention(q, kv, q_pos, q_pos, sinks, sliding_window=W, scale=D**-0.5, compressed=comp,
+                            topk_indices=topk)  # fmt: skip
+
+    log("== CSA correctness (max abs err vs jnp reference, bf16, PASS < 3e-2) ==")
+    ok = True
+    for seq in (301, 1000):
+        data = csa_inputs(seq, seed=seq)
+        q, kv, q_pos, sinks, comp, topk = data
+        ref = np.asarray(v4_attention_reference(q, kv, q_pos, q_pos, sinks, sliding_window=W, scale=D**-0.5,
+                                                compressed=comp, topk_indices=topk), np.float32)  # fmt: skip
+        try:
+            jax.block_until_ready(mosaic(jnp.full_like(q, jnp.nan), *data[1:]))  # poison a recycled buffer
+            out = np.asarray(mosaic(*data), np.float32)
+            err = float(np.abs(out - ref).max()) if not np.isnan(out).any() else float("nan")
+        except Exception as e:  # noqa: BLE001
+            log(f"  S={seq} CSA mosaic: ERROR {type(e).__name__}: {str(e)[:400]}")
+            traceback.print_exc(limit=3, file=sys.stdout)
+            err = float("nan")
+        ok = ok and err < 3e-2
+        log(f"  S={seq:5d} CSA mosaic max_err={err:.3e} {'PASS' if err < 3e-2 else 'FAIL'}")
+    log("== CSA timings (median of --iters) ==")
+    for seq in [int(x) for x in args.seqs.split(",")] if args.seqs else [32768, 131072]:
+        data = csa_inputs(seq)
+        flops = csa_flops(seq)
+        runners = ([("mosaic", jax.jit(mosaic))] if ok else []) + [("triton", jax.jit(triton))]
+        times = {}
+        for name, fn in runners:
+            try:
+                times[name] = bench(lambda fn=fn: fn(*data), args.iters)
+                log(f"  S={seq:6d} CSA {name:7s} {times[name] * 1e3:9.3f} ms {flops / times[name] / 1e12:7.1f} "
+                    f"TFLOP/s")  # fmt: skip
+            except Exception as e:  # noqa: BLE001
+                log(f"  S={seq} CSA {name}: ERROR {type(e).__name__}: {str(e)[:400]}")
+        if len(times) == 2:
+            log(f"  S={seq:6d} CSA mosaic speed-up over triton: {times['triton'] / times['mosaic']:.2f}x")
+        data = None
+
+
 ONE_TOKEN_CALLS = 8
 
 
@@ -363,7 +438,7 @@ def main():
     ap.add_argument("--fp8", action="store_true",
                     help="also FP8 KV (per-channel scales): dequantize pass + the first variant's Mosaic kernel, "
                          "and the Triton kernel's in-kernel dequantization (unless --skip-triton)")  # fmt: skip
-    ap.add_argument("--only", default="prefill", help="comma-separated subset of prefill,one-token")
+    ap.add_argument("--only", default="prefill", help="comma-separated subset of prefill,one-token,csa")
     ap.add_argument("--one-token-contexts", default="32768,524288", help="one-token: HCA context lengths (window "
                     "layers: the first only, their work does not depend on the context)")  # fmt: skip
     ap.add_argument("--one-token-batches", default="1,32")
@@ -374,6 +449,8 @@ def main():
         prefill(args)
     if "one-token" in sections:
         one_token(args)
+    if "csa" in sections:
+        csa(args)
 
 
 if __name__ == "__main__":

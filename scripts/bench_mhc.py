@@ -1,6 +1,7 @@
-"""The mHC Sinkhorn normalization on a GPU: XLA's loop, the same loop unrolled, and the Pallas kernel, side by side.
+"""The mHC Sinkhorn normalization on a GPU: XLA's loop, the same loop unrolled, and the Pallas kernels, side by side.
 
     PYTHONPATH=. python3 scripts/bench_mhc.py                 # one H200 (~1 min)
+    PYTHONPATH=. python3 scripts/bench_mhc.py --variants loop,kernel,mgpu,mgpu-approx --reps 50   # Triton, Mosaic
 
 What one item times: a jitted function that runs `--calls` (default 6, a 3-layer model's hyper-connections)
 normalizations one after another on [B, S, 4, 4] float32 matrices (each feeding the next, so none is dropped), V4's
@@ -10,7 +11,10 @@ requests (B = 32, S = 1) and a 16K-token prefill chunk (B = 1, S = 16384).
     loop     `dsv4.pallas.sinkhorn.sinkhorn_reference`: a `lax.fori_loop` of 19 rounds (XLA runs a while loop from
              the host: kernels and a predicate copy per iteration)
     unroll   the same rounds as straight-line XLA (`fori_loop(..., unroll=True)`)
-    kernel   `dsv4.pallas.sinkhorn.sinkhorn`: one Pallas kernel, every round in registers
+    kernel   `dsv4.pallas.sinkhorn.sinkhorn`: one Pallas kernel, every round in registers (Triton lowering)
+    mgpu     `dsv4.pallas.sinkhorn.sinkhorn_mgpu`: the same rounds as a Mosaic GPU kernel, IEEE divisions (Hopper
+             only; the mgpu variants are skipped elsewhere)
+    mgpu-approx  the same with Mosaic's approx_math (approximate divisions, as the Triton lowering's)
 
 Each variant's result is compared with the loop's (max abs difference).
 """
@@ -29,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from dsv4.pallas.sinkhorn import sinkhorn, sinkhorn_reference  # noqa: E402
+from dsv4.pallas._device import is_hopper  # noqa: E402
+from dsv4.pallas.sinkhorn import MgpuSinkhornConfig, sinkhorn, sinkhorn_mgpu, sinkhorn_reference  # noqa: E402
 
 ITERS, EPS = 20, 1e-6
 
@@ -38,7 +43,12 @@ def unrolled(comb, iters, eps):
     return sinkhorn_reference(comb, iters, eps, unroll=True)
 
 
-VARIANTS = {"loop": sinkhorn_reference, "unroll": unrolled, "kernel": sinkhorn}
+def mgpu_approx(comb, iters, eps):
+    return sinkhorn_mgpu(comb, iters, eps, config=MgpuSinkhornConfig(approx_math=True))
+
+
+VARIANTS = {"loop": sinkhorn_reference, "unroll": unrolled, "kernel": sinkhorn, "mgpu": sinkhorn_mgpu,
+            "mgpu-approx": mgpu_approx}  # fmt: skip
 
 
 def chain(fn, calls):
@@ -65,13 +75,20 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=6)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
     args = p.parse_args()
+    wanted = [v for v in args.variants.split(",") if v]
+    if "loop" not in wanted or any(v not in VARIANTS for v in wanted):
+        p.error(f"--variants {args.variants!r}: 'loop' (the baseline) and any of {list(VARIANTS)}")
+    if not is_hopper() and any(v.startswith("mgpu") for v in wanted):
+        print("not a Hopper GPU: the mgpu variants are skipped")
+        wanted = [v for v in wanted if not v.startswith("mgpu")]
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; {args.calls} normalizations a call", flush=True)
     rows = []
     for b, s in ((32, 1), (1, 16384)):
         logits = jax.random.normal(jax.random.key(0), (b, s, 4, 4)) * 3.0
         comb = jax.nn.softmax(logits, axis=-1) + EPS
-        fns = {name: chain(fn, args.calls) for name, fn in VARIANTS.items()}
+        fns = {name: chain(VARIANTS[name], args.calls) for name in wanted}
         base = fns["loop"](comb)
         for name, fn in fns.items():
             t = median_s(fn, comb, args.reps) / args.calls

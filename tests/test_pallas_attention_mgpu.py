@@ -24,7 +24,7 @@ import pytest
 from gpu_mesh import abstract_gpu_mesh
 
 from dsv4.pallas.attention import v4_attention_reference
-from dsv4.pallas.attention_mgpu import MgpuConfig, v4_attention_mgpu, window_tiles
+from dsv4.pallas.attention_mgpu import MgpuConfig, csa_operands, v4_attention_mgpu, window_tiles
 
 TOL = 3e-2
 gpu = pytest.mark.gpu
@@ -213,6 +213,81 @@ def test_interpreter_with_window_rows_for_two_blocks(first_halo_empty, bk, num_c
     np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=TOL, rtol=0)
 
 
+def csa_lists(seed, *, batch, seq, k, num_entries):
+    """Random CSA lists [B, S, k]: distinct ids, some past the entries (they list nothing), -1 anywhere, one token
+    with nothing listed."""
+    rng = np.random.default_rng(seed)
+    topk = np.full((batch, seq, k), -1, np.int32)
+    for b in range(batch):
+        for t in range(1, seq):
+            n = int(rng.integers(1, min(k, num_entries + 5) + 1))
+            topk[b, t, :n] = rng.permutation(num_entries + 5)[:n]
+            rng.shuffle(topk[b, t])
+    return jnp.asarray(topk)
+
+
+def test_csa_operands_by_hand():
+    """Slots [3, -1, 7, 2] over 5 entries, 32-slot tiles: 7 lists nothing (outside [0, 5)); rows 3, 0, 0, 2 and 28
+    padding slots of row 0; bits 0 and 3 set (9); one past the last listing slot: 4."""
+    rows, bits, slots = csa_operands(jnp.asarray([[[3, -1, 7, 2]]], jnp.int32), 5, 32)
+    assert np.asarray(rows).tolist() == [[[3, 0, 0, 2] + [0] * 28]]
+    assert np.asarray(bits).tolist() == [[[9]]] and np.asarray(slots).tolist() == [[4]]
+    rows, bits, slots = csa_operands(jnp.asarray([[[-1] * 31 + [4, 1]]], jnp.int32), 5, 32)  # the top bit, a 2nd word
+    assert np.asarray(bits).tolist() == [[[-(2**31), 1]]] and np.asarray(slots).tolist() == [[33]]
+
+
+def test_interpreter_csa_matches_reference():
+    """CSA (each listed entry's row gathered by its own TMA into a row-major tile, rewritten tiled in place): 2
+    persistent CTAs walking 7 tokens, 100 slots (2 gathered 64-row tiles, the second part padding) with -1 anywhere,
+    ids past the entries, a token with nothing listed; then the window tiles. Against the jnp reference."""
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+
+    window, seq, c = 16, 7, 45
+    q, kv, q_pos, sinks, _ = make_inputs(5, seq=seq, head_dim=128)
+    compressed = jnp.asarray(np.random.default_rng(6).standard_normal((1, c, 128)), jnp.bfloat16)
+    topk = csa_lists(7, batch=1, seq=seq, k=100, num_entries=c)
+    config = MgpuConfig(variant="ws", block_kv=64, pv_form="interpret", num_ctas=2)
+    with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
+        out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
+                                topk_indices=topk, config=config, check_positions=False,
+                                interpret=InterpretGPUParams())  # fmt: skip
+        out = np.asarray(jax.block_until_ready(out), np.float32)
+    ref = v4_attention_reference(q, kv, q_pos, q_pos, sinks, sliding_window=window, scale=128**-0.5,
+                                 compressed=compressed, topk_indices=topk)  # fmt: skip
+    np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=TOL, rtol=0)
+
+
+def test_csa_lowers_for_cuda_at_real_shapes():
+    """CSA at V4 shapes (D = 512, 512 slots, persistent "ws"): the per-row TMAs into the row-major view and the
+    8-row regrouping through registers build for an abstract H200 (the check_positions fallback compiles Triton's)."""
+    b, s, h, d, c = 1, 1024, 64, 512, 256
+    sds = jax.ShapeDtypeStruct
+    args = (sds((b, s, h, d), jnp.bfloat16), sds((b, s, d), jnp.bfloat16), sds((b, s), jnp.int32),
+            sds((h,), jnp.float32), sds((b, c, d), jnp.bfloat16), sds((b, s, 512), jnp.int32))  # fmt: skip
+
+    def f(q, kv, q_pos, sinks, compressed, topk):
+        return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=128, scale=d**-0.5, compressed=compressed,
+                                 topk_indices=topk)  # fmt: skip
+
+    with abstract_gpu_mesh():
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_csa_rejects_what_it_cannot_run():
+    q, kv, q_pos, sinks, compressed = make_inputs(1, seq=8, head_dim=128, rate=4)
+    topk = jnp.zeros((1, 8, 16), jnp.int32)
+    kw = dict(sliding_window=16, scale=1.0, compressed=compressed, topk_indices=topk)
+    with pytest.raises(ValueError, match="variant='ws'"):
+        v4_attention_mgpu(q, kv, q_pos, sinks, config=MgpuConfig(variant="prefetch"), **kw)
+    with pytest.raises(ValueError, match="no compress_rate"):
+        v4_attention_mgpu(q, kv, q_pos, sinks, compress_rate=4, **kw)
+    with pytest.raises(ValueError, match="topk_indices must be int32"):
+        v4_attention_mgpu(q, kv, q_pos, sinks, **{**kw, "topk_indices": topk[:, :4]})
+    with pytest.raises(ValueError, match="without compressed"):
+        v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=16, scale=1.0, topk_indices=topk)
+
+
 @pytest.mark.parametrize(
     "shape, match",
     [((1, 8, 64, 576), "head dim"), ((1, 8, 32, 512), "multiple of 64"), ((1, 8, 96, 512), "multiple of 64")],
@@ -275,6 +350,29 @@ def _check_on_gpu(config, hca, seq, **shape):
     ref = np.asarray(_reference(q, kv, q_pos, sinks, compressed, window=window, scale=d**-0.5, rate=rate), np.float32)
     assert not np.isnan(out).any(), "kernel left elements unwritten (NaN)"
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("num_ctas", [0, 5])
+@pytest.mark.parametrize("seq, k", [(301, 512), (37, 100)])
+def test_gpu_csa_matches_reference(num_ctas, seq, k):
+    """CSA on the GPU: V4's 512 slots (or 100: a partial gathered tile) over 2000 entries, -1 anywhere, ids past the
+    entries; after a NaN-query run of the same shape. This is the first check of the per-row TMAs (1-row boxes at any
+    row start into the untransformed view) and of the in-place regrouping on hardware, which the interpreter cannot
+    model."""
+    window, d, c = 128, 512, 2000
+    q, kv, q_pos, sinks, _ = make_inputs(11, seq=seq)
+    compressed = jnp.asarray(np.random.default_rng(12).standard_normal((1, c, d)), jnp.bfloat16)
+    topk = csa_lists(13, batch=1, seq=seq, k=k, num_entries=c)
+    kwargs = dict(sliding_window=window, scale=d**-0.5, compressed=compressed, topk_indices=topk,
+                  config=MgpuConfig(num_ctas=num_ctas))  # fmt: skip
+    jax.block_until_ready(v4_attention_mgpu(jnp.full_like(q, jnp.nan), kv, q_pos, sinks, **kwargs))  # poison
+    out = np.asarray(v4_attention_mgpu(q, kv, q_pos, sinks, **kwargs), np.float32)
+    ref = v4_attention_reference(q, kv, q_pos, q_pos, sinks, sliding_window=window, scale=d**-0.5,
+                                 compressed=compressed, topk_indices=topk)  # fmt: skip
+    assert not np.isnan(out).any(), "kernel left elements unwritten (NaN)"
+    np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=TOL, rtol=0)
 
 
 @gpu

@@ -1,5 +1,7 @@
 """dsv4/pallas/sinkhorn.py: the mHC Sinkhorn kernel against its jnp reference (interpret mode on CPU, compiled on a
-GPU), its Triton lowering for an abstract H200, and the reference against a float64 numpy Sinkhorn written here."""
+GPU), its Triton lowering for an abstract H200, and the reference against a float64 numpy Sinkhorn written here.
+The Mosaic GPU form (`sinkhorn_mgpu`) runs in the Mosaic GPU interpreter, whose buffers start as NaN (so a token the
+kernel does not write stays NaN), and lowers for an abstract H200."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 from gpu_mesh import abstract_gpu_mesh
 
-from dsv4.pallas.sinkhorn import SinkhornBlocks, sinkhorn, sinkhorn_reference
+from dsv4.pallas.sinkhorn import MgpuSinkhornConfig, SinkhornBlocks, sinkhorn, sinkhorn_mgpu, sinkhorn_reference
 
 gpu = pytest.mark.gpu
 requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Triton-compiled kernel)")
@@ -97,6 +99,58 @@ def test_lowers_to_triton_for_h200(monkeypatch):
     assert all(len(op.split(",")) >= 3 for op in stores + loads), "an unmasked load or store"  # pointer, value / mask
 
 
+def _mgpu_interpret():
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+
+    return InterpretGPUParams(uninitialized_memory="nan")  # the output buffer starts poisoned
+
+
+@pytest.mark.parametrize("shape, hc, iters, block_tokens", [
+    ((3, 100), 4, 2, 128),  # 300 tokens: 3 blocks, the last one padded
+    ((1, 5), 3, 3, 256),    # fewer tokens than a block, an hc that is not a power of two
+])  # fmt: skip
+def test_mgpu_interpreter_matches_reference(shape, hc, iters, block_tokens):
+    comb = random_comb(hash((shape, hc, "mgpu")) % 1000, shape, hc)
+    want = np.asarray(sinkhorn_reference(comb, iters, EPS))
+    got = sinkhorn_mgpu(comb, iters, EPS, config=MgpuSinkhornConfig(block_tokens), interpret=_mgpu_interpret())
+    got = np.asarray(got)
+    assert got.shape == comb.shape and got.dtype == np.float32 and not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_mgpu_lowers_for_h200():
+    """The Mosaic GPU module builds for an abstract H200 at a prefill chunk's token count (not a block multiple);
+    two rounds suffice, every round lowers the same primitives."""
+    comb = jax.ShapeDtypeStruct((16387, 1, 4, 4), jnp.float32)
+    with abstract_gpu_mesh():
+        hlo = jax.jit(lambda c: sinkhorn_mgpu(c, 2, EPS)).trace(comb).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in hlo
+
+
+def test_mgpu_bad_arguments_are_named():
+    with pytest.raises(ValueError, match=r"\[\.\.\., hc, hc\]"):
+        sinkhorn_mgpu(jnp.ones((3, 4, 2)), 2, EPS, interpret=_mgpu_interpret())
+    with pytest.raises(ValueError, match="iters=0"):
+        sinkhorn_mgpu(jnp.ones((3, 4, 4)), 0, EPS, interpret=_mgpu_interpret())
+    with pytest.raises(ValueError, match="block_tokens=192"):
+        MgpuSinkhornConfig(block_tokens=192)
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("shape", [(32, 1), (1, 16384 + 3)])
+@pytest.mark.parametrize("approx_math", [False, True])
+def test_gpu_mgpu_matches_reference(shape, approx_math):
+    """Compiled on Hopper, after a NaN-input run of the same shape (a recycled output buffer then holds NaN wherever
+    the kernel fails to write). Approximate divisions get the Triton kernel's tolerance."""
+    config = MgpuSinkhornConfig(approx_math=approx_math)
+    comb = random_comb(8, shape, 4)
+    jax.block_until_ready(sinkhorn_mgpu(jnp.full_like(comb, jnp.nan), 20, EPS, config=config))
+    want = np.asarray(sinkhorn_reference(comb, 20, EPS))
+    got = np.asarray(sinkhorn_mgpu(comb, 20, EPS, config=config))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+
+
 @gpu
 @requires_gpu
 @pytest.mark.parametrize("shape", [(32, 1), (1, 16384 + 3)])
@@ -134,3 +188,26 @@ def test_hyper_connection_takes_the_kernel_when_asked(monkeypatch):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
     assert Kernels().resolve(jnp.float32, gpu=True).sinkhorn == "pallas"
     assert Kernels().resolve(jnp.float32, gpu=False).sinkhorn == "jnp"
+
+
+def test_sinkhorn_normalize_takes_the_mosaic_kernel_when_asked(monkeypatch):
+    """`Kernels.sinkhorn="pallas-mgpu"` reaches `sinkhorn_mgpu` through the model's `sinkhorn_normalize` (the Mosaic
+    GPU interpreter off a GPU), with the reference's result. "auto" stays on the Triton kernel on Hopper: the
+    Mosaic form is chosen by name only."""
+    import dsv4.layers as layers
+    import dsv4.pallas.sinkhorn as sk
+    from dsv4.kernels import Kernels
+
+    comb = random_comb(4, (1, 5), 4)
+    calls, kernel = [], sk.sinkhorn_mgpu
+
+    def counted(comb, iters, eps, **kw):
+        calls.append(comb.shape)
+        return kernel(comb, iters, eps, **kw)
+
+    monkeypatch.setattr(sk, "sinkhorn_mgpu", counted)
+    got = layers.sinkhorn_normalize(comb, 2, EPS, "pallas-mgpu")
+    assert calls == [(1, 5, 4, 4)]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(sinkhorn_reference(comb, 2, EPS)), rtol=1e-6, atol=1e-7)
+    assert Kernels().resolve(jnp.bfloat16, gpu=True, hopper=True).sinkhorn == "pallas"
+    assert Kernels.parse("sinkhorn=pallas-mgpu").resolve(jnp.bfloat16, gpu=True).sinkhorn == "pallas-mgpu"

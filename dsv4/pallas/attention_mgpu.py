@@ -2,7 +2,9 @@
 
 Same semantics as `dsv4.pallas.attention.v4_attention` (see its docstring and docs/kernels/attention.md) for the two
 dense modes: the causal sliding window, optionally plus HCA compressed entries (entry c visible iff
-c < (p + 1) // compress_rate), with a per-head sink logit. CSA (top-k gathers) and FP8 stay on the Triton kernel.
+c < (p + 1) // compress_rate), with a per-head sink logit; and, opt-in (`topk_indices`, not yet run on a GPU), CSA:
+the window plus each token's listed entries, every listed row gathered by its own TMA (see `gather_rows` below).
+FP8 stays on the Triton kernel (the model dequantizes FP8 caches to bf16 for this one).
 
 Restriction (the prefill hot path, "kv aligned"): the kv cache IS the query sequence, kv_pos == q_pos, and each batch
 row's positions are contiguous: q_pos[b, s] == q_pos[b, 0] + s with q_pos[b, 0] >= 0. Then the window of token s is
@@ -80,7 +82,8 @@ from dsv4.pallas.attention_common import (
     wgmma_online_softmax_step,
 )
 
-__all__ = ["MgpuConfig", "v4_attention_mgpu", "v4_attention_mgpu_kernel_call", "positions_are_aligned", "window_tiles"]
+__all__ = ["MgpuConfig", "csa_operands", "v4_attention_mgpu", "v4_attention_mgpu_kernel_call", "positions_are_aligned",
+           "window_tiles"]  # fmt: skip
 
 _GRID_DIM_MAX = 65535  # CUDA's limit on grid dims y and z
 _TOKEN_BLOCK = 32768  # tokens per grid row when the prompt is longer than that
@@ -196,7 +199,8 @@ class _Item(NamedTuple):
     n_steps: jax.Array
 
 
-def _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config: MgpuConfig, kv_offset=0):
+def _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config: MgpuConfig, kv_offset=0,
+                  topk_indices=None):  # fmt: skip
     if q.ndim != 4 or kv.ndim != 3:
         raise ValueError(f"expected q [B, S, H, D] and kv [B, T, D], got q.shape={q.shape}, kv.shape={kv.shape}")
     b, s, h, d = q.shape
@@ -225,10 +229,18 @@ def _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window
             raise ValueError(f"compressed.shape={compressed.shape} must be (B, C >= 1, D) = ({b}, C, {d})")
         if compressed.dtype != q.dtype:
             raise ValueError(f"compressed.dtype={compressed.dtype} must equal q.dtype={q.dtype}")
-        if not isinstance(compress_rate, int) or compress_rate < 1:
+        if topk_indices is not None:
+            if topk_indices.ndim != 3 or topk_indices.shape[:2] != (b, s) or topk_indices.dtype != jnp.int32:
+                raise ValueError(f"topk_indices must be int32 [B, S, K] = ({b}, {s}, K), got "
+                                 f"{topk_indices.dtype} {topk_indices.shape}")  # fmt: skip
+            if compress_rate is not None:
+                raise ValueError("CSA mode (topk_indices) takes no compress_rate")
+            if config.variant != "ws":
+                raise ValueError(f"CSA mode needs variant='ws' (its producer gathers the rows), got {config.variant!r}")
+        elif not isinstance(compress_rate, int) or compress_rate < 1:
             raise ValueError(f"HCA mode needs compress_rate >= 1, got {compress_rate!r}")
-    elif compress_rate is not None:
-        raise ValueError("compress_rate given without compressed")
+    elif compress_rate is not None or topk_indices is not None:
+        raise ValueError("compress_rate or topk_indices given without compressed")
     if config.smem_bytes(d) > SMEM_LIMIT:
         raise ValueError(f"{config} needs {config.smem_bytes(d)} B of shared memory at D={d}; limit {SMEM_LIMIT}")
 
@@ -270,15 +282,34 @@ def window_tiles(tok, sliding_window: int, block_kv: int, *, aligned: bool = Tru
     return start, lax.div(tok - start, jnp.int32(block_kv)) + 1
 
 
+def csa_operands(topk_indices: jax.Array, num_entries: int, block_kv: int):
+    """CSA lists → the kernel's operands: (rows int32 [B, S, K'], bits int32 [B, S, K' / 32], slots int32 [B, S]).
+
+    K' = K rounded up to block_kv. rows: each slot's entry, 0 where the slot lists none (-1 or outside
+    [0, num_entries): the row is still loaded, then masked); bits: bit j % 32 of word j // 32 says whether slot j
+    lists an entry; slots: one past each token's last listing slot (its gathered tiles: ceil(slots / block_kv))."""
+    b, s, k = topk_indices.shape
+    k_pad = _round_up(k, block_kv)
+    idx = jnp.pad(topk_indices, ((0, 0), (0, 0), (0, k_pad - k)), constant_values=-1)
+    valid = (idx >= 0) & (idx < num_entries)  # [B, S, K']
+    rows = jnp.where(valid, idx, 0)
+    words = valid.reshape(b, s, k_pad // 32, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
+    bits = lax.bitcast_convert_type(words.sum(axis=-1, dtype=jnp.uint32), jnp.int32)  # distinct bits: sum = or
+    slots = jnp.max(jnp.where(valid, jnp.arange(1, k_pad + 1, dtype=jnp.int32), 0), axis=-1)
+    return rows, bits, slots
+
+
 def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_window, scale, compressed,
                                   config: MgpuConfig, interpret=None, kv_offset: int = 0,
-                                  window_rows=None):  # fmt: skip
+                                  window_rows=None, csa=None):  # fmt: skip
     """The raw pallas call (no position checks). q [B,S,H,D]; kv [B,T>=kv_offset+S,D] (row kv_offset + j = position
     q_pos[b,0] + j: the kv_offset rows before are the positions just before q's, e.g. a sequence shard's halo);
     window_rows: None, or (lo, hi) int32 [B,S] each: token j's window is kv rows [lo, hi) instead (hi - lo <= W,
     lo < T; e.g. a zigzag shard's two blocks, each after its own halo, in one call);
     n_visible [B,S] int32 visible HCA entries per token (ignored without compressed); sinks_log2 [H] f32 = sinks·log2e;
-    compressed [B,C,D] or None. → [B,S,H,D] (with config.debug "dump": (out, dbg [B,S,2,2,H,block_kv] f32), see
+    compressed [B,C,D] or None; csa: None (window / HCA) or (rows, bits) (`csa_operands`): the listed entries' rows
+    int32 [B,S,K] (K a multiple of block_kv; each a row of compressed) and validity bits int32 [B,S,K/32]; n_visible
+    then counts each token's list slots. → [B,S,H,D] (with config.debug "dump": (out, dbg [B,S,2,2,H,block_kv] f32), see
     MgpuConfig.debug)."""
     b, s_real, h, d = q.shape
     # NOTE: CUDA grid dims y and z stop at 65535, and a long prompt has more tokens than that: the token axis is
@@ -302,7 +333,13 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     plain_exchange = "plain_exchange" in dbg
     dump = "dump" in dbg
     n_win_max = pl.cdiv(sliding_window, bk) if unaligned else pl.cdiv(sliding_window + _ROW_TILE - 1, bk)
-    hca = compressed is not None
+    hca = compressed is not None  # compressed steps come first: HCA tiles, or (csa) tiles of listed entries
+    if csa is not None and (not hca or config.variant != "ws" or csa[0].shape[2] % bk):
+        raise ValueError(f"CSA mode needs compressed entries, variant 'ws' and list slots K a multiple of block_kv "
+                         f"{bk}; got variant={config.variant!r}, rows {csa[0].shape}")  # fmt: skip
+    n_csa_tiles = 0 if csa is None else csa[0].shape[2] // bk
+    itemsize = jnp.dtype(dtype).itemsize
+    elems_128b = 128 // itemsize  # the ring's minor tile: 128 bytes, swizzled over 128 bytes
     # TMA boxes past the last row are zero-filled on the GPU (and masked anyway); only the 8-row tiling of the GMEM
     # view (and one whole tile) is needed. The CPU interpreter slices like lax.dynamic_slice (clamping), so there
     # every box must stay in bounds: window tiles reach row tok + block_kv - 1 (+ W in the unaligned debug form).
@@ -321,8 +358,11 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     n_items_total = b * hg * s_real
     n_ctas = min(config.num_ctas or sm_count(), n_items_total) if persistent else 0
 
-    def body(q_ref, kv_ref, comp_ref, nvis_ref, lo_ref, hi_ref, sinks_ref, o_ref, dbg_ref, q_smem, kv_smem, x_smem,
-             sink_smem, q_bar, sink_bar, kv_bar, consumed_bar, x_written, x_read, p_smem, dump_smem):  # fmt: skip
+    def body(q_ref, kv_ref, comp_ref, nvis_ref, lo_ref, hi_ref, rows_ref, bits_ref, sinks_ref, o_ref, dbg_ref, q_smem,
+             kv_smem, x_smem, sink_smem, q_bar, sink_bar, kv_bar, consumed_bar, x_written, x_read, p_smem, dump_smem,
+             landed_bar):  # fmt: skip
+        if csa is not None:  # one ring, two views: row-major (the row gathers' destination), tiled (wgmma's operand)
+            kv_raw, kv_smem = kv_smem
         wg = lax.axis_index("wg")
         if persistent:  # this CTA's items: cta, cta + n_ctas, ... (item = (b · hg + head group) · S + token)
             cta = lax.axis_index("cta")
@@ -362,9 +402,10 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
             bar = kv_bar.at[slot * 2 + half]
             cols = pl.ds(half * dh, dh)
             if hca:
-                @pl.when(step < it.n_hca_tiles)
-                def _():
-                    plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(step * bk, bk), cols], dst, bar)
+                if csa is None:  # (CSA tiles are gathered row by row: `gather_rows`)
+                    @pl.when(step < it.n_hca_tiles)
+                    def _():
+                        plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(step * bk, bk), cols], dst, bar)
 
                 @pl.when(step >= it.n_hca_tiles)
                 def _():
@@ -372,6 +413,40 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                     plgpu.copy_gmem_to_smem(kv_ref.at[it.bi, pl.ds(start, bk), cols], dst, bar)
             else:
                 plgpu.copy_gmem_to_smem(kv_ref.at[it.bi, pl.ds(it.win_start + step * bk, bk), cols], dst, bar)
+
+        def gather_rows(it: _Item, step, slot):
+            """CSA step `step` of item `it` into ring slot `slot` (the producer, both halves): one TMA per listed
+            entry and half, each a 1-row box into the slot's row-major view, then each 8-row group (the same 4 KiB
+            in both views) read into registers and written back tiled and swizzled, in place; then the halves'
+            `kv_bar` arrivals. NOTE: Hopper's TMA has no row gather (`tile::gather4` is sm_100+) and Pallas takes a
+            TMA into a tiled, swizzled ref only on whole 8-row tiles, hence the row-major landing and the pass."""
+            @pl.loop(0, bk)
+            def _(r):
+                row = rows_ref[it.bi, it.tok, step * bk + r]
+                for half in range(2):
+                    plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(row, 1), pl.ds(half * dh, dh)],
+                                            kv_raw.at[slot * 2 + half, pl.ds(r, 1)],
+                                            landed_bar.at[slot * 2 + half])  # fmt: skip
+
+            group = plgpu.Layout.SMEM_GMEM_COPY((_ROW_TILE, dh), dtype, elems_128b * itemsize)
+            for half in range(2):
+                plgpu.barrier_wait(landed_bar.at[slot * 2 + half])
+                for g in range(bk // _ROW_TILE):
+                    rows = pl.ds(g * _ROW_TILE, _ROW_TILE)
+                    kv_smem.at[slot * 2 + half][rows] = plgpu.load(kv_raw.at[slot * 2 + half, rows], layout=group)
+                plgpu.commit_smem()  # the writes, visible to the consumers' wgmma (async proxy)
+                plgpu.barrier_arrive(kv_bar.at[slot * 2 + half])
+
+        def listed(it: _Item, i, shape):
+            """CSA: whether column j of step i's tile is a listed entry (a validity bit; window steps: all True)."""
+            col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
+            step = jnp.minimum(i, n_csa_tiles - 1)  # window steps read the last tile's bits, then ignore them
+            words = [bits_ref[it.bi, it.tok, step * (bk // 32) + k] for k in range(bk // 32)]
+            word = col * 0 + words[0]
+            for k in range(1, bk // 32):
+                word = jnp.where(col >= 32 * k, words[k], word)
+            bit = lax.shift_right_logical(word, lax.bitwise_and(col, 31)) & 1
+            return (bit == 1) | (i >= it.n_hca_tiles)
 
         def consumer(w):
             if ws:
@@ -433,6 +508,8 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                         s_full = s_part + swap_with_other(x_smem, w, s_part, x_written, x_read, layout=wgmma_layout,
                                                           wait_read=i > 0, optimized=not plain_exchange)  # fmt: skip
 
+                    if csa is not None:  # slots that list no entry (-1, or outside [0, C))
+                        s_full = jnp.where(listed(it, i, s_full.shape), s_full, -jnp.inf)
                     # Column mask: HCA steps see entries [0, n_vis); window steps rows [win_lo, win_hi).
                     is_hca = i < it.n_hca_tiles
                     base = jnp.where(is_hca, i * bk, it.win_start + (i - it.n_hca_tiles) * bk)
@@ -539,6 +616,21 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                     def _(i):
                         g = g0 + i
                         slot = lax.rem(g, jnp.int32(slots))
+                        if csa is not None:  # a gathered tile needs both halves of its slot free at once
+                            @pl.when(g >= slots)
+                            def _():
+                                for half in range(2):
+                                    plgpu.barrier_wait(consumed_bar.at[slot * 2 + half])
+
+                            @pl.when(i < it.n_hca_tiles)
+                            def _():
+                                gather_rows(it, i, slot)
+
+                            @pl.when(i >= it.n_hca_tiles)
+                            def _():
+                                for half in range(2):
+                                    issue(it, i, slot, half)
+                            return
                         for half in range(2):
                             @pl.when(g >= slots)
                             def _():
@@ -560,10 +652,12 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     def tiled(minor, itemsize=jnp.dtype(dtype).itemsize):
         return smem_tiling(minor, itemsize)
 
-    elems_128b = 128 // jnp.dtype(dtype).itemsize
+    ring = plgpu.SMEM((slots * 2, bk, dh), dtype, transforms=tiled(elems_128b))  # KV ring: [slot · 2 + half]
+    if csa is not None:  # the same bytes, row-major too
+        ring = plgpu.RefUnion(plgpu.SMEM((slots * 2, bk, dh), dtype), ring)
     scratch = [
         plgpu.SMEM((2, HEADS_PER_CTA, dh), dtype, transforms=tiled(elems_128b)),  # Q halves, then O halves
-        plgpu.SMEM((slots * 2, bk, dh), dtype, transforms=tiled(elems_128b)),  # KV ring: [slot · 2 + half]
+        ring,
         plgpu.SMEM((2, HEADS_PER_CTA, bk), F32, transforms=() if plain_exchange else tiled(32, 4)),  # partial logits
         plgpu.SMEM((2, HEADS_PER_CTA), F32),  # sinks (log2 domain), one copy per consumer
         plgpu.Barrier(num_barriers=2),  # q halves
@@ -576,12 +670,15 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         # P for the P·V wgmma (pv_form "p_smem" / "interpret")
         plgpu.SMEM((2, HEADS_PER_CTA, bk), dtype, transforms=tiled(min(bk, elems_128b))) if p_via_smem else None,
         plgpu.SMEM((2, 2, HEADS_PER_CTA, bk), F32) if dump else None,  # debug dump staging
+        # CSA: the row gathers of a ring half landed (one arrival per row's TMA)
+        plgpu.Barrier(num_arrivals=bk, num_barriers=2 * slots) if csa is not None else None,
     ]
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
     if dump:
         out_type = (out_type, jax.ShapeDtypeStruct((b, s, 2, 2, h, bk), F32))
-    # Inputs: q, kv, [compressed, n_visible], [window lo, hi], sinks (optional ones absent, not None).
-    optional = [(compressed, n_visible) if hca else (None, None), tuple(window_rows) if window_rows else (None, None)]
+    # Inputs: q, kv, [compressed, n_visible], [window lo, hi], [CSA rows, bits], sinks (optional ones absent, not None).
+    optional = [(compressed, n_visible) if hca else (None, None), tuple(window_rows) if window_rows else (None, None),
+                tuple(csa) if csa is not None else (None, None)]  # fmt: skip
     args = (q, kv, *(x for pair in optional for x in pair if x is not None), sinks_log2)
 
     def kernel_body(*refs):
@@ -591,7 +688,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         sinks_ref = next(it)
         rest = list(it)
         o_ref, dbg_ref, scr = (rest[0], rest[1], rest[2:]) if dump else (rest[0], None, rest[1:])
-        return body(q_ref, kv_ref, *got[0], *got[1], sinks_ref, o_ref, dbg_ref, *scr)
+        return body(q_ref, kv_ref, *got[0], *got[1], *got[2], sinks_ref, o_ref, dbg_ref, *scr)
 
     out = plgpu.kernel(
         kernel_body,
@@ -630,8 +727,9 @@ def v4_attention_mgpu(
     interpret=None,
     kv_offset: int = 0,
     window_rows: tuple[jax.Array, jax.Array] | None = None,
+    topk_indices: jax.Array | None = None,
 ) -> jax.Array:
-    """V4 attention core (window, or window + HCA) for the kv-aligned prefill case. → [B, S, H, D].
+    """V4 attention core (window, window + HCA, or window + CSA) for the kv-aligned prefill case. → [B, S, H, D].
 
     q [B, S, H, D] bf16/f16 (D ∈ {128, 256, 384, 512}, H a multiple of 64); kv [B, T, D] with T >= S, row j holding
     position q_pos[b, 0] + j (the sequence itself; rows >= S are ignored); q_pos [B, S] int32; sinks [H] f32;
@@ -645,8 +743,12 @@ def v4_attention_mgpu(
     check_positions: verify at run time that q_pos is contiguous per row (positions_are_aligned) and take the Triton
         kernel (lax.cond) otherwise. False: the caller guarantees it (saves compiling the fallback).
     interpret: passed to plgpu.kernel (e.g. an InterpretGPUParams for the CPU interpreter).
+    topk_indices: [B, S, K] int32, CSA mode (with compressed, without compress_rate; variant "ws"): token s sees the
+        listed entries (-1 and ids outside [0, C) list nothing), as `dsv4.pallas.attention.v4_attention`. Each
+        listed row is gathered by its own TMA into a row-major SMEM tile and rewritten tiled and swizzled by the
+        producer (docs/kernels/attention.md, "CSA on Mosaic GPU"). Opt-in: not yet run on a GPU.
     """
-    _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config, kv_offset)
+    _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config, kv_offset, topk_indices)
     if window_rows is not None:
         lo, hi = window_rows
         if check_positions or lo.shape != q_pos.shape or hi.shape != q_pos.shape:
@@ -660,13 +762,17 @@ def v4_attention_mgpu(
         from dsv4.pallas.attention import v4_attention  # local import: keeps this module importable on its own
 
         return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
-                            compressed=compressed, compress_rate=compress_rate)  # fmt: skip
+                            compressed=compressed, compress_rate=compress_rate,
+                            topk_indices=topk_indices)  # fmt: skip
 
     if kv_pos is not None:
         return triton_path(q, kv, q_pos, sinks, compressed, kv_pos)
 
-    n_vis = None
-    if compressed is not None:
+    n_vis = csa = None
+    if topk_indices is not None:
+        rows, bits, n_vis = csa_operands(topk_indices, compressed.shape[1], config.block_kv)
+        csa = (rows, bits)
+    elif compressed is not None:
         n_vis = jnp.clip((q_pos + 1) // compress_rate, 0, compressed.shape[1]).astype(jnp.int32)  # [B, S]
 
     def mgpu_path(q, kv, q_pos, sinks, compressed, kv_pos):
@@ -674,7 +780,7 @@ def v4_attention_mgpu(
         return v4_attention_mgpu_kernel_call(q, kv, n_vis, sinks * LOG2E, sliding_window=sliding_window,
                                              scale=scale, compressed=compressed, config=config,
                                              interpret=interpret, kv_offset=kv_offset,
-                                             window_rows=window_rows)  # fmt: skip
+                                             window_rows=window_rows, csa=csa)  # fmt: skip
 
     if not check_positions:
         return mgpu_path(q, kv, q_pos, sinks, compressed, None)
