@@ -8,13 +8,19 @@ Starts `dsv4 serve MODEL` as a subprocess and builds the same engine in this pro
     http+long    (with --long-prompt-len) the same plus one long prompt at t = 0
     engine+long  (with --long-prompt-len) that, fed to the engine here
 
-Only one side runs at a time, so on a small CPU box the two processes never compete, and the sides alternate within
-every round, so a slow spell of the machine hits both. Reported: the median over rounds of each side's TTFT p50 and
-ITL p50 / p99, and the ratios http / engine (the HTTP layer's cost) and with / without the long prompt
-(interference). Both processes share a persistent JAX compilation cache, so each shape compiles once.
+Both engines are built by the same code from the same engine options (`dsv4.serve.server.build_llm`, defaults
+included). Only one side runs at a time, so on a small CPU box the two processes never compete, and the sides
+alternate within every round, so a slow spell of the machine hits both. Reported: the median over rounds of each
+side's TTFT p50 and ITL p50 / p99, and the ratios http / engine (the HTTP layer's cost) and with / without the long
+prompt (interference). Both processes share a persistent JAX compilation cache, so each shape compiles once.
 
-    python scripts/bench_serve_overhead.py --model tiny --max-slots 16 --chunk-size 256 --max-model-len 9000 \\
-        --num-prompts 100 --request-rate 10 --input-len 64 --output-len 32 --long-prompt-len 8192 --rounds 3
+    python scripts/bench_serve_overhead.py --model tiny --engine-args "--max-slots 16 --chunk-size 256 \\
+        --max-model-len 9000" --num-prompts 100 --request-rate 10 --input-len 64 --output-len 32 \\
+        --long-prompt-len 8192 --rounds 3
+
+With --num-prompts 0 only the long prompt runs (engine+long against http+long): its TTFT through HTTP against the
+engine's, as on a GPU with a 128K prompt. GPU memory is allocated on demand in both processes (no preallocation), so
+the two fit one device.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import math
 import os
 import pathlib
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -43,11 +50,8 @@ STATS = ("ttft_p50_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "long_ttft_ms
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", help="preset or checkpoint directory (default tiny)")
-    p.add_argument("--max-slots", type=int, default=16)
-    p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--mixed-chunk-size", type=int, default=None, help="default: the server's default")
-    p.add_argument("--max-model-len", type=int, default=9000)
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--engine-args", default="--max-slots 16 --chunk-size 256 --max-model-len 9000",
+                   help="engine options of both engines, as dsv4 serve takes them (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=10.0)
     p.add_argument("--input-len", type=int, default=64)
@@ -62,13 +66,7 @@ def parse_args(argv=None):
 
 
 def engine_options(args) -> list[str]:
-    opts = ["--max-slots", str(args.max_slots), "--chunk-size", str(args.chunk_size),
-            "--max-model-len", str(args.max_model_len)]  # fmt: skip
-    if args.mixed_chunk_size is not None:
-        opts += ["--mixed-chunk-size", str(args.mixed_chunk_size)]
-    if args.dtype:
-        opts += ["--dtype", args.dtype]
-    return opts
+    return shlex.split(args.engine_args)
 
 
 class Server:
@@ -82,7 +80,6 @@ class Server:
             match = re.search(r"on (http://127\.0\.0\.1:\d+)", text)
             if match:
                 self.url = match.group(1)
-                self.mixed = re.search(r"mixed-step prefill (\d+)", text)
                 return
             if self.proc.poll() is not None:
                 break
@@ -153,27 +150,30 @@ def http_round(bargs) -> dict:
     return asyncio.run(bench.run(bargs))["summary"]
 
 
+def nan_if_none(value) -> float:
+    return math.nan if value is None else value
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     cache = tempfile.mkdtemp(prefix="dsv4_jax_cache_")
-    env = os.environ | {"JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}  # fmt: skip
-    os.environ.update(env)
-    import jax
+    env = {"JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # fmt: skip
+    os.environ.update(env)  # before JAX starts here; the server inherits it
+    from dsv4.cli import build_parser
+    from dsv4.serve.server import build_llm
 
-    jax.config.update("jax_compilation_cache_dir", cache)
-    log_path = pathlib.Path(cache) / "server.log"
-    server = Server(args, env, log_path)
+    server = Server(args, os.environ.copy(), pathlib.Path(cache) / "server.log")
     try:
-        mixed = args.mixed_chunk_size
-        if mixed is None and server.mixed:  # the server's own default
-            mixed = int(server.mixed.group(1))
-        from dsv4.engine import LLM
-
-        llm = LLM(args.model, max_slots=args.max_slots, chunk_size=args.chunk_size, mixed_chunk_size=mixed,
-                  max_model_len=args.max_model_len, dtype=args.dtype)  # fmt: skip
+        engine_args = build_parser().parse_args(["serve", args.model, *engine_options(args)])
+        llm = build_llm(engine_args)  # what the server built: same options, same defaults
         llm.warmup(widths=llm.runner.width_buckets)
-        sides = ["engine", "http"] + (["http+long", "engine+long"] if args.long_prompt_len else [])
+        mixed = engine_args.mixed_chunk_size
+        sides = ["engine", "http"] if args.num_prompts else []
+        if args.long_prompt_len:
+            sides += ["http+long", "engine+long"]
+        if not sides:
+            raise SystemExit("nothing to run: give --num-prompts > 0 or --long-prompt-len")
         rounds: dict[str, list[dict]] = {side: [] for side in sides}
         for r in range(args.rounds):
             for side in sides if r % 2 == 0 else sides[::-1]:
@@ -184,30 +184,38 @@ def main(argv=None) -> int:
                 else:
                     work = bench.make_workload(bargs, llm.config.vocab_size, chat=False)
                     summary = engine_round(llm, work, bargs, long=long)
-                if summary["failed"]:
-                    raise RuntimeError(f"{side}: {summary['failed']} requests failed: {summary.get('first_error')}")
-                summary["long_ttft_ms"] = (summary.get("long_prompt") or {}).get("ttft_loaded_ms", math.nan)
-                rounds[side].append({k: summary[k] for k in STATS})
-                print(f"round {r + 1} {side:<12} " + "  ".join(f"{k} {summary[k]:.1f}" for k in STATS),
+                if summary["failed"] or summary.get("long_prompt_error"):
+                    error = summary.get("first_error") or summary.get("long_prompt_error")
+                    raise RuntimeError(f"{side}: {summary['failed']} requests failed: {error}")
+                summary["long_ttft_ms"] = (summary.get("long_prompt") or {}).get("ttft_loaded_ms")
+                row = {k: nan_if_none(summary[k]) for k in STATS}
+                rounds[side].append(row)
+                print(f"round {r + 1} {side:<12} " + "  ".join(f"{k} {v:.1f}" for k, v in row.items()),
                       file=sys.stderr, flush=True)  # fmt: skip
     finally:
         server.stop()
 
     med = {side: {k: statistics.median(row[k] for row in rows) for k in STATS} for side, rows in rounds.items()}
-    print(f"\n{args.model}: {args.num_prompts} prompts of {args.input_len} tokens at {args.request_rate}/s, "
-          f"{args.output_len} new; chunk {args.chunk_size}, mixed-step prefill {mixed}; "
+    print(f"\n{args.model} ({args.engine_args}, mixed-step prefill {mixed}): {args.num_prompts} prompts of "
+          f"{args.input_len} tokens at {args.request_rate}/s, {args.output_len} new"
+          f"{f', one {args.long_prompt_len}-token prompt' if args.long_prompt_len else ''}; "
           f"median of {args.rounds} rounds")  # fmt: skip
     print(f"{'side':<12} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>9} {'long TTFT':>10}   (ms)")
     for side, row in med.items():
         print(f"{side:<12} {row['ttft_p50_ms']:>9.1f} {row['itl_p50_ms']:>8.1f} {row['itl_p99_ms']:>8.1f} "
               f"{row['tpot_p50_ms']:>9.1f} {row['long_ttft_ms']:>10.1f}")  # fmt: skip
-    ratios = {"http_over_engine_ttft_p50": med["http"]["ttft_p50_ms"] / med["engine"]["ttft_p50_ms"]}
-    print(f"\nTTFT p50 through HTTP / the engine's: {ratios['http_over_engine_ttft_p50']:.3f}")
+    ratios = {}
+    if args.num_prompts:
+        ratios["http_over_engine_ttft_p50"] = med["http"]["ttft_p50_ms"] / med["engine"]["ttft_p50_ms"]
+        print(f"\nTTFT p50 through HTTP / the engine's: {ratios['http_over_engine_ttft_p50']:.3f}")
     if args.long_prompt_len:
-        for base in ("http", "engine"):
-            key = f"{base}_itl_p99_long_over_alone"
-            ratios[key] = med[f"{base}+long"]["itl_p99_ms"] / med[base]["itl_p99_ms"]
-            print(f"ITL p99 with the {args.long_prompt_len}-token prompt / without ({base}): {ratios[key]:.2f}")
+        ratios["http_over_engine_long_ttft"] = med["http+long"]["long_ttft_ms"] / med["engine+long"]["long_ttft_ms"]
+        print(f"long prompt's TTFT through HTTP / the engine's: {ratios['http_over_engine_long_ttft']:.3f}")
+        if args.num_prompts:
+            for base in ("http", "engine"):
+                key = f"{base}_itl_p99_long_over_alone"
+                ratios[key] = med[f"{base}+long"]["itl_p99_ms"] / med[base]["itl_p99_ms"]
+                print(f"ITL p99 with the long prompt / without ({base}): {ratios[key]:.2f}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": vars(args) | {"mixed_chunk_size": mixed}, "rounds": rounds, "median": med,

@@ -288,12 +288,8 @@ async def serve(llm, *, host: str, port: int, model_name: str, shutdown_timeout:
     log.info("stopped")
 
 
-def cmd_serve(args) -> int:
-    """`dsv4 serve MODEL ...`; args come from `dsv4.serve.add_serve_arguments` and args.make_llm builds the engine
-    (dsv4.cli's `_make_llm`: the engine options, --devices N as a mesh)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing is not news
-    t0 = time.perf_counter()
+def build_llm(args):
+    """The engine `dsv4 serve` runs for these arguments (also what scripts/bench_serve_overhead.py compares it with)."""
     from dsv4.config import Config
 
     config = Config.from_hf(args.model) if os.path.isdir(args.model) else Config.preset(args.model)
@@ -301,7 +297,16 @@ def cmd_serve(args) -> int:
         # Clients stream tokens: while one of them decodes, a long prompt prefills in quarter chunks, so the others'
         # inter-token latency stays near a quarter chunk's step (docs/BENCHMARKS.md, "Serving").
         args.mixed_chunk_size = max(1, args.chunk_size // MIXED_CHUNK_DIVISOR)
-    llm = args.make_llm(args, max_slots=8, max_model_len=min(config.max_position_embeddings, 32768))  # LLM's default
+    return args.make_llm(args, max_slots=8, max_model_len=min(config.max_position_embeddings, 32768))  # LLM's default
+
+
+def cmd_serve(args) -> int:
+    """`dsv4 serve MODEL ...`; args come from `dsv4.serve.add_serve_arguments` and args.make_llm builds the engine
+    (dsv4.cli's `_make_llm`: the engine options, --devices N as a mesh)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing is not news
+    t0 = time.perf_counter()
+    llm = build_llm(args)
     log.info(
         "loaded %s in %.1f s: %d slots of %d tokens, chunk %d, mixed-step prefill %d, %d KV pages of %d tokens%s",
         args.model,
