@@ -221,6 +221,39 @@ def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
     k.add_argument("--keep-quantized", action="store_true",
                    help="keep a checkpoint's FP8 / FP4 weights quantized on the devices; with the Pallas MoE (a GPU's "
                         "default), FP8 experts in 128x128 blocks run on the FP8 kernels (W8A8)")
+    r = p.add_argument_group("presets", "random weights for a preset model (tiny, v4-flash, v4-pro)")
+    r.add_argument("--layer-types", type=_parse_layer_types, default=None, metavar="TYPES",
+                   help="replace the preset's layers: one per entry of sliding / csa / hca, each with routed MoE "
+                        "(e.g. sliding,csa,hca: the 3-layer benchmark model of docs/BENCHMARKS.md)")  # fmt: skip
+    r.add_argument("--random-weights", default=None, choices=["bf16", "fp8", "fp8-fp4-experts"],
+                   help="make the random weights on the devices (each its own slice), in this format: fp8 and "
+                        "fp8-fp4-experts as V4 releases them, kept quantized (default: drawn on the host, unquantized)")
+
+
+LAYER_TYPE_NAMES = {"sliding": "sliding_attention", "csa": "compressed_sparse_attention",
+                    "hca": "heavily_compressed_attention"}  # fmt: skip
+
+
+def _parse_layer_types(text: str) -> tuple[str, ...]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    full = set(LAYER_TYPE_NAMES.values())
+    bad = [t for t in names if t not in LAYER_TYPE_NAMES and t not in full]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a comma-separated list of sliding, csa, hca")
+    return tuple(LAYER_TYPE_NAMES.get(t, t) for t in names)
+
+
+def _model_config(args):
+    """The config the engine will run: the checkpoint's or preset's, with --layer-types applied to a preset."""
+    cfg = _config_of(args.model)
+    types = getattr(args, "layer_types", None)
+    if types or getattr(args, "random_weights", None):
+        if os.path.isdir(args.model):
+            raise UserError(f"--layer-types / --random-weights make random weights for a preset; {args.model} is a "
+                            "checkpoint directory")  # fmt: skip
+    if types:
+        cfg = cfg.replace(num_hidden_layers=len(types), layer_types=types, mlp_layer_types=("moe",) * len(types))
+    return cfg
 
 
 KERNEL_PARTS = ("attention", "decode", "indexer", "paged_indexer", "topk_refine", "moe", "kv_write", "sinkhorn")
@@ -263,7 +296,16 @@ def _make_llm(args, *, max_slots: int, max_model_len: int):
 def _new_llm(args, *, max_slots: int, max_model_len: int, mesh):
     from dsv4.engine import LLM
 
-    return LLM(args.model, max_slots=args.max_slots or max_slots, max_model_len=args.max_model_len or max_model_len,
+    model = args.model
+    if getattr(args, "layer_types", None) or getattr(args, "random_weights", None):
+        import jax.numpy as jnp
+
+        from dsv4.random_weights import random_model
+
+        dtype = args.dtype or ("float32" if args.model == "tiny" else "bfloat16")
+        model = random_model(_model_config(args), args.seed, dtype=jnp.dtype(dtype), kernels=args.kernels,
+                             weights=args.random_weights or "bf16", mesh=mesh)  # fmt: skip
+    return LLM(model, max_slots=args.max_slots or max_slots, max_model_len=args.max_model_len or max_model_len,
                chunk_size=args.chunk_size, mixed_chunk_size=args.mixed_chunk_size,
                max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
                kv_format=args.kv_format, seed=args.seed, dtype=args.dtype, width_buckets=args.buckets,
@@ -294,9 +336,12 @@ def check_memory(args, *, max_slots: int, max_model_len: int) -> None:
 
     from dsv4.memory_plan import GIB, plan_memory, suggestions
 
-    cfg = _config_of(args.model)
+    cfg = _model_config(args)
     dtype = args.dtype or ("float32" if args.model == "tiny" else "bfloat16")
     weights = "fp8" if args.keep_quantized and cfg.quantization_config else "bf16"
+    made_on_devices = getattr(args, "random_weights", None)
+    if made_on_devices:
+        weights = {"fp8-fp4-experts": "fp4-experts"}.get(made_on_devices, made_on_devices)
     kv = args.kv_format if args.kv_format in ("bf16", "fp8-tensor", "fp8-channel", "fp8-tile", "fp8-tile-e8m0") else \
         "bf16"  # fmt: skip
     device = jax.devices()[0]
@@ -317,7 +362,7 @@ def check_memory(args, *, max_slots: int, max_model_len: int) -> None:
                         f"{max_slots} slot(s) of {context} tokens), but this machine has {capacity / GIB:.1f} GiB of "
                         f"{where}. Change: {hints}; or use a machine with more memory (dsv4 plan shows the "
                         "ledger)")  # fmt: skip
-    if not os.path.isdir(args.model) and not on_host and host is not None:
+    if not os.path.isdir(args.model) and not made_on_devices and not on_host and host is not None:
         weight_bytes = sum(line.bytes_per_device for line in plan.lines if line.name.startswith("weights")) * \
             args.devices * scale  # fmt: skip
         if weight_bytes > host:

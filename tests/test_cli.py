@@ -84,6 +84,29 @@ def test_kernel_flags_reach_the_model(monkeypatch, capsys):
     capsys.readouterr()
 
 
+def test_preset_layers_and_random_weight_formats_reach_the_model(monkeypatch):
+    """--layer-types replaces a preset's layers (routed MoE each); --random-weights makes them on the devices."""
+    import dsv4.random_weights
+
+    seen = {}
+
+    class Stop(BaseException):
+        pass
+
+    def capture(config, seed, **kwargs):
+        seen.update(config=config, seed=seed, **kwargs)
+        raise Stop
+
+    monkeypatch.setattr(dsv4.random_weights, "random_model", capture)
+    with pytest.raises(Stop):
+        main(["generate", "--model", "tiny", "--layer-types", "sliding,hca,csa", "--random-weights", "fp8", "--seed",
+              "3", "--token-ids", "1,2"])  # fmt: skip
+    cfg = seen["config"]
+    assert cfg.layer_types == ("sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention")
+    assert cfg.num_hidden_layers == 3 and cfg.mlp_layer_types == ("moe",) * 3
+    assert seen["weights"] == "fp8" and seen["seed"] == 3 and str(seen["dtype"]) == "float32"
+
+
 def test_devices_beyond_the_machine_are_refused(capsys):
     assert main(["generate", *ENGINE, "--token-ids", "1,2,3", "--devices", "2"]) == 2
     assert "--devices 2: this machine has 1 device(s)" in capsys.readouterr().err
@@ -210,6 +233,8 @@ ERROR_TABLE = [
     (["generate", "--model", "v4-flash", "--token-ids", "1"], "GiB", 2),  # the memory plan, before any weight
     (["generate", "--model", _pickle_only, "--token-ids", "1"], "pytorch_model.bin is PyTorch pickle", 2),
     (["generate", "--model", _truncated_safetensors, "--token-ids", "1"], ".safetensors", 2),
+    ([*GEN, "--layer-types", "sliding,xyz"], "'sliding,xyz': give a comma-separated list of sliding, csa, hca", 2),
+    (["generate", "--model", MODEL_DIR, "--layer-types", "csa", "--token-ids", "1"], "random weights for a preset", 2),
 ]
 
 
