@@ -5,8 +5,10 @@ queue; the thread drains it between steps (so `add_request` / `cancel` happen on
 `schedule`, as the scheduler requires), runs `LLM.step()` while anything is unfinished, and posts each job's
 events back through the job's `post` callable (the server makes it `loop.call_soon_threadsafe(queue.put_nowait,
 ...)`). A step's tokens, one per running request, go out together through `deliver(batch)` when the worker has
-one: the server hands the whole batch to its event loop in one wake-up instead of one per stream. Events, as
-tuples:
+one: the server hands the whole batch to its event loop in one wake-up instead of one per stream. "accepted" then
+waits for the request's first step and goes out with that step's batch: on a machine whose cores the step's
+computation uses, the loop and the client would otherwise do their work (response headers) during the prefill and
+slow it. Events, as tuples:
 
     ("accepted",)                                          queued in the engine
     ("rejected", message)                                  add_request refused it (a 400)
@@ -56,6 +58,7 @@ class EngineWorker:
         self.log_interval_s = log_interval_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[str, Job] = {}
+        self._held: list[tuple[Job, tuple]] = []  # "accepted" events waiting for the next step's batch
         self._thread = threading.Thread(target=self._run, name="dsv4-engine", daemon=True)
         self.failed: BaseException | None = None
 
@@ -91,6 +94,7 @@ class EngineWorker:
             self.failed = e
             log.exception("engine thread failed")
         finally:
+            self._send([])
             for request_id in list(self._jobs):
                 self._cancel(request_id, notify=True)
             self._update_gauges()
@@ -125,9 +129,24 @@ class EngineWorker:
             return
         self._jobs[job.request_id] = job
         job.last_log = time.perf_counter()
-        job.post(("accepted",))
+        if self.deliver is not None:
+            self._held.append((job, ("accepted",)))
+        else:
+            job.post(("accepted",))
+
+    def _send(self, posts: list[tuple[Job, tuple]]) -> None:
+        """Held "accepted" events first, then `posts`, in order."""
+        posts, self._held = self._held + posts, []
+        if not posts:
+            return
+        if self.deliver is not None:
+            self.deliver(posts)
+            return
+        for job, item in posts:
+            job.post(item)
 
     def _cancel(self, request_id: str, *, notify: bool) -> None:
+        self._send([])  # a held "accepted" goes before anything else this request hears
         job = self._jobs.pop(request_id, None)
         if job is None:
             return  # finished already, or never admitted
@@ -144,6 +163,7 @@ class EngineWorker:
         try:
             events = self.llm.step()
         except Exception as e:
+            self._send([])
             log.exception("engine step failed; failing the %d live requests", len(self._jobs))
             for request_id, job in list(self._jobs.items()):
                 job.post(("error", f"the engine failed: {type(e).__name__}: {e}"))
@@ -187,11 +207,7 @@ class EngineWorker:
             posts.append((job, ("token", event.token_id, logprob, top, event.finish_reason, output)))
         self._account_prefill(now)
         self._update_gauges()
-        if self.deliver is not None and posts:
-            self.deliver(posts)
-            return
-        for job, item in posts:
-            job.post(item)
+        self._send(posts)
 
     def _account_prefill(self, now: float) -> None:
         """Prefill tokens done this step (a counter), and a progress line for long prefills."""
