@@ -16,6 +16,7 @@ from dsv4.config import Config
 from dsv4.kernels import Kernels
 from dsv4.model import DeepseekV4
 from dsv4.orbax_checkpoint import is_orbax_checkpoint, load_orbax_into, save_orbax
+from dsv4.random_weights import random_model
 from dsv4.sharding import SEQUENCE_PARALLEL, param_sharding
 from dsv4.weights import CheckpointError, load_into
 
@@ -28,14 +29,22 @@ def _kernels(kernels: Kernels | str | None) -> Kernels:
     return Kernels.parse(kernels) if isinstance(kernels, str) else kernels
 
 
-def init_random(config: Config | str, seed: int = 0, *, dtype=jnp.float32,
-                kernels: Kernels | str | None = None) -> DeepseekV4:  # fmt: skip
+def init_random(config: Config | str, seed: int = 0, *, dtype=jnp.float32, kernels: Kernels | str | None = None,
+                weights: str = "bf16", mesh=None) -> DeepseekV4:  # fmt: skip
     """A model with random weights (normal, std 0.02; norms 1; biases 0) — for tests and benchmarks.
 
     `config` is a Config or a preset name ("tiny", "v4-flash", "v4-pro"). `kernels` picks the implementation of
     each part (a `Kernels`, or a spec such as "pallas" or "attention=pallas,moe=jnp"); default: the fastest
     measured on this device.
+
+    weights "fp8" / "fp8-fp4-experts" (`dsv4.random_weights.WEIGHT_FORMATS`) keep the weights a release quantizes
+    in that format on the devices; a `mesh` lays each weight out on it as the engine does. Either way the weights are
+    made on the devices, leaf by leaf, each device making only its own slice (`dsv4.random_weights.random_model`:
+    other values than the default host draw, the same on every mesh), so no host or device ever holds the whole
+    model.
     """
+    if weights != "bf16" or mesh is not None:
+        return random_model(config, seed, dtype=dtype, kernels=_kernels(kernels), weights=weights, mesh=mesh)
     if isinstance(config, str):
         config = Config.preset(config)
     rng = np.random.default_rng(seed)

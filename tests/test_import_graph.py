@@ -16,7 +16,8 @@ LAYERS = [
     # host side: the config, the planner, the scheduler and the page bookkeeping (standard library only)
     # (the indexer's slab rule is plain Python that the planner shares with the kernel)
     ("host", ["dsv4.config", "dsv4.tokenizer", "dsv4.memory_plan", "dsv4.scheduler", "dsv4.cache",
-              "dsv4.cache.layout", "dsv4.cache.block_pool", "dsv4.cache.manager", "dsv4.pallas.indexer_slab"]),
+              "dsv4.cache.layout", "dsv4.cache.block_pool", "dsv4.cache.manager", "dsv4.pallas.indexer_slab",
+              "dsv4.flops"]),
     # the kernels, each with its jnp reference (jax only)
     ("kernels", ["dsv4.pallas", "dsv4.pallas.*", "dsv4.topk"]),
     # device-side formats, the kernel choice, meshes and their rules
@@ -24,14 +25,15 @@ LAYERS = [
                 "dsv4.sharding",
                 "dsv4.sharding.*"]),
     ("model", ["dsv4.layers", "dsv4.attention", "dsv4.attention.*", "dsv4.moe", "dsv4.model"]),
-    ("loading", ["dsv4.weights", "dsv4.orbax_checkpoint", "dsv4.api"]),
+    ("loading", ["dsv4.weights", "dsv4.orbax_checkpoint", "dsv4.random_weights", "dsv4.api"]),
     ("engine", ["dsv4.generate", "dsv4.runner", "dsv4.engine", "dsv4.distributed"]),
     # the HTTP server and its load generator, over the engine
     ("serve", ["dsv4.serve", "dsv4.serve.*"]),
     ("cli", ["dsv4.cli", "dsv4"]),
 ]
 HOST_MODULES = ["dsv4.scheduler", "dsv4.cache", "dsv4.cache.manager", "dsv4.cache.block_pool", "dsv4.config",
-                "dsv4.memory_plan", "dsv4.tokenizer", "dsv4.cache.layout", "dsv4.pallas.indexer_slab"]  # fmt: skip
+                "dsv4.memory_plan", "dsv4.tokenizer", "dsv4.cache.layout", "dsv4.pallas.indexer_slab",
+                "dsv4.flops"]  # fmt: skip
 
 
 def module_names() -> dict[str, pathlib.Path]:
