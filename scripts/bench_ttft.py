@@ -6,6 +6,9 @@ each layer type, and the ceilings they are compared with:
 
     python3 scripts/bench_ttft.py --out $OUT                              # H200: 32K and 128K (see docs/BENCHMARKS.md)
     python3 scripts/bench_ttft.py --lengths 512k --out $OUT               # H200: 512K in a run of its own
+    python3 scripts/bench_ttft.py --lengths 512k --chunk 16384 --variants chunked,chunked-fp8idx \
+        --weights bf16,fp8,fp8-fp4-experts --no-breakdown --no-chunk-split --no-whole-check --budget 560 --out $OUT
+                                                                          # H200: the weights formats side by side
     python3 scripts/bench_ttft.py --smoke --out /tmp/ttft_smoke           # CPU: tiny + small flash-like configs
 
 Model: `Config.preset("v4-flash")` at its real widths (hidden 4096, 64 heads × 512, q LoRA 1024, 8 output groups ×
@@ -54,7 +57,8 @@ Timing: AOT compile (reported apart), one warm-up pass, then the median of 2–5
 over 8 s; none, and the warm-up pass is reported with a flag, when the budget has no room left). The chunked paths
 warm up with one chunk (their executables are the same for every chunk) and time at least one whole pass.
 
-Breakdown (on by default; ``--no-breakdown``) on the same kind of inputs (random bf16 hidden states [1, S, 4096], random
+Breakdown (on by default; ``--no-breakdown``; with several ``--weights``, for the first format only, as the chunked
+layer-split pass and the whole-model check) on the same kind of inputs (random bf16 hidden states [1, S, 4096], random
 residual streams, the model's own weights), each piece its own jitted call:
     qkv          q LoRA (q_a, norm, q_b), per-head RMSNorm, RoPE; K=V projection, norm, RoPE (same for every layer)
     out-proj     un-RoPE of the output, grouped o_a, o_b
@@ -68,20 +72,24 @@ residual streams, the model's own weights), each piece its own jitted call:
 Per layer type and variant: layer time (from the variant's split pass) = attention (qkv + out-proj + compressors +
 indexer + core) + moe + mhc + unattributed (the difference: fusion across pieces, and what the pieces leave out).
 
-FLOPs (useful work, 2 per multiply-add; per token, summed exactly over query positions p = 0..S-1; see `layer_flops`):
-    projections   2·(D·q_lora + q_lora·H·hd + D·hd + H·hd·o_rank + G·o_rank·D)                      = 214 M
-    moe           2·D·E + (k + shared)·(2·D·2I + 2·I·D)                                             = 354 M
-    mhc           2 × 2·(hc·D)·(2 + hc)·hc                                                           = 1.6 M
-    core window   4·H·hd·min(p + 1, W)                                                               ≈ 17 M
-    CSA           compressor 2·D·2hd·2 + indexer proj. (2·D·2hd_i·2 + 2·q_lora·H_i·hd_i + 2·D·H_i) = 38 M
-                  + indexer scores 2·H_i·hd_i·⌊(p + 1)/4⌋ (1,074 M averaged over 512K)
-                  + core 4·H·hd·min(⌊(p + 1)/4⌋, topk)                                              ≤ 67 M
-    HCA           compressor 2·D·hd·2 (8.4 M) + core 4·H·hd·⌊(p + 1)/128⌋ (268 M averaged over 512K)
-    head          2·D·vocab for the last token only (+ the hyper-head)
-(D hidden, H heads, hd head dim, E experts, k top-k, I expert width, hc copies, W window, H_i/hd_i indexer heads/dim;
-the figures are V4-Flash's.) XLA's dense over-computation (all C indexer keys per query, the
-full HCA entry set per query chunk) is not credited. MFU = useful FLOPs / time / this run's best bf16 matmul rate
-(``jnp.dot`` of random bf16 8192³ and 16384³, measured first).
+FLOPs: useful work by part, from `dsv4.flops` (2 per multiply-add, summed exactly over query positions p = 0..S-1;
+the formulas are in its docstring). Per token and layer at V4-Flash widths: attention projections 214 M, MoE + router
+354 M, window core 17 M, CSA core ≤ 67 M, CSA compressor + indexer projections 38 M, indexer scores 1,074 M and HCA
+core 268 M averaged over 512K, mHC 1.6 M; the head for the last token only. XLA's dense over-computation (all C
+indexer keys per query, the full HCA entry set per query chunk) is not credited.
+
+Ceilings, measured first, in the same interleaved rounds (10 on a GPU; medians), random operands at 8192³ and 16384³
+(``--ceiling-sizes``): the bf16 matmul (``a @ b``) with XLA's defaults and through cuBLAS only (compiler option
+``xla_gpu_enable_triton_gemm=False``), the FP8 e4m3 dot (``jnp.dot(..., preferred_element_type=f32)``) the same two
+ways, and the float32 matmul (XLA's default precision, what the hyper-connection mixes run in). Each build's GEMM
+kernels are read from its compiled HLO; on a GPU the cuBLAS-only FP8 build must be a ``__cublas$lt$matmul$f8`` custom
+call (recorded as ``fp8_cublaslt_verified``). A precision's rate is its faster build at its best size.
+MFU, two ways: "MFU" = useful FLOPs / time / the bf16 rate (every FLOP at the bf16 rate, as before); "MFUx" = the
+mixed-precision floor / time, where the floor puts each part's FLOPs at the rate of the precision that row runs it
+in (`dsv4.flops.by_precision` of the variant's resolved kernels and the weights format: FP8 indexer scores under
+Kernels.indexer="pallas-fp8", FP8 routed experts with FP8 weights on the Pallas MoE, float32 mHC mixes, the rest
+bf16). ``--weights bf16,fp8,fp8-fp4-experts`` runs every format in turn in the same process (the model rebuilt from
+the same seed, then quantized) and ends with one table of the formats side by side.
 
 Projection to full depth (labelled PROJECTION everywhere): T_43 = T_measured + Σ_type (n43_type − n_measured_type) ·
 t_type, with n43 from `Config.preset("v4-flash")` (2 sliding + 21 CSA + 20 HCA) and t_type the mean measured time of
@@ -142,12 +150,13 @@ from dsv4 import moe as dsv4_moe  # noqa: E402
 from dsv4.attention import CompressedKeys, attention_core  # noqa: E402
 from dsv4.config import CSA, HCA, SLIDING, Config  # noqa: E402
 from dsv4.engine import LLM  # noqa: E402
+from dsv4.flops import by_precision, floor_seconds, layer_flops, part_precisions, prefill_flops  # noqa: E402
 from dsv4.kernels import Kernels  # noqa: E402
 from dsv4.layers import apply_rope, hc_merge, linear, rms_normalize  # noqa: E402
 from dsv4.model import DeepseekV4  # noqa: E402
-from dsv4.quantization import BlockQuantized  # noqa: E402
+from dsv4.random_weights import WEIGHT_FORMATS, init_kinds, quantize_released, random_model  # noqa: E402
 
-F32, BF16 = jnp.float32, jnp.bfloat16
+F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 GiB = 1 << 30
 SHORT = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}
 LONG = {v: k for k, v in SHORT.items()}
@@ -269,10 +278,12 @@ def parse_args():
     p.add_argument("--layer-types", default=None, help="explicit mix, e.g. sliding,csa,hca,csa (overrides --layers)")
     p.add_argument("--variants", default=",".join(PRIORITY), help=f"subset of {','.join(PRIORITY)} (run in that order)")
     p.add_argument("--chunk", type=int, default=None, help="chunked-prefill chunk (default 8192; smoke 32 / 64)")
-    p.add_argument("--weights", default="bf16", choices=WEIGHT_FORMATS,
+    p.add_argument("--weights", default="bf16",
                    help="bf16 (default), or as V4 releases store them, kept quantized on the device: fp8 (e4m3, "
                         "128x128 block scales; the experts on the W8A8 kernels), fp8-fp4-experts (routed experts "
-                        "e2m1 with per-32 scales)")  # fmt: skip
+                        "e2m1 with per-32 scales); a comma list (bf16,fp8,fp8-fp4-experts) runs each in turn, in this "
+                        "process, and tabulates them side by side")  # fmt: skip
+    p.add_argument("--ceiling-sizes", default=None, help="n of the n³ matmul ceilings (GPU default 8192,16384)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-component breakdown")
     p.add_argument("--no-chunk-split", action="store_true", help="skip the layer-by-layer pass of the chunked variant")
     p.add_argument("--no-whole-check", action="store_true", help="skip the whole-model jit check of variant (3)")
@@ -288,6 +299,13 @@ def parse_args():
         if v not in VARIANTS:
             p.error(f"--variants: unknown {v!r}; known: {PRIORITY}")
     args.variants = [v for v in PRIORITY if v in args.variants]
+    args.weights = list(dict.fromkeys(w.strip() for w in args.weights.split(",") if w.strip()))
+    for w in args.weights:
+        if w not in WEIGHT_FORMATS:
+            p.error(f"--weights: unknown format {w!r}; known: {','.join(WEIGHT_FORMATS)}")
+    if not args.weights:
+        p.error("--weights: name at least one format")
+    args.ceiling_sizes = parse_lengths(args.ceiling_sizes or ("256,512" if args.smoke else "8192,16384"))
     if args.layer_types:
         try:
             args.layer_types = [LONG[t.strip()] for t in args.layer_types.split(",") if t.strip()]
@@ -321,49 +339,34 @@ def parse_args():
 
 
 # ---------------------------------------------------------------------------------------------
-# FLOP model (useful work; the formulas are in the module docstring).
+# FLOP model (useful work: `dsv4.flops`) and the mixed-precision floor.
 # ---------------------------------------------------------------------------------------------
-def layer_flops(cfg: Config, layer_type: str, seq: int) -> dict[str, float]:
-    """Useful FLOPs of one layer over a prompt of `seq` tokens, by component (2 FLOPs per multiply-add)."""
-    d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    ql, g, r = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
-    e, k, ns, inter = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.moe_intermediate_size
-    hc, w = cfg.hc_mult, cfg.sliding_window
-    ih, ihd = cfg.index_n_heads, cfg.index_head_dim
-    p1 = np.arange(1, seq + 1, dtype=np.int64)
-    out = {
-        "qkv": 2.0 * (d * ql + ql * h * hd + d * hd) * seq,
-        "out-proj": 2.0 * (h * hd * r + g * r * d) * seq,
-        "moe": (2.0 * d * e + (k + ns) * (2.0 * d * 2 * inter + 2.0 * inter * d)) * seq,
-        "mhc": 2 * 2.0 * (hc * d) * (2 + hc) * hc * seq,
-        "core-window": 4.0 * h * hd * float(np.minimum(p1, w).sum()),
-    }
-    if layer_type == CSA:
-        rate = cfg.compress_rate(CSA)
-        out["compressor"] = 2.0 * d * (2 * hd) * 2 * seq
-        out["idx-keys"] = 2.0 * d * (2 * ihd) * 2 * seq
-        out["idx-proj"] = (2.0 * ql * ih * ihd + 2.0 * d * ih) * seq
-        out["idx-scores"] = 2.0 * ih * ihd * float((p1 // rate).sum())
-        out["core-compressed"] = 4.0 * h * hd * float(np.minimum(p1 // rate, cfg.index_topk).sum())
-    elif layer_type == HCA:
-        rate = cfg.compress_rate(HCA)
-        out["compressor"] = 2.0 * d * hd * 2 * seq
-        out["core-compressed"] = 4.0 * h * hd * float((p1 // rate).sum())
-    return out
-
-
-def head_flops(cfg: Config) -> float:
-    return 2.0 * cfg.hidden_size * cfg.vocab_size + 2.0 * cfg.hc_mult * cfg.hidden_size * cfg.hc_mult
-
-
 def model_flops(cfg: Config, types, seq: int) -> float:
-    return head_flops(cfg) + sum(sum(layer_flops(cfg, t, seq).values()) for t in types)
+    """Useful FLOPs of a `seq`-token prefill through `types` and the last token's head."""
+    return sum(prefill_flops(cfg, seq, types).values())
 
 
 def model_work(cfg: Config, types, seq: int) -> float:
     """Time-scaling proxy between lengths: useful FLOPs with the XLA indexer's dense scores (all C keys) added."""
-    extra = sum(layer_flops(cfg, t, seq).get("idx-scores", 0.0) for t in types)
-    return model_flops(cfg, types, seq) + extra
+    return model_flops(cfg, types, seq) + prefill_flops(cfg, seq, types)["indexer-scores"]
+
+
+def mixed_floor(cfg: Config, types, seq: int, kernels, weights: str, rates_tflops: dict, *,
+                fp8_activations: bool = True) -> dict | None:  # fmt: skip
+    """The mixed-precision floor of a prefill: each part's FLOPs at the rate of the precision it runs in (resolved
+    `kernels`, `weights` format), rates in TFLOP/s. → {"floor_s", "flops_by_precision"}; None without the rates."""
+    prec = by_precision(prefill_flops(cfg, seq, types), kernels, weights, config=cfg, fp8_activations=fp8_activations)
+    try:
+        floor = floor_seconds(prec, {p: r * 1e12 for p, r in rates_tflops.items() if r})
+    except ValueError:  # a ceiling this row needs was not measured (failed or skipped)
+        return None
+    return dict(floor_s=floor, flops_by_precision=prec)
+
+
+def fp8_parts(cfg: Config, kernels, weights: str, fp8_activations: bool = True) -> list[str]:
+    """The parts a row runs in FP8, for the tables' legend."""
+    where = part_precisions(kernels, weights, config=cfg, fp8_activations=fp8_activations)
+    return [p for p, v in where.items() if v == "fp8"]
 
 
 def layer_counts(types) -> dict[str, int]:
@@ -561,10 +564,11 @@ def gib(x) -> str:
 class Exe:
     """An AOT-compiled jitted function (static args bound) with its compile time and XLA memory analysis."""
 
-    def __init__(self, jitted, args: tuple, *, smoke: bool):
+    def __init__(self, jitted, args: tuple, *, smoke: bool, options: dict | None = None):
         t0 = time.perf_counter()
         lowered = jitted.trace(*args).lower()
-        self.exe = lowered.compile(compiler_options=FAST_CPU_COMPILE if smoke else None)
+        options = {**(FAST_CPU_COMPILE if smoke else {}), **(options or {})}
+        self.exe = lowered.compile(compiler_options=options or None)
         self.compile_s = time.perf_counter() - t0
         self.temp = self.out = self.alias = 0
         try:
@@ -610,28 +614,6 @@ def _normal(key, shape, dtype, std):
     return out.reshape(shape)
 
 
-@functools.partial(jax.jit, static_argnames=("vocab", "experts", "k"))
-def _hash_table(key, vocab, experts, k):
-    return jnp.argsort(jax.random.uniform(key, (vocab, experts)), axis=1)[:, :k].astype(jnp.int32)
-
-
-_HOST_INIT_MAX = 1 << 22  # tensors smaller than this are drawn on the host
-_ZERO_INIT = {"base", "hc_base", "position_bias", "sinks", "e_score_correction_bias"}
-_ONE_INIT = {"scale", "hc_scale"}
-
-
-def init_kind(names: list[str]) -> str:
-    """The init `dsv4.layers.param` gives a leaf, from its path (mirrors the declarations in dsv4/)."""
-    name = names[-1]
-    if name in _ZERO_INIT:
-        return "zeros"
-    if name in _ONE_INIT or (name == "weight" and len(names) > 1 and names[-2].endswith("norm")):
-        return "ones"
-    if name == "tid2eid":
-        return "hash"
-    return "normal"
-
-
 def _path_names(path) -> list[str]:
     names = []
     for k in path:
@@ -641,108 +623,14 @@ def _path_names(path) -> list[str]:
 
 
 def build_model_on_device(config: Config, seed: int, dtype) -> tuple[DeepseekV4, dict]:
-    """The model with random weights generated on the device: abstract tree by nnx.eval_shape, then one jitted
-    normal draw per leaf (compiled once per distinct shape). → (model, info)."""
+    """The model with random weights made on the device, leaf by leaf (`dsv4.random_weights.random_model`), in
+    `dtype`; `quantize_released` then puts it in a released format. → (model, info)."""
     t0 = time.perf_counter()
-    abstract = nnx.eval_shape(lambda: DeepseekV4(config, rngs=nnx.Rngs(0), dtype=dtype))
-    graphdef, abs_state = nnx.split(abstract)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(abs_state)
-    key = jax.random.key(seed)
-    values, kinds = [], {}
-    for i, (path, leaf) in enumerate(leaves):
-        names = _path_names(path)
-        kind = init_kind(names)
-        kinds[".".join(names)] = kind
-        shape, ldtype = tuple(leaf.shape), leaf.dtype
-        if kind == "zeros":
-            v = jnp.zeros(shape, ldtype)
-        elif kind == "ones":
-            v = jnp.ones(shape, ldtype)
-        elif kind == "hash":
-            v = _hash_table(jax.random.fold_in(key, i), vocab=shape[0], experts=config.n_routed_experts, k=shape[1])
-        elif math.prod(shape) < _HOST_INIT_MAX:  # small: numpy on the host (no per-shape device compile)
-            rng = np.random.default_rng([seed, i])
-            v = jnp.asarray((0.02 * rng.standard_normal(shape, np.float32)).astype(ldtype))
-        else:
-            v = _normal(jax.random.fold_in(key, i), shape=shape, dtype=ldtype, std=0.02)
-        values.append(v)
+    model = random_model(config, seed, dtype=dtype)
+    values = jax.tree.leaves(nnx.state(model))
     jax.block_until_ready(values)
-    state = jax.tree_util.tree_unflatten(treedef, values)
-    model = nnx.merge(graphdef, state)
-    nbytes = sum(int(v.nbytes) for v in values)
-    return model, dict(init_s=time.perf_counter() - t0, param_bytes=nbytes, n_leaves=len(values), kinds=kinds)
-
-
-# ---- the released weight formats, made on the device -------------------------------------------------------
-# Module paths of the matrices a V4 release stores in FP8 (`dsv4.weights.RELEASED_FP8` in checkpoint names): the
-# attention q / kv / output-b projections, the indexer's q projection, the shared and the routed experts.
-_RELEASED_FP8 = re.compile(r"self_attn\.(q_a_proj|q_b_proj|kv_proj|o_b_proj)\.weight$|indexer\.q_b_proj\.weight$"
-                           r"|shared_experts\.\w+\.weight$|mlp\.experts\.(gate_up_proj|down_proj)$")
-_ROUTED = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)$")
-WEIGHT_FORMATS = ("bf16", "fp8", "fp8-fp4-experts")
-
-
-def _ue8m0(amax, top):
-    return jnp.exp2(jnp.ceil(jnp.log2(jnp.where(amax > 0, amax / top, 1.0))))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _quantize_fp8(w, block=128):
-    """[..., out, in] → (e4m3 q, float32 scale [..., out/128, in/128]): one scale per 128 × 128 block, the power of
-    two at least amax / 448 (ue8m0, as the releases store them), values rounded to nearest."""
-    *lead, rows, cols = w.shape
-    pr, pc = -rows % block, -cols % block  # edge blocks are partial: zeros do not change their amax
-    wp = jnp.pad(w.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, pr), (0, pc)])
-    wb = wp.reshape(*lead, (rows + pr) // block, block, (cols + pc) // block, block)
-    amax = jnp.max(jnp.abs(wb), axis=(-3, -1))
-    scale = _ue8m0(amax, 448.0)
-    q = jnp.clip(wb / scale[..., :, None, :, None], -448.0, 448.0)
-    q = q.reshape(wp.shape)[..., :rows, :cols].astype(jnp.float8_e4m3fn)
-    return q, scale
-
-
-@jax.jit
-def _quantize_fp4(w):
-    """[E, out, in] → (packed e2m1 uint8 [E, out, in/2], float32 scale [E, out, in/32]), expert by expert: one scale
-    per row and 32 columns (ue8m0: the power of two at least amax / 6), each value rounded to the nearest e2m1
-    magnitude, even columns in the low nibble (the release's layout, `dsv4.quantization`)."""
-    magnitudes = jnp.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], jnp.float32)
-
-    def one(we):
-        out, cols = we.shape  # cols even (two codes a byte); a partial last group is padded with zeros
-        g = jnp.pad(we.astype(jnp.float32), [(0, 0), (0, -cols % 32)]).reshape(out, -1, 32)
-        amax = jnp.max(jnp.abs(g), axis=-1)
-        scale = _ue8m0(amax, 6.0)
-        x = (g / scale[..., None]).reshape(out, -1)[:, :cols]
-        code = jnp.argmin(jnp.abs(jnp.abs(x)[..., None] - magnitudes), axis=-1).astype(jnp.uint8)
-        code = code | jnp.where(x < 0, 8, 0).astype(jnp.uint8)
-        return code[:, 0::2] | (code[:, 1::2] << 4), scale
-
-    return jax.lax.map(one, w)
-
-
-def quantize_released(model: DeepseekV4, weights: str) -> dict:
-    """The model's weights in place as a release stores them, kept quantized on the device (`BlockQuantized`):
-    "fp8" puts every released-FP8 matrix in e4m3 with 128 × 128 block scales; "fp8-fp4-experts" the routed experts
-    in e2m1 with per-32 scales instead. The rest stays bf16. → counts and bytes for the log."""
-    counts, nbytes = {}, 0
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name = ".".join(str(p) for p in path)
-        if not _RELEASED_FP8.search(name):
-            continue
-        w = var.get_value()
-        if weights == "fp8-fp4-experts" and _ROUTED.search(name):
-            q, scale = _quantize_fp4(w)
-            value = BlockQuantized(q, scale, "fp4", (1, 32), tuple(w.shape), jnp.dtype(w.dtype).name)
-        else:
-            q, scale = _quantize_fp8(w)
-            value = BlockQuantized(q, scale, "fp8", (128, 128), tuple(w.shape), jnp.dtype(w.dtype).name)
-        jax.block_until_ready(value)
-        var.set_value(value)
-        del w
-        counts[value.fmt] = counts.get(value.fmt, 0) + 1
-        nbytes += int(value.q.nbytes + value.scale.nbytes)
-    return dict(weights=weights, quantized=counts, quantized_bytes=nbytes)
+    return model, dict(init_s=time.perf_counter() - t0, param_bytes=sum(int(v.nbytes) for v in values),
+                       n_leaves=len(values), kinds=init_kinds(config))  # fmt: skip
 
 
 # ---- jitted pieces (static graphdefs) ---------------------------------------------------------
@@ -898,11 +786,16 @@ def fmt_len(s: int) -> str:
 # The benchmark of one setup (config + lengths).
 # ---------------------------------------------------------------------------------------------
 class Bench:
-    def __init__(self, args, setup: Setup, rec: Recorder, budget: Budget, mm_bf16: float | None):
+    def __init__(self, args, setup: Setup, rec: Recorder, budget: Budget, rates: dict[str, float | None],
+                 weights: str = "bf16", first: bool = True):  # fmt: skip
+        """rates: this run's matmul ceilings, TFLOP/s by precision (`measure_ceilings`); weights: the format this
+        bench's model is stored in; first: the first format of the run (the breakdown and the checks run there)."""
         self.args, self.setup, self.rec, self.budget = args, setup, rec, budget
         self.cfg = setup.config
         self.types = list(self.cfg.layer_types)
-        self.mm_bf16 = mm_bf16
+        self.rates = rates
+        self.mm_bf16 = rates.get("bf16")
+        self.weights, self.first = weights, first
         self.smoke = args.smoke
         self.interpret = jax.default_backend() != "gpu"
         self.j = jits(donate=not self.smoke)
@@ -914,10 +807,18 @@ class Bench:
         self.state = None  # the weights (nnx.State), shared by every variant's model
         self.graphdefs: dict[tuple[str, str], object] = {}
         self.exe_cache: dict = {}
-        self.out = rec.data["setups"].setdefault(setup.name, {})
+        # one entry per setup, or per setup and format when several formats run (the key names both)
+        key = setup.name if len(args.weights) == 1 else f"{setup.name}/{weights}"
+        self.out = rec.data["setups"].setdefault(key, {})
+        self.out["weights"] = weights
         ref = Config.preset("v4-flash")
         self.n43 = layer_counts(ref.layer_types)
         self.n_meas = layer_counts(self.types)
+
+    @property
+    def name(self) -> str:
+        """The setup's name, and the weights format when it is not bf16 (log lines, tables)."""
+        return self.setup.name if self.weights == "bf16" else f"{self.setup.name} [{self.weights} weights]"
 
     # ----- helpers -----
     def exe(self, name: str, jitted, args: tuple, kind: str, cache_key=None) -> tuple[Exe, float]:
@@ -976,8 +877,8 @@ class Bench:
 
     # ----- init -----
     def init(self):
-        where = f"{self.setup.name}: init"
-        self.rec.log(f"--- {self.setup.name}: building the model on the device "
+        where = f"{self.name}: init"
+        self.rec.log(f"--- {self.name}: building the model on the device "
                      f"({len(self.types)} layers: {','.join(SHORT[t] for t in self.types)}) ---")  # fmt: skip
         before = bytes_in_use()
         try:
@@ -993,8 +894,8 @@ class Bench:
             self.model = nnx.merge(graphdef, state)
             info = dict(init_s=time.perf_counter() - t0, n_leaves=len(jax.tree.leaves(state)), kinds={},
                         param_bytes=sum(int(x.nbytes) for x in jax.tree.leaves(state)), fallback=True)  # fmt: skip
-        if self.args.weights != "bf16":
-            info.update(quantize_released(self.model, self.args.weights))
+        if self.weights != "bf16":
+            info.update(quantize_released(self.model, self.weights))
             free()
         self.state = nnx.split(self.model)[1]
         info["bytes_in_use_after_gib"] = bytes_in_use() / GiB
@@ -1031,7 +932,7 @@ class Bench:
     # ----- variants -----
     def run_variant(self, vkey: str, seq: int):
         v = VARIANTS[vkey]
-        where = f"{self.setup.name} S={fmt_len(seq)} {v.tag} {vkey}"
+        where = f"{self.name} S={fmt_len(seq)} {v.tag} {vkey}"
         if vkey in self.failed:
             self.record(seq, vkey, status="skip", note=self.failed[vkey])
             self.rec.skip(where, self.failed[vkey])
@@ -1049,7 +950,9 @@ class Bench:
         if not self.budget.fits(where, n_compiles * self.budget.compile_est(kind) + 2 * t_pred):
             self.record(seq, vkey, status="skip", note="budget")
             return
-        self.use_impls(v.attention, v.moe, v.indexer, v.sinkhorn_loop)
+        model = self.use_impls(v.attention, v.moe, v.indexer, v.sinkhorn_loop)
+        kernels = model.kernels  # resolved: what this row runs, for its floor
+        fp8_act = all(getattr(layer.mlp, "fp8_activations", True) for layer in model.layers)
         peak_before = peak_in_use()
         self._pending_mem = None
         try:
@@ -1077,12 +980,20 @@ class Bench:
         row["flops"] = flops
         row["tflops"] = flops / row["ttft_s"] / 1e12
         row["mfu"] = row["tflops"] / self.mm_bf16 if self.mm_bf16 else None
+        floor = mixed_floor(self.cfg, self.types, seq, kernels, self.weights, self.rates, fp8_activations=fp8_act)
+        row["kernels"] = str(kernels)
+        row["fp8_parts"] = fp8_parts(self.cfg, kernels, self.weights, fp8_act)
+        row["flops_by_precision"] = floor["flops_by_precision"] if floor else None
+        row["floor_s"] = floor["floor_s"] if floor else None
+        row["mfu_mixed"] = floor["floor_s"] / row["ttft_s"] if floor else None
         self.record(seq, vkey, status="ok", **row)
         per_layer = ", ".join(f"{SHORT[t]} {x * 1e3:.1f}" for t, x in zip(self.types, row["layer_s"]) if x is not None)
         shape = f"layers [{per_layer}] ms" if per_layer else f"{row.get('n_chunks')} chunks of {row.get('chunk')}"
         warm_only = ", WARM-UP ONLY" if row["warm_only"] else ""
         self.rec.log(f"{where}: TTFT {row['ttft_s'] * 1e3:10.1f} ms  {row['tflops']:6.1f} TF/s"
                      + (f" (MFU {100 * row['mfu']:.0f}%)" if row["mfu"] else "")
+                     + (f"  floor {row['floor_s'] * 1e3:.1f} ms (MFUx {100 * row['mfu_mixed']:.0f}%)"
+                        if row["floor_s"] else "")
                      + f"  {shape}  compile {row['compile_s']:.1f} s  est peak {gib(row['est_peak'])} GiB  proc peak "
                      + f"{gib(row['proc_peak'])} GiB  [{row['passes']} pass(es){warm_only}]")  # fmt: skip
 
@@ -1175,7 +1086,7 @@ class Bench:
 
     def measure_whole(self, seq: int):
         """Variant (3) as one jitted whole-model call: checks the layer-split timing."""
-        where = f"{self.setup.name} S={fmt_len(seq)} (3) whole-model jit"
+        where = f"{self.name} S={fmt_len(seq)} (3) whole-model jit"
         ref = self.results.get(seq, {}).get("pallas")
         if not ref or ref.get("status") != "ok":
             self.rec.skip(where, "variant (3) did not run at this length")
@@ -1284,7 +1195,7 @@ class Bench:
 
     def measure_chunk_split(self, seq: int):
         """The chunked variant layer by layer (DecoderLayer.forward_chunk per layer per chunk): per-layer-type times."""
-        where = f"{self.setup.name} S={fmt_len(seq)} (4) chunked, layer-split pass"
+        where = f"{self.name} S={fmt_len(seq)} (4) chunked, layer-split pass"
         ref = self.results.get(seq, {}).get("chunked")
         if not ref or ref.get("status") != "ok":
             self.rec.skip(where, "variant (4) did not run at this length")
@@ -1368,20 +1279,21 @@ class Bench:
         """FLOPs-like work of a breakdown piece (time-scaling proxy; XLA's dense indexer and HCA core counted dense)."""
         cfg = self.cfg
         f = {t: layer_flops(cfg, t, seq) for t in (SLIDING, CSA, HCA)}
-        if name in ("qkv", "out-proj", "moe-pallas", "moe-xla_cap", "moe-jnp", "mhc", "idx-keys"):
-            return f[CSA][name.split("-")[0] if name.startswith("moe") else name]
+        parts = {"qkv": ("attn-qkv",), "out-proj": ("attn-out",), "mhc": ("mhc",), "idx-keys": ("indexer-keys",)}
+        if name in parts or name.startswith("moe-"):
+            return sum(f[CSA][p] for p in parts.get(name, ("router", "moe-routed", "moe-shared")))
         if name == "compressor-csa":
             return f[CSA]["compressor"]
         if name == "compressor-hca":
             return f[HCA]["compressor"]
         if name.startswith("idx-topk"):
             dense = 2.0 if name.endswith("jnp") else 1.0
-            return f[CSA]["idx-proj"] + dense * f[CSA]["idx-scores"]
+            return f[CSA]["indexer-proj"] + dense * f[CSA]["indexer-scores"]
         if name.startswith("core-"):
             _, t, impl = name.split("-")
             ff = f[LONG[t]]
             dense = 2.0 if impl == "jnp" else 1.0
-            return dense * (ff["core-window"] + ff.get("core-compressed", 0.0))
+            return dense * (ff["window-core"] + ff.get("csa-core", 0.0) + ff.get("hca-core", 0.0))
         return 1e9
 
     def predict_piece(self, name: str, seq: int) -> float:
@@ -1395,7 +1307,7 @@ class Bench:
     def piece(self, seq: int, name: str, jitted, args: tuple, dyn: tuple, keep: bool = False):
         """Compile + time one breakdown piece. args: all args (statics included) for tracing; dyn: call args.
         → the warm-up output if keep, else None."""
-        where = f"{self.setup.name} S={fmt_len(seq)} breakdown {name}"
+        where = f"{self.name} S={fmt_len(seq)} breakdown {name}"
         t_pred = self.predict_piece(name, seq)
         if t_pred > self.args.max_pass_s:
             self.rec.skip(where, f"predicted {t_pred:.0f} s per call")
@@ -1437,7 +1349,7 @@ class Bench:
         return out_keep
 
     def run_breakdown(self, seq: int):
-        self.rec.log(f"--- {self.setup.name} S={fmt_len(seq)}: breakdown ---")
+        self.rec.log(f"--- {self.name} S={fmt_len(seq)}: breakdown ---")
         m, bj, cfg = self.use_impls("jnp", "jnp"), BREAKDOWN_JITS, self.cfg
         ids, positions = self.inputs(seq)
         key = jax.random.key(self.args.seed * 31 + seq)
@@ -1503,7 +1415,7 @@ class Bench:
         for impl in ("pallas", "xla_cap", "jnp"):
             ran = [self.results.get(seq, {}).get(k, {}).get("status") for k in ("xla", "pallas-attn")]
             if impl == "jnp" and "ok" not in ran:  # lax.ragged_dot can ask for ~96 GiB at 8K tokens
-                self.rec.skip(f"{self.setup.name} S={fmt_len(seq)} breakdown moe-jnp",
+                self.rec.skip(f"{self.name} S={fmt_len(seq)} breakdown moe-jnp",
                               "no XLA-MoE variant ran at this length (did not fit, or not run)")  # fmt: skip
                 continue
             gd, st = nnx.split(self.use_impls("jnp", impl).layers[layer_idx].mlp)
@@ -1518,7 +1430,7 @@ class Bench:
             self.rec.log(f"routing on random hidden states: max expert load {int(mx)} = {mx / mean:.2f} × mean; "
                          f"capacity {cap} ({drops})")  # fmt: skip
         except Exception as exc:
-            self.rec.error(f"{self.setup.name} S={fmt_len(seq)} routing check", exc)
+            self.rec.error(f"{self.name} S={fmt_len(seq)} routing check", exc)
         del x
         streams = _randn(jax.random.fold_in(key, 2), shape=(1, seq, cfg.hc_mult, cfg.hidden_size), dtype=BF16)
         gd, st = nnx.split(any_layer)
@@ -1543,33 +1455,36 @@ class Bench:
         try:
             self.init()
         except Exception as exc:
-            self.rec.error(f"{self.setup.name}: init", exc)
+            self.rec.error(f"{self.name}: init", exc)
+            self.model = self.state = None  # a later format builds its own model: leave it the memory
+            free()
             return
         self.out["config"] = dict(layer_types=[SHORT[t] for t in self.types], lengths=self.setup.lengths,
                                   chunk=self.setup.chunk, variants=self.args.variants,
                                   flops_per_token=self.flops_table())  # fmt: skip
-        self.print_flops()
+        if self.first:
+            self.print_flops()
         # Order of work: every length's variants first (the headline numbers), then the chunked layer-split passes
         # (per-layer-type times of (4)), then the breakdowns (largest length first), then the whole-model check.
         for seq in self.setup.lengths:
-            self.rec.log(f"--- {self.setup.name} S={fmt_len(seq)}: variants ---")
+            self.rec.log(f"--- {self.name} S={fmt_len(seq)}: variants ---")
             for vkey in self.setup.variants or self.args.variants:
                 try:
                     self.run_variant(vkey, seq)
                 except Exception as exc:  # the bookkeeping around a variant failed; the next one still runs
-                    self.rec.error(f"{self.setup.name} S={fmt_len(seq)} {vkey}", exc)
+                    self.rec.error(f"{self.name} S={fmt_len(seq)} {vkey}", exc)
                 free()
-        if self.setup.chunk_split and not self.args.no_chunk_split:
+        if self.setup.chunk_split and not self.args.no_chunk_split and self.first:
             for seq in self.setup.lengths:
                 self.measure_chunk_split(seq)
-        if self.setup.breakdown and not self.args.no_breakdown:
+        if self.setup.breakdown and not self.args.no_breakdown and self.first:
             for seq in sorted(self.setup.lengths, reverse=True):
                 try:
                     self.run_breakdown(seq)
                 except Exception as exc:
-                    self.rec.error(f"{self.setup.name} S={fmt_len(seq)} breakdown", exc)
+                    self.rec.error(f"{self.name} S={fmt_len(seq)} breakdown", exc)
                 free()
-        if self.setup.whole_check and not self.args.no_whole_check:
+        if self.setup.whole_check and not self.args.no_whole_check and self.first:
             self.measure_whole(self.setup.lengths[0])
         self.model = self.state = None
         self.exe_cache.clear()
@@ -1584,7 +1499,7 @@ class Bench:
 
     def print_flops(self):
         log = self.rec.log
-        log(f"FLOPs per token per layer (useful; from the config; M = 1e6) — {self.setup.name}:")
+        log(f"FLOPs per token per layer (useful; from the config; M = 1e6) — {self.name}:")
         for seq in sorted(set(self.setup.lengths) | {524288}):
             parts = []
             for t in (SLIDING, CSA, HCA):
@@ -1625,16 +1540,16 @@ class Bench:
 
     def table(self):
         log = self.rec.log
-        name = self.setup.name
+        name = self.name
         ref43 = Config.preset("v4-flash").layer_types
         log("=" * 132)
         mix = ",".join(SHORT[t] for t in self.types)
-        log(f"TTFT — {name}: {len(self.types)} measured layers ({mix}), bf16, B=1; "
-            f"bf16 matmul ceiling {self.mm_bf16 or float('nan'):.0f} TFLOP/s (this run)")  # fmt: skip
-        log(f"{'S':>5} {'variant':<38} {'TTFT ms':>10} {'vs(1)':>6} {'vs(1c)':>6} {'TF/s':>6} {'MFU':>4} "
+        log(f"TTFT — {name}: {len(self.types)} measured layers ({mix}), {self.weights} weights, bf16 activations, "
+            f"B=1; ceilings (this run, TFLOP/s): {rates_text(self.rates)}")  # fmt: skip
+        log(f"{'S':>5} {'variant':<38} {'TTFT ms':>10} {'vs(1)':>6} {'vs(1c)':>6} {'TF/s':>6} {'MFU':>4} {'MFUx':>4} "
             f"{'estpk':>6} {'prcpk':>6}  {'per layer ms: sliding / csa / hca':<34} "
             f"{'43L 1GPU s':>10} {'8GPU s':>7}")  # fmt: skip
-        log(f"{'':>5} {'':<38} {'':>10} {'':>6} {'':>6} {'':>6} {'':>4} {'GiB':>6} {'GiB':>6}  {'':<34} "
+        log(f"{'':>5} {'':<38} {'':>10} {'':>6} {'':>6} {'':>6} {'':>4} {'':>4} {'GiB':>6} {'GiB':>6}  {'':<34} "
             f"{'PROJECTION':>10} {'PROJ.':>7}")  # fmt: skip
         proj_out = {}
         for seq in sorted(self.results):
@@ -1654,6 +1569,7 @@ class Bench:
                 s1 = f"{base['ttft_s'] / r['ttft_s']:.2f}x" if base else "-"
                 s1c = f"{base_c['ttft_s'] / r['ttft_s']:.2f}x" if base_c else "-"
                 mfu = f"{100 * r['mfu']:.0f}%" if r.get("mfu") else "-"
+                mfux = f"{100 * r['mfu_mixed']:.0f}%" if r.get("mfu_mixed") else "-"
                 tt = self.type_times(r)
                 per = " / ".join(f"{tt[t] * 1e3:.1f}" if t in tt else "-" for t in (SLIDING, CSA, HCA)) if tt else "-"
                 p = self.project(seq, vkey, r)
@@ -1662,21 +1578,28 @@ class Bench:
                 flag = "*" if r.get("warm_only") else ""
                 t1, t8 = (p["t43_1gpu"], p["t43_8gpu"]) if p else (float("nan"), float("nan"))
                 log(f"{fmt_len(seq):>5} {label:<38} {ms:>9.1f}{flag:1} {s1:>6} {s1c:>6} {r['tflops']:>6.3g} {mfu:>4} "
-                    f"{gib(r.get('est_peak')):>6} {gib(r.get('proc_peak')):>6}  {per:<34} "
+                    f"{mfux:>4} {gib(r.get('est_peak')):>6} {gib(r.get('proc_peak')):>6}  {per:<34} "
                     f"{t1:>10.2f} {t8:>7.2f}")  # fmt: skip
         self.out["projection"] = proj_out
         log("vs(1)/vs(1c): speed-up over the XLA baseline (ragged_dot MoE) / over the XLA baseline with the capacity "
             "MoE, "
             "same length; TF/s, MFU: useful FLOPs of the measured layers + head over TTFT, MFU against the bf16 matmul "
-            "ceiling; estpk: bytes in use + XLA buffer assignment, max over the variant's calls; prcpk: process-wide "
+            "ceiling; MFUx: the mixed-precision floor (each part at the rate of the precision the row runs it in) over "
+            "TTFT; estpk: bytes in use + XLA buffer assignment, max over the variant's calls; prcpk: process-wide "
             "peak so far; 43L: PROJECTION to 2 sliding + 21 CSA + 20 HCA layers from per-layer-type times "
             "(8 GPU = ideal /8); * = warm-up pass only")  # fmt: skip
         for seq in sorted(self.results):
             f43 = model_flops(self.cfg, ref43, seq)
             if self.mm_bf16:
                 floor = f43 / (self.mm_bf16 * 1e12)
+                pallas = Kernels.all("pallas")
+                mixed = [(idx, mixed_floor(self.cfg, ref43, seq, dataclasses.replace(pallas, indexer=idx), self.weights,
+                                           self.rates)) for idx in ("pallas", "pallas-fp8")]  # fmt: skip
+                mixed = ", ".join(f"indexer {'fp8' if i == 'pallas-fp8' else 'bf16'} {m['floor_s']:.2f} s "
+                                  f"({m['floor_s'] / 8:.2f} on 8)" for i, m in mixed if m)  # fmt: skip
                 log(f"S={fmt_len(seq)}: 43-layer FLOPs {f43:.3g}; at the bf16 matmul ceiling: {floor:.2f} s on 1 GPU, "
-                    f"{floor / 8:.2f} s on 8 (floor, not a measurement)")  # fmt: skip
+                    f"{floor / 8:.2f} s on 8; mixed-precision floor, Pallas kernels, {self.weights} weights: "
+                    f"{mixed or '-'} (floors, not measurements)")  # fmt: skip
         for seq, r in sorted(self.out.get("whole_check", {}).items(), key=lambda x: int(x[0])):
             log(f"check S={fmt_len(int(seq))}: (3) as one whole-model jit {r['ttft_s'] * 1e3:.1f} ms = "
                 f"{r['ratio_vs_split']:.3f} × the layer-split TTFT")  # fmt: skip
@@ -1690,7 +1613,7 @@ class Bench:
         if not self.breakdown:
             return
         log("-" * 132)
-        log(f"Breakdown — {self.setup.name} (ms; each piece its own jitted call on random inputs of the same shapes; "
+        log(f"Breakdown — {self.name} (ms; each piece its own jitted call on random inputs of the same shapes; "
             "per-layer rows: the variant's layer time split into its pieces)")  # fmt: skip
 
         def ms(seq, name):
@@ -1745,37 +1668,130 @@ class Bench:
 # ---------------------------------------------------------------------------------------------
 # Ceilings and header.
 # ---------------------------------------------------------------------------------------------
-def measure_matmul(rec: Recorder, budget: Budget, smoke: bool, seed: int) -> float | None:
-    rec.log("--- ceiling: bf16 matmul (same run) ---")
-    best = None
-    rows = []
-    for n in ((256, 512) if smoke else (8192, 16384)):
-        where = f"bf16 matmul {n}^3"
-        if not budget.fits(where, 10.0):
-            continue
-        try:
-            k1, k2 = jax.random.split(jax.random.key(seed + n))
-            a = _randn(k1, shape=(n, n), dtype=BF16)
-            b = _randn(k2, shape=(n, n), dtype=BF16)
-            e = Exe(jax.jit(lambda a, b: a @ b), (a, b), smoke=smoke)
-            jax.block_until_ready(e(a, b))
-            times = []
-            for _ in range(10 if not smoke else 3):
-                t0 = time.perf_counter()
-                jax.block_until_ready(e(a, b))
-                times.append(time.perf_counter() - t0)
-            t = statistics.median(times)
-            tf = 2.0 * n**3 / t / 1e12
-            best = tf if best is None else max(best, tf)
-            rows.append(dict(n=n, ms=t * 1e3, tflops=tf))
-            rec.log(f"{where}: {t * 1e3:.3f} ms = {tf:.1f} TFLOP/s")
-            del a, b, e
-        except Exception as exc:
-            rec.error(where, exc)
-        free()
-    rec.data["header"]["matmul_bf16"] = rows
-    rec.data["header"]["matmul_bf16_best_tflops"] = best
-    return best
+# The matmul ceilings, timed in the same interleaved rounds: (key, precision, build). "xla": XLA's defaults (on a GPU it
+# may autotune Triton GEMMs against cuBLAS); "cublas": Triton GEMMs off, so the dot can only become a cuBLAS(Lt) call.
+CEILINGS = (("bf16", "bf16", "xla"), ("bf16-cublas", "bf16", "cublas"), ("fp8", "fp8", "xla"),
+            ("fp8-cublaslt", "fp8", "cublas"), ("f32", "f32", "xla"))  # fmt: skip
+CUBLAS_ONLY = {"xla_gpu_enable_triton_gemm": False}
+CUBLASLT_FP8 = "__cublas$lt$matmul$f8"
+
+
+def gemm_kernels(hlo: str) -> list[str]:
+    """The GEMM implementations a compiled HLO text calls: custom-call targets (`__cublas$lt$matmul$f8`,
+    `__cublas$gemm`, ...) and the kinds of custom fusions (`__triton_gemm`, ...)."""
+    calls = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    fusions = re.findall(r'"kind":"(__[^"]+)"', hlo)
+    return sorted(set(calls) | set(fusions))
+
+
+def rates_text(rates: dict) -> str:
+    return ", ".join(f"{p} {r:.4g}" if r else f"{p} -" for p, r in rates.items())
+
+
+def measure_ceilings(rec: Recorder, budget: Budget, sizes, smoke: bool, seed: int) -> dict[str, float | None]:
+    """Every build of `CEILINGS` at each n of `sizes` (n³, random normal operands) compiled and warmed up first, then
+    rounds that time one call of each build in turn (so clock and power drift hit them alike); a build's figure is
+    the median of its rounds. → TFLOP/s by precision: its fastest build at its best size (None where none ran)."""
+    rec.log("--- ceilings: matmuls in interleaved rounds (same run) ---")
+    items = []
+    for n in sizes:
+        k1, k2 = jax.random.split(jax.random.key(seed + n))
+        a, b = _randn(k1, shape=(n, n), dtype=BF16), _randn(k2, shape=(n, n), dtype=BF16)
+        operands = {"bf16": (a, b), "fp8": (a.astype(FP8), b.astype(FP8)), "f32": (a.astype(F32), b.astype(F32))}
+        for key, precision, build in CEILINGS:
+            where = f"ceiling {key} {n}^3"
+            if not budget.fits(where, budget.compile_est("small") + 12 * 2.0 * n**3 / 50e12):
+                continue
+            try:
+                if precision == "fp8":
+                    fn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=F32))
+                else:
+                    fn = jax.jit(lambda a, b: a @ b)
+                args = operands[precision]
+                e = Exe(fn, args, smoke=smoke, options=CUBLAS_ONLY if build == "cublas" else None)
+                budget.saw_compile("ceiling", e.compile_s)  # kept apart: XLA's FP8 autotuning can take minutes
+                jax.block_until_ready(e(*args))
+                kernels = gemm_kernels(e.exe.as_text())
+                items.append(dict(key=key, precision=precision, build=build, n=n, exe=e, args=args, kernels=kernels,
+                                  compile_s=e.compile_s, times=[]))  # fmt: skip
+                rec.log(f"{where}: compiled in {e.compile_s:.1f} s; GEMM kernels {kernels or '(none named)'}")
+            except Exception as exc:
+                rec.error(where, exc)
+        del a, b, operands  # the items hold what they use
+    rounds = 3 if smoke else 10
+    for _ in range(rounds):
+        for it in items:
+            t0 = time.perf_counter()
+            jax.block_until_ready(it["exe"](*it["args"]))
+            it["times"].append(time.perf_counter() - t0)
+    table, rates, source = {}, {precision: None for _, precision, _ in CEILINGS}, {}
+    for it in items:
+        t = statistics.median(it["times"])
+        tf = 2.0 * it["n"] ** 3 / t / 1e12
+        row = dict(precision=it["precision"], build=it["build"], n=it["n"], ms=t * 1e3, tflops=tf,
+                   times_ms=[x * 1e3 for x in it["times"]], spread=(max(it["times"]) - min(it["times"])) / t,
+                   compile_s=it["compile_s"], kernels=it["kernels"])  # fmt: skip
+        table.setdefault(it["key"], {})[str(it["n"])] = row
+        if rates[it["precision"]] is None or tf > rates[it["precision"]]:
+            rates[it["precision"]], source[it["precision"]] = tf, f"{it['key']} {it['n']}^3"
+        rec.log(f"ceiling {it['key']} {it['n']}^3: {t * 1e3:.3f} ms = {tf:.1f} TFLOP/s (median of {len(it['times'])} "
+                f"rounds, spread {100 * row['spread']:.1f}%)")  # fmt: skip
+    items.clear()
+    free()
+    verified = None  # off a GPU there is no cuBLAS to check for
+    if jax.default_backend() == "gpu":
+        builds = list(table.get("fp8-cublaslt", {}).values())
+        verified = bool(builds) and all(CUBLASLT_FP8 in r["kernels"] and "__triton_gemm" not in r["kernels"]
+                                        for r in builds)  # fmt: skip
+        if not verified:
+            rec.log(f"WARNING: the cuBLAS-only FP8 build is not a {CUBLASLT_FP8} call: "
+                    f"{[r['kernels'] for r in builds]}")  # fmt: skip
+    h = rec.data["header"]
+    h.update(ceilings=table, rates_tflops=rates, rate_from=source, fp8_cublaslt_verified=verified,
+             matmul_bf16=[dict(n=r["n"], ms=r["ms"], tflops=r["tflops"]) for r in table.get("bf16", {}).values()],
+             matmul_bf16_best_tflops=rates["bf16"])  # fmt: skip
+    sources = ", ".join(f"{p}: {w}" for p, w in source.items())
+    rec.log(f"rates for the floors (TFLOP/s, the faster build at its best size): {rates_text(rates)} (from {sources}); "
+            f"cuBLASLt FP8 call verified: {verified}")  # fmt: skip
+    return rates
+
+
+def weights_table(rec: Recorder, group: list[Bench]):
+    """One setup's weights formats side by side: per length and variant, each format's TTFT, the mixed-precision floor
+    of the precisions that row runs in, MFU against it (MFUx) and against the bf16 rate alone (MFU)."""
+    log, first = rec.log, group[0]
+    cell = " | {:>10} {:>9} {:>5} {:>5}"
+    log("=" * 150)
+    log(f"Weights formats side by side — {first.setup.name} ({len(first.types)} layers), B=1; ceilings (this run, "
+        f"TFLOP/s): {rates_text(first.rates)}")  # fmt: skip
+    log(f"{'S':>5} {'variant':<38}" + "".join(f" | {b.weights + ' weights':^33}" for b in group))
+    log(f"{'':>5} {'':<38}" + "".join(cell.format("TTFT ms", "floor ms", "MFUx", "MFU") for _ in group))
+    pct = lambda x: f"{100 * x:.0f}%" if x else "-"  # noqa: E731
+    out, fp8_legend = [], {}
+    for seq in sorted(set().union(*(b.results for b in group))):
+        for vkey in TABLE_ORDER:
+            rows = [b.results.get(seq, {}).get(vkey) for b in group]
+            if not any(rows):
+                continue
+            cells, entry = [], dict(seq=seq, variant=vkey)
+            for b, r in zip(group, rows):
+                if not r or r.get("status") != "ok":
+                    cells.append(cell.format((r or {}).get("status", "-").upper() if r else "-", "", "", ""))
+                    continue
+                floor = r.get("floor_s")
+                cells.append(cell.format(f"{r['ttft_s'] * 1e3:.1f}" + ("*" if r.get("warm_only") else ""),
+                                         f"{floor * 1e3:.1f}" if floor else "-", pct(r.get("mfu_mixed")),
+                                         pct(r.get("mfu"))))  # fmt: skip
+                entry[b.weights] = {k: r.get(k) for k in ("ttft_s", "floor_s", "mfu_mixed", "mfu", "fp8_parts",
+                                                          "flops_by_precision", "kernels")}  # fmt: skip
+                fp8_legend[(b.weights, VARIANTS[vkey].tag)] = r.get("fp8_parts") or []
+            log(f"{fmt_len(seq):>5} {(VARIANTS[vkey].tag + ' ' + VARIANTS[vkey].label)[:38]:<38}" + "".join(cells))
+            out.append(entry)
+    legend = "; ".join(f"{w} {tag} {'+'.join(p) or 'none'}" for (w, tag), p in fp8_legend.items())
+    log("floor: the row's useful FLOPs, each part at the rate of the precision it runs in (dsv4.flops); MFUx = floor "
+        "/ TTFT; MFU = useful FLOPs at the bf16 rate / TTFT; * = warm-up pass only. Parts in FP8 (the rest bf16, the "
+        f"mHC mixes float32): {legend}")  # fmt: skip
+    rec.data.setdefault("weights_table", {})[first.setup.name] = out
 
 
 def header(args, rec: Recorder):
@@ -1784,7 +1800,7 @@ def header(args, rec: Recorder):
              python=platform.python_version(), date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
              argv=" ".join(sys.argv), host=platform.node(),
              mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), xla_flags=os.environ.get("XLA_FLAGS"),
-             budget_s=args.budget, variants=args.variants)  # fmt: skip
+             budget_s=args.budget, variants=args.variants, weights=args.weights)  # fmt: skip
     s = mem_stats()
     if s:
         h["bytes_limit_gib"] = round(s.get("bytes_limit", 0) / GiB, 1)
@@ -1812,7 +1828,8 @@ def header(args, rec: Recorder):
                 f"index {c.index_n_heads}×{c.index_head_dim} top-{c.index_topk}, window {c.sliding_window}, rates "
                 f"{dict(c.compress_rates)}; layers {','.join(SHORT[t] for t in c.layer_types)}; lengths "
                 f"{[fmt_len(x) for x in s.lengths]}; chunk {s.chunk}")  # fmt: skip
-    rec.log(f"variants (in order): {', '.join(VARIANTS[v].tag + ' ' + v for v in args.variants)}")
+    rec.log(f"variants (in order): {', '.join(VARIANTS[v].tag + ' ' + v for v in args.variants)}; weights (in "
+            f"order): {', '.join(args.weights)}")  # fmt: skip
     rec.log("=" * 100)
 
 
@@ -1828,21 +1845,33 @@ def main():
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     budget = Budget(args.budget, rec, args.smoke)
     header(args, rec)
-    mm = measure_matmul(rec, budget, args.smoke, args.seed)
-    benches = []
+    rates = measure_ceilings(rec, budget, args.ceiling_sizes, args.smoke, args.seed)
+    groups = []  # per setup, one Bench per weights format, in --weights order (one model on the device at a time)
     for setup in args.setups:
-        b = Bench(args, setup, rec, budget, mm)
-        try:
-            b.run()
-        except Exception as exc:
-            rec.error(f"{setup.name}", exc)
-        benches.append(b)
-        rec.write_json()
-    for b in benches:
-        try:
-            b.table()
-        except Exception as exc:
-            rec.error(f"table {b.setup.name}", exc)
+        group = []
+        for i, weights in enumerate(args.weights):
+            b = Bench(args, setup, rec, budget, rates, weights, first=i == 0)
+            try:
+                b.run()
+            except Exception as exc:
+                rec.error(f"{b.name}", exc)
+            finally:
+                b.model = b.state = None
+                free()
+            group.append(b)
+            rec.write_json()
+        groups.append(group)
+    for group in groups:
+        for b in group:
+            try:
+                b.table()
+            except Exception as exc:
+                rec.error(f"table {b.name}", exc)
+        if len(group) > 1:
+            try:
+                weights_table(rec, group)
+            except Exception as exc:
+                rec.error(f"weights table {group[0].setup.name}", exc)
     errs, skips = rec.data["errors"], rec.data["skips"]
     rec.log(f"{len(errs)} error/OOM line(s), {len(skips)} skip(s); elapsed {time.monotonic() - T_START:.0f} s"
             + (f"; full numbers in {rec.out_dir / 'bench_ttft.json'}" if rec.out_dir else ""))  # fmt: skip
