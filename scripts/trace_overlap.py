@@ -13,7 +13,9 @@ compute. Per GPU it reports:
     compute_ms    the union of the compute intervals
     span_ms       first kernel start to last kernel end
 The same measure as bench_moe_ep's "exposed" (ring time minus no-link time), taken from the timeline instead of
-from two runs; the two should roughly agree.
+from two runs; the two should roughly agree. `breakdown` splits a GPU's kernel time further: compute, communication
+by kind (all-gathers vs the MoE's sends and receives), each one's exposed part, and idle time, overall and per named
+scope (e.g. per layer type, found in the events' arguments or through the HLO dump's op names, `hlo_op_names`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import sys
 
 COMM_MARKERS = ("nccl", "SendRecv", "AllGather", "AllReduce", "ReduceScatter", "AllToAll")
@@ -146,6 +149,125 @@ def kernel_table(path: str) -> dict[str, dict]:
             row[1] += 1
         busy = _union([(float(e["ts"]), float(e["ts"]) + e["dur"]) for e in chosen])
         out[pname] = dict(busy_us=_length(busy), span_us=(busy[-1][1] - busy[0][0]) if busy else 0.0, kernels=kernels)
+    return out
+
+
+COMM_KINDS = (("gather", ("allgather", "all-gather", "all_gather")),
+              ("exchange", ("sendrecv", "alltoall", "all-to-all", "collective-permute", "permute")))  # fmt: skip
+"""Communication kernels by what they move: "gather" (all-gathers: a chunk's K=V rows and the compressed entries,
+gathered by GSPMD), "exchange" (sends and receives: the expert-parallel MoE's permutes); anything else "other"."""
+
+
+def comm_kind(name: str) -> str | None:
+    """A communication kernel's kind ("gather", "exchange" or "other"; `COMM_MARKERS`), None for a compute kernel."""
+    low = name.lower()
+    if not any(m.lower() in low for m in COMM_MARKERS):
+        return None
+    return next((kind for kind, marks in COMM_KINDS if any(m in low for m in marks)), "other")
+
+
+_HLO_OP = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name="([^"]*)"')
+
+
+def hlo_op_names(dump_dir: str, module_pattern: str = "") -> dict[str, str]:
+    """{HLO instruction name: its op_name metadata (the JAX name stack, named scopes included)} from the optimized
+    HLO text XLA dumps (`--xla_dump_to=DIR --xla_dump_hlo_as_text`), of the modules whose file name matches
+    `module_pattern`: how a GPU kernel event's `hlo_op` argument is traced back to the code that made it."""
+    out: dict[str, str] = {}
+    if not os.path.isdir(dump_dir):
+        return out
+    for name in sorted(os.listdir(dump_dir)):
+        if not name.endswith("after_optimizations.txt") or not re.search(module_pattern, name):
+            continue
+        with open(os.path.join(dump_dir, name)) as f:
+            for line in f:
+                m = _HLO_OP.match(line)
+                if m:
+                    out[m.group(1)] = m.group(2)
+    return out
+
+
+def _event_text(e) -> str:
+    """The event's name and every string argument (where profilers put the op name and the name stack)."""
+    args = e.get("args") or {}
+    return " ".join([e.get("name", "")] + [v for v in args.values() if isinstance(v, str)])
+
+
+def scope_finder(pattern: str, op_names: dict[str, str] | None = None):
+    """`scope_of(event) → str | None`: the first group of regex `pattern` in the event's name or arguments, or else in
+    the op_name (`hlo_op_names`) of an argument that names an HLO instruction."""
+    regex = re.compile(pattern)
+    op_names = op_names or {}
+
+    def scope_of(e) -> str | None:
+        m = regex.search(_event_text(e))
+        if m:
+            return m.group(1)
+        for v in (e.get("args") or {}).values():
+            if isinstance(v, str) and v in op_names:
+                m = regex.search(op_names[v])
+                if m:
+                    return m.group(1)
+        return None
+
+    return scope_of
+
+
+def breakdown(path: str, scope_of=None) -> dict[str, dict]:
+    """Per GPU of a trace, from its kernels (stream threads' events, as `kernel_table`): where the time goes.
+    → {process name: {span_ms, busy_ms, compute_ms, comm_ms, exposed_ms, idle_ms, comm_kind_ms: {kind: ms},
+    exposed_kind_ms: {kind: ms}, attributed: fraction of kernel time with a scope, scopes: {scope: {compute_ms,
+    comm_kind_ms, exposed_kind_ms, idle_ms, kernels}}}}.
+
+    exposed: communication (of that kind) while no compute kernel runs; idle: no kernel at all, from the first
+    kernel's start to the last one's end. Per scope (`scope_of(event)`, e.g. `scope_finder(...)`; None: "other"), a
+    kernel's time goes to its own scope and each idle gap to the scope of the kernel that ends it (the one the device
+    waited for), so the scopes' idle times sum to the GPU's.
+    """
+    per: dict[str, dict[str, list]] = {}
+    for pname, tname, e in _gpu_events(path):
+        per.setdefault(pname, {"stream": [], "other": []})["stream" if tname.lower().startswith("stream") else
+                                                           "other"].append(e)  # fmt: skip
+    out = {}
+    for pname, kinds in sorted(per.items()):
+        events = sorted(((float(e["ts"]), float(e["ts"]) + e["dur"], e) for e in kinds["stream"] or kinds["other"]),
+                        key=lambda x: (x[0], x[1]))  # fmt: skip
+        scoped: dict[str, dict[str, list]] = {}
+        for a, b, e in events:
+            scope = (scope_of(e) if scope_of else None) or "other"
+            kind = comm_kind(e.get("name", "")) or "compute"
+            scoped.setdefault(scope, {}).setdefault(kind, []).append((a, b))
+        everything = {k: _union([iv for s in scoped.values() for iv in s.get(k, [])]) for k in
+                      ("compute", "gather", "exchange", "other")}  # fmt: skip
+        compute = everything["compute"]
+
+        def split(kinds_: dict[str, list], compute_: list) -> dict:
+            comm = {k: _union(kinds_.get(k, [])) for k in ("gather", "exchange", "other")}
+            return dict(compute_ms=_length(_union(kinds_.get("compute", []))) / 1e3,
+                        comm_kind_ms={k: _length(v) / 1e3 for k, v in comm.items()},
+                        exposed_kind_ms={k: (_length(v) - _intersection(v, compute_)) / 1e3
+                                         for k, v in comm.items()})  # fmt: skip
+        # idle gaps, each to the scope of the kernel that ends it
+        idle: dict[str, float] = {}
+        reach = events[0][1] if events else 0.0
+        for a, b, e in events[1:]:
+            if a > reach:
+                scope = (scope_of(e) if scope_of else None) or "other"
+                idle[scope] = idle.get(scope, 0.0) + a - reach
+            reach = max(reach, b)
+        all_comm = _union(everything["gather"] + everything["exchange"] + everything["other"])
+        busy = _union(compute + all_comm)
+        span = (busy[-1][1] - busy[0][0]) if busy else 0.0
+        total = sum(b - a for a, b, _ in events)
+        attributed = sum(b - a for a, b, e in events if scope_of and scope_of(e)) / total if total else 0.0
+        row = split(everything, compute)
+        row.update(span_ms=span / 1e3, busy_ms=_length(busy) / 1e3, comm_ms=_length(all_comm) / 1e3,
+                   exposed_ms=(_length(all_comm) - _intersection(all_comm, compute)) / 1e3,
+                   idle_ms=(span - _length(busy)) / 1e3, attributed=attributed,
+                   scopes={s: {**split(k, compute), "idle_ms": idle.get(s, 0.0) / 1e3,
+                               "kernels": sum(len(v) for v in k.values())}
+                           for s, k in sorted(scoped.items())})  # fmt: skip
+        out[pname] = row
     return out
 
 

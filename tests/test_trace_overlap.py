@@ -98,3 +98,55 @@ def test_host_table_by_hand(tmp_path):
     got = trace_overlap.host_table(str(tmp_path))
     assert got == {"PjitFunction(step)": [40.0, 1, {"python"}], "command_buffer::update": [50.0, 2, {"pjrt"}],
                    "cuGraphLaunch": [3.0, 1, {"9"}]}  # fmt: skip
+
+
+def test_breakdown_by_kind_and_scope_by_hand(tmp_path):
+    """Kernels of one GPU's stream (the module event on another thread is not counted), times in µs:
+        [0, 10)  compute, csa          [5, 15)  AllGather, csa: 5 hidden, 5 exposed
+        [20, 30) SendRecv, hca          (idle [15, 20) ends at it: hca's)
+        [25, 35) compute, hca: the SendRecv's [25, 30) hidden, [20, 25) exposed
+        [40, 45) compute, no scope      (idle [35, 40): "other")
+    The hca scope is named through the HLO dump's op_name of the kernel's hlo_op argument."""
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}},
+        {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Modules"}},
+        {"ph": "X", "pid": 1, "tid": 8, "name": "jit_slot_step", "ts": 0, "dur": 45},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "loop_fusion", "ts": 0, "dur": 10,
+         "args": {"long_name": "jit(slot_step)/dsv4_csa/dot_general"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "ncclDevKernel_AllGather_RING_LL", "ts": 5, "dur": 10,
+         "args": {"long_name": "jit(slot_step)/dsv4_csa/all_gather"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "ncclDevKernel_SendRecv", "ts": 20, "dur": 10,
+         "args": {"hlo_op": "collective-permute-start.3"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 25, "dur": 10, "args": {"hlo_op": "fusion.9"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "head_fusion", "ts": 40, "dur": 5},
+    ]  # fmt: skip
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    dump = tmp_path / "hlo"
+    dump.mkdir()
+    (dump / "module_0001.jit_slot_step.sm_9.0_gpu_after_optimizations.txt").write_text(
+        '  %collective-permute-start.3 = (bf16[8]) collective-permute-start(x), metadata={op_type="ppermute" '
+        'op_name="jit(slot_step)/dsv4_hca/ppermute"}\n'
+        '  ROOT fusion.9 = bf16[8] fusion(y), kind=kCustom, '
+        'metadata={op_name="jit(slot_step)/dsv4_hca/dot"}\n')  # fmt: skip
+    (dump / "module_0002.jit_other.after_optimizations.txt").write_text(
+        '  fusion.9 = bf16[8] fusion(y), metadata={op_name="jit(other)/dsv4_sliding/dot"}\n')  # fmt: skip
+    names = trace_overlap.hlo_op_names(str(dump), "slot_step")
+    assert names == {"collective-permute-start.3": "jit(slot_step)/dsv4_hca/ppermute",
+                     "fusion.9": "jit(slot_step)/dsv4_hca/dot"}  # fmt: skip
+    got = trace_overlap.breakdown(str(path), trace_overlap.scope_finder(r"dsv4_(\w+?)/", names))["/device:GPU:0"]
+    ms = pytest.approx
+    assert (got["span_ms"], got["busy_ms"], got["idle_ms"]) == ms((0.045, 0.035, 0.010))
+    assert (got["compute_ms"], got["comm_ms"], got["exposed_ms"]) == ms((0.025, 0.020, 0.010))
+    assert got["comm_kind_ms"] == ms({"gather": 0.010, "exchange": 0.010, "other": 0.0})
+    assert got["exposed_kind_ms"] == ms({"gather": 0.005, "exchange": 0.005, "other": 0.0})
+    assert got["attributed"] == ms(40 / 45)
+    csa, hca, other = (got["scopes"][s] for s in ("csa", "hca", "other"))
+    assert (csa["compute_ms"], csa["comm_kind_ms"]["gather"], csa["exposed_kind_ms"]["gather"]) == ms((.01, .01, .005))
+    assert (csa["idle_ms"], csa["kernels"]) == (0.0, 2)
+    assert (hca["compute_ms"], hca["exposed_kind_ms"]["exchange"], hca["idle_ms"]) == ms((0.010, 0.005, 0.005))
+    assert (other["compute_ms"], other["idle_ms"], other["kernels"]) == ms((0.005, 0.005, 1))
+    assert trace_overlap.comm_kind("ncclDevKernel_AllReduce_Sum_f32") == "other"
+    assert trace_overlap.comm_kind("loop_fusion") is None
