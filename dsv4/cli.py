@@ -182,6 +182,10 @@ def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
         default=None,
         help="token budget of one step, all requests together (default: chunk size + max slots)",
     )
+    e.add_argument("--decode-steps", type=positive_int, default=1, metavar="K",
+                   help="run up to K decode steps in one device call (sampling on the device) when every running "
+                        "request is decoding and none waits: the host dispatches once for K tokens; tokens of one "
+                        "call reach the client together (default 1)")  # fmt: skip
     e.add_argument(
         "--policy",
         default="prefill_priority",
@@ -310,7 +314,8 @@ def _new_llm(args, *, max_slots: int, max_model_len: int, mesh):
                max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
                kv_format=args.kv_format, seed=args.seed, dtype=args.dtype, width_buckets=args.buckets,
                max_packed_width=args.max_packed_width, chat_template=not args.no_chat_template, kernels=args.kernels,
-               keep_quantized=args.keep_quantized, mesh=mesh, warmup=False)  # fmt: skip
+               keep_quantized=args.keep_quantized, mesh=mesh, warmup=False,
+               decode_steps=args.decode_steps)  # fmt: skip
 
 
 def _max_position_embeddings(model: str) -> int:

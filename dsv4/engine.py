@@ -12,6 +12,15 @@ from the last position's logits of each chunk that needs them, `Scheduler.update
 engine adds what neither side knows about: prompts as text, sampling state, per-request metrics, and the
 mapping of errors to the request that caused them.
 
+Decode bursts (`LLM(decode_steps=k)`, k > 1). A step that would be decodes only (every running request decoding,
+none waiting) runs up to k decode steps of every request in one device call instead (`ModelRunner.execute_burst`),
+sampling on the device, so the host dispatches once for k tokens: the fix for a decode step whose host time exceeds
+its device time. Any other step is the ordinary one, so an arrival waits at most one burst. A burst's greedy tokens
+are the single steps' (the same argmax of the same logits); tokens past a stop token or max_new_tokens are dropped,
+and the request finishes as it would have. Events come out in step order, one per token, but the tokens of one
+burst reach the host together: they share one time in `RequestMetrics.token_times`, so inter-token latency inside a
+burst is ~0 and the gap between bursts is k steps; what improves is TPOT.
+
 Faults. A step is a transaction over the requests it planned: if anything fails after `schedule()` (the runner
 before or after its device calls, the host bookkeeping, `update`), every request in the plan is finished with
 finish_reason "error" (the exception in `RequestOutput.error`), its pages and slot released (`Scheduler.abort`,
@@ -43,10 +52,19 @@ from jax.sharding import Mesh
 from dsv4.api import init_random, load
 from dsv4.cache import BlockPool, KVCacheManager, PageSpec
 from dsv4.config import SLIDING, Config
-from dsv4.generate import SamplingParams, _is_int, _is_real, logprobs, sample
+from dsv4.generate import (
+    SamplingParams,
+    _is_int,
+    _is_real,
+    check_logits,
+    device_sampling_arrays,
+    logprobs,
+    sample,
+    sample_rows,
+)
 from dsv4.kernels import Kernels
 from dsv4.model import DeepseekV4, check_token_ids
-from dsv4.runner import ModelRunner, power_of_two_buckets
+from dsv4.runner import BurstTokens, ModelRunner, power_of_two_buckets
 from dsv4.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from dsv4.sharding.mesh import check_mesh, on_mesh, shard_model
 from dsv4.tokenizer import TextTokenizer, load_tokenizer
@@ -245,6 +263,17 @@ class LLM:
         compiles each shape on first use (faster to build, e.g. for tests that build many engines; `warmup()`
         compiles chosen shapes later). Compilation a request waits for is in its `metrics.compile_s`, never in its
         TTFT.
+    decode_steps: k > 1 runs a step that would be decodes only as a decode burst of up to k steps in one device call
+        (see the module docstring): one more compilation (k loop iterations over the `[max_slots, 1]` step; a burst
+        holding a request that asks for logprobs compiles another, on first use). Sampling then happens on the
+        device (`dsv4.generate.sample_on_device`): greedy tokens are exactly those of decode_steps = 1; other
+        requests draw with a key of their seed folded with the token's position, in bursts and in single steps
+        alike, so a seeded request's tokens do not depend on how its steps were grouped (but differ from
+        decode_steps = 1's numpy draws). `SamplingParams.seed` defaults to 0, so every request has one: two
+        requests left at the default draw alike, as they do with decode_steps = 1 (`dsv4 serve` gives a request
+        without a seed a random one). Logprobs in a burst are computed on the device too, in float32 (the host's,
+        in single steps, are float64: ~1e-6 apart). `runner.burst_form` picks how a burst's steps run
+        (`dsv4.runner.BURST_FORMS`). Default 1: every step is the ordinary one.
     """
 
     def __init__(
@@ -271,6 +300,7 @@ class LLM:
         keep_quantized: bool = False,
         mesh: Mesh | None = None,
         warmup: bool = True,
+        decode_steps: int = 1,
     ) -> None:
         self.model, model_dir = _resolve_model(model, dtype=dtype, seed=seed, kernels=kernels,
                                                keep_quantized=keep_quantized, mesh=mesh)  # fmt: skip
@@ -282,13 +312,13 @@ class LLM:
             raise ValueError(f"max_model_len={max_model_len} must be in [2, max_position_embeddings="
                              f"{config.max_position_embeddings}]")  # fmt: skip
         for name, value in (("max_slots", max_slots), ("max_model_len", max_model_len), ("chunk_size", chunk_size),
-                            ("max_packed_width", max_packed_width)):  # fmt: skip
+                            ("max_packed_width", max_packed_width), ("decode_steps", decode_steps)):  # fmt: skip
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("mixed_chunk_size", mixed_chunk_size)):
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name}={value!r} must be an int >= 1 or None")
-        self.max_model_len, self.chunk_size = max_model_len, chunk_size
+        self.max_model_len, self.chunk_size, self.decode_steps = max_model_len, chunk_size, int(decode_steps)
         buckets = sorted(set(width_buckets)) if width_buckets is not None else list(power_of_two_buckets(chunk_size))
         if buckets[-1] < chunk_size:
             buckets.append(chunk_size)  # a full chunk must fit some bucket
@@ -316,7 +346,7 @@ class LLM:
             SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens or chunk_size + max_slots, max_num_seqs=max_slots,
                 long_prefill_chunk=chunk_size, mixed_prefill_chunk=mixed_chunk_size, policy=policy,
-                max_model_len=max_model_len,
+                max_model_len=max_model_len, decode_steps=self.decode_steps,
             ),
             self.kv_cache,
         )  # fmt: skip
@@ -414,6 +444,8 @@ class LLM:
         if not self.scheduler.has_unfinished_requests():
             return []
         plan = self.scheduler.schedule()
+        if any(chunk.num_steps > 1 for chunk in plan.chunks):
+            return self._step_burst(plan)
         compile_before = self.runner.compile_s
         try:
             now = time.perf_counter()
@@ -434,12 +466,19 @@ class LLM:
         sampled: dict[str, int] = {}
         extra: dict[str, tuple[float, tuple[tuple[int, float], ...]] | None] = {}
         failed: dict[str, str] = {}
+        drawn = self._draw_on_device(logits)
         for request_id, row in logits.items():
             live = self._live.get(request_id)
             if live is None or live.request.status is not RequestStatus.RUNNING:
                 continue  # cancelled while the step ran
             try:
-                token = sample(row, live.sampling, live.rng)
+                if request_id in drawn:
+                    check_logits(row)
+                    if isinstance(drawn[request_id], Exception):
+                        raise drawn[request_id]
+                    token = drawn[request_id]
+                else:
+                    token = sample(row, live.sampling, live.rng)
                 k = live.sampling.logprobs
                 extra[request_id] = None if k is None else logprobs(row, token, k)
             except Exception as e:  # noqa: BLE001 -- this request's fault: it fails alone
@@ -474,15 +513,7 @@ class LLM:
                     events.append(TokenEvent(request_id, token, None, None, logprob, top))
             except Exception as e:  # noqa: BLE001
                 log.warning("request %s failed after its step", request_id, exc_info=True)
-                message = f"{type(e).__name__}: {e}"
-                if request_id in self._live:
-                    events += self._fail(request_id, message, now, token)
-                else:  # failed inside `_finish`, after leaving the engine: finish its output here
-                    self.scheduler.abort(request_id)
-                    self.runner.release(request_id)
-                    live.output.finish_reason, live.output.error = "error", message
-                    self._finished[request_id] = live.output
-                    events.append(TokenEvent(request_id, token, "error", live.output))
+                events += self._fail_emitted(request_id, live, f"{type(e).__name__}: {e}", now, token)
         return events
 
     def cancel(self, request_id: str) -> bool:
@@ -518,7 +549,12 @@ class LLM:
         wanted = {1, *widths}
         for length in prompt_lens:
             wanted.update(min(self.chunk_size, length - start) for start in range(0, length, self.chunk_size))
-        return self.runner.warmup(wanted)
+        seconds = self.runner.warmup(wanted, decode_steps=(self.decode_steps,))
+        if self.decode_steps > 1:  # the single steps' device sampler
+            t0 = time.perf_counter()
+            self._draw_on_device({}, warm=True)
+            seconds += time.perf_counter() - t0
+        return seconds
 
     # ----- batch API -------------------------------------------------------------------------------------
 
@@ -575,6 +611,129 @@ class LLM:
                 self._finished.pop(request_id, None)
 
     # ----- internals -------------------------------------------------------------------------------------
+
+    def _draw_on_device(self, logits: dict[str, np.ndarray], warm: bool = False) -> dict[str, int | Exception]:
+        """With decode bursts on, a single step's non-greedy tokens are drawn as a burst draws them
+        (`dsv4.generate.sample_on_device`, keyed by seed and position), one call for the step (padded to max_slots
+        rows: one compilation). → request id → token, or the exception the call raised; {} with decode_steps 1."""
+        if self.decode_steps == 1:
+            return {}
+        live = {rid: self._live[rid] for rid in logits if rid in self._live}
+        rows = [rid for rid, lv in live.items() if lv.sampling.temperature > 0 and lv.request.status is
+                RequestStatus.RUNNING]  # fmt: skip
+        if not rows and not warm:
+            return {}
+        n = self.runner.max_slots
+        table = np.zeros((n, self.config.vocab_size), np.float32)
+        positions = np.zeros((n,), np.int32)
+        params: list[SamplingParams | None] = [None] * n
+        for i, rid in enumerate(rows):
+            table[i], params[i], positions[i] = logits[rid], live[rid].sampling, live[rid].request.num_tokens
+        try:
+            tokens = np.asarray(sample_rows(table, *device_sampling_arrays(params), positions))
+        except Exception as e:  # noqa: BLE001 -- these requests' sampling failed; the engine goes on
+            return dict.fromkeys(rows, e)
+        return {rid: int(tokens[i]) for i, rid in enumerate(rows)}
+
+    def _step_burst(self, plan) -> list[TokenEvent]:
+        """`step` for a decode burst plan (`ScheduledChunk.num_steps`): the runner's one call, then each request's
+        tokens in order until one finishes it (stop token, max_new_tokens; the rest dropped) or fails it (its logits
+        not finite at that step: the tokens before it are kept). Faults as in `step`."""
+        compile_before = self.runner.compile_s
+        try:
+            sampling = {chunk.request_id: self._live[chunk.request_id].sampling for chunk in plan.chunks}
+            bursts: dict[str, BurstTokens] = self.runner.execute_burst(plan, sampling, self.decode_steps)
+        except Exception as e:  # noqa: BLE001 -- any fault: the plan's requests fail, the engine goes on
+            self._charge_compile(self.runner.compile_s - compile_before)
+            return self._fail_step(plan, e)
+        self._charge_compile(self.runner.compile_s - compile_before)
+        for chunk in plan.chunks:  # cancelled while the step ran
+            if chunk.request_id not in self._live:
+                self.runner.release(chunk.request_id)
+
+        sampled: dict[str, list[int]] = {}
+        failed: dict[str, tuple[int, str]] = {}  # request id → (step that failed, message)
+        before: dict[str, int] = {}  # request id → outputs before the burst
+        for chunk in plan.chunks:
+            request_id = chunk.request_id
+            live = self._live.get(request_id)
+            if live is None or live.request.status is not RequestStatus.RUNNING:
+                continue
+            burst = bursts[request_id]
+            bad = np.flatnonzero(burst.non_finite)
+            n = int(bad[0]) if bad.size else len(burst.tokens)
+            if bad.size:
+                count = int(burst.non_finite[n])
+                failed[request_id] = (n, f"sampling failed: ValueError: the model's logits are not finite ({count} of "
+                                         f"{self.config.vocab_size} NaN or +inf)")  # fmt: skip
+            if n:
+                sampled[request_id] = [int(t) for t in burst.tokens[:n]]
+            before[request_id] = len(live.request.output_token_ids)
+        now = time.perf_counter()
+        events: list[TokenEvent] = []
+        for request_id, (n, message) in failed.items():
+            if n == 0:  # nothing to keep: fails now, as a single step's would
+                events += self._fail(request_id, message, now)
+        try:
+            finished = {request.request_id: request for request in self.scheduler.update(plan, sampled)}
+        except Exception as e:  # noqa: BLE001
+            return events + self._fail_step(plan, e)
+        now = time.perf_counter()
+        taken = {}  # request id → the tokens it took, in order
+        for request_id in sampled:
+            live = self._live.get(request_id)
+            if live is not None:
+                taken[request_id] = live.request.output_token_ids[before[request_id] :]
+        for step in range(max((len(t) for t in taken.values()), default=0) + 1):  # step order, as single steps
+            for request_id, tokens in taken.items():
+                live = self._live.get(request_id)
+                if live is None:
+                    continue  # finished or failed at an earlier token
+                if step == len(tokens):
+                    if request_id in failed:  # its next step's logits were not finite
+                        events += self._fail(request_id, failed[request_id][1], now)
+                    continue
+                if step > len(tokens):
+                    continue
+                token = tokens[step]
+                last = step == len(tokens) - 1
+                try:
+                    events.append(self._emit(live, token, bursts[request_id], step, now,
+                                             finished.get(request_id) if last else None))  # fmt: skip
+                except Exception as e:  # noqa: BLE001
+                    log.warning("request %s failed after its step", request_id, exc_info=True)
+                    events += self._fail_emitted(request_id, live, f"{type(e).__name__}: {e}", now, token)
+        return events
+
+    def _emit(self, live: _Live, token: int, burst: BurstTokens, step: int, now: float,
+              finished: Request | None) -> TokenEvent:  # fmt: skip
+        """One burst token's event: its time and logprobs recorded; the request finished with it if `finished`."""
+        output, metrics, request_id = live.output, live.output.metrics, live.request.request_id
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.token_times.append(now)
+        k = live.sampling.logprobs
+        logprob = top = None
+        if k is not None:
+            logprob = float(burst.logprobs[step])
+            top = tuple((int(t), float(v)) for t, v in zip(burst.top_ids[step][:k], burst.top_logprobs[step][:k]))
+            output.logprobs.append(logprob)
+            output.top_logprobs.append(top)
+        if finished is not None:
+            output = self._finish(request_id, _FINISH_REASONS[finished.status], now)
+            return TokenEvent(request_id, token, output.finish_reason, output, logprob, top)
+        return TokenEvent(request_id, token, None, None, logprob, top)
+
+    def _fail_emitted(self, request_id: str, live: _Live, message: str, now: float, token: int) -> list[TokenEvent]:
+        """A request whose bookkeeping after its step raised fails with `message` (its last event carries `token`)."""
+        if request_id in self._live:
+            return self._fail(request_id, message, now, token)
+        # failed inside `_finish`, after leaving the engine: finish its output here
+        self.scheduler.abort(request_id)
+        self.runner.release(request_id)
+        live.output.finish_reason, live.output.error = "error", message
+        self._finished[request_id] = live.output
+        return [TokenEvent(request_id, token, "error", live.output)]
 
     def _finish(self, request_id: str, reason: str, now: float, error: str | None = None) -> RequestOutput:
         """Takes a request that the scheduler has finished out of the engine: releases its slot, completes its

@@ -139,6 +139,93 @@ def logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, tuple[tuple
     return chosen, tuple((int(t), float(z[t] - lse)) for t in top)
 
 
+# ----- sampling on the device (the engine's decode bursts, `LLM(decode_steps=k)` with k > 1) -----------------------
+
+
+def sampling_key_data(seed: int) -> tuple[int, int]:
+    """A request's seed (its low 64 bits) as threefry2x32 key data, the (high, low) 32-bit words `jax.random.key(seed)`
+    makes of it: the key that `sample_on_device` folds each token's position into."""
+    return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+
+
+def sample_on_device(logits, temperature, top_k, top_p, key_data, positions):
+    """One token per row of float32 logits [B, vocab], each row by its own request's parameters, inside a jitted
+    program: temperature [B] float32 (0: greedy), top_k [B] int32 (0: off), top_p [B] float32 (1: off), key_data
+    [B, 2] uint32 (`sampling_key_data` of the seed), positions [B] int32 (where the sampled token will sit). → int32
+    [B].
+
+    Greedy rows take the argmax, the lowest id among ties, as `sample` does on the host: the same token from the same
+    logits. Other rows draw from softmax(logits / temperature) restricted as `sample` restricts it (the top_k largest,
+    ties at the k-th kept; then the smallest most-likely set whose mass reaches top_p, every token tied with its least
+    likely member kept) by the Gumbel-max trick, with noise from the seed's key folded with the position: a
+    request's draws depend on its seed and positions only, not on the batch or on how its steps were grouped. They are
+    not numpy's draws: a seeded request's tokens differ from `sample`'s."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    vocab = logits.shape[-1]
+
+    def draw():
+        z = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+
+        def restrict():
+            ordered = -jnp.sort(-z, axis=-1)  # [B, vocab], largest first
+            k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+            kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)  # [B, 1]
+            ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
+            probs = jax.nn.softmax(ordered, axis=-1)
+            kept = jnp.sum(jnp.cumsum(probs, axis=-1) - probs < top_p[:, None], axis=-1)  # >= 1: the first has 0
+            least = jnp.take_along_axis(ordered, jnp.maximum(kept - 1, 0)[:, None], axis=-1)
+            # NOTE: top_p = 1 keeps everything top-k kept: float32 mass summed over a large vocabulary can reach 1
+            # before its tail, which would drop tokens the host keeps.
+            floor = jnp.where(top_p[:, None] < 1, jnp.maximum(least, kth), kth)
+            return jnp.where(z >= floor, z, -jnp.inf)
+
+        filtered = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), restrict, lambda: z)
+        keys = jax.vmap(lambda d, p: jax.random.fold_in(jax.random.wrap_key_data(d, impl="threefry2x32"), p))(
+            key_data, positions
+        )
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)  # [B, vocab]
+        drawn = jnp.argmax(filtered + noise, axis=-1).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
+
+
+def logprobs_on_device(logits, tokens, num_top: int):
+    """`logprobs` for rows of float32 logits [B, vocab] inside a jitted program, in float32 (the host's are float64:
+    they agree to ~1e-6): → (log-probability of tokens [B], the num_top most likely ids [B, num_top] int32, most
+    likely first, ties by id, and their log-probabilities [B, num_top])."""
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    values, ids = jax.lax.top_k(lp, min(num_top, logits.shape[-1]))
+    return chosen, ids.astype(jnp.int32), values
+
+
+def non_finite_counts(logits):
+    """NaN or +inf entries per row of logits [B, vocab] (what `check_logits` refuses) → int32 [B]."""
+    return jnp.sum(jnp.isnan(logits) | (logits == jnp.inf), axis=-1, dtype=jnp.int32)
+
+
+def device_sampling_arrays(params: list[SamplingParams | None]) -> tuple[np.ndarray, ...]:
+    """One row per slot (None: an idle slot, greedy) → (temperature [B] float32, top_k [B] int32, top_p [B] float32,
+    key_data [B, 2] uint32), the arguments of `sample_on_device`."""
+    temperature = np.zeros(len(params), np.float32)
+    top_k = np.zeros(len(params), np.int32)
+    top_p = np.ones(len(params), np.float32)
+    key_data = np.zeros((len(params), 2), np.uint32)
+    for row, p in enumerate(params):
+        if p is not None:
+            temperature[row], top_k[row], top_p[row] = p.temperature, min(p.top_k, 2**31 - 1), p.top_p
+            key_data[row] = sampling_key_data(p.seed)
+    return temperature, top_k, top_p, key_data
+
+
+@jax.jit
+def sample_rows(logits, temperature, top_k, top_p, key_data, positions):
+    """`sample_on_device` as its own compiled call, for logits already on the host (an engine with decode bursts
+    samples its single steps' non-greedy tokens this way too, so a request's draws never depend on the grouping)."""
+    return sample_on_device(logits, temperature, top_k, top_p, key_data, positions)
+
+
 def generate(model: DeepseekV4, prompt_ids, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
              stop_token_ids: tuple[int, ...] = (), on_token=None) -> GenerationResult:  # fmt: skip
     """Generates up to `max_new_tokens` after `prompt_ids` ([S] ints); stops early on a stop token."""

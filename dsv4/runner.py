@@ -26,6 +26,12 @@ NOTE: padding a long prefill chunk into `[max_slots, w]` would run `max_slots` t
 8192-token chunk of the tiny model takes ~7 s as `[1, 8192]` and ~80-120 s as `[8, 8192]`. Hence the
 second kind.
 
+A step that is a decode burst (`ScheduledChunk.num_steps` > 1: every chunk a decode) is one *burst* call instead
+(`execute_burst`): a loop of up to k `[max_slots, 1]` decode steps on the device, each sampling its tokens there
+(`dsv4.generate.sample_on_device`) and feeding them to the next step, so the host dispatches once for k tokens of
+every request and fetches only the tokens. Each slot runs its own number of steps; after them it rides along with
+valid = 0, untouched, so its cache holds exactly what that many single decode steps would have written.
+
 `w` comes from `width_buckets` (the smallest bucket ≥ the chunk). Only a chunk with `needs_logits` brings
 logits back to the host, one row per request.
 
@@ -42,6 +48,7 @@ import bisect
 import functools
 import time
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +59,14 @@ from jax.sharding import PartitionSpec as P
 
 from dsv4.cache.layout import FORMAT_NAMES
 from dsv4.cache.store import per_slot_mask
+from dsv4.generate import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    device_sampling_arrays,
+    logprobs_on_device,
+    non_finite_counts,
+    sample_on_device,
+)
 from dsv4.model import DeepseekV4
 from dsv4.scheduler import ScheduledChunk, SchedulerOutput
 from dsv4.sharding.rules import SEQUENCE_PARALLEL, ShardingRules, use_mesh
@@ -75,6 +90,33 @@ def _slot_of_cache(cache, slot):
     pools) whole."""
     return jax.tree.map(lambda x, own: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0) if own else x,
                         cache, per_slot_mask(cache))  # fmt: skip
+
+
+BURST_FORMS = ("loop", "fixed", "unrolled")
+"""How a decode burst's steps run: "loop", XLA's while loop of max(steps) iterations (a slot past its steps rides
+along idle); "fixed", the loop with its trip count fixed at k, every burst k iterations (XLA knows the count, so
+on a GPU the host need not read the loop's predicate back each iteration; idle iterations where every request has
+fewer than k tokens left); "unrolled", the k steps as straight-line code (no loop; k times the program)."""
+
+
+class BurstTokens(NamedTuple):
+    """One request's share of a decode burst, on the host: one row per step it ran."""
+
+    tokens: np.ndarray
+    """int32 [num_steps]: the token each step sampled (the same as the host's `sample` for greedy requests)."""
+    non_finite: np.ndarray
+    """int32 [num_steps]: NaN / +inf entries in each step's logits (nonzero: that step's sampling fails)."""
+    logprobs: np.ndarray | None = None
+    """float32 [num_steps]: each token's log-probability, when some request of the burst asked for logprobs."""
+    top_ids: np.ndarray | None = None
+    """int32 [num_steps, MAX_LOGPROBS]: the most likely ids of each step, most likely first (with `logprobs`)."""
+    top_logprobs: np.ndarray | None = None
+    """float32 [num_steps, MAX_LOGPROBS]: their log-probabilities."""
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    # replicated on the mesh: this process's copy is the whole array, whatever the process count
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
 def _put_slot(cache, sub, slot, *, shared_too: bool):
@@ -125,6 +167,44 @@ class _Programs:
             fresh = model(leaves).init_cache(1, max_len, dtype, kv_format=kv_format, **paging)
             return _put_slot(cache, fresh, slot, shared_too=False)
 
+        def decode_burst(leaves, cache, token_ids, steps, block_table, temperature, top_k, top_p, key_data,
+                         max_steps, num_logprobs, form):  # fmt: skip
+            """Up to `max_steps` decode steps of every slot in one call, each step's sampled tokens fed to the next.
+            token_ids [max_slots]: each slot's next token; steps [max_slots]: how many steps it runs (0: an idle
+            slot, left untouched, as is a slot after its steps); temperature ... key_data: one request's sampling
+            per slot (`dsv4.generate.sample_on_device`); block_table as in `packed_step`, covering every step.
+            → (out, cache); out["tokens"], out["non_finite"]: [max_steps, max_slots] int32; with num_logprobs > 0
+            also out["logprobs"] [max_steps, max_slots] and out["top_ids"], out["top_logprobs"] [max_steps,
+            max_slots, num_logprobs]. form: how the steps run (`BURST_FORMS`)."""
+            m = model(leaves)
+            cache = _with_table(cache, block_table)
+            first = cache.num_tokens + 1  # [max_slots]: where each slot's first sampled token sits
+            shape = (max_steps, token_ids.shape[0])
+            out = dict(tokens=jnp.zeros(shape, jnp.int32), non_finite=jnp.zeros(shape, jnp.int32))
+            if num_logprobs:
+                top = min(num_logprobs, m.config.vocab_size)
+                out.update(logprobs=jnp.zeros(shape, jnp.float32), top_ids=jnp.zeros((*shape, top), jnp.int32),
+                           top_logprobs=jnp.zeros((*shape, top), jnp.float32))  # fmt: skip
+
+            def step(i, carry):
+                cache, tokens, out = carry
+                valid = (i < steps).astype(jnp.int32)
+                logits, cache = m.forward_chunk(cache, jnp.where(valid > 0, tokens, 0)[:, None], valid)
+                sampled = sample_on_device(logits, temperature, top_k, top_p, key_data, first + i)
+                new = dict(tokens=sampled, non_finite=non_finite_counts(logits))
+                if num_logprobs:
+                    new["logprobs"], new["top_ids"], new["top_logprobs"] = logprobs_on_device(logits, sampled, top)
+                return cache, sampled, {name: out[name].at[i].set(new[name]) for name in out}
+
+            carry = (cache, token_ids, out)
+            if form == "unrolled":
+                for i in range(max_steps):
+                    carry = step(i, carry)
+            else:
+                carry = jax.lax.fori_loop(0, jnp.max(steps) if form == "loop" else max_steps, step, carry)
+            cache, _, out = carry
+            return out, cache
+
         def init_cache(leaves, batch, max_len, dtype, kv_format, page_tokens, num_pages):
             paging = {} if page_tokens is None else dict(page_tokens=page_tokens, num_pages=num_pages)
             return model(leaves).init_cache(batch, max_len, dtype, kv_format=kv_format, **paging)
@@ -134,6 +214,7 @@ class _Programs:
         self.packed_step = jax.jit(on_mesh(packed_step), donate_argnums=1, **out)
         self.slot_step = jax.jit(on_mesh(slot_step), donate_argnums=1, **out)
         self.reset_slot = jax.jit(on_mesh(reset_slot), static_argnums=(3, 4, 5, 6), donate_argnums=1, **out)
+        self.decode_burst = jax.jit(on_mesh(decode_burst), static_argnums=(9, 10, 11), donate_argnums=1, **out)
 
 
 @functools.lru_cache(maxsize=8)
@@ -193,7 +274,9 @@ class ModelRunner:
         self._slot_of: dict[str, int] = {}
         self._free_slots = list(range(max_slots))  # kept sorted: lowest slot first
         self._num_tokens = [0] * max_slots  # host mirror of cache.num_tokens: checked against each chunk
-        self._seen_shapes: set[tuple[str, int]] = set()
+        self._seen_shapes: set[tuple] = set()
+        self.burst_form = "loop"
+        """How a decode burst's steps run (`BURST_FORMS`); "loop" until a GPU measurement picks the fastest."""
         self.compile_s = 0.0
         """Wall time of the first call of each shape (compilation plus one run), summed."""
 
@@ -288,9 +371,10 @@ class ModelRunner:
         self._seen_shapes.add(shape)
         return out
 
-    def warmup(self, widths: Iterable[int]) -> float:
-        """Compiles the calls that chunks of these widths would use (and the slot reset), without changing any
-        slot's contents (every row runs with valid = 0). Returns the seconds spent."""
+    def warmup(self, widths: Iterable[int], decode_steps: Iterable[int] = ()) -> float:
+        """Compiles the calls that chunks of these widths would use (and the slot reset), and decode bursts of each
+        of `decode_steps` (> 1) steps without logprobs, without changing any slot's contents (every row runs with
+        valid = 0, every burst with no steps). Returns the seconds spent."""
         t0 = time.perf_counter()
         if ("reset", 0) not in self._seen_shapes and self._free_slots:
             # Resetting a free slot changes nothing a request can see.
@@ -305,6 +389,12 @@ class ModelRunner:
                 self.kv_format,
                 self.page_tokens,
             )
+        for max_steps in sorted({s for s in decode_steps if s > 1}):
+            tokens, steps = np.zeros((self.max_slots,), np.int32), np.zeros((self.max_slots,), np.int32)
+            params = device_sampling_arrays([None] * self.max_slots)
+            _, self.cache = self._timed(("burst", max_steps, 0, self.burst_form), self._programs.decode_burst,
+                                        self._weights, self.cache, tokens, steps, self._tables(), *params, max_steps,
+                                        0, self.burst_form)  # fmt: skip
         for width in sorted({self.bucket(w) for w in widths}):
             if self.is_packed(width):
                 tokens, valid = np.zeros((self.max_slots, width), np.int32), np.zeros((self.max_slots,), np.int32)
@@ -327,11 +417,12 @@ class ModelRunner:
         """Copies the chunk's token pages (`block_tables[0]`) into the slot's mirror row, zero-padded."""
         table = chunk.block_tables[0]
         row = self._block_tables[slot]
-        needed = -(-(chunk.start + chunk.num_tokens) // self.page_tokens)
+        end = chunk.start + chunk.num_tokens + chunk.num_steps - 1  # a burst writes one token a step
+        needed = -(-end // self.page_tokens)
         if len(table) < needed or len(table) > len(row):
             raise RuntimeError(f"request {chunk.request_id!r}: its block table has {len(table)} pages; tokens "
-                               f"[{chunk.start}, {chunk.start + chunk.num_tokens}) need {needed} of "
-                               f"{self.page_tokens} tokens, at most {len(row)}")  # fmt: skip
+                               f"[{chunk.start}, {end}) need {needed} of {self.page_tokens} tokens, at most "
+                               f"{len(row)}")  # fmt: skip
         row[: len(table)] = table
         row[len(table) :] = 0
 
@@ -387,7 +478,48 @@ class ModelRunner:
         out = {}
         for logits, row, request_id in pending:
             if id(logits) not in host:
-                # replicated on the mesh: this process's copy is the whole array, whatever the process count
-                host[id(logits)] = np.asarray(logits if logits.is_fully_addressable else logits.addressable_data(0))
+                host[id(logits)] = _to_host(logits)
             out[request_id] = host[id(logits)][row]
         return out
+
+    def execute_burst(self, plan: SchedulerOutput, sampling: dict[str, SamplingParams], max_steps: int, *,
+                      form: str | None = None) -> dict[str, BurstTokens]:  # fmt: skip
+        """Runs a decode burst: every chunk of the plan a decode of a request holding a slot, of 1 to `max_steps`
+        steps (`ScheduledChunk.num_steps`), all in one jitted call of `max_steps` steps (its shape: one compilation
+        per value, and one more when a request asks for logprobs), sampled on the device by each request's
+        `sampling`. → each request's tokens, one per step it ran (`BurstTokens`)."""
+        form = form or self.burst_form
+        if form not in BURST_FORMS:
+            raise ValueError(f"burst form {form!r} is not one of {BURST_FORMS}")
+        for request_id in plan.preempted_request_ids:
+            self.release(request_id)
+        tokens = np.zeros((self.max_slots,), np.int32)
+        steps = np.zeros((self.max_slots,), np.int32)
+        params: list[SamplingParams | None] = [None] * self.max_slots
+        slots = []
+        for chunk in plan.chunks:
+            slot = self._slot_of.get(chunk.request_id)
+            if chunk.num_tokens != 1 or not chunk.needs_logits or slot is None or not 1 <= chunk.num_steps <= max_steps:
+                raise RuntimeError(f"request {chunk.request_id!r}: a decode burst runs decodes (1 token, then 1 to "
+                                   f"{max_steps} steps) of requests holding a slot; got {chunk.num_tokens} token(s) "
+                                   f"from {chunk.start}, {chunk.num_steps} steps, slot {slot}")  # fmt: skip
+            if self._num_tokens[slot] != chunk.start:
+                raise RuntimeError(f"request {chunk.request_id!r}: chunk starts at {chunk.start} but its slot {slot} "
+                                   f"holds {self._num_tokens[slot]} tokens")  # fmt: skip
+            if self._block_tables is not None:
+                self._set_block_table(slot, chunk)
+            tokens[slot], steps[slot], params[slot] = chunk.token_ids[0], chunk.num_steps, sampling[chunk.request_id]
+            slots.append(slot)
+        num_logprobs = MAX_LOGPROBS if any(p is not None and p.logprobs is not None for p in params) else 0
+        out, self.cache = self._timed(("burst", max_steps, num_logprobs, form), self._programs.decode_burst,
+                                      self._weights, self.cache, tokens, steps, self._tables(),
+                                      *device_sampling_arrays(params), max_steps, num_logprobs, form)  # fmt: skip
+        for chunk, slot in zip(plan.chunks, slots):
+            self._num_tokens[slot] += chunk.num_steps
+        out = {name: _to_host(x) for name, x in out.items()}  # waits for the whole burst
+        result = {}
+        for chunk, slot in zip(plan.chunks, slots):
+            n = chunk.num_steps
+            extra = {name: out[name][:n, slot] for name in ("logprobs", "top_ids", "top_logprobs") if name in out}
+            result[chunk.request_id] = BurstTokens(out["tokens"][:n, slot], out["non_finite"][:n, slot], **extra)
+        return result

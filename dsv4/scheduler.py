@@ -8,6 +8,12 @@ several steps as partial grants (chunked prefill); a decode is simply a grant of
 request resumed after preemption recomputes prompt + outputs the same way (vLLM v1 `sched/scheduler.py`).
 What differs between the policies is only the order in which grants are handed out.
 
+Decode bursts (`SchedulerConfig.decode_steps` = k > 1): when every running request is decoding and none is waiting,
+each decode is granted up to k steps at once (`ScheduledChunk.num_steps`), capped by the tokens it may still
+generate, with the pages for all of them allocated now; the device runs the steps in one call, feeding each sampled
+token to the next step, and `update` takes the tokens in order until one finishes the request. Any other step (a
+prefill chunk, a request waiting) is the ordinary one, so an arrival waits at most one burst.
+
 The scheduler imports no JAX: it talks to the device side only through `SchedulerOutput` (plain
 dataclasses of ints) and gets back the sampled tokens as a dict. Its one dependency is the host-side
 `KVCacheManager`, whose `allocate_slots` returns None when pages run out; the scheduler turns that into
@@ -20,7 +26,7 @@ import bisect
 import enum
 import heapq
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dsv4.cache.manager import KVCacheManager
@@ -124,6 +130,10 @@ class ScheduledChunk:
     """True when the chunk ends at the request's last known token, so the next token is sampled from its
     last position: the last chunk of a prefill (or of a recompute), and every decode. Earlier prefill chunks
     need no logits at all."""
+    num_steps: int = 1
+    """Decode steps of this chunk: 1, or a decode burst of up to `SchedulerConfig.decode_steps`. A burst's chunk
+    holds the one known token (num_tokens 1); each later step feeds the token the step before sampled, so the
+    request's pages (`block_tables`) cover start + num_steps tokens, and `update` takes up to num_steps tokens."""
 
     @property
     def block_table(self) -> tuple[int, ...]:
@@ -163,10 +173,13 @@ class SchedulerConfig:
     priority's TTFT. (Sarathi-Serve's stall-free batching bounds a step the same way.)"""
     max_model_len: int | None = None
     """Prompt + max_new_tokens may not exceed this. None: only the KV pool's size limits a request."""
+    decode_steps: int = 1
+    """Up to this many decode steps per request in one step when the step would be decodes only (every running
+    request decoding, none waiting): a decode burst (see the module docstring). 1: never."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", SchedulingPolicy(self.policy))  # accept the plain string too
-        for name in ("max_num_batched_tokens", "max_num_seqs", "long_prefill_chunk"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "long_prefill_chunk", "decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name}={getattr(self, name)} must be >= 1")
         if self.mixed_prefill_chunk is not None and self.mixed_prefill_chunk < 1:
@@ -183,6 +196,13 @@ class SchedulerConfig:
 
 def _by_arrival(request: Request) -> int:
     return request.arrival_seq
+
+
+def _tokens(sample: int | Sequence[int] | None) -> tuple[int, ...]:
+    """A chunk's sample as a tuple of tokens: a token, a list or tuple of them, or None (no sample)."""
+    if sample is None:
+        return ()
+    return tuple(sample) if isinstance(sample, (list, tuple)) else (sample,)
 
 
 class Scheduler:
@@ -300,8 +320,14 @@ class Scheduler:
         A waiting request that cannot get pages (or a seat under `max_num_seqs`) stays waiting, and no
         request after it in the order is admitted this step: a large request at the head of the queue is
         not starved by smaller ones slipping past it. Running requests later in the order still get grants.
+
+        With `decode_steps` > 1 and every running request decoding, none waiting, the plan is a decode burst: each
+        request gets min(decode_steps, max_new_tokens - its outputs) steps (`ScheduledChunk.num_steps`) and the
+        pages for them, under the same preemption rule.
         """
         budget = self.config.max_num_batched_tokens
+        burst = (self.config.decode_steps > 1 and not self._waiting and bool(self._running)
+                 and all(r.num_remaining_tokens == 1 for r in self._running))  # fmt: skip
         decoding = any(r.num_remaining_tokens == 1 for r in self._running)
         prefill_budget = self.config.mixed_prefill_chunk if decoding else None  # None: no separate prefill cap
         planned: dict[str, ScheduledChunk] = {}  # insertion order = grant order
@@ -315,11 +341,14 @@ class Scheduler:
             if budget == 0 or (not admitting and not running_unvisited):
                 break
             running_unvisited.discard(request)
+            num_steps = 1
             if request.status is RequestStatus.RUNNING:
                 num_new = self._grant_size(request, budget, prefill_budget)
                 if num_new == 0:
                     continue  # a prefill, and this step's prefill share is spent
-                while self.kv_cache.allocate_slots(request.request_id, num_new) is None:
+                if burst:  # the last sampled token is never fed back: no steps (nor pages) past max_new_tokens
+                    num_steps = min(self.config.decode_steps, request.max_new_tokens - len(request.output_token_ids))
+                while self.kv_cache.allocate_slots(request.request_id, num_new + num_steps - 1) is None:
                     victim = self._running[-1]
                     self._preempt(victim)
                     preempted.append(victim.request_id)
@@ -355,6 +384,7 @@ class Scheduler:
                 token_ids=request.token_ids(start, start + num_new),
                 block_tables=self.kv_cache.block_tables(request.request_id),
                 needs_logits=start + num_new == request.num_tokens,
+                num_steps=num_steps,
             )
             budget -= num_new
             if prefill_budget is not None and request.num_remaining_tokens > 1:
@@ -362,10 +392,16 @@ class Scheduler:
         finished, self._finished_since_schedule = self._finished_since_schedule, []
         return SchedulerOutput(list(planned.values()), preempted, finished)
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]) -> list[Request]:
         """Applies a step's results: advances `num_computed_tokens` by each chunk, appends the sampled token
         of every chunk with `needs_logits`, and finishes requests on a stop token or `max_new_tokens`
         (freeing their pages). Returns the requests that finished here.
+
+        A chunk's sample is a token, or a sequence of tokens in order: one for an ordinary chunk, 1 to num_steps for
+        a decode burst's, each fed back by the step after it (so each later one advances the request by one more
+        computed token), taken until one finishes the request; the rest are dropped. Fewer than num_steps tokens for
+        a request they do not finish leave its cache (written for every step) ahead of `num_computed_tokens`: only
+        for a request the caller then aborts (its sampling failed mid-burst).
 
         Chunks of requests that are no longer running (cancelled since `schedule`) are skipped; tokens
         sampled for chunks without `needs_logits` are ignored. A missing sample, or a chunk that does not
@@ -384,23 +420,30 @@ class Scheduler:
                 )
             if chunk.needs_logits and chunk.request_id not in sampled:
                 raise ValueError(f"update: no sampled token for request {chunk.request_id!r}, whose chunk needs one")
-            live_chunks.append((chunk, request))
+            tokens = _tokens(sampled.get(chunk.request_id))
+            if chunk.needs_logits and not 1 <= len(tokens) <= chunk.num_steps:
+                raise ValueError(f"update: request {chunk.request_id!r} ran {chunk.num_steps} decode step(s); it "
+                                 f"takes 1 to {chunk.num_steps} sampled tokens, got {len(tokens)}")  # fmt: skip
+            live_chunks.append((chunk, request, tokens))
         finished = []
-        for chunk, request in live_chunks:
+        for chunk, request, tokens in live_chunks:
             request.num_computed_tokens += chunk.num_tokens
             if not chunk.needs_logits:
                 continue
-            token = sampled[chunk.request_id]
-            request.output_token_ids.append(token)
-            if token in request.stop_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif len(request.output_token_ids) >= request.max_new_tokens:
-                status = RequestStatus.FINISHED_LENGTH
-            else:
-                continue
-            self._running.remove(request)
-            self._finish(request, status)
-            finished.append(request)
+            for i, token in enumerate(tokens):
+                if i:
+                    request.num_computed_tokens += 1  # a burst's later step fed the token sampled before it
+                request.output_token_ids.append(token)
+                if token in request.stop_token_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+                elif len(request.output_token_ids) >= request.max_new_tokens:
+                    status = RequestStatus.FINISHED_LENGTH
+                else:
+                    continue
+                self._running.remove(request)
+                self._finish(request, status)
+                finished.append(request)
+                break
         return finished
 
     # ----- internals -----------------------------------------------------------------------------------

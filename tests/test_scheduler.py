@@ -37,9 +37,14 @@ def grants(output: SchedulerOutput) -> list[tuple[str, int]]:
     return [(chunk.request_id, chunk.num_tokens) for chunk in output.chunks]
 
 
-def sample(output: SchedulerOutput) -> dict[str, int]:
-    """The fake model: the token sampled after position p-1 is 1000 + p."""
-    return {c.request_id: 1000 + c.start + c.num_tokens for c in output.chunks if c.needs_logits}
+def sample(output: SchedulerOutput) -> dict[str, int | list[int]]:
+    """The fake model: the token sampled after position p-1 is 1000 + p (a decode burst's steps: p, p + 1, ...)."""
+    out = {}
+    for c in output.chunks:
+        if c.needs_logits:
+            p = c.start + c.num_tokens
+            out[c.request_id] = 1000 + p if c.num_steps == 1 else [1000 + p + i for i in range(c.num_steps)]
+    return out
 
 
 def step(scheduler: Scheduler) -> SchedulerOutput:
@@ -315,6 +320,73 @@ def test_preempting_a_request_already_granted_this_step_hands_its_budget_back():
     assert d.output_token_ids == list(range(1004, 1012))
 
 
+# ----- decode bursts ------------------------------------------------------------------------------------
+
+
+def bursts(output: SchedulerOutput) -> list[tuple[str, int, int]]:
+    return [(c.request_id, c.start, c.num_steps) for c in output.chunks]
+
+
+def test_decode_bursts_only_when_every_running_request_decodes_and_none_waits():
+    """decode_steps=4: a burst grants each decode min(4, tokens it may still generate) steps and the pages for
+    all of them (pages of 4 tokens); a stop token mid-burst drops the rest; an arrival makes the next step an
+    ordinary one, then bursts resume."""
+    scheduler, pool = make_scheduler(num_blocks=40, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
+                                     decode_steps=4)  # fmt: skip
+    a, b, c = request("a", 5, 10), request("b", 3, 3), request("c", 6, 9, stop_token_ids={1009})
+    for r in (a, b, c):
+        scheduler.add_request(r)
+    kv = scheduler.kv_cache
+    first = step(scheduler)  # prefills: ordinary
+    assert bursts(first) == [("a", 0, 1), ("b", 0, 1), ("c", 0, 1)]
+    assert [r.output_token_ids for r in (a, b, c)] == [[1005], [1003], [1006]]
+
+    output = scheduler.schedule()
+    # a: 4 steps from position 5 (tokens 5..8 written: 9 tokens, 3 pages); b: 2 left to generate, so 2 steps
+    # (tokens 3, 4: 5 tokens, 2 pages); c: 4 steps (tokens 6..9: 10 tokens, 3 pages)
+    assert bursts(output) == [("a", 5, 4), ("b", 3, 2), ("c", 6, 4)]
+    assert [ch.num_tokens for ch in output.chunks] == [1, 1, 1]
+    assert [ch.token_ids for ch in output.chunks] == [(1005,), (1003,), (1006,)]
+    assert [kv.num_tokens(r) for r in "abc"] == [9, 5, 10]
+    assert kv.block_tables("a") == ((1, 2, 6),) and kv.block_tables("b") == ((3, 7),)
+    assert kv.block_tables("c") == ((4, 5, 8),)
+    with pytest.raises(ValueError, match="request 'a' ran 4 decode step\\(s\\); it takes 1 to 4 sampled tokens, got 5"):
+        scheduler.update(output, {**sample(output), "a": [1, 2, 3, 4, 5]})
+    assert a.num_computed_tokens == 5 and a.output_token_ids == [1005]  # the failed call applied nothing
+    finished = scheduler.update(output, sample(output))
+    assert finished == [b, c]
+    assert (b.status, b.output_token_ids) == (RequestStatus.FINISHED_LENGTH, [1003, 1004, 1005])
+    assert (c.status, c.output_token_ids) == (RequestStatus.FINISHED_STOPPED, [1006, 1007, 1008, 1009])  # 1010 dropped
+    assert (a.num_computed_tokens, a.output_token_ids) == (9, [1005, 1006, 1007, 1008, 1009])
+
+    scheduler.add_request(request("d", 2, 2))  # an arrival: the next step is an ordinary one
+    assert bursts(step(scheduler)) == [("a", 9, 1), ("d", 0, 1)]
+    assert bursts(step(scheduler)) == [("a", 10, 4), ("d", 2, 1)]  # a burst again: d has 1 token left to generate
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.output_token_ids == list(range(1005, 1015))
+    assert_no_leak(scheduler, pool)
+
+
+def test_a_decode_burst_preempts_by_the_usual_rule():
+    """A burst takes its pages up front: with 5 pages of 4 tokens, a's 4 steps (11 tokens) take the last free page,
+    b's (8 tokens) need one more, so c, the newest, is preempted (its 1-step grant never made); with c waiting the
+    next steps are ordinary ones, and every request ends with the tokens it would have had."""
+    scheduler, pool = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
+                                     decode_steps=4)  # fmt: skip
+    a, b, c = request("a", 7, 6), request("b", 4, 5), request("c", 3, 2)
+    for r in (a, b, c):
+        scheduler.add_request(r)
+    assert bursts(step(scheduler)) == [("a", 0, 1), ("b", 0, 1), ("c", 0, 1)]  # pages: a 2, b 1, c 1
+    output = scheduler.schedule()
+    assert bursts(output) == [("a", 7, 4), ("b", 4, 4)] and output.preempted_request_ids == ["c"]
+    assert scheduler.kv_cache.block_tables("a") == ((1, 2, 5),) and scheduler.kv_cache.block_tables("b") == ((3, 4),)
+    assert (c.status, c.num_computed_tokens) == (RequestStatus.PREEMPTED, 0)
+    assert scheduler.update(output, sample(output)) == [b]  # b's 4 tokens were its last
+    assert all(chunk.num_steps == 1 for chunk in step(scheduler).chunks)  # c waits: an ordinary step
+    run_to_completion(scheduler, pool)
+    assert a.output_token_ids == list(range(1007, 1013)) and b.output_token_ids == list(range(1004, 1009))
+    assert c.output_token_ids == [1003, 1004]
+
+
 # ----- cancellation, stop tokens, errors ---------------------------------------------------------------
 
 
@@ -391,6 +463,7 @@ def test_requests_that_can_never_run_are_rejected_naming_the_request_and_the_lim
         (lambda: SchedulerConfig(mixed_prefill_chunk=0), "mixed_prefill_chunk=0"),
         (lambda: SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=16), "max_num_seqs=16"),
         (lambda: SchedulerConfig(policy="lifo"), "lifo"),
+        (lambda: SchedulerConfig(decode_steps=0), "decode_steps=0"),
     ],
 )
 def test_bad_requests_and_configs_raise_naming_the_field(make, message):
@@ -434,7 +507,11 @@ def check_invariants(scheduler: Scheduler, pool: BlockPool, output: SchedulerOut
         assert r.status is RequestStatus.RUNNING
         assert 1 <= chunk.num_tokens <= config.long_prefill_chunk
         assert chunk.start == r.num_computed_tokens
-        assert kv.num_tokens(r.request_id) == chunk.start + chunk.num_tokens
+        assert kv.num_tokens(r.request_id) == chunk.start + chunk.num_tokens + chunk.num_steps - 1
+        assert 1 <= chunk.num_steps <= config.decode_steps
+        if chunk.num_steps > 1:  # a burst: decodes only, each capped by what its request may still generate
+            assert chunk.num_tokens == 1 and chunk.needs_logits
+            assert chunk.num_steps <= r.max_new_tokens - len(r.output_token_ids)
         assert chunk.block_tables == kv.block_tables(r.request_id)
         assert chunk.needs_logits == (chunk.start + chunk.num_tokens == r.num_tokens)
         assert chunk.token_ids == tuple(
@@ -464,9 +541,10 @@ SOAK_PAGE_SPECS = {
 ARRIVALS_PER_STEP = [0] * 24 + [1] * 3 + [4]
 
 
+@pytest.mark.parametrize("decode_steps", [1, 4])
 @pytest.mark.parametrize("page_spec_name", list(SOAK_PAGE_SPECS))
 @pytest.mark.parametrize("policy", list(SchedulingPolicy))
-def test_randomized_soak_keeps_invariants_and_finishes_every_request(policy, page_spec_name):
+def test_randomized_soak_keeps_invariants_and_finishes_every_request(policy, page_spec_name, decode_steps):
     rng = random.Random(f"soak-{policy}-{page_spec_name}")
     num_blocks, page_spec = SOAK_PAGE_SPECS[page_spec_name]
     scheduler, pool = make_scheduler(
@@ -478,15 +556,19 @@ def test_randomized_soak_keeps_invariants_and_finishes_every_request(policy, pag
         max_num_seqs=4,
         policy=policy,
         mixed_prefill_chunk=5 if page_spec_name == "tokens" else None,  # both ways of granting prefills
+        decode_steps=decode_steps,
     )
     stop_token = 7
     accepted: list[Request] = []
-    num_rejected = num_cancelled = 0
+    num_rejected = num_cancelled = num_bursts = 0
     num_to_add = 300
-    for _ in range(20_000):
+    for step_index in range(20_000):
         if num_to_add == 0 and not scheduler.has_unfinished_requests():
             break
-        for _ in range(min(rng.choice(ARRIVALS_PER_STEP), num_to_add)):
+        # With decode bursts, arrivals come in waves (100 steps on, 200 off), so the queue drains and bursts run
+        # between them, beside preemption and cancellation.
+        quiet = decode_steps > 1 and step_index % 300 >= 100
+        for _ in range(0 if quiet else min(rng.choice(ARRIVALS_PER_STEP), num_to_add)):
             num_to_add -= 1
             r = Request(
                 f"r{num_to_add}",
@@ -511,7 +593,10 @@ def test_randomized_soak_keeps_invariants_and_finishes_every_request(policy, pag
         check_invariants(scheduler, pool, output)
         if scheduler.has_unfinished_requests():
             assert output.chunks, "no progress with requests pending"
-        sampled = {c.request_id: fake_token(c.request_id, c.start + c.num_tokens) for c in output.chunks}
+        sampled = {c.request_id: fake_token(c.request_id, c.start + c.num_tokens) if c.num_steps == 1 else
+                   [fake_token(c.request_id, c.start + c.num_tokens + i) for i in range(c.num_steps)]
+                   for c in output.chunks}  # fmt: skip
+        num_bursts += any(c.num_steps > 1 for c in output.chunks)
         scheduler.update(output, sampled)  # every chunk sampled: the ones without needs_logits are ignored
         check_invariants(scheduler, pool, None)
     else:
@@ -533,6 +618,7 @@ def test_randomized_soak_keeps_invariants_and_finishes_every_request(policy, pag
     assert num_rejected > 0 and num_cancelled > 0
     assert sum(r.num_preemptions for r in accepted) > 0
     assert sum(r.status is RequestStatus.FINISHED_STOPPED for r in accepted) > 0
+    assert (num_bursts > 0) == (decode_steps > 1)
 
 
 def test_abort_and_preempt_free_pages_for_the_engines_fault_path():
