@@ -2,6 +2,10 @@
 
     PYTHONPATH=. python3 scripts/bench_decode_model.py --contexts 128k,512k --out $OUT/dm     # one H200
     PYTHONPATH=. python3 scripts/bench_decode_model.py --small --contexts 600 --steps 3       # CPU smoke (interpreted)
+    PYTHONPATH=. python3 scripts/bench_decode_model.py --contexts 128k --batch 32 --formats fp8-channel --routes jnp \
+        --decode-steps 1,4,8 --vocab 129280 --steps 16 --rounds 9 --out $OUT/bursts                   # one H200
+    PYTHONPATH=. python3 scripts/bench_decode_model.py --small --contexts 600 --routes jnp --decode-steps 1,4 \
+        --steps 4 --rounds 1 --burst-forms loop,fixed,unrolled                                     # CPU smoke
 
 Routes (one jitted `forward_chunk` each, the same weights, each from its own copy of the same prefilled cache; each
 a model built with its own `dsv4.Kernels` value, `ROUTE_KERNELS`; the MoE on XLA's (moe="jnp") except in auto):
@@ -36,6 +40,18 @@ ROUTE:donate; `--same-tokens` feeds one token array to every step (so the input'
 step donates its cache, as the engine's does (`dsv4.runner`), so a step's time holds no copy
 of the cache. `--trace DIR` profiles each route's steps once more and prints, per step, the GPU's busy time against
 the wall time and the kernels that take the most of it (`trace_overlap.kernel_table`).
+
+`--decode-steps 1,4,8` adds the engine's decode loop per token, k steps a call, on `--burst-route`'s model (default
+auto, the engine's), each k from its own copy of the prefilled cache, through the runner's own jitted calls
+(`dsv4.runner._Programs`): k = 1 is `LLM`'s single step (the packed `[batch, 1]` call, the logits fetched, each row
+sampled on the host by `dsv4.generate.sample`, the tokens fed back), k > 1 its decode burst (one call of k steps
+sampling on the device, `ModelRunner.execute_burst`; only the tokens come back). Per token, medians over rounds:
+ms / token (the wall time: TPOT at this batch), dispatch ms / token (the host handing the calls to the runtime) and
+host sampling ms / token (fetching the ready logits and sampling them: k = 1 only). `--burst-forms
+loop,fixed,unrolled` times each way a burst's steps can run (`dsv4.runner.BURST_FORMS`: XLA's while loop of max(steps)
+iterations, the loop with its trip count fixed at k, or the k steps unrolled), one row each. `--vocab 129280` gives the
+model V4's vocabulary, so k = 1 fetches and samples logits of the real size. The greedy tokens of every k are compared
+with the smallest k's (the same cache, the same first tokens): "tokens = smallest k's" is the fraction equal.
 """
 
 from __future__ import annotations
@@ -43,6 +59,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -61,6 +78,7 @@ import dsv4  # noqa: E402
 from dsv4.config import Config  # noqa: E402
 from dsv4.kernels import Kernels  # noqa: E402
 from dsv4.model import DeepseekV4  # noqa: E402
+from dsv4.runner import BURST_FORMS  # noqa: E402
 
 _KERNEL = Kernels(attention="pallas", decode="pallas", kv_write="pallas", moe="jnp")
 _JNP = Kernels(attention="jnp", decode="jnp", kv_write="jnp", moe="jnp")
@@ -75,12 +93,12 @@ ROUTE_KERNELS = {
 ROUTES = tuple(ROUTE_KERNELS)
 
 
-def config(small: bool, repeats: int = 1) -> Config:
+def config(small: bool, repeats: int = 1, vocab: int = 1024) -> Config:
     """The benchmark's model (tests/test_gpu_decode.py's); repeats: the (sliding, CSA, HCA) pattern that many times
     (3 · repeats layers)."""
     heads, head_dim, idx_heads, idx_dim, topk = (4, 64, 4, 32, 16) if small else (64, 512, 64, 128, 512)
     return Config.from_hf({
-        "vocab_size": 1024, "hidden_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 3 * repeats,
+        "vocab_size": vocab, "hidden_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 3 * repeats,
         "num_attention_heads": heads, "head_dim": head_dim, "q_lora_rank": 256, "qk_rope_head_dim": 16 if small else 64,
         "n_routed_experts": 8, "num_experts_per_tok": 2, "o_groups": 2, "o_lora_rank": 128,
         "index_n_heads": idx_heads, "index_head_dim": idx_dim, "index_topk": topk, "sliding_window": 128,
@@ -169,10 +187,84 @@ def trace_steps(route, call, cache, feed, trace_dir, top=14):
     return result
 
 
+def bench_bursts(ctx, batch, kv_format, args, cache, first, state_def, state_leaves, graph):
+    """The engine's decode loop, k steps a call, for each k of args.decode_steps (see the module docstring), from
+    copies of the prefilled `cache` and the first tokens `first` [batch, 1]. → table rows."""
+    from dsv4.generate import SamplingParams, device_sampling_arrays, sample
+    from dsv4.runner import _programs
+
+    programs = _programs(graph, state_def, None)
+    table = np.asarray(cache.block_table)  # passed every call, as the runner passes its host mirror
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    arrays = device_sampling_arrays([params] * batch)
+    unit = math.lcm(*args.decode_steps)
+    n_tokens = -(-args.steps // unit) * unit  # every k makes the same tokens
+    valid, first = np.ones((batch,), np.int32), np.asarray(first)[:, 0].astype(np.int32)
+    rows, greedy = [], {}
+    for k in args.decode_steps:
+        for form in ["loop"] if k == 1 else args.burst_forms:
+            c = jax.tree.map(jnp.copy, cache)
+            rngs = [np.random.default_rng(i) for i in range(batch)]
+            steps = np.full((batch,), k, np.int32)
+
+            def run(c, tokens, k=k, form=form, steps=steps, rngs=rngs):
+                """n_tokens tokens per request, k a call → (cache, tokens made, dispatch s, host sampling s)."""
+                made, dispatch, sampling = [], 0.0, 0.0
+                for _ in range(n_tokens // k):
+                    t = time.perf_counter()
+                    if k == 1:
+                        logits, c = programs.packed_step(state_leaves, c, tokens[:, None], valid, table)
+                        t1 = time.perf_counter()
+                        jax.block_until_ready(logits)
+                        t2 = time.perf_counter()
+                        host = np.asarray(logits)  # the engine's fetch, then its per-request sampling
+                        tokens = np.array([sample(row, params, rng) for row, rng in zip(host, rngs)], np.int32)
+                        sampling += time.perf_counter() - t2
+                        made.append(tokens[None])
+                    else:
+                        out, c = programs.decode_burst(state_leaves, c, tokens, steps, table, *arrays, k, 0,
+                                                       form)  # fmt: skip
+                        t1 = time.perf_counter()
+                        burst = np.asarray(out["tokens"])  # [k, batch]: all that comes back
+                        tokens = burst[-1]
+                        made.append(burst)
+                    dispatch += t1 - t
+                return c, np.concatenate(made), dispatch, sampling
+
+            t = time.perf_counter()
+            c, made, _, _ = run(c, first)  # compiles
+            compile_s = time.perf_counter() - t
+            name = f"{k}" if form == "loop" else f"{k}:{form}"
+            # the smallest k runs first; greedy, every k makes its tokens from the same cache and first tokens
+            reference = greedy.setdefault("smallest", made)
+            same = float(np.mean(made == reference)) if args.temperature == 0 else None
+            times, dispatch, sampling = [], [], []
+            last = made[-1]
+            for _ in range(args.rounds):
+                jax.block_until_ready(c)
+                t = time.perf_counter()
+                c, made, d, h = run(c, last)
+                times.append((time.perf_counter() - t) / n_tokens)
+                dispatch.append(d / n_tokens)
+                sampling.append(h / n_tokens)
+                last = made[-1]
+            del c
+            row = dict(ctx=ctx, batch=batch, cache=kv_format, route=args.burst_route, decode_steps=k, form=form,
+                       ms_per_token=statistics.median(times) * 1e3, dispatch_ms_per_token=statistics.median(dispatch)
+                       * 1e3, sampling_ms_per_token=statistics.median(sampling) * 1e3, compile_s=compile_s,
+                       tokens_equal_smallest_k=same, rounds_ms_per_token=[x * 1e3 for x in times])  # fmt: skip
+            rows.append(row)
+            print(f"  decode steps {name:11s} {row['ms_per_token']:8.3f} ms / token, dispatch "
+                  f"{row['dispatch_ms_per_token']:.3f}, host sampling {row['sampling_ms_per_token']:.3f} ms / token "
+                  f"(first call with its compile {compile_s:.1f} s)", flush=True)  # fmt: skip
+    return rows
+
+
 def bench_one(cfg, ctx, batch, kv_format, args, model, graphs):
     """model: the weights (the kernel route's model); graphs: route → GraphDef of the route's model."""
     lens = np.array([ctx - 333 * i for i in range(batch)])
-    page_tokens, max_len = 256, ctx + 1 + args.rounds * args.steps + 256
+    burst_tokens = -(-args.steps // math.lcm(*args.decode_steps)) * math.lcm(*args.decode_steps)
+    page_tokens, max_len = 256, ctx + 1 + (args.rounds + 1) * max(args.steps, burst_tokens) + 256
     cols = -(-max_len // page_tokens)
     cache = model.init_cache(batch, max_len=max_len, kv_format=kv_format, page_tokens=page_tokens,
                              num_pages=batch * cols + 1)  # fmt: skip
@@ -199,6 +291,10 @@ def bench_one(cfg, ctx, batch, kv_format, args, model, graphs):
     if args.same_tokens:  # one array for every step: its device address does not change between steps
         feed = [feed[0]] * len(feed)
     state_leaves, state_def = jax.tree.flatten(state)
+    rows = []
+    if args.decode_steps:  # each k from its own copy of the cache, released before the routes' copies are made
+        rows += bench_bursts(ctx, batch, kv_format, args, cache, first, state_def, state_leaves,
+                             graphs[args.burst_route])  # fmt: skip
     variants = [route if calling == "closed" else f"{route}:{calling}" for route in args.routes
                 for calling in args.calling]  # fmt: skip
     calls, caches, step0, compile_s = {}, {}, {}, {}
@@ -247,7 +343,6 @@ def bench_one(cfg, ctx, batch, kv_format, args, model, graphs):
             traces[name] = trace_steps(name, calls[name], caches[name], feed,
                                        f"{args.trace}/{ctx}_{batch}_{kv_format}_{name.replace(':', '_')}")  # fmt: skip
             caches[name] = traces[name].pop("cache")
-    rows = []
     base = "kernel" if "kernel" in variants else variants[0]
     for name in variants:
         ms, host_ms = statistics.median(times[name]) * 1e3, statistics.median(host[name]) * 1e3
@@ -290,7 +385,26 @@ def main():
     p.add_argument("--out", default=None, help="write the rows as JSON to OUT.json")
     p.add_argument("--trace", default=None, help="profile each route's steps once more (jax.profiler) into this "
                    "directory; print where a step's GPU time goes")  # fmt: skip
+    p.add_argument("--decode-steps", default="", help="also time the engine's decode loop with k decode steps a "
+                   "call for each k, e.g. 1,4,8 (k = 1: LLM's single step with host sampling; k > 1: its decode "
+                   "burst); greedy tokens compared with the smallest k's")  # fmt: skip
+    p.add_argument("--burst-route", default="auto", help=f"the route of --decode-steps, one of {ROUTES} (default "
+                   "auto: the engine's)")  # fmt: skip
+    p.add_argument("--burst-forms", default="loop", help="how each burst's steps run, comma-separated, of "
+                   f"{BURST_FORMS} (dsv4.runner.BURST_FORMS; default loop, the engine's)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling of --decode-steps (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling of --decode-steps (default 1: off)")
+    p.add_argument("--vocab", type=int, default=1024, help="the model's vocabulary (129280: V4's, so the single "
+                   "step fetches and samples logits of the real size; default 1024)")  # fmt: skip
     args = p.parse_args()
+    args.decode_steps = sorted({int(k) for k in args.decode_steps.split(",") if k.strip()})
+    if any(k < 1 for k in args.decode_steps):
+        p.error(f"--decode-steps must be positive, got {args.decode_steps}")
+    if args.burst_route not in ROUTES:
+        p.error(f"--burst-route must be one of {ROUTES}, got {args.burst_route!r}")
+    args.burst_forms = [f.strip() for f in args.burst_forms.split(",") if f.strip()]
+    if not args.burst_forms or any(f not in BURST_FORMS for f in args.burst_forms):
+        p.error(f"--burst-forms must name some of {BURST_FORMS}; got {args.burst_forms}")
     args.routes = [r.strip() for r in args.routes.split(",") if r.strip()]
     if any(r not in ROUTES for r in args.routes):
         p.error(f"--routes must name some of {ROUTES}, got {args.routes}")
@@ -300,24 +414,39 @@ def main():
     args.compiler_options = dict(kv.split("=", 1) for kv in args.compiler_options.split(";") if kv.strip())
     if "opts" in args.calling and not args.compiler_options:
         p.error("--calling opts needs --compiler-options")
-    cfg = config(args.small, args.repeats)
+    cfg = config(args.small, args.repeats, args.vocab)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}, steps {args.steps}, "
           f"{cfg.num_hidden_layers} layers", flush=True)  # fmt: skip
     model = dsv4.init_random(cfg, seed=0, dtype=jnp.bfloat16, kernels=ROUTE_KERNELS["kernel"])
     # every route's GraphDef over the same weights (the Kernels value changes no parameter)
     graphs = {route: nnx.split(nnx.eval_shape(lambda k=k: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
                                                                      kernels=k)))[0]
-              for route, k in ROUTE_KERNELS.items() if route in {"kernel", *args.routes}}  # fmt: skip
+              for route, k in ROUTE_KERNELS.items() if route in {"kernel", args.burst_route, *args.routes}}  # fmt: skip
     for route in args.routes:
         print(f"  {route}: {ROUTE_KERNELS[route].resolve(jnp.bfloat16)}", flush=True)
     rows = []
     for ctx in map(parse_length, args.contexts.split(",")):
         for kv_format in args.formats.split(","):
             rows += bench_one(cfg, ctx, args.batch, kv_format.strip(), args, model, graphs)
+    bursts = [r for r in rows if "decode_steps" in r]
+    if bursts:
+        print("\n| ctx | B | cache | route | decode steps a call | ms / token | dispatch ms / token | host sampling "
+              "ms / token | vs 1 step a call | tokens = smallest k's |")  # fmt: skip
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for r in bursts:
+            one = next((b["ms_per_token"] for b in bursts if b["decode_steps"] == 1 and b["ctx"] == r["ctx"]
+                        and b["cache"] == r["cache"]), None)  # fmt: skip
+            steps = f"{r['decode_steps']}" + ("" if r["form"] == "loop" else f" ({r['form']})")
+            same = "-" if r["tokens_equal_smallest_k"] is None else f"{r['tokens_equal_smallest_k']:.0%}"
+            speedup = "-" if one is None else f"{one / r['ms_per_token']:.2f}x"
+            head = f"| {r['ctx']} | {r['batch']} | {r['cache']} | {r['route']} | {steps}"
+            times = f"{r['ms_per_token']:.3f} | {r['dispatch_ms_per_token']:.3f} | {r['sampling_ms_per_token']:.3f}"
+            print(f"{head} | {times} | {speedup} | {same} |")
+    routes = [r for r in rows if "decode_steps" not in r]
     print("\n| ctx | B | cache | route | ms / step | host ms / step | vs kernel | step 0 logits rel L2 vs kernel |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        kernel = next((k["ms"] for k in rows if k["route"] == "kernel" and k["ctx"] == r["ctx"]
+    for r in routes:
+        kernel = next((k["ms"] for k in routes if k["route"] == "kernel" and k["ctx"] == r["ctx"]
                        and k["cache"] == r["cache"]), None)  # fmt: skip
         ratio = f"{r['ms'] / kernel:.2f}x" if kernel else "-"
         print(f"| {r['ctx']} | {r['batch']} | {r['cache']} | {r['route']} | {r['ms']:.2f} | {r['host_ms']:.2f} | "
