@@ -154,6 +154,15 @@ def nan_if_none(value) -> float:
     return math.nan if value is None else value
 
 
+def json_safe(x):
+    """NaN (a side without that number) as null: strict JSON."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    return [json_safe(v) for v in x] if isinstance(x, list) else x
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     cache = tempfile.mkdtemp(prefix="dsv4_jax_cache_")
@@ -218,8 +227,9 @@ def main(argv=None) -> int:
                 print(f"ITL p99 with the long prompt / without ({base}): {ratios[key]:.2f}")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"args": vars(args) | {"mixed_chunk_size": mixed}, "rounds": rounds, "median": med,
-                       "ratios": ratios}, f, indent=2)  # fmt: skip
+            report = {"args": vars(args) | {"mixed_chunk_size": mixed}, "rounds": rounds, "median": med,
+                      "ratios": ratios}
+            json.dump(json_safe(report), f, indent=2, allow_nan=False)
     return 0
 
 
