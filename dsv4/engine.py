@@ -54,10 +54,10 @@ from dsv4.cache import BlockPool, KVCacheManager, PageSpec
 from dsv4.config import SLIDING, Config
 from dsv4.generate import (
     SamplingParams,
-    _is_int,
-    _is_real,
     check_logits,
     device_sampling_arrays,
+    is_int,
+    is_real,
     logprobs,
     sample,
     sample_rows,
@@ -313,10 +313,10 @@ class LLM:
                              f"{config.max_position_embeddings}]")  # fmt: skip
         for name, value in (("max_slots", max_slots), ("max_model_len", max_model_len), ("chunk_size", chunk_size),
                             ("max_packed_width", max_packed_width), ("decode_steps", decode_steps)):  # fmt: skip
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("mixed_chunk_size", mixed_chunk_size)):
-            if value is not None and (not _is_int(value) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"{name}={value!r} must be an int >= 1 or None")
         self.max_model_len, self.chunk_size, self.decode_steps = max_model_len, chunk_size, int(decode_steps)
         buckets = sorted(set(width_buckets)) if width_buckets is not None else list(power_of_two_buckets(chunk_size))
@@ -385,7 +385,7 @@ class LLM:
             return [int(t) for t in array]
         ids = []
         for position, token in enumerate(prompt):
-            if not _is_int(token):
+            if not is_int(token):
                 kind = type(token).__name__
                 if isinstance(token, (Sequence, np.ndarray)):
                     kind += ", a nested sequence: prompts are flat"
@@ -402,7 +402,7 @@ class LLM:
         not an int >= 1; sampling not a `SamplingParams` (whose own fields are checked when it is made); a stop
         token that is not an int; prompt + max_new_tokens over max_model_len, or more KV than the whole page pool.
         `arrival_time` (perf_counter seconds, default now) is where TTFT starts."""
-        if arrival_time is not None and (not _is_real(arrival_time) or not math.isfinite(arrival_time)):
+        if arrival_time is not None and (not is_real(arrival_time) or not math.isfinite(arrival_time)):
             raise ValueError(f"arrival_time={arrival_time!r} must be a finite number (perf_counter seconds)")
         arrival = time.perf_counter() if arrival_time is None else float(arrival_time)
         if request_id is not None and not isinstance(request_id, str):
@@ -410,14 +410,14 @@ class LLM:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already running")
-        if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"request {request_id!r}: max_new_tokens={max_new_tokens!r} must be an int >= 1")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise ValueError(f"request {request_id!r}: sampling={sampling!r} must be a dsv4.SamplingParams")
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable):
             raise ValueError(f"request {request_id!r}: stop_token_ids={stop_token_ids!r} must be a collection of ints")
         stop = list(stop_token_ids)
-        bad_stop = [t for t in stop if not _is_int(t)]
+        bad_stop = [t for t in stop if not is_int(t)]
         if bad_stop:
             raise ValueError(f"request {request_id!r}: stop_token_ids holds {bad_stop[0]!r}, not an int token id")
         ids = self.encode(prompt)

@@ -25,12 +25,13 @@ MAX_LOGPROBS = 20
 """The most alternatives `SamplingParams.logprobs` may ask for (OpenAI-compatible servers allow 20)."""
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     """A Python or numpy integer, not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def _is_real(value) -> bool:
+def is_real(value) -> bool:
+    """A Python or numpy integer or float, not a bool."""
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
@@ -55,16 +56,16 @@ class SamplingParams:
 
     def __post_init__(self):
         t, p = self.temperature, self.top_p
-        if not _is_real(t) or not math.isfinite(t) or t < 0:
+        if not is_real(t) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature={t!r} must be a finite number >= 0")
-        if not _is_real(p) or not math.isfinite(p) or not 0 < p <= 1:
+        if not is_real(p) or not math.isfinite(p) or not 0 < p <= 1:
             raise ValueError(f"top_p={p!r} must be a finite number in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0: no top-k filter)")
-        if not _is_int(self.seed) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be an int >= 0")
         k = self.logprobs
-        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+        if k is not None and (not is_int(k) or not 0 <= k <= MAX_LOGPROBS):
             raise ValueError(f"logprobs={k!r} must be None or an int in [0, {MAX_LOGPROBS}]")
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(p))
@@ -232,7 +233,7 @@ def generate(model: DeepseekV4, prompt_ids, max_new_tokens: int, sampling: Sampl
     prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     if prompt.size == 0:
         raise ValueError("prompt is empty: give at least one token")
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
     check_token_ids(prompt, model.config.vocab_size)
     total = prompt.size + max_new_tokens
