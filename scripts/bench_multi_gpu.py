@@ -400,6 +400,13 @@ class Context:
     def chunk(self, devices: int) -> int:
         return self.args.chunk or self.args.chunk_per_device * devices
 
+    def this_run(self, step: str, needs: str | None = None) -> dict | None:
+        """The step's JSON entry if this invocation wrote it (and it holds `needs`), for the step's table."""
+        entry = self.rec.data["steps"].get(step)
+        if not entry or entry.get("run") != len(self.rec.data["runs"]) - 1 or (needs and not entry.get(needs)):
+            return None
+        return entry
+
     def kernels(self, model) -> Kernels:
         return model.kernels
 
@@ -503,8 +510,8 @@ def step_full(ctx: Context) -> None:
 
 
 def table_full(ctx: Context) -> None:
-    entry = ctx.rec.data["steps"].get("1")
-    if not entry or entry.get("run") != len(ctx.rec.data["runs"]) - 1:
+    entry = ctx.this_run("1")
+    if entry is None:
         return
     log = ctx.rec.log
     log("-" * 120)
@@ -596,8 +603,8 @@ def step_profile(ctx: Context) -> None:
 
 
 def table_profile(ctx: Context) -> None:
-    entry = ctx.rec.data["steps"].get("3")
-    if not entry or entry.get("run") != len(ctx.rec.data["runs"]) - 1 or not entry.get("per_gpu"):
+    entry = ctx.this_run("3", needs="per_gpu")
+    if entry is None:
         return
     log = ctx.rec.log
     log("-" * 120)
@@ -735,8 +742,8 @@ def step_scaling(ctx: Context) -> None:
 
 
 def table_scaling(ctx: Context) -> None:
-    entry = ctx.rec.data["steps"].get("2")
-    if not entry or entry.get("run") != len(ctx.rec.data["runs"]) - 1 or not entry.get("meshes"):
+    entry = ctx.this_run("2", needs="meshes")
+    if entry is None:
         return
     log = ctx.rec.log
     log("-" * 120)
@@ -941,8 +948,8 @@ def step_ledger(ctx: Context) -> None:
 
 
 def table_ledger(ctx: Context) -> None:
-    entry = ctx.rec.data["steps"].get("5")
-    if not entry or entry.get("run") != len(ctx.rec.data["runs"]) - 1:
+    entry = ctx.this_run("5")
+    if entry is None:
         return
     log = ctx.rec.log
     log("-" * 120)

@@ -131,17 +131,21 @@ def overlap(path: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def kernel_table(path: str) -> dict[str, dict]:
-    """Per GPU of a trace: the kernels by name, from its stream threads ("Stream #…"; every complete event of the
-    device's process when it has none), so that module-level and op-level events are not counted twice.
-    → {process name: {busy_us (union of the kernels' intervals), span_us, kernels: {name: [total_us, count]}}}."""
+def _kernel_events(path: str) -> dict[str, list[dict]]:
+    """Per GPU (process name, sorted), its kernels: the events of its stream threads ("Stream #…"), or every complete
+    event of the device's process when it has none, so that module-level and op-level events are not counted twice."""
     per: dict[str, dict[str, list]] = {}
     for pname, tname, e in _gpu_events(path):
         per.setdefault(pname, {"stream": [], "other": []})["stream" if tname.lower().startswith("stream") else
                                                            "other"].append(e)  # fmt: skip
+    return {pname: kinds["stream"] or kinds["other"] for pname, kinds in sorted(per.items())}
+
+
+def kernel_table(path: str) -> dict[str, dict]:
+    """Per GPU of a trace: the kernels by name (`_kernel_events`).
+    → {process name: {busy_us (union of the kernels' intervals), span_us, kernels: {name: [total_us, count]}}}."""
     out = {}
-    for pname, kinds in sorted(per.items()):
-        chosen = kinds["stream"] or kinds["other"]
+    for pname, chosen in _kernel_events(path).items():
         kernels: dict[str, list] = {}
         for e in chosen:
             row = kernels.setdefault(e.get("name", "?"), [0.0, 0])
@@ -224,13 +228,9 @@ def breakdown(path: str, scope_of=None) -> dict[str, dict]:
     kernel's time goes to its own scope and each idle gap to the scope of the kernel that ends it (the one the device
     waited for), so the scopes' idle times sum to the GPU's.
     """
-    per: dict[str, dict[str, list]] = {}
-    for pname, tname, e in _gpu_events(path):
-        per.setdefault(pname, {"stream": [], "other": []})["stream" if tname.lower().startswith("stream") else
-                                                           "other"].append(e)  # fmt: skip
     out = {}
-    for pname, kinds in sorted(per.items()):
-        events = sorted(((float(e["ts"]), float(e["ts"]) + e["dur"], e) for e in kinds["stream"] or kinds["other"]),
+    for pname, chosen in _kernel_events(path).items():
+        events = sorted(((float(e["ts"]), float(e["ts"]) + e["dur"], e) for e in chosen),
                         key=lambda x: (x[0], x[1]))  # fmt: skip
         scoped: dict[str, dict[str, list]] = {}
         for a, b, e in events:
