@@ -36,8 +36,8 @@ with them (`dsv4.moe.MoE.expert_weights`, `dsv4.attention.Indexer.select`, `dsv4
 
 - every dense matrix, FP8-stored or not, runs in the compute dtype: a kept-quantized dense weight is dequantized
   where it is read;
-- the routed experts run in FP8 (W8A8) only with FP8 weights in 128 × 128 blocks on the Pallas MoE
-  (`Kernels.moe="pallas"`) with FP8 activations; FP4 experts and the jnp MoE read them dequantized;
+- the routed experts run in FP8 (W8A8) with FP8 weights in 128 × 128 blocks, or FP4 ones re-blocked as such, on
+  the Pallas MoE (`Kernels.moe="pallas"`) with FP8 activations; the jnp MoE reads them dequantized;
 - the indexer scores run in FP8 under `Kernels.indexer="pallas-fp8"`;
 - the hyper-connection mixes are float32 matmuls (their weights stay float32, as in the reference).
 
@@ -184,7 +184,8 @@ def part_precisions(kernels, weights: str = "bf16", *, config: Config | None = N
     if _choice(kernels, "indexer") == "pallas-fp8":
         out["indexer-scores"] = "fp8"
     fits = config is None or fp8_expert_kernels(config, "fp8")
-    if weights == "fp8" and _choice(kernels, "moe") == "pallas" and fp8_activations and fits:
+    quantized_experts = weights in ("fp8", "fp8-fp4-experts", "fp4-experts")  # FP4 ones re-blocked as FP8 (dsv4.moe)
+    if quantized_experts and _choice(kernels, "moe") == "pallas" and fp8_activations and fits:
         out["moe-routed"] = "fp8"
     return out
 

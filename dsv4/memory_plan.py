@@ -230,8 +230,10 @@ def device_gib(device: str) -> float:
 
 
 def fp8_expert_kernels(config: Config, weights: str) -> bool:
-    """The routed experts run on the FP8 kernels as stored: fp8 weights in 128 × 128 blocks (`dsv4.moe`)."""
-    return weights == "fp8" and config.hidden_size % FP8_BLOCK == 0 and config.moe_intermediate_size % FP8_BLOCK == 0
+    """The routed experts run on the FP8 kernels (`dsv4.moe`, Pallas): fp8 weights in 128 × 128 blocks as stored,
+    or fp4 ones re-blocked as fp8 each step; both need expert widths that are multiples of 128."""
+    fits = config.hidden_size % FP8_BLOCK == 0 and config.moe_intermediate_size % FP8_BLOCK == 0
+    return weights in ("fp8", "fp4-experts") and fits
 
 
 def _weights_lines(config: Config, c: ParamCounts, weights: str, devices: int) -> list[LedgerLine]:
@@ -255,13 +257,17 @@ def _weights_lines(config: Config, c: ParamCounts, weights: str, devices: int) -
         dense_how = (f"{c.dense_linear_fp8 / 1e9:.2f}B fp8 (+ block scales: wq_a, wq_b, wkv, wo_b, indexer wq_b, "
                      f"shared experts) + {bf16_dense / 1e9:.2f}B bf16 (wo_a, compressors, router)")  # fmt: skip
         layer_experts = 3 * config.moe_intermediate_size * config.hidden_size  # gate, up, down of one expert
-        if fp8_expert_kernels(config, weights):
+        if fp8_expert_kernels(config, weights) and weights == "fp8":
             dequant = 0
             dequant_how = "none: the FP8 expert kernels read e4m3 + block scales as stored (Kernels.moe pallas)"
+        elif fp8_expert_kernels(config, weights):
+            blocks = layer_experts // (FP8_BLOCK * FP8_BLOCK)
+            dequant = local * (layer_experts + blocks * SCALE_BYTES)
+            dequant_how = f"one layer's {local} local experts re-blocked as FP8 (1 B + block scales), transient"
         else:
             dequant = local * layer_experts * ACT_BYTES
-            why = "no FP4 kernel" if weights == "fp4-experts" else "widths not multiples of 128: no FP8 kernel"
-            dequant_how = f"one layer's {local} local experts dequantized to bf16 ({why}), transient"
+            dequant_how = (f"one layer's {local} local experts dequantized to bf16 (widths not multiples of 128: "
+                           "no FP8 kernel), transient")  # fmt: skip
     routed = local * routed_all // e  # every expert of every layer has the same shape
     embed_bytes = 4 if weights == "fp32" else 2
     small = c.embeddings * embed_bytes + (c.small_fp32 + c.buffers) * 4

@@ -12,7 +12,7 @@ from dsv4.config import Config
 from dsv4.layers import F32, Buffer, linear, param
 from dsv4.pallas._device import on_gpu
 from dsv4.pallas.moe import quantize_per_token_group, routed_experts
-from dsv4.quantization import BlockQuantized
+from dsv4.quantization import BlockQuantized, fp4_fits_fp8_blocks, fp4_to_fp8_blocks
 from dsv4.sharding.expert_parallel import DEFAULT_CHUNK_TOKENS, ep_layout, routed_experts_ep
 from dsv4.sharding.sequence import per_sequence_shard
 
@@ -113,19 +113,25 @@ class MoE(nnx.Module):
         # schedule ("direct": each partial result straight home, or "ring"); docs/kernels/parallelism.md
         self.ep_combine_dtype = F32
         self.ep_schedule = "direct"
-        # Experts loaded FP8 (`dsv4.load(keep_quantized=True)`, 128 × 128 blocks) with the Pallas MoE
-        # (`Kernels.moe`) run on the FP8 kernels: W8A8 (activations quantized per token and 128-group, as DeepSeek
-        # does) or, with False, W8A16. Other weights, and the jnp path, read them dequantized.
+        # Experts loaded FP8 (`dsv4.load(keep_quantized=True)`, 128 × 128 blocks) or FP4 (re-blocked as FP8 each
+        # step) with the Pallas MoE (`Kernels.moe`) run on the FP8 kernels: W8A8 (activations quantized per token
+        # and 128-group, as DeepSeek does) or, with False, W8A16. Other weights, and the jnp path, read them
+        # dequantized.
         self.fp8_activations = True
 
     def expert_weights(self) -> tuple[jax.Array, jax.Array, dict]:
         """(gate_up, down, scales): FP8 values and {"gate_up_scales", "down_scales"} when the experts are kept
-        FP8 in 128 × 128 blocks and the Pallas kernels run them; else the weights in the model's dtype
-        (dequantized if kept quantized) and {}."""
+        FP8 in 128 × 128 blocks, or FP4 that tiles into them, and the Pallas kernels run them; else the weights in
+        the model's dtype (dequantized if kept quantized) and {}."""
         gu_var, dn_var = self.experts["gate_up_proj"], self.experts["down_proj"]
         gu, dn = gu_var.get_value(), dn_var.get_value()
-        if self.moe_impl == "pallas" and kernel_ready_fp8(gu) and kernel_ready_fp8(dn):
-            return gu.q, dn.q, {"gate_up_scales": gu.scale, "down_scales": dn.scale}
+        if self.moe_impl == "pallas":
+            if fp4_fits_fp8_blocks(gu) and fp4_fits_fp8_blocks(dn):
+                # FP4 experts: re-blocked as FP8 in this step (exact for ue8m0 scales; one pass over the FP4 bytes,
+                # writing 1 B a weight, where reading them dequantized writes 2 B and runs the bf16 kernel).
+                gu, dn = fp4_to_fp8_blocks(gu), fp4_to_fp8_blocks(dn)
+            if kernel_ready_fp8(gu) and kernel_ready_fp8(dn):
+                return gu.q, dn.q, {"gate_up_scales": gu.scale, "down_scales": dn.scale}
         return gu_var[...], dn_var[...], {}
 
     def route(self, x: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -194,3 +194,54 @@ class BlockQuantized:
 jax.tree_util.register_dataclass(
     BlockQuantized, data_fields=["q", "scale"], meta_fields=["fmt", "block", "shape", "dtype_name"]
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# FP4 → FP8 blocks on the device: FP4 experts on the W8A8 kernels.
+# ---------------------------------------------------------------------------------------------
+FP8_BLOCK = (128, 128)
+# Block scale = the block's largest group scale / 64, so a group's values land in e4m3 at up to 6 · 64 = 384 < 448.
+_FP4_IN_FP8_HEADROOM = 64.0
+
+
+def e2m1_decode(codes: jax.Array) -> jax.Array:
+    """e2m1 codes (uint8, 0..15; bit 3 the sign) → float32, by arithmetic (one fused elementwise pass, no gather):
+    exponent field 0 is the subnormal 0 / 0.5, else (1 + m / 2) · 2^(e − 1)."""
+    codes = codes.astype(jnp.int32)
+    e, m = (codes >> 1) & 3, (codes & 1).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.exp2((e - 1).astype(jnp.float32)))
+    return jnp.where(codes & 8, -mag, mag)
+
+
+def fp4_fits_fp8_blocks(w) -> bool:
+    """An FP4 `BlockQuantized` weight whose rows and columns tile into `FP8_BLOCK`s (V4's expert widths do)."""
+    return (isinstance(w, BlockQuantized) and w.fmt == "fp4" and w.ndim >= 2
+            and w.shape[-2] % FP8_BLOCK[0] == 0 and w.shape[-1] % FP8_BLOCK[1] == 0)  # fmt: skip
+
+
+def fp4_to_fp8_blocks(w: BlockQuantized) -> BlockQuantized:
+    """An FP4 weight (per-row, 32-column scales) as FP8 e4m3 in 128 × 128 blocks, for the FP8 (W8A8) kernels.
+
+    Each block's scale is its largest group scale / 64; each value becomes e2m1 · (group scale / block scale) in
+    e4m3. With power-of-two scales (ue8m0, as V4 ships) that is exact wherever a group's scale is at least 2^-14 of
+    its block's largest (e4m3 holds e2m1 · 2^k for k in [−8, 6]); a smaller group rounds to e4m3's subnormal steps,
+    an absolute error of at most 2^-16 of the block's largest group scale. Other scales round each value to e4m3 (3
+    mantissa bits: a relative error ≤ 2^-4). Runs on the device (jittable), in one pass over the weight.
+    """
+    if not fp4_fits_fp8_blocks(w):
+        raise ValueError(f"fp4_to_fp8_blocks: needs an FP4 BlockQuantized weight whose [out, in] tiles into "
+                         f"{FP8_BLOCK}; got {w.fmt if isinstance(w, BlockQuantized) else type(w).__name__} "
+                         f"{getattr(w, 'shape', None)}")  # fmt: skip
+    *lead, rows, cols = w.shape
+    codes = w.q.view(jnp.uint8) if w.q.dtype != jnp.uint8 else w.q
+    values = jnp.stack([e2m1_decode(codes & 0xF), e2m1_decode(codes >> 4)], axis=-1).reshape(w.shape)
+    b0, b1 = FP8_BLOCK
+    per_block = b1 // FP4_GROUP
+    groups = w.scale.astype(jnp.float32).reshape(*lead, rows // b0, b0, cols // b1, per_block)
+    top = groups.max(axis=(-3, -1))
+    block_scale = jnp.where(top > 0, top / _FP4_IN_FP8_HEADROOM, 1.0)
+    ratio = groups / block_scale[..., :, None, :, None]  # [..., R, b0, C, per_block]
+    ratio = ratio.reshape(*lead, rows, cols // FP4_GROUP)
+    scaled = values.reshape(*lead, rows, cols // FP4_GROUP, FP4_GROUP) * ratio[..., None]
+    q = scaled.reshape(w.shape).astype(jnp.float8_e4m3fn)
+    return BlockQuantized(q, block_scale, "fp8", FP8_BLOCK, tuple(w.shape), w.dtype_name)

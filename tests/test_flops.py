@@ -116,10 +116,14 @@ def test_precisions_follow_kernels_and_weights():
     assert {p for p, v in fp8_idx.items() if v == "fp8"} == {"indexer-scores"}
     fp8 = part_precisions({"indexer": "pallas-fp8", "moe": "pallas"}, "fp8", config=FLASH)
     assert {p for p, v in fp8.items() if v == "fp8"} == {"indexer-scores", "moe-routed"}
-    # FP4 experts have no kernel (read dequantized); the jnp MoE and W8A16 dequantize / upcast FP8 experts
-    for kernels, weights, kw in [(Choices(), "fp8-fp4-experts", {}), (Choices(), "fp4-experts", {}),
-                                 (Choices(moe="jnp"), "fp8", {}), (Choices(), "fp8", dict(fp8_activations=False)),
-                                 (Choices(), "fp8", dict(config=Config.preset("tiny")))]:  # fmt: skip
+    # FP4 experts are re-blocked as FP8 for the same kernels
+    for weights in ("fp8-fp4-experts", "fp4-experts"):
+        assert part_precisions(Choices(), weights, config=FLASH)["moe-routed"] == "fp8"
+    # the jnp MoE and W8A16 dequantize / upcast quantized experts; widths off the 128 grid have no FP8 kernel
+    for kernels, weights, kw in [(Choices(moe="jnp"), "fp8-fp4-experts", {}), (Choices(moe="jnp"), "fp8", {}),
+                                 (Choices(), "fp8", dict(fp8_activations=False)),
+                                 (Choices(), "fp8", dict(config=Config.preset("tiny"))),
+                                 (Choices(), "fp8-fp4-experts", dict(config=Config.preset("tiny")))]:  # fmt: skip
         assert part_precisions(kernels, weights, **kw)["moe-routed"] == "bf16", (kernels, weights, kw)
     assert set(part_precisions(Choices(moe="jnp"), "fp32").values()) == {"f32"}
     with pytest.raises(ValueError, match="'auto'"):

@@ -252,7 +252,12 @@ def test_the_plan_steps_the_expert_exchange_as_the_code_does():
     big = plan_memory(FLASH, context=N, devices=2, weights="fp8", chunk_size=N)
     step = big.line("communication: MoE exchange").bytes_per_device
     assert step == 1 * EP_STEP_TOKENS * ((4096 + 32 * 4) + 2 * 4096 * 4)
-    # FP4 experts have no kernel: dequantized per layer, and their tokens travel in bf16.
+    # FP4 experts are re-blocked as FP8 per layer (1 B a weight + a 4 B scale per 128 × 128 block: 1,536 an
+    # expert), and run W8A8, so their tokens travel in fp8 too: 7 peers × 1,024 tokens × (4,224 + 2 × 16 KiB).
     fp4 = plan_memory(FLASH, context=N, devices=8, weights="fp4-experts")
-    assert fp4.line("weights: dequantized layer (transient)").bytes_per_device == 32 * 25_165_824 * 2
-    assert fp4.line("communication: MoE exchange").bytes_per_device == 293_601_280
+    assert fp4.line("weights: dequantized layer (transient)").bytes_per_device == 32 * (25_165_824 + 1_536 * 4)
+    assert fp4.line("communication: MoE exchange").bytes_per_device == 7 * 1024 * (4096 + 32 * 4 + 2 * 4096 * 4)
+    # Widths off the 128 grid have no FP8 kernel: dequantized to bf16 per layer, tokens in bf16.
+    odd = plan_memory(FLASH.replace(moe_intermediate_size=2000), context=N, devices=8, weights="fp4-experts")
+    assert odd.line("weights: dequantized layer (transient)").bytes_per_device == 32 * 3 * 2000 * 4096 * 2
+    assert odd.line("communication: MoE exchange").bytes_per_device == 7 * 1024 * (4096 * 2 + 2 * 4096 * 4)

@@ -22,7 +22,15 @@ from safetensors.numpy import save_file
 
 import dsv4
 from dsv4 import weights
-from dsv4.quantization import BlockQuantized, dequantize_np, quantize_fp4, quantize_fp8
+from dsv4.quantization import (
+    E2M1_VALUES,
+    BlockQuantized,
+    dequantize_np,
+    e2m1_decode,
+    fp4_to_fp8_blocks,
+    quantize_fp4,
+    quantize_fp8,
+)
 from dsv4.weights import RELEASED_EXPERT, RELEASED_FP8, CheckpointError, checkpoint_index, read_tensor, save
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -89,6 +97,79 @@ def test_quantizers_are_exact_on_representable_values_and_use_ceil_grids():
     packed, s4 = quantize_fp4(v)
     assert packed.shape == (8, 32) and packed.dtype == np.int8 and s4.shape == (8, 2)
     np.testing.assert_array_equal(dequantize_np(packed, s4, "fp4", (1, 32), np.float32), v)
+
+
+def test_e2m1_decode_matches_the_code_table():
+    codes = jnp.arange(16, dtype=jnp.uint8)
+    np.testing.assert_array_equal(np.asarray(e2m1_decode(codes)), E2M1_VALUES)
+
+
+def _fp4(w, scale_fmt="ue8m0"):
+    q, s = quantize_fp4(w, scale_fmt=scale_fmt)
+    return q, s, BlockQuantized(jnp.asarray(q), jnp.asarray(s), "fp4", (1, 32), w.shape, "float32")
+
+
+def test_fp4_reblocked_as_fp8_blocks_is_exact_for_ue8m0_scales():
+    """Against the host decoder: group scales spread over 2^11 within a block convert exactly; a group 2^-24 below
+    its block's largest rounds to e4m3's subnormal steps (≤ 2^-16 of that scale); other scales round each value
+    to e4m3 (≤ 2^-4 relative)."""
+    rng = np.random.default_rng(7)
+    e, rows, cols = 2, 256, 384  # 2 × 3 blocks of 128 × 128, 4 groups a block row
+    w = rng.standard_normal((e, rows, cols)).astype(np.float32)
+    w *= np.repeat(np.exp2(-rng.integers(0, 12, (e, rows, cols // 32))), 32, axis=-1)
+    q, s, fp4 = _fp4(w)
+    fp8 = jax.jit(fp4_to_fp8_blocks)(fp4)
+    assert (fp8.fmt, fp8.block, fp8.shape, fp8.dtype_name) == ("fp8", (128, 128), w.shape, "float32")
+    assert fp8.q.dtype == jnp.float8_e4m3fn and fp8.q.shape == w.shape and fp8.scale.shape == (e, 2, 3)
+    np.testing.assert_array_equal(np.asarray(fp8.dequantize()), dequantize_np(q, s, "fp4", (1, 32), np.float32))
+
+    tiny = w.copy()
+    tiny[1, 130, 64:96] *= 2.0**-24  # one group of block (1, 1, 0), far below its neighbours
+    q, s, fp4 = _fp4(tiny)
+    err = np.abs(np.asarray(fp4_to_fp8_blocks(fp4).dequantize()) - dequantize_np(q, s, "fp4", (1, 32), np.float32))
+    assert err[1, 130, 64:96].max() <= 2.0**-16 * s[1, 128:256, 0:4].max()
+    err[1, 130, 64:96] = 0
+    assert err.max() == 0
+
+    q, s, fp4 = _fp4(w, scale_fmt=None)
+    want = dequantize_np(q, s, "fp4", (1, 32), np.float32)
+    err = np.abs(np.asarray(fp4_to_fp8_blocks(fp4).dequantize()) - want)
+    assert (err <= 2.0**-4 * np.abs(want) + 2.0**-16 * s.max()).all()
+
+    for bad in (BlockQuantized(fp4.q[:, :100], fp4.scale[:, :100], "fp4", (1, 32), (e, 100, cols), "float32"),
+                fp4_to_fp8_blocks(fp4)):  # fmt: skip
+        with pytest.raises(ValueError, match="FP4 BlockQuantized weight"):
+            fp4_to_fp8_blocks(bad)
+
+
+def test_fp4_experts_run_the_fp8_kernel_as_their_fp8_image():
+    """The model's MoE (Pallas, interpret mode on a CPU) with FP4 experts gives what it gives with the same values
+    stored as FP8 blocks by the host quantizer (exact images of each other under ue8m0 scales): W8A8 both ways."""
+    from dsv4.config import SLIDING, Config
+    from dsv4.moe import MoE
+
+    cfg = Config.from_hf({"hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 4,
+                          "num_experts_per_tok": 2, "num_hidden_layers": 1, "layer_types": [SLIDING],
+                          "mlp_layer_types": ["moe"]})  # fmt: skip
+    moe = MoE(cfg, "moe", rngs=np.random.default_rng(3), dtype=jnp.bfloat16, moe_impl="pallas")
+    images = {}
+    for name in ("gate_up_proj", "down_proj"):
+        w = np.asarray(moe.experts[name].get_value(), np.float32)
+        q, s, _ = _fp4(w)
+        values = dequantize_np(q, s, "fp4", (1, 32), np.float32)
+        q8, s8 = quantize_fp8(values, (128, 128))
+        assert np.array_equal(dequantize_np(q8, s8, "fp8", (128, 128), np.float32), values)  # an exact image
+        images[name] = (BlockQuantized(jnp.asarray(q), jnp.asarray(s), "fp4", (1, 32), w.shape, "bfloat16"),
+                        BlockQuantized(jnp.asarray(q8), jnp.asarray(s8), "fp8", (128, 128), w.shape, "bfloat16"))
+    x = jax.random.normal(jax.random.key(4), (1, 13, 256), jnp.bfloat16)
+    tok = jnp.arange(13, dtype=jnp.int32)[None]
+    outs = []
+    for i in (0, 1):
+        for name, pair in images.items():
+            moe.experts[name].set_value(pair[i])
+        assert moe.expert_weights()[0].dtype == jnp.float8_e4m3fn
+        outs.append(np.asarray(nnx.jit(lambda m, a, t: m(a, t))(moe, x, tok), np.float32))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
