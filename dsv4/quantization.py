@@ -233,15 +233,20 @@ def fp4_to_fp8_blocks(w: BlockQuantized) -> BlockQuantized:
                          f"{FP8_BLOCK}; got {w.fmt if isinstance(w, BlockQuantized) else type(w).__name__} "
                          f"{getattr(w, 'shape', None)}")  # fmt: skip
     *lead, rows, cols = w.shape
-    codes = w.q.view(jnp.uint8) if w.q.dtype != jnp.uint8 else w.q
-    values = jnp.stack([e2m1_decode(codes & 0xF), e2m1_decode(codes >> 4)], axis=-1).reshape(w.shape)
     b0, b1 = FP8_BLOCK
     per_block = b1 // FP4_GROUP
     groups = w.scale.astype(jnp.float32).reshape(*lead, rows // b0, b0, cols // b1, per_block)
     top = groups.max(axis=(-3, -1))
     block_scale = jnp.where(top > 0, top / _FP4_IN_FP8_HEADROOM, 1.0)
-    ratio = groups / block_scale[..., :, None, :, None]  # [..., R, b0, C, per_block]
-    ratio = ratio.reshape(*lead, rows, cols // FP4_GROUP)
-    scaled = values.reshape(*lead, rows, cols // FP4_GROUP, FP4_GROUP) * ratio[..., None]
-    q = scaled.reshape(w.shape).astype(jnp.float8_e4m3fn)
+    ratio = (groups / block_scale[..., :, None, :, None]).reshape(*lead, rows, cols // FP4_GROUP, 1)
+    # Work on the packed bytes ([.., group, 16]): each byte's two e2m1 codes become two e4m3 bytes, joined into
+    # one uint16 (low code in the low byte: the even column first in memory) and bitcast back to bytes, so the
+    # whole conversion is one elementwise pass with no float32 copy of the weight.
+    codes = (w.q.view(jnp.uint8) if w.q.dtype != jnp.uint8 else w.q).reshape(*lead, rows, cols // FP4_GROUP, -1)
+
+    def e4m3_bits(c):
+        return (e2m1_decode(c) * ratio).astype(jnp.float8_e4m3fn).view(jnp.uint8).astype(jnp.uint16)
+
+    pairs = e4m3_bits(codes & 0xF) | (e4m3_bits(codes >> 4) << 8)
+    q = jax.lax.bitcast_convert_type(pairs, jnp.uint8).reshape(w.shape).view(jnp.float8_e4m3fn)
     return BlockQuantized(q, block_scale, "fp8", FP8_BLOCK, tuple(w.shape), w.dtype_name)
