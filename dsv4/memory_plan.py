@@ -37,8 +37,9 @@ milliseconds. The placement it assumes is the engine's on a mesh (`dsv4.LLM(...,
   writes them, the closed windows' compressed entries and indexer keys into every device's copy of the cache;
   the routed experts run expert-parallel.
 - Communication: one layer's gathered K=V rows of the chunk, double-buffered so the next layer's gather overlaps
-  this one (a few MiB); the MoE's expert-parallel exchange (`dsv4.sharding.expert_parallel`,
-  schedule "direct"): per step of at most `EP_STEP_TOKENS` of this device's tokens, the copies received
+  this one (a few MiB); the MoE's expert-parallel exchange (`dsv4.sharding.expert_parallel`, schedule
+  "direct", the bound for "sparse" too, whose over-capacity fallback it is): per step of at most `EP_STEP_TOKENS`
+  of this device's tokens, the copies received
   from the N − 1 other devices (bf16, or fp8 + one float32 scale per 128 values with FP8 experts) and the N − 1
   float32 partial results sent back and received.
 - Activations: one layer's temporaries for one chunk (layers run one after another), for the chunk's share of

@@ -45,9 +45,10 @@ Predictions (printed beside each measurement, labelled "pred"): compute = the mi
 share of the work / ``--prior-efficiency`` (0.5: a 512K prefill on one H200 ran at about half its floor, 3 layers,
 both through the engine and chunked); communication from measurements on 2 H200s of one host (NVLink): a collective
 costs about 0.35 ms plus its bytes at 241 GB/s (all-gather, bus) or 305 GB/s (permute); per layer and chunk, the
-chunk's K=V rows and compressed entries are all-gathered, and the expert-parallel exchange ("direct" schedule) sends
-each device's tokens to every other device (1.03 bytes a value with FP8 experts: e4m3 and a float32 scale per 128;
-2 in bf16) and gets their float32 partial results back (4 bytes a value); about 15% of it ran beside the expert
+chunk's K=V rows and compressed entries are all-gathered, and the expert-parallel exchange (the model's schedule:
+"direct" sends each device's tokens to every other device, "sparse" the `sparse_capacity` share of them to each)
+sends tokens (1.03 bytes a value with W8A8 experts: e4m3 and a float32 scale per 128; 2 in bf16) and gets float32
+partial results back (4 bytes a value); about 15% of it ran beside the expert
 GEMMs at N = 2 (3.4 of 19-27 ms), the rest is taken as exposed, the gathers as exposed too. TPOT: the replicated
 weights read once a step (three times when FP8 ones are dequantized where read) at 4.3 TB/s, plus 2 (N - 1) exchange
 latencies per layer.
@@ -64,6 +65,7 @@ import dataclasses
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import socket
@@ -270,11 +272,14 @@ def predict_comm(config: Config, devices: int, seq: int, chunk: int, weights: st
     of `chunk` tokens (the model in the module docstring), and the exposed part predicted."""
     if devices == 1:
         return dict(gather_s=0.0, exchange_s=0.0, exposed_s=0.0)
-    from dsv4.sharding.expert_parallel import DEFAULT_CHUNK_TOKENS
+    from dsv4.sharding.expert_parallel import DEFAULT_CHUNK_TOKENS, resolve_schedule, sparse_capacity
 
     d, hd, ihd = config.hidden_size, config.head_dim, config.index_head_dim
     row_bytes = 2  # K=V rows and entries gathered in bf16
-    token_bytes = d + d // 128 * 4 if weights == "fp8" else 2 * d  # FP8 dispatch: e4m3 + a float32 per 128
+    fp8_tokens = weights in ("fp8", "fp8-fp4-experts")  # W8A8 experts (FP4 ones re-blocked): e4m3 + a float32 / 128
+    token_bytes = d + d // 128 * 4 if fp8_tokens else 2 * d
+    e, k = config.n_routed_experts, config.num_experts_per_tok
+    sent = sparse_capacity(e, devices, k) if resolve_schedule("auto", e, devices, k) == "sparse" else 1.0
     gather = exchange = 0.0
     for start in range(0, seq, chunk):
         t = -(-min(chunk, seq - start) // devices)  # this device's tokens of the chunk
@@ -288,7 +293,8 @@ def predict_comm(config: Config, devices: int, seq: int, chunk: int, weights: st
             gather += sum(LINK_LATENCY_S + (devices - 1) * s / ALL_GATHER_BUS_BPS for s in sizes if s)
             for s0 in range(0, t, DEFAULT_CHUNK_TOKENS):
                 step = min(DEFAULT_CHUNK_TOKENS, t - s0)
-                exchange += (devices - 1) * (2 * LINK_LATENCY_S + step * (token_bytes + 4 * d) / PERMUTE_BPS)
+                rows = math.ceil(sent * step)  # the model's schedule: each peer's packed rows under "sparse"
+                exchange += (devices - 1) * (2 * LINK_LATENCY_S + rows * (token_bytes + 4 * d) / PERMUTE_BPS)
     return dict(gather_s=gather, exchange_s=exchange, exposed_s=gather + (1 - EXCHANGE_HIDDEN) * exchange)
 
 

@@ -15,6 +15,10 @@ Dispatch and combine (`routed_experts_ep`), per chunk of at most `chunk_tokens` 
                             send part (combine_dtype) back to i − t;  y += part received from i + t
     schedule "ring": the chunk travels i → i + 1 → … → i − 1 with one accumulator of its routed output; at step t
         shard i adds its experts' part for chunk (i − t) mod N and passes both on; after N steps it is home.
+    schedule "sparse" ("direct", owner-only): as "direct", but shard i + t gets only the chunk's tokens with at
+        least one expert on it, packed into a static `capacity` rows (fill rows route nowhere), and its parts come
+        back to those rows. If any shard's count for any peer exceeds the capacity (agreed by one pmax of a scalar,
+        so every shard takes the same branch), the chunk goes "direct" instead: dropless either way.
 
 Either way every token's sum is complete and exact (no token dropped, no capacity: a pair on another shard's
 expert is sent to the kernel's empty group and costs no FLOPs), and every transfer is independent of the expert
@@ -29,12 +33,18 @@ one float32 scale per 128 = 1.03; partial results bf16 = 2 or float32 = 4):
     direct:        (N − 1) · (token + part)     N = 2: 6 (bf16 tokens, f32 parts), 5.03 (fp8 tokens), 4 (bf16 parts)
     ring:          (N − 1) · token + N · part   N = 2: 10 (f32 accumulator), 6 (bf16)
     all-to-all:    2 · K · (N − 1) / N · 2 (K = 6 copies out, as many back, no deduplication)   N = 2: 12
-At N = 8 "direct" sends 42 (28 with bf16 parts) against the all-to-all's 21: past 2–4 devices a ragged all-to-all
-(`jax.lax.ragged_all_to_all`, whose split is data dependent) becomes the better transport. The permutes need no
-per-step sizes, have static shapes, run on every backend (XLA:CPU has no ragged all-to-all, so the CPU tests could
-not check that one), and overlap with compute. Tokens in FP8: with FP8 expert weights run W8A8, the activations are
-quantized per token and 128-group before the first GEMM anyway, so quantizing where the token lives and sending
-the fp8 values with their scales gives bit for bit the same GEMM inputs for half the dispatch bytes.
+    sparse:        (N − 1) · c · (token + part), c = the capacity over the chunk: under uniform top-K routing a
+                   peer needs 1 − C(E − E/N, K) / C(E, K) of the tokens (N = 8, K = 6 of 256: 0.555), and the
+                   capacity is that × SPARSE_MARGIN (0.69)
+At N = 8 "direct" sends 42 (28 with bf16 parts) against the all-to-all's 21 and "sparse"'s 29: a token only goes
+where one of its experts is, as a ragged all-to-all (`jax.lax.ragged_all_to_all`, whose split is data dependent)
+would send it, but in static shapes. The permutes need no per-step sizes, run on every backend (XLA:CPU has no
+ragged all-to-all, so the CPU tests could not check that one), and overlap with compute. "auto" (the model's
+default) takes "sparse" where its capacity is at most AUTO_SPARSE_MAX of the chunk (N ≥ 8 at V4's K = 6 of 256),
+else "direct": at N = 2 a peer needs 98% of the tokens, and packing them would only add work.
+Tokens in FP8: with FP8 expert weights run W8A8, the activations are quantized per token and 128-group before the
+first GEMM anyway, so quantizing where the token lives and sending the fp8 values with their scales gives bit for bit
+the same GEMM inputs for half the dispatch bytes.
 Imbalance: each shard computes the pairs routed to its own experts, whatever shard the tokens came from, so the
 load per shard is the routing's load per expert group, as with any dropless EP.
 
@@ -45,6 +55,7 @@ values, the same compute), for measuring how much communication is exposed (scri
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -59,6 +70,35 @@ F32 = jnp.float32
 # Tokens per step: ≈ 5 TFLOP of expert GEMMs per shard at V4-Flash widths and N = 2, ~6 GiB of temporaries.
 DEFAULT_CHUNK_TOKENS = 32768
 MAX_UNROLLED_CHUNKS = 16
+SCHEDULES = ("direct", "ring", "sparse", "auto")
+# "sparse": each peer's rows = the uniform-routing share × this margin (routing is not uniform: a peer whose experts
+# are popular needs more; past the capacity the chunk goes "direct"), and "auto" takes it at most at this share.
+SPARSE_MARGIN = 1.25
+AUTO_SPARSE_MAX = 0.85
+
+
+def peer_share(num_experts: int, n: int, k: int) -> float:
+    """The share of tokens with at least one of their k distinct experts (uniformly routed) among the num_experts / n
+    of one peer: 1 − C(E − E/N, k) / C(E, k)."""
+    e_l = num_experts // n
+    miss = 1.0
+    for j in range(k):
+        miss *= max(0, num_experts - e_l - j) / (num_experts - j)
+    return 1.0 - miss
+
+
+def sparse_capacity(num_experts: int, n: int, k: int, margin: float = SPARSE_MARGIN) -> float:
+    """The rows "sparse" sends each peer, as a share of the chunk's tokens (at most 1)."""
+    return min(1.0, peer_share(num_experts, n, k) * margin)
+
+
+def resolve_schedule(schedule: str, num_experts: int, n: int, k: int) -> str:
+    """Resolves "auto": "sparse" where its capacity is at most AUTO_SPARSE_MAX of a chunk, else "direct"."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}; expected one of {SCHEDULES}")
+    if schedule != "auto":
+        return schedule
+    return "sparse" if sparse_capacity(num_experts, n, k) <= AUTO_SPARSE_MAX else "direct"
 
 
 def ep_layout(num_experts: int, mesh: Mesh | None = None, axis: str | None = None) -> tuple[Mesh, str, int] | None:
@@ -102,6 +142,7 @@ def routed_experts_ep(
     out_dtype=None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     schedule: str = "direct",
+    capacity: float | None = None,
     comm: str = "ppermute",
     unroll: bool | None = None,
     combine_dtype=F32,
@@ -116,9 +157,11 @@ def routed_experts_ep(
     FP8: gate_up_scales / down_scales (split like the weights) go to local_experts with them; x may come quantized
     (float8_e4m3fn with x_scales [B, S, D // 128] f32, W8A8's own quantization): the tokens then travel as 1-byte
     values, the dispatch's bytes halved at no cost in accuracy. out_dtype is then required.
-    chunk_tokens: tokens per step per device. schedule: "direct" (each step's partial result goes straight home) or
-    "ring" (one accumulator passed round the ring). unroll: one straight-line program over the chunks (default when
-    there are at most MAX_UNROLLED_CHUNKS) or a `lax.scan` over them. combine_dtype: the dtype partial results
+    chunk_tokens: tokens per step per device. schedule: "direct" (each step's partial result goes straight home),
+    "ring" (one accumulator passed round the ring), "sparse" (as "direct", each peer sent only the tokens it has
+    experts for, in `capacity` × chunk rows; default capacity `sparse_capacity`) or "auto" (`resolve_schedule`).
+    unroll: one straight-line program over the chunks (default when there are at most MAX_UNROLLED_CHUNKS) or a
+    `lax.scan` over them. combine_dtype: the dtype partial results
     travel in: float32 (the default) keeps each token's sum as one device computes it; bfloat16 halves those bytes
     and rounds each remote part once before the float32 sum at home (a V4-Flash MoE output moves by 2e-3 rel. L2,
     a 3-layer model's last-token logits moved by 3e-2: docs/kernels/parallelism.md);
@@ -126,8 +169,10 @@ def routed_experts_ep(
     """
     if comm not in ("ppermute", "local"):
         raise ValueError(f"comm={comm!r}; expected 'ppermute' or 'local'")
-    if schedule not in ("direct", "ring"):
-        raise ValueError(f"schedule={schedule!r}; expected 'direct' or 'ring'")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}; expected one of {SCHEDULES}")
+    if capacity is not None and not 0 < capacity <= 1:
+        raise ValueError(f"capacity={capacity}: a share of the chunk's tokens, in (0, 1]")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
     if (x_scales is not None) != (x.dtype == jnp.float8_e4m3fn):
@@ -143,6 +188,10 @@ def routed_experts_ep(
         raise ValueError(f"routed_experts_ep: no mesh axis splits both the sequence and the {e} experts")
     mesh, axis, n = layout
     b, s, d = x.shape
+    k = expert_ids.shape[-1]
+    schedule = resolve_schedule(schedule, e, n, k)
+    if schedule == "sparse" and capacity is None:
+        capacity = sparse_capacity(e, n, k)
     tokens = (x,) if x_scales is None else (x, x_scales)
     experts = (gate_up, down) if gate_up_scales is None else (gate_up, down, gate_up_scales, down_scales)
     pad = -s % n
@@ -151,27 +200,29 @@ def routed_experts_ep(
         expert_ids = jnp.pad(expert_ids, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
         weights = jnp.pad(weights, ((0, 0), (0, pad), (0, 0)))
     combine = jnp.dtype(combine_dtype or out_dtype or x.dtype)  # None: the output's dtype
-    program = _ep_program(local_experts, mesh, axis, n, len(tokens), len(experts), chunk_tokens, schedule, comm,
-                            unroll, combine)  # fmt: skip
+    program = _ep_program(local_experts, mesh, axis, n, len(tokens), len(experts), chunk_tokens, schedule,
+                          capacity if schedule == "sparse" else None, comm, unroll, combine)  # fmt: skip
     out = program(*tokens, expert_ids, weights.astype(F32), *experts)
     out = out[:, :s] if pad else out
     return out.astype(out_dtype or x.dtype)
 
 
 @functools.lru_cache(maxsize=64)
-def _ep_program(local_experts, mesh, axis, n, n_tokens, n_experts, chunk_tokens, schedule, comm, unroll,
-                  combine_dtype):  # fmt: skip
+def _ep_program(local_experts, mesh, axis, n, n_tokens, n_experts, chunk_tokens, schedule, capacity, comm, unroll,
+                combine_dtype):  # fmt: skip
     """The jitted shard_map, cached: inside an outer jit it is inlined; called eagerly (the model's
     `prefill_chunk` / `decode` outside jit) it is compiled once instead of dispatched op by op, which took minutes
     per call. Pass the same `local_experts` object for the same math (dsv4.moe does) to hit the cache."""
     body = functools.partial(_ep_body, local_experts, axis=axis, n=n, n_tokens=n_tokens, chunk_tokens=chunk_tokens,
-                             schedule=schedule, comm=comm, unroll=unroll, combine_dtype=combine_dtype)  # fmt: skip
+                             schedule=schedule, capacity=capacity, comm=comm, unroll=unroll,
+                             combine_dtype=combine_dtype)  # fmt: skip
     seq = P(None, axis)
     specs = (seq,) * (n_tokens + 2) + (P(axis),) * n_experts
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=seq, check_vma=False))
 
 
-def _ep_body(local_experts, *arrays, axis, n, n_tokens, chunk_tokens, schedule, comm, unroll, combine_dtype):
+def _ep_body(local_experts, *arrays, axis, n, n_tokens, chunk_tokens, schedule, capacity, comm, unroll,
+             combine_dtype):  # fmt: skip
     """One shard: arrays = token pieces (x [, x_scales]), expert_ids, weights, expert pieces (gate_up, down [,
     their scales]), all local slices. → float32 [B, S_l, D], this shard's tokens' routed output."""
     tok, (expert_ids, weights), experts = arrays[:n_tokens], arrays[n_tokens : n_tokens + 2], arrays[n_tokens + 2 :]
@@ -229,7 +280,36 @@ def _ep_body(local_experts, *arrays, axis, n, n_tokens, chunk_tokens, schedule, 
                 in_hand = nxt
         return y.astype(F32)
 
-    step = direct if schedule == "direct" else ring
+    def sparse(chunk, rows):
+        """As direct(chunk), each peer sent only the chunk's tokens that have an expert on it, packed into `rows`;
+        the chunk goes direct() when any shard has more for any peer (all shards agree through one pmax)."""
+        owner = jnp.where(chunk[n_tokens] >= 0, chunk[n_tokens] // e_l, -1)  # [size, K]: the shard of each expert
+        me = jax.lax.axis_index(axis)
+        needs = [(owner == (me + t) % n).any(-1) for t in range(1, n)]  # [size] each: peer i + t needs the token
+        most = jnp.max(jnp.stack([m.sum() for m in needs]))
+        fits = (most if comm == "local" else jax.lax.pmax(most, axis)) <= rows
+
+        def packed(chunk):
+            # row j of peer i + t's pack is my token slots[t][j]; `size` (out of range) fills the rest
+            slots = [None] + [jnp.nonzero(m, size=rows, fill_value=size)[0] for m in needs]
+            fills = [0] * n_tokens + [-1, 0]  # fill rows: no expert, no weight
+            out = [None] + [tuple(jnp.take(a, slots[t], axis=0, mode="fill", fill_value=f) for a, f in
+                                  zip(chunk, fills, strict=True)) for t in range(1, n)]  # fmt: skip
+            arrived = [None] + [tuple(shift(a, t) for a in out[t]) for t in range(1, n)]
+            y = mine(chunk).astype(F32)
+            for t in range(1, n):
+                part = mine(arrived[t]).astype(combine_dtype)
+                back = shift(part, -t).astype(F32)  # from shard i + t: the parts of my pack for it, row for row
+                y = y.at[slots[t]].add(back, mode="drop")
+            return y
+
+        return jax.lax.cond(fits, packed, direct, chunk)
+
+    if schedule == "sparse":
+        rows = max(1, min(size, math.ceil(capacity * size)))
+        step = (lambda c: sparse(c, rows)) if rows < size else direct
+    else:
+        step = direct if schedule == "direct" else ring
     if unroll is None:
         unroll = chunks <= MAX_UNROLLED_CHUNKS
     if unroll:  # one program: a chunk's last transfer home can overlap the next chunk's compute
