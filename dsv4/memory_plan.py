@@ -37,9 +37,9 @@ milliseconds. The placement it assumes is the engine's on a mesh (`dsv4.LLM(...,
   writes them, the closed windows' compressed entries and indexer keys into every device's copy of the cache;
   the routed experts run expert-parallel.
 - Communication: one layer's gathered K=V rows of the chunk, double-buffered so the next layer's gather overlaps
-  this one (a few MiB); the MoE's expert-parallel exchange (`dsv4.sharding.expert_parallel`, schedule
-  "direct", the bound for "sparse" too, whose over-capacity fallback it is): per step of at most `EP_STEP_TOKENS`
-  of this device's tokens, the copies received
+  this one (a few MiB); the MoE's expert-parallel exchange (`dsv4.sharding.expert_parallel`, schedule "direct";
+  past 2 devices the larger of it and "alltoall"'s packs, whose over-capacity fallback it is): per step of at most
+  `EP_STEP_TOKENS` of this device's tokens, the copies received
   from the N − 1 other devices (bf16, or fp8 + one float32 scale per 128 values with FP8 experts) and the N − 1
   float32 partial results sent back and received.
 - Activations: one layer's temporaries for one chunk (layers run one after another), for the chunk's share of
@@ -68,6 +68,38 @@ FP4_GROUP = 32  # fp4 experts: one scale per row and 32 columns (dsv4.quantizati
 SCALE_BYTES = 4  # weight scales are float32 on the device (BlockQuantized.scale)
 EP_STEP_TOKENS = 32768  # = dsv4.sharding.expert_parallel.DEFAULT_CHUNK_TOKENS (that module imports JAX; a test checks)
 ACT_BYTES = 2  # activations, open-window state and dequantized weights in bf16 (the compute dtype)
+
+# The expert exchange's schedules (dsv4.sharding.expert_parallel, which imports JAX; the plan sizes its buffers).
+SCHEDULES = ("direct", "ring", "sparse", "alltoall", "auto")
+# "sparse" / "alltoall": each peer's rows = the uniform-routing share × this margin (routing is not uniform: a peer
+# whose experts are popular needs more; past the capacity the chunk goes "direct").
+SPARSE_MARGIN = 1.25
+
+
+def peer_share(num_experts: int, n: int, k: int) -> float:
+    """The share of tokens with at least one of their k distinct experts (uniformly routed) among the num_experts / n
+    of one peer: 1 − C(E − E/N, k) / C(E, k)."""
+    e_l = num_experts // n
+    miss = 1.0
+    for j in range(k):
+        miss *= max(0, num_experts - e_l - j) / (num_experts - j)
+    return 1.0 - miss
+
+
+def sparse_capacity(num_experts: int, n: int, k: int, margin: float = SPARSE_MARGIN) -> float:
+    """The rows "sparse" / "alltoall" send each peer, as a share of the chunk's tokens (at most 1)."""
+    return min(1.0, peer_share(num_experts, n, k) * margin)
+
+
+def resolve_schedule(schedule: str, num_experts: int, n: int, k: int) -> str:
+    """Resolves "auto": "direct" on 2 devices (measured: its one transfer each way overlaps the expert GEMMs),
+    "alltoall" on more (predicted: two collectives a step instead of 2 (N − 1), each peer sent only its share)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}; expected one of {SCHEDULES}")
+    if schedule != "auto":
+        return schedule
+    return "direct" if n <= 2 else "alltoall"
+
 
 WEIGHT_FORMATS = ("bf16", "fp8", "fp4-experts", "fp32")
 KV_FORMATS = (*FORMAT_NAMES, "fp8", "fp32")  # "fp8" = DEFAULT_FP8_FORMAT; "fp32": unquantized float32 rows
@@ -385,21 +417,30 @@ def plan_memory(
     activations = t * per_token + index_scores + config.vocab_size * 4
 
     # Expert parallelism ("direct"): the other devices' copies of one step's tokens, and the float32 partial
-    # results for them, sent back and received.
+    # results for them, sent back and received. "alltoall" (the model's default past 2 devices): each device's packs
+    # out and in, and their parts out and back; its fallback is "direct", so the larger of the two.
     step = min(t, EP_STEP_TOKENS)
     token_bytes = d + d // FP8_BLOCK * SCALE_BYTES if fp8_expert_kernels(config, weights) else d * ACT_BYTES
     token_how = (
         f"{d} B fp8 + {d // FP8_BLOCK} × 4 B scales" if fp8_expert_kernels(config, weights) else f"{d} × {ACT_BYTES} B"
     )
     exchange = (devices - 1) * step * (token_bytes + 2 * d * 4)
+    exchange_how = (f"{devices - 1} other devices × {step} tokens × ({token_how} in + 2 × {d} × 4 B partial "
+                    "results out and back)")  # fmt: skip
+    e, k = config.n_routed_experts, config.num_experts_per_tok
+    if devices > 1 and resolve_schedule("auto", e, devices, k) == "alltoall":
+        rows = math.ceil(sparse_capacity(e, devices, k) * step)
+        packed = devices * rows * 2 * (token_bytes + d * 4)
+        if packed > exchange:
+            exchange = packed
+            exchange_how = (f"all-to-all: {devices} packs × {rows} rows × 2 × ({token_how} + {d} × 4 B partial "
+                            "results), out and in")  # fmt: skip
     lines += [
         LedgerLine("activations: one chunk", activations,
                    f"{t} tokens (of a {chunk_size}-token chunk) × {per_token} B, one layer; indexer scores "
                    f"{min(t, slab_rows)} × {csa_keys} × 4 B; last-token logits"),
         LedgerLine("communication: chunk K=V all-gather", gathered, gathered_how),
-        LedgerLine("communication: MoE exchange", exchange,
-                   f"{devices - 1} other devices × {step} tokens × ({token_how} in + 2 × {d} × 4 B partial "
-                   "results out and back)"),
+        LedgerLine("communication: MoE exchange", exchange, exchange_how),
     ]  # fmt: skip
     return MemoryPlan(config, context, devices, kv_format, weights, chunk_size, device_memory_gib, headroom,
                       tuple(lines), device, layout.bytes_per_request(context) / context)  # fmt: skip

@@ -110,8 +110,8 @@ class MoE(nnx.Module):
         # Under expert parallelism, tokens per step (bounds the per-step memory; dsv4/sharding/expert_parallel.py)
         self.ep_chunk_tokens = DEFAULT_CHUNK_TOKENS
         # ... the dtype the partial results travel in (float32: exact; bfloat16 halves those bytes), and the
-        # schedule ("auto": "direct", each partial result straight home, or from 8 devices at V4's top-6 of 256
-        # "sparse", each token only to the devices owning one of its experts; or "ring"); docs/kernels/parallelism.md
+        # schedule ("auto": on 2 devices "direct", each partial result straight home; on more "alltoall", each token
+        # only to the devices owning one of its experts, in one all-to-all each way); docs/kernels/parallelism.md
         self.ep_combine_dtype = F32
         self.ep_schedule = "auto"
         # Experts loaded FP8 (`dsv4.load(keep_quantized=True)`, 128 × 128 blocks) or FP4 (re-blocked as FP8 each

@@ -50,8 +50,8 @@ chunk's K=V rows and compressed entries are all-gathered, and the expert-paralle
 sends tokens (1.03 bytes a value with W8A8 experts: e4m3 and a float32 scale per 128; 2 in bf16) and gets float32
 partial results back (4 bytes a value); about 15% of it ran beside the expert
 GEMMs at N = 2 (3.4 of 19-27 ms), the rest is taken as exposed, the gathers as exposed too. TPOT: the replicated
-weights read once a step (three times when FP8 ones are dequantized where read) at 4.3 TB/s, plus 2 (N - 1) exchange
-latencies per layer.
+weights read once a step (three times when FP8 ones are dequantized where read) at 4.3 TB/s, plus the exchange's
+latencies per layer (2 (N - 1), or 2 for "alltoall").
 
 --smoke runs every step on 8 CPU host devices at tiny widths (one layer of each type, lengths 64 / 128 / 256,
 chunks of 32, 2 tokens generated, meshes of 1 and 8 devices), kernels "auto" (XLA on a CPU), no HLO dump; its
@@ -107,6 +107,12 @@ from dsv4.model import DecoderLayer  # noqa: E402
 from dsv4.quantization import BlockQuantized  # noqa: E402
 from dsv4.random_weights import WEIGHT_FORMATS, random_model  # noqa: E402
 from dsv4.sharding import make_mesh  # noqa: E402
+from dsv4.sharding.expert_parallel import (  # noqa: E402
+    DEFAULT_CHUNK_TOKENS,
+    SCHEDULES,
+    resolve_schedule,
+    sparse_capacity,
+)
 
 SHORT = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}
 PLAN_WEIGHTS = {"bf16": "bf16", "fp8": "fp8", "fp8-fp4-experts": "fp4-experts"}  # `dsv4 plan`'s names
@@ -156,6 +162,8 @@ def build_model(args, config: Config, mesh):
     """Random weights in `args.weights`, made on `mesh`'s devices; layers scoped. → (model, seconds, bytes)."""
     t0 = time.perf_counter()
     model = random_model(config, args.seed, dtype=jnp.bfloat16, kernels=args.kernels, weights=args.weights, mesh=mesh)
+    for layer in model.layers:
+        layer.mlp.ep_schedule = args.ep_schedule
     leaves = jax.tree.leaves(model)
     jax.block_until_ready(leaves)
     for layer in model.layers:
@@ -267,19 +275,19 @@ def floor_s(config: Config, seq: int, devices: int, kernels: Kernels, weights: s
         rates)  # fmt: skip
 
 
-def predict_comm(config: Config, devices: int, seq: int, chunk: int, weights: str) -> dict[str, float]:
+def predict_comm(config: Config, devices: int, seq: int, chunk: int, weights: str,
+                 schedule: str = "auto") -> dict[str, float]:  # fmt: skip
     """Seconds of all-gathers and of the expert exchange in one device's share of a `seq`-token prefill in chunks
     of `chunk` tokens (the model in the module docstring), and the exposed part predicted."""
     if devices == 1:
         return dict(gather_s=0.0, exchange_s=0.0, exposed_s=0.0)
-    from dsv4.sharding.expert_parallel import DEFAULT_CHUNK_TOKENS, resolve_schedule, sparse_capacity
-
     d, hd, ihd = config.hidden_size, config.head_dim, config.index_head_dim
     row_bytes = 2  # K=V rows and entries gathered in bf16
     fp8_tokens = weights in ("fp8", "fp8-fp4-experts")  # W8A8 experts (FP4 ones re-blocked): e4m3 + a float32 / 128
     token_bytes = d + d // 128 * 4 if fp8_tokens else 2 * d
     e, k = config.n_routed_experts, config.num_experts_per_tok
-    sent = sparse_capacity(e, devices, k) if resolve_schedule("auto", e, devices, k) == "sparse" else 1.0
+    schedule = resolve_schedule(schedule, e, devices, k)
+    sent = sparse_capacity(e, devices, k) if schedule in ("sparse", "alltoall") else 1.0  # "ring" counted as direct
     gather = exchange = 0.0
     for start in range(0, seq, chunk):
         t = -(-min(chunk, seq - start) // devices)  # this device's tokens of the chunk
@@ -293,15 +301,17 @@ def predict_comm(config: Config, devices: int, seq: int, chunk: int, weights: st
             gather += sum(LINK_LATENCY_S + (devices - 1) * s / ALL_GATHER_BUS_BPS for s in sizes if s)
             for s0 in range(0, t, DEFAULT_CHUNK_TOKENS):
                 step = min(DEFAULT_CHUNK_TOKENS, t - s0)
-                rows = math.ceil(sent * step)  # the model's schedule: each peer's packed rows under "sparse"
-                exchange += (devices - 1) * (2 * LINK_LATENCY_S + rows * (token_bytes + 4 * d) / PERMUTE_BPS)
+                rows = math.ceil(sent * step)  # each peer's packed rows under "sparse" / "alltoall"
+                transfers = (devices - 1) * rows * (token_bytes + 4 * d) / PERMUTE_BPS
+                # a collective's latency per peer each way, or for "alltoall" once each way
+                exchange += 2 * LINK_LATENCY_S * (1 if schedule == "alltoall" else devices - 1) + transfers
     return dict(gather_s=gather, exchange_s=exchange, exposed_s=gather + (1 - EXCHANGE_HIDDEN) * exchange)
 
 
 def predict_ttft(args, config: Config, devices: int, seq: int, chunk: int, kernels: Kernels, rates,
                  efficiency: float | None = None) -> dict:  # fmt: skip
     flops, floor = floor_s(config, seq, devices, kernels, args.weights, rates)
-    comm = predict_comm(config, devices, seq, chunk, args.weights)
+    comm = predict_comm(config, devices, seq, chunk, args.weights, args.ep_schedule)
     compute = floor / (efficiency or args.prior_efficiency)
     return dict(flops=flops, floor_s=floor, compute_s=compute, **comm, ttft_s=compute + comm["exposed_s"])
 
@@ -310,7 +320,9 @@ def predict_tpot(args, config: Config, devices: int, p) -> float:
     """Seconds per generated token (module docstring): replicated weights streamed, exchange latencies."""
     replicated = sum(line.bytes_per_device for line in p.lines if "(replicated)" in line.name)
     reads = 3 if args.weights != "bf16" else 1  # FP8 dense weights are dequantized where read: read, write, read
-    return replicated * reads / COPY_BPS + config.num_hidden_layers * 2 * (devices - 1) * LINK_LATENCY_S
+    schedule = resolve_schedule(args.ep_schedule, config.n_routed_experts, devices, config.num_experts_per_tok)
+    collectives = 1 if schedule == "alltoall" else devices - 1  # each way, a layer
+    return replicated * reads / COPY_BPS + config.num_hidden_layers * 2 * collectives * LINK_LATENCY_S
 
 
 # ---------------------------------------------------------------------------------------------
@@ -592,7 +604,7 @@ def step_profile(ctx: Context) -> None:
     floor = floor_seconds({k: v / devices for k, v in by_precision(parts, model.kernels, PLAN_WEIGHTS[args.weights],
                                                                      config=config).items()}, ctx.rates)  # fmt: skip
     entry["pred"] = dict(flops=sum(parts.values()), floor_s=floor, compute_s=floor / args.prior_efficiency,
-                         **predict_comm(config, devices, share, chunk, args.weights))  # fmt: skip
+                         **predict_comm(config, devices, share, chunk, args.weights, args.ep_schedule))  # fmt: skip
     if not rows:
         entry["status"] = "ok"
         entry["note"] = "no GPU kernels in the trace (a CPU run): the breakdown needs GPU device events" + (
@@ -712,10 +724,10 @@ def step_scaling(ctx: Context) -> None:
                 rec.error(entry, where, exc)
                 continue
             flops, floor = floor_s(config, length, m, model.kernels, args.weights, ctx.rates)
+            comm_pred = predict_comm(config, m, length, chunk, args.weights, args.ep_schedule)
             mrow["lengths"][str(length)] = dict(ttft_s=out.metrics.ttft_s, first_token=out.token_ids[0], flops=flops,
                                                 floor_s=floor, mfu_mixed=floor / out.metrics.ttft_s,
-                                                comm_pred=predict_comm(config, m, length, chunk, args.weights),
-                                                memory=peak_check(p, device_peaks()))  # fmt: skip
+                                                comm_pred=comm_pred, memory=peak_check(p, device_peaks()))  # fmt: skip
             rec.log(f"{where}: TTFT {out.metrics.ttft_s:.3f} s, per-GPU MFU vs mixed floor "
                     f"{100 * floor / out.metrics.ttft_s:.0f}%")  # fmt: skip
             rec.write()
@@ -994,6 +1006,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", default="1,2,3,4,5", help="which steps (run in the order 4, 1, 3, 2, 5)")
     p.add_argument("--weights", default="fp8", choices=WEIGHT_FORMATS, help="weights format (default fp8)")
     p.add_argument("--kv-format", default="fp8-channel", help="KV cache storage (default fp8-channel)")
+    p.add_argument("--ep-schedule", default="auto", choices=SCHEDULES,
+                   help="the expert exchange's schedule (default auto: dsv4.sharding.expert_parallel)")  # fmt: skip
     p.add_argument("--kernels", default=None, help="dsv4.Kernels spec (GPU default indexer=pallas-fp8; smoke auto)")
     p.add_argument("--lengths", default=None, help="step 1 contexts (default 128k,512k,1m; smoke 64,128,256)")
     p.add_argument("--scaling-lengths", default=None, help="step 2 prompts (default 128k,512k; smoke 64,128)")

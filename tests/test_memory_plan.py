@@ -257,6 +257,10 @@ def test_the_plan_steps_the_expert_exchange_as_the_code_does():
     fp4 = plan_memory(FLASH, context=N, devices=8, weights="fp4-experts")
     assert fp4.line("weights: dequantized layer (transient)").bytes_per_device == 32 * (25_165_824 + 1_536 * 4)
     assert fp4.line("communication: MoE exchange").bytes_per_device == 7 * 1024 * (4096 + 32 * 4 + 2 * 4096 * 4)
+    # On 4 devices each peer's all-to-all pack holds every token (0.82 of them needed × 1.25, capped): 4 packs of
+    # 1,024 rows out and in, and as many parts, outweigh direct's 3 copies in and parts out and back.
+    four = plan_memory(FLASH, context=N, devices=4, weights="fp8")
+    assert four.line("communication: MoE exchange").bytes_per_device == 4 * 2048 * 2 * (4096 + 32 * 4 + 4096 * 4)
     # Widths off the 128 grid have no FP8 kernel: dequantized to bf16 per layer, tokens in bf16.
     odd = plan_memory(FLASH.replace(moe_intermediate_size=2000), context=N, devices=8, weights="fp4-experts")
     assert odd.line("weights: dequantized layer (transient)").bytes_per_device == 32 * 3 * 2000 * 4096 * 2

@@ -1,5 +1,5 @@
 """Expert parallelism for the routed experts: experts split over the sequence-parallel devices, tokens sent to them
-by collective-permutes, dropless, with every transfer overlapped with expert compute.
+by collective-permutes or all-to-alls, dropless.
 
 Layout (the `SEQUENCE_PARALLEL` rules): the tokens are split over the mesh axis "sp" (shard i holds the tokens of
 sequence block i) and so are the routed experts (shard i holds experts [i · E/N, (i + 1) · E/N)). A token's K experts
@@ -8,7 +8,7 @@ outputs have to come back.
 
 Dispatch and combine (`routed_experts_ep`), per chunk of at most `chunk_tokens` of each shard's tokens:
 
-    schedule "direct" (the default), on shard i:
+    schedule "direct" ("auto" on 2 devices), on shard i:
         send my chunk (x [, x_scales], ids, weights) to i + 1, …, i + N − 1     (all at once, before any compute)
         y = my_experts(my chunk)                                               (float32)
         for t = 1 … N − 1:  part = my_experts(chunk received from i − t)       (its pairs on my experts)
@@ -19,6 +19,10 @@ Dispatch and combine (`routed_experts_ep`), per chunk of at most `chunk_tokens` 
         least one expert on it, packed into a static `capacity` rows (fill rows route nowhere), and its parts come
         back to those rows. If any shard's count for any peer exceeds the capacity (agreed by one pmax of a scalar,
         so every shard takes the same branch), the chunk goes "direct" instead: dropless either way.
+    schedule "alltoall" ("auto" on more than 2 devices): the packs of "sparse", stacked by destination and sent in
+        one all-to-all a piece (x [, x_scales], ids, weights); all arrivals computed in one call of the local
+        experts; their parts back in one all-to-all; the same fallback. Two collectives a step where "direct" and
+        "sparse" issue 2 (N − 1), at the price of overlap: every part waits for every pack.
 
 Either way every token's sum is complete and exact (no token dropped, no capacity: a pair on another shard's
 expert is sent to the kernel's empty group and costs no FLOPs), and every transfer is independent of the expert
@@ -33,15 +37,15 @@ one float32 scale per 128 = 1.03; partial results bf16 = 2 or float32 = 4):
     direct:        (N − 1) · (token + part)     N = 2: 6 (bf16 tokens, f32 parts), 5.03 (fp8 tokens), 4 (bf16 parts)
     ring:          (N − 1) · token + N · part   N = 2: 10 (f32 accumulator), 6 (bf16)
     all-to-all:    2 · K · (N − 1) / N · 2 (K = 6 copies out, as many back, no deduplication)   N = 2: 12
-    sparse:        (N − 1) · c · (token + part), c = the capacity over the chunk: under uniform top-K routing a
+    sparse, alltoall: (N − 1) · c · (token + part), c = the capacity over the chunk: under uniform top-K routing a
                    peer needs 1 − C(E − E/N, K) / C(E, K) of the tokens (N = 8, K = 6 of 256: 0.555), and the
                    capacity is that × SPARSE_MARGIN (0.69)
-At N = 8 "direct" sends 42 (28 with bf16 parts) against the all-to-all's 21 and "sparse"'s 29: a token only goes
-where one of its experts is, as a ragged all-to-all (`jax.lax.ragged_all_to_all`, whose split is data dependent)
-would send it, but in static shapes. The permutes need no per-step sizes, run on every backend (XLA:CPU has no
-ragged all-to-all, so the CPU tests could not check that one), and overlap with compute. "auto" (the model's
-default) takes "sparse" where its capacity is at most AUTO_SPARSE_MAX of the chunk (N ≥ 8 at V4's K = 6 of 256),
-else "direct": at N = 2 a peer needs 98% of the tokens, and packing them would only add work.
+At N = 8 "direct" sends 42 (28 with bf16 parts) against the per-pair all-to-all's 21 and "sparse"'s 29: a token only
+goes where one of its experts is, as a ragged all-to-all (`jax.lax.ragged_all_to_all`, whose split is data
+dependent) would send it, but in static shapes that run on every backend (XLA:CPU has no ragged all-to-all, so the
+CPU tests could not check that one). At N = 2 a peer needs 98% of a chunk: "auto" stays "direct", the schedule
+measured there (docs/kernels/parallelism.md); past 2 it takes "alltoall", predicted from the 0.35 ms a collective
+cost on 2 H200s, not yet measured.
 Tokens in FP8: with FP8 expert weights run W8A8, the activations are quantized per token and 128-group before the
 first GEMM anyway, so quantizing where the token lives and sending the fp8 values with their scales gives bit for bit
 the same GEMM inputs for half the dispatch bytes.
@@ -63,6 +67,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from dsv4.memory_plan import SCHEDULES, resolve_schedule, sparse_capacity
 from dsv4.sharding.rules import active
 from dsv4.sharding.sequence import local_stand_in
 
@@ -70,37 +75,6 @@ F32 = jnp.float32
 # Tokens per step: ≈ 5 TFLOP of expert GEMMs per shard at V4-Flash widths and N = 2, ~6 GiB of temporaries.
 DEFAULT_CHUNK_TOKENS = 32768
 MAX_UNROLLED_CHUNKS = 16
-SCHEDULES = ("direct", "ring", "sparse", "auto")
-# "sparse": each peer's rows = the uniform-routing share × this margin (routing is not uniform: a peer whose experts
-# are popular needs more; past the capacity the chunk goes "direct"), and "auto" takes it at most at this share.
-SPARSE_MARGIN = 1.25
-AUTO_SPARSE_MAX = 0.85
-
-
-def peer_share(num_experts: int, n: int, k: int) -> float:
-    """The share of tokens with at least one of their k distinct experts (uniformly routed) among the num_experts / n
-    of one peer: 1 − C(E − E/N, k) / C(E, k)."""
-    e_l = num_experts // n
-    miss = 1.0
-    for j in range(k):
-        miss *= max(0, num_experts - e_l - j) / (num_experts - j)
-    return 1.0 - miss
-
-
-def sparse_capacity(num_experts: int, n: int, k: int, margin: float = SPARSE_MARGIN) -> float:
-    """The rows "sparse" sends each peer, as a share of the chunk's tokens (at most 1)."""
-    return min(1.0, peer_share(num_experts, n, k) * margin)
-
-
-def resolve_schedule(schedule: str, num_experts: int, n: int, k: int) -> str:
-    """Resolves "auto": "sparse" where its capacity is at most AUTO_SPARSE_MAX of a chunk, else "direct"."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}; expected one of {SCHEDULES}")
-    if schedule != "auto":
-        return schedule
-    return "sparse" if sparse_capacity(num_experts, n, k) <= AUTO_SPARSE_MAX else "direct"
-
-
 def ep_layout(num_experts: int, mesh: Mesh | None = None, axis: str | None = None) -> tuple[Mesh, str, int] | None:
     """(mesh, axis, N) when the routed experts are split over the same mesh axis as the sequence, else None.
 
@@ -190,7 +164,7 @@ def routed_experts_ep(
     b, s, d = x.shape
     k = expert_ids.shape[-1]
     schedule = resolve_schedule(schedule, e, n, k)
-    if schedule == "sparse" and capacity is None:
+    if schedule in ("sparse", "alltoall") and capacity is None:
         capacity = sparse_capacity(e, n, k)
     tokens = (x,) if x_scales is None else (x, x_scales)
     experts = (gate_up, down) if gate_up_scales is None else (gate_up, down, gate_up_scales, down_scales)
@@ -201,7 +175,7 @@ def routed_experts_ep(
         weights = jnp.pad(weights, ((0, 0), (0, pad), (0, 0)))
     combine = jnp.dtype(combine_dtype or out_dtype or x.dtype)  # None: the output's dtype
     program = _ep_program(local_experts, mesh, axis, n, len(tokens), len(experts), chunk_tokens, schedule,
-                          capacity if schedule == "sparse" else None, comm, unroll, combine)  # fmt: skip
+                          capacity if schedule in ("sparse", "alltoall") else None, comm, unroll, combine)  # fmt: skip
     out = program(*tokens, expert_ids, weights.astype(F32), *experts)
     out = out[:, :s] if pad else out
     return out.astype(out_dtype or x.dtype)
@@ -280,34 +254,59 @@ def _ep_body(local_experts, *arrays, axis, n, n_tokens, chunk_tokens, schedule, 
                 in_hand = nxt
         return y.astype(F32)
 
-    def sparse(chunk, rows):
-        """As direct(chunk), each peer sent only the chunk's tokens that have an expert on it, packed into `rows`;
-        the chunk goes direct() when any shard has more for any peer (all shards agree through one pmax)."""
+    def owner_only(chunk, rows, exchange):
+        """As direct(chunk), each peer sent only the chunk's tokens that have an expert on it, packed into `rows`,
+        through `exchange` (below); the chunk goes direct() when any shard has more for any peer (all shards agree
+        through one pmax)."""
         owner = jnp.where(chunk[n_tokens] >= 0, chunk[n_tokens] // e_l, -1)  # [size, K]: the shard of each expert
         me = jax.lax.axis_index(axis)
-        needs = [(owner == (me + t) % n).any(-1) for t in range(1, n)]  # [size] each: peer i + t needs the token
-        most = jnp.max(jnp.stack([m.sum() for m in needs]))
-        fits = (most if comm == "local" else jax.lax.pmax(most, axis)) <= rows
+        needs = [(owner == (me + t) % n).any(-1) for t in range(n)]  # [size] each: peer i + t needs the token
 
         def packed(chunk):
             # row j of peer i + t's pack is my token slots[t][j]; `size` (out of range) fills the rest
-            slots = [None] + [jnp.nonzero(m, size=rows, fill_value=size)[0] for m in needs]
+            slots = [jnp.nonzero(m, size=rows, fill_value=size)[0] for m in needs]
             fills = [0] * n_tokens + [-1, 0]  # fill rows: no expert, no weight
-            out = [None] + [tuple(jnp.take(a, slots[t], axis=0, mode="fill", fill_value=f) for a, f in
-                                  zip(chunk, fills, strict=True)) for t in range(1, n)]  # fmt: skip
-            arrived = [None] + [tuple(shift(a, t) for a in out[t]) for t in range(1, n)]
+            packs = [tuple(jnp.take(a, slots[t], axis=0, mode="fill", fill_value=f) for a, f in
+                           zip(chunk, fills, strict=True)) for t in range(n)]  # fmt: skip
             y = mine(chunk).astype(F32)
-            for t in range(1, n):
-                part = mine(arrived[t]).astype(combine_dtype)
-                back = shift(part, -t).astype(F32)  # from shard i + t: the parts of my pack for it, row for row
-                y = y.at[slots[t]].add(back, mode="drop")
+            for t, back in exchange(packs, me):  # from shard i + t: the parts of my pack for it, row for row
+                y = y.at[slots[t]].add(back.astype(F32), mode="drop")
             return y
 
+        if rows >= size:  # every token fits: no fallback needed
+            return packed(chunk)
+        most = jnp.max(jnp.stack([m.sum() for m in needs[1:]]))
+        fits = (most if comm == "local" else jax.lax.pmax(most, axis)) <= rows
         return jax.lax.cond(fits, packed, direct, chunk)
 
-    if schedule == "sparse":
+    def by_permutes(packs, me):
+        """ "sparse": pack t to shard i + t, each by its own permute, its parts back the same way."""
+        arrived = [None] + [tuple(shift(a, t) for a in packs[t]) for t in range(1, n)]
+        return [(t, shift(mine(arrived[t]).astype(combine_dtype), -t)) for t in range(1, n)]
+
+    def by_all_to_all(packs, me):
+        """ "alltoall": every pack in one all-to-all a piece, every part back in one. Packs are listed by offset t
+        (pack t is for shard i + t), the all-to-all by shard, hence the rolls by i; my own slot goes out empty."""
+        empty = tuple(jnp.full_like(a, f) for a, f in zip(packs[0], [0] * n_tokens + [-1, 0], strict=True))
+        stacked = [jnp.stack([empty[j]] + [packs[t][j] for t in range(1, n)]) for j in range(len(empty))]
+
+        def swap(a):  # a[s] goes to shard s; returns what shard s sent me, at s
+            if comm == "local":
+                return local_stand_in(a)
+            return jax.lax.all_to_all(a, axis, 0, 0)
+
+        arrived = [swap(jnp.roll(a, me, axis=0)) for a in stacked]  # arrived[s]: shard s's pack for me
+        parts = mine(tuple(a.reshape(n * rows, *a.shape[2:]) for a in arrived)).astype(combine_dtype)
+        back = jnp.roll(swap(parts.reshape(n, rows, d)), -me, axis=0)  # back[t]: shard i + t's parts of my pack
+        return [(t, back[t]) for t in range(1, n)]
+
+    if schedule in ("sparse", "alltoall"):
         rows = max(1, min(size, math.ceil(capacity * size)))
-        step = (lambda c: sparse(c, rows)) if rows < size else direct
+        if schedule == "sparse" and rows == size:  # nothing to leave out: the permutes of "direct" as they are
+            step = direct
+        else:  # "alltoall" keeps its two collectives a step even with every token in each pack
+            exchange = by_permutes if schedule == "sparse" else by_all_to_all
+            step = lambda c: owner_only(c, rows, exchange)  # noqa: E731
     else:
         step = direct if schedule == "direct" else ring
     if unroll is None:
