@@ -43,7 +43,7 @@ def test_reference_is_sinkhorn(iters):
 
 @pytest.mark.parametrize("shape, hc, iters, block_tokens", [
     ((3, 37), 4, 3, 32),    # 111 tokens: 4 blocks, the last one masked
-    ((1, 5), 4, 20, 256),   # fewer tokens than a block; V4's 20 iterations
+    ((1, 5), 4, 6, 256),    # fewer tokens than a block (V4's 20 iterations: the GPU tests; ~1.5 s each here)
     ((2, 9), 2, 4, 8),      # another hc
 ])  # fmt: skip
 def test_kernel_matches_reference(shape, hc, iters, block_tokens):
