@@ -75,6 +75,8 @@ F32 = jnp.float32
 # Tokens per step: ≈ 5 TFLOP of expert GEMMs per shard at V4-Flash widths and N = 2, ~6 GiB of temporaries.
 DEFAULT_CHUNK_TOKENS = 32768
 MAX_UNROLLED_CHUNKS = 16
+
+
 def ep_layout(num_experts: int, mesh: Mesh | None = None, axis: str | None = None) -> tuple[Mesh, str, int] | None:
     """(mesh, axis, N) when the routed experts are split over the same mesh axis as the sequence, else None.
 
@@ -133,7 +135,8 @@ def routed_experts_ep(
     values, the dispatch's bytes halved at no cost in accuracy. out_dtype is then required.
     chunk_tokens: tokens per step per device. schedule: "direct" (each step's partial result goes straight home),
     "ring" (one accumulator passed round the ring), "sparse" (as "direct", each peer sent only the tokens it has
-    experts for, in `capacity` × chunk rows; default capacity `sparse_capacity`) or "auto" (`resolve_schedule`).
+    experts for, in `capacity` × chunk rows; default capacity `sparse_capacity`), "alltoall" (those packs in one
+    all-to-all each way) or "auto" (`resolve_schedule`: "direct" on 2 devices, "alltoall" on more).
     unroll: one straight-line program over the chunks (default when there are at most MAX_UNROLLED_CHUNKS) or a
     `lax.scan` over them. combine_dtype: the dtype partial results
     travel in: float32 (the default) keeps each token's sum as one device computes it; bfloat16 halves those bytes
@@ -254,20 +257,22 @@ def _ep_body(local_experts, *arrays, axis, n, n_tokens, chunk_tokens, schedule, 
                 in_hand = nxt
         return y.astype(F32)
 
+    fills = [0] * n_tokens + [-1, 0]  # a pack's fill rows: no token, no expert, no weight
+
     def owner_only(chunk, rows, exchange):
         """As direct(chunk), each peer sent only the chunk's tokens that have an expert on it, packed into `rows`,
         through `exchange` (below); the chunk goes direct() when any shard has more for any peer (all shards agree
         through one pmax)."""
         owner = jnp.where(chunk[n_tokens] >= 0, chunk[n_tokens] // e_l, -1)  # [size, K]: the shard of each expert
         me = jax.lax.axis_index(axis)
-        needs = [(owner == (me + t) % n).any(-1) for t in range(n)]  # [size] each: peer i + t needs the token
+        # needs[t]: [size], peer i + t needs the token (t ≥ 1; lists below are indexed by t, [0] unused)
+        needs = [None] + [(owner == (me + t) % n).any(-1) for t in range(1, n)]
 
         def packed(chunk):
             # row j of peer i + t's pack is my token slots[t][j]; `size` (out of range) fills the rest
-            slots = [jnp.nonzero(m, size=rows, fill_value=size)[0] for m in needs]
-            fills = [0] * n_tokens + [-1, 0]  # fill rows: no expert, no weight
-            packs = [tuple(jnp.take(a, slots[t], axis=0, mode="fill", fill_value=f) for a, f in
-                           zip(chunk, fills, strict=True)) for t in range(n)]  # fmt: skip
+            slots = [None] + [jnp.nonzero(needs[t], size=rows, fill_value=size)[0] for t in range(1, n)]
+            packs = [None] + [tuple(jnp.take(a, slots[t], axis=0, mode="fill", fill_value=f) for a, f in
+                                    zip(chunk, fills, strict=True)) for t in range(1, n)]  # fmt: skip
             y = mine(chunk).astype(F32)
             for t, back in exchange(packs, me):  # from shard i + t: the parts of my pack for it, row for row
                 y = y.at[slots[t]].add(back.astype(F32), mode="drop")
@@ -287,7 +292,7 @@ def _ep_body(local_experts, *arrays, axis, n, n_tokens, chunk_tokens, schedule, 
     def by_all_to_all(packs, me):
         """ "alltoall": every pack in one all-to-all a piece, every part back in one. Packs are listed by offset t
         (pack t is for shard i + t), the all-to-all by shard, hence the rolls by i; my own slot goes out empty."""
-        empty = tuple(jnp.full_like(a, f) for a, f in zip(packs[0], [0] * n_tokens + [-1, 0], strict=True))
+        empty = tuple(jnp.full_like(a, f) for a, f in zip(packs[1], fills, strict=True))
         stacked = [jnp.stack([empty[j]] + [packs[t][j] for t in range(1, n)]) for j in range(len(empty))]
 
         def swap(a):  # a[s] goes to shard s; returns what shard s sent me, at s
