@@ -284,6 +284,14 @@ FP8_SCRIPT = """
         fp8_sent = sum(f"4x{D}xf8E4M3FN" in l for l in permutes)
         bf16_tokens = sum(f"4x{D}xbf16" in l for l in permutes)
         print("ep", n, rel(got, one), fp8_sent, bf16_tokens)
+    with use_mesh(mesh):  # "alltoall" on 4: a pack row is D fp8 bytes + D / 128 float32 scales + K ids + K weights
+        fn = jax.jit(lambda *a: routed_experts_ep(local, *a[:5], x_scales=a[5], gate_up_scales=a[6],
+                                                  down_scales=a[7], out_dtype=jnp.float32, chunk_tokens=4,
+                                                  schedule="alltoall"))
+        got = fn(*args)[0]
+        swaps = [l for l in fn.lower(*args).as_text().splitlines() if "all_to_all" in l]
+    row = D + D // 128 * 4 + 4 * K + 4 * K
+    print("a2a", rel(got, one), sum(f"x{row}xui8" in l for l in swaps), len(swaps))
 
     # The model's MoE with FP8 experts kept quantized: no mesh (one call), then expert-parallel on 2 devices.
     cfg = Config.preset("tiny").replace(hidden_size=D, moe_intermediate_size=I, n_routed_experts=E,
@@ -322,6 +330,9 @@ def test_fp8_experts_run_w8a8_and_send_fp8_tokens():
     for _, n, err, fp8_sent, bf16_tokens in eps:
         assert float(err) < 1e-5, (n, err)  # same quantized inputs, same kernels; f32 summation order only
         assert int(fp8_sent) >= int(n) - 1 and int(bf16_tokens) == 0, (n, fp8_sent, bf16_tokens)
+    ((_, err, byte_swaps, swaps),) = [r for r in rows if r[0] == "a2a"]
+    # 6 tokens a shard in chunks of 4: two steps, each one all-to-all of packed fp8 rows out and one of parts back
+    assert float(err) < 1e-5 and int(byte_swaps) == 2 and int(swaps) == 4, (err, byte_swaps, swaps)
     moes = {(r[1], r[2]): float(r[3]) for r in rows if r[0] == "moe"}
     assert len(moes) == 4
     for key, err in moes.items():
