@@ -1,0 +1,99 @@
+"""Where one prefill chunk's GPU time goes: the kernels of a long prompt's last chunk, by GPU time.
+
+    python3 scripts/profile_chunk.py --model v4-flash --length 512k --top 10 --out $OUT --engine-args \
+        "--layer-types sliding,csa,hca --random-weights fp8 --chunk-size 16384 --kernels indexer=pallas-fp8"
+
+Builds the engine from --engine-args as `dsv4 serve` does (the CLI's engine options, defaults included), compiles
+the prompt's chunk widths, prefills every chunk of a --length prompt but the last, then runs the last one (the chunk
+that attends to the whole context, and the first token) under `jax.profiler.trace`. Prints the first GPU's busy time
+(the union of its kernels), the wall time of that step, and the --top kernels by GPU time with their share of the
+busy time (`trace_overlap.kernel_table`): the Pallas kernels and the cuBLAS GEMMs beside XLA's own fusions, the glue
+between them. --out DIR: the trace and profile_chunk.json. On a CPU the trace has no GPU kernels, and the table says
+so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shlex
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def parse_args(argv=None):
+    from dsv4.cli import parse_count
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="preset or checkpoint directory (default tiny)")
+    p.add_argument("--engine-args", default="", help="engine options, as dsv4 serve takes them")
+    p.add_argument("--length", type=parse_count, default=256, help="prompt tokens, e.g. 512k (default 256)")
+    p.add_argument("--top", type=int, default=10, help="kernels to list (default 10)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=pathlib.Path, default=None, help="directory for the trace and profile_chunk.json")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+    import numpy as np
+    from trace_overlap import kernel_table
+
+    from dsv4.cli import build_parser
+
+    engine = build_parser().parse_args(["serve", args.model, *shlex.split(args.engine_args)])
+    llm = engine.make_llm(engine, max_slots=1, max_model_len=args.length + 1)
+    compile_s = llm.warmup(prompt_lens=[args.length])
+    prompt = np.random.default_rng(args.seed).integers(0, llm.config.vocab_size, args.length).tolist()
+    request = llm.add_request(prompt, max_new_tokens=1)
+    last = args.length - (args.length - 1) % llm.chunk_size - 1  # where the last chunk starts
+    t0 = time.perf_counter()
+    while llm.progress(request)[0] < last:
+        llm.step()
+    jax.block_until_ready(llm.runner.cache)
+    before_s = time.perf_counter() - t0
+    trace_dir = str(args.out / "trace") if args.out else tempfile.mkdtemp(prefix="dsv4_chunk_trace_")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        t0 = time.perf_counter()
+        events = llm.step()
+        jax.block_until_ready(llm.runner.cache)
+        wall_s = time.perf_counter() - t0
+    if not any(e.request_id == request for e in events):
+        raise RuntimeError("the traced step did not finish the prompt: it was not its last chunk")
+
+    table = kernel_table(trace_dir)
+    report = dict(model=args.model, engine_args=args.engine_args, length=args.length, chunk_size=llm.chunk_size,
+                  chunk_start=last, chunk_tokens=args.length - last, compile_s=compile_s,
+                  chunks_before_s=before_s, wall_ms=wall_s * 1e3, devices=sorted(table), kernels=[])  # fmt: skip
+    print(f"{args.model} {args.engine_args}: the last chunk of a {args.length}-token prompt (tokens {last}.."
+          f"{args.length - 1}): wall {wall_s * 1e3:.1f} ms under the profiler")  # fmt: skip
+    if not table:
+        print("no GPU kernels in the trace (a CPU run): nothing to rank")
+    else:
+        gpu = table[sorted(table)[0]]
+        busy = gpu["busy_us"]
+        kernels = sorted(gpu["kernels"].items(), key=lambda kv: -kv[1][0])
+        report.update(busy_ms=busy / 1e3, span_ms=gpu["span_us"] / 1e3, kernel_count=sum(c for _, c in kernels))
+        print(f"{sorted(table)[0]}: busy {busy / 1e3:.1f} ms over a {gpu['span_us'] / 1e3:.1f} ms span, "
+              f"{len(kernels)} distinct kernels, {report['kernel_count']} launches")  # fmt: skip
+        print(f"{'ms':>9} {'share':>6} {'calls':>5}  kernel")
+        for name, (total, count) in kernels[: args.top]:
+            print(f"{total / 1e3:9.2f} {total / busy:6.1%} {count:5d}  {name[:110]}")
+            report["kernels"].append(dict(name=name, ms=total / 1e3, share=total / busy, calls=count))
+        rest = sum(total for _, (total, _) in kernels[args.top :])
+        print(f"{rest / 1e3:9.2f} {rest / busy:6.1%}        the other {max(0, len(kernels) - args.top)} kernels")
+        report["rest_ms"] = rest / 1e3
+    if args.out:
+        (args.out / "profile_chunk.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
