@@ -21,8 +21,8 @@ Dispatch and combine (`routed_experts_ep`), per chunk of at most `chunk_tokens` 
         so every shard takes the same branch), the chunk goes "direct" instead: dropless either way.
     schedule "alltoall" ("auto" on more than 2 devices): the packs of "sparse", stacked by destination, their pieces
         (x [, x_scales], ids, weights) as the bytes of one buffer, sent in one all-to-all; all arrivals computed in
-        one call of the local experts; their parts back in one all-to-all; the same fallback. Two collectives a step where "direct" and
-        "sparse" issue 2 (N − 1), at the price of overlap: every part waits for every pack.
+        one call of the local experts; their parts back in one all-to-all; the same fallback. Two collectives a
+        step where "direct" and "sparse" issue 2 (N − 1), at the price of overlap: every part waits for every pack.
 
 Either way every token's sum is complete and exact (no token dropped, no capacity: a pair on another shard's
 expert is sent to the kernel's empty group and costs no FLOPs), and every transfer is independent of the expert
