@@ -205,12 +205,13 @@ _FP4_IN_FP8_HEADROOM = 64.0
 
 
 def e2m1_decode(codes: jax.Array) -> jax.Array:
-    """e2m1 codes (uint8, 0..15; bit 3 the sign) → float32, by arithmetic (one fused elementwise pass, no gather):
-    exponent field 0 is the subnormal 0 / 0.5, else (1 + m / 2) · 2^(e − 1)."""
-    codes = codes.astype(jnp.int32)
-    e, m = (codes >> 1) & 3, (codes & 1).astype(jnp.float32)
-    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.exp2((e - 1).astype(jnp.float32)))
-    return jnp.where(codes & 8, -mag, mag)
+    """e2m1 codes (uint8, 0..15; bit 3 the sign) → float32, by assembling the float32's bits (integer ops only, no
+    gather or exp2): exponent field e = 0 is the subnormal 0 / 0.5, else (1 + m / 2) · 2^(e − 1), whose float32
+    exponent field is e + 126 and whose mantissa's top bit is m."""
+    codes = codes.astype(jnp.uint32)
+    e, m = (codes >> 1) & 3, codes & 1
+    bits = jnp.where(e == 0, m * jnp.uint32(0x3F000000), ((e + 126) << 23) | (m << 22)) | ((codes & 8) << 28)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def fp4_fits_fp8_blocks(w) -> bool:
