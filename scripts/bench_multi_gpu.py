@@ -46,10 +46,11 @@ share of the work / ``--prior-efficiency`` (0.5: a 512K prefill on one H200 ran 
 both through the engine and chunked); communication from measurements on 2 H200s of one host (NVLink): a collective
 costs about 0.35 ms plus its bytes at 241 GB/s (all-gather, bus) or 305 GB/s (permute); per layer and chunk, the
 chunk's K=V rows and compressed entries are all-gathered, and the expert-parallel exchange (the model's schedule:
-"direct" sends each device's tokens to every other device, "sparse" the `sparse_capacity` share of them to each)
-sends tokens (1.03 bytes a value with W8A8 experts: e4m3 and a float32 scale per 128; 2 in bf16) and gets float32
-partial results back (4 bytes a value); about 15% of it ran beside the expert
-GEMMs at N = 2 (3.4 of 19-27 ms), the rest is taken as exposed, the gathers as exposed too. TPOT: the replicated
+"direct" sends each device's tokens to every other device, "sparse" and "alltoall" the `sparse_capacity` share of
+them to each) sends tokens (1.03 bytes a value with W8A8 experts: e4m3 and a float32 scale per 128; 2 in bf16) and
+gets float32 partial results back (4 bytes a value), one collective latency per peer each way ("alltoall": one in
+all each way); about 15% of it ran beside the expert GEMMs at N = 2 (3.4 of 19-27 ms), the rest is taken as
+exposed, the gathers as exposed too. TPOT: the replicated
 weights read once a step (three times when FP8 ones are dequantized where read) at 4.3 TB/s, plus the exchange's
 latencies per layer (2 (N - 1), or 2 for "alltoall").
 
@@ -102,17 +103,20 @@ from dsv4.config import CSA, HCA, SLIDING, Config  # noqa: E402
 from dsv4.engine import LLM  # noqa: E402
 from dsv4.flops import by_precision, floor_seconds, prefill_flops  # noqa: E402
 from dsv4.kernels import Kernels  # noqa: E402
-from dsv4.memory_plan import GIB, device_gib, format_plan, plan_memory  # noqa: E402
+from dsv4.memory_plan import (  # noqa: E402
+    GIB,
+    SCHEDULES,
+    device_gib,
+    format_plan,
+    plan_memory,
+    resolve_schedule,
+    sparse_capacity,
+)
 from dsv4.model import DecoderLayer  # noqa: E402
 from dsv4.quantization import BlockQuantized  # noqa: E402
 from dsv4.random_weights import WEIGHT_FORMATS, random_model  # noqa: E402
 from dsv4.sharding import make_mesh  # noqa: E402
-from dsv4.sharding.expert_parallel import (  # noqa: E402
-    DEFAULT_CHUNK_TOKENS,
-    SCHEDULES,
-    resolve_schedule,
-    sparse_capacity,
-)
+from dsv4.sharding.expert_parallel import DEFAULT_CHUNK_TOKENS  # noqa: E402
 
 SHORT = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}
 PLAN_WEIGHTS = {"bf16": "bf16", "fp8": "fp8", "fp8-fp4-experts": "fp4-experts"}  # `dsv4 plan`'s names
@@ -807,6 +811,7 @@ def worker_argv(args, process_id: int, port: int, out: Path) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--coordinator", f"127.0.0.1:{port}",
             "--num-processes", "2", "--process-id", str(process_id), "--worker-out", str(out),
             "--weights", args.weights, "--kv-format", args.kv_format, "--seed", str(args.seed),
+            "--ep-schedule", args.ep_schedule,
             "--new-tokens", str(args.new_tokens), "--worker-length", str(args.worker_length),
             "--worker-chunk", str(args.worker_chunk)]  # fmt: skip
     if args.compile_cache:
