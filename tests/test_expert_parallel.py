@@ -115,7 +115,8 @@ EP_SCRIPT = """
 
 def test_expert_parallel_ring_matches_dense_reference():
     """Dropless: every token's K experts (uniform and skewed loads, empty experts, S not divisible by N, S < N,
-    chunk sizes that do not divide the shard) sum exactly to the reference; no expert weight is gathered."""
+    chunk sizes that do not divide the shard) sum exactly to the reference, in every schedule (the owner-only ones
+    packed and over capacity); no expert weight is gathered."""
     rows = [line.split() for line in _run(EP_SCRIPT).strip().splitlines()]
     cases = [r for r in rows if r[0] == "case"]
     assert len(cases) == 12
