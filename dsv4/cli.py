@@ -225,6 +225,10 @@ def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
     k.add_argument("--keep-quantized", action="store_true",
                    help="keep a checkpoint's FP8 / FP4 weights quantized on the devices; with the Pallas MoE (a GPU's "
                         "default), FP8 experts in 128x128 blocks run on the FP8 kernels (W8A8)")
+    k.add_argument("--fp4-experts", default="fp4", choices=["fp4", "fp8"],
+                   help="FP4 routed experts on the W8A8 kernels: fp4 (default) keeps them as stored and re-blocks "
+                        "them as FP8 in each step; fp8 re-blocks them once, at start-up: no per-step pass (decode "
+                        "steps gain most), twice the experts' FP4 memory")  # fmt: skip
     r = p.add_argument_group("presets", "random weights for a preset model (tiny, v4-flash, v4-pro)")
     r.add_argument("--layer-types", type=_parse_layer_types, default=None, metavar="TYPES",
                    help="replace the preset's layers: one per entry of sliding / csa / hca, each with routed MoE "
@@ -315,7 +319,7 @@ def _new_llm(args, *, max_slots: int, max_model_len: int, mesh):
                kv_format=args.kv_format, seed=args.seed, dtype=args.dtype, width_buckets=args.buckets,
                max_packed_width=args.max_packed_width, chat_template=not args.no_chat_template, kernels=args.kernels,
                keep_quantized=args.keep_quantized, mesh=mesh, warmup=False,
-               decode_steps=args.decode_steps)  # fmt: skip
+               decode_steps=args.decode_steps, fp4_experts=args.fp4_experts)  # fmt: skip
 
 
 def _max_position_embeddings(model: str) -> int:

@@ -64,6 +64,7 @@ from dsv4.generate import (
 )
 from dsv4.kernels import Kernels
 from dsv4.model import DeepseekV4, check_token_ids
+from dsv4.quantization import reblock_fp4_experts
 from dsv4.runner import BurstTokens, ModelRunner, power_of_two_buckets
 from dsv4.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from dsv4.sharding.mesh import check_mesh, on_mesh, shard_model
@@ -253,7 +254,9 @@ class LLM:
     kernels: which implementation runs each part (`dsv4.Kernels`, or a spec string), for a preset or checkpoint;
         default: the fastest measured on this device. keep_quantized (a checkpoint directory only): keep
         FP8 / FP4 weights quantized on the device (`dsv4.load`); with `Kernels.moe="pallas"` (a GPU's default), FP8
-        experts in 128 × 128 blocks run on the FP8 expert kernels (W8A8).
+        experts in 128 × 128 blocks run on the FP8 expert kernels (W8A8), and so do FP4 experts, re-blocked as FP8
+        in each step (`fp4_experts="fp4"`, the default: as stored) or once, here (`"fp8"`: no per-step pass, which a
+        decode step would spend on every expert of every layer, for twice the experts' FP4 memory).
     mesh: run on these devices (`dsv4.sharding.make_mesh()`: every device, over every process): each chunk's tokens
         split over them, the routed experts expert-parallel, the cache replicated; the same greedy tokens as one
         device. A model instance is placed on it, a checkpoint streamed onto it (each device reads its slice).
@@ -301,9 +304,14 @@ class LLM:
         mesh: Mesh | None = None,
         warmup: bool = True,
         decode_steps: int = 1,
+        fp4_experts: str = "fp4",
     ) -> None:
+        if fp4_experts not in ("fp4", "fp8"):
+            raise ValueError(f"fp4_experts={fp4_experts!r}; expected 'fp4' (as stored) or 'fp8' (re-blocked once)")
         self.model, model_dir = _resolve_model(model, dtype=dtype, seed=seed, kernels=kernels,
                                                keep_quantized=keep_quantized, mesh=mesh)  # fmt: skip
+        if fp4_experts == "fp8" and self.model.kernels.moe == "pallas":  # the W8A8 kernels' operands, made once
+            reblock_fp4_experts(self.model)
         self.mesh = mesh
         config = self.config = self.model.config
         if max_model_len is None:

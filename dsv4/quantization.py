@@ -251,3 +251,19 @@ def fp4_to_fp8_blocks(w: BlockQuantized) -> BlockQuantized:
     pairs = e4m3_bits(codes & 0xF) | (e4m3_bits(codes >> 4) << 8)
     q = jax.lax.bitcast_convert_type(pairs, jnp.uint8).reshape(w.shape).view(jnp.float8_e4m3fn)
     return BlockQuantized(q, block_scale, "fp8", FP8_BLOCK, tuple(w.shape), w.dtype_name)
+
+
+def reblock_fp4_experts(model) -> int:
+    """Re-blocks every FP4 expert weight of `model` (that tiles into `FP8_BLOCK`s) as FP8, once and in place, on the
+    devices where it lives: the W8A8 kernels then read it as stored, with no pass in each step (a decode step's
+    would read every expert of every layer), for twice the FP4 bytes (1 B a weight + block scales, as FP8 weights).
+    → the number of weights converted. Layer by layer, so the transient is one weight's FP8 copy."""
+    from flax import nnx
+
+    convert = jax.jit(fp4_to_fp8_blocks)
+    converted = 0
+    for _, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Variable) and fp4_fits_fp8_blocks(var.get_value()):
+            var.set_value(convert(var.get_value()))
+            converted += 1
+    return converted

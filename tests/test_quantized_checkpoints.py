@@ -172,6 +172,37 @@ def test_fp4_experts_run_the_fp8_kernel_as_their_fp8_image():
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
 
 
+def test_the_engine_re_blocks_fp4_experts_once_when_asked():
+    """`LLM(fp4_experts="fp8")` under the Pallas MoE: every FP4 expert weight becomes its FP8 image (the same values,
+    ue8m0 scales), the rest untouched; "fp4" (the default) and the jnp MoE keep them as stored; a bad value is named."""
+    from flax import nnx
+
+    from dsv4.random_weights import random_model
+
+    cfg = dsv4.Config.preset("tiny").replace(moe_intermediate_size=128, hidden_size=128)
+
+    def leaves(model):
+        return {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+    for moe, mode, want in (("pallas", "fp8", "fp8"), ("pallas", "fp4", "fp4"), ("jnp", "fp8", "fp4")):
+        model = random_model(cfg, 3, dtype=jnp.float32, kernels=f"moe={moe}", weights="fp8-fp4-experts")
+        before = leaves(model)
+        llm = dsv4.LLM(model, max_slots=1, max_model_len=64, chunk_size=32, warmup=False, fp4_experts=mode)
+        after = leaves(llm.model)
+        experts = [p for p, v in before.items() if isinstance(v, BlockQuantized) and v.fmt == "fp4"]
+        assert len(experts) == 2 * cfg.num_hidden_layers
+        for path, value in after.items():
+            if path in experts:
+                assert value.fmt == want, (moe, mode, path)
+                np.testing.assert_array_equal(np.asarray(value.dequantize()), np.asarray(before[path].dequantize()))
+            else:
+                assert type(value) is type(before[path]), path
+                assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(value), jax.tree.leaves(before[path]),
+                                                                  strict=True)), path  # fmt: skip
+    with pytest.raises(ValueError, match="fp4_experts='int4'"):
+        dsv4.LLM(model, max_slots=1, max_model_len=64, warmup=False, fp4_experts="int4")
+
+
 # ---------------------------------------------------------------------------------------------
 # Released checkpoints against the reference.
 # ---------------------------------------------------------------------------------------------
