@@ -256,7 +256,8 @@ class LLM:
         FP8 / FP4 weights quantized on the device (`dsv4.load`); with `Kernels.moe="pallas"` (a GPU's default), FP8
         experts in 128 × 128 blocks run on the FP8 expert kernels (W8A8), and so do FP4 experts, re-blocked as FP8
         in each step (`fp4_experts="fp4"`, the default: as stored) or once, here (`"fp8"`: no per-step pass, which a
-        decode step would spend on every expert of every layer, for twice the experts' FP4 memory).
+        decode step would spend on every expert of every layer, for twice the experts' FP4 memory; a model instance
+        passed in is converted in place).
     mesh: run on these devices (`dsv4.sharding.make_mesh()`: every device, over every process): each chunk's tokens
         split over them, the routed experts expert-parallel, the cache replicated; the same greedy tokens as one
         device. A model instance is placed on it, a checkpoint streamed onto it (each device reads its slice).
