@@ -154,7 +154,18 @@ from dsv4.flops import by_precision, floor_seconds, layer_flops, part_precisions
 from dsv4.kernels import Kernels  # noqa: E402
 from dsv4.layers import apply_rope, hc_merge, linear, rms_normalize  # noqa: E402
 from dsv4.model import DeepseekV4  # noqa: E402
+from dsv4.quantization import reblock_fp4_experts  # noqa: E402
 from dsv4.random_weights import WEIGHT_FORMATS, init_kinds, quantize_released, random_model  # noqa: E402
+
+# FP4 experts re-blocked as FP8 once, when the model is built (`LLM(fp4_experts="fp8")`), beside the release's
+# formats: the same numbers as fp8-fp4-experts, no per-step pass, FP8's memory.
+REBLOCKED = "fp8-fp4-experts-fp8"
+BENCH_WEIGHTS = (*WEIGHT_FORMATS, REBLOCKED)
+
+
+def released(weights: str) -> str:
+    """The release's format a --weights entry starts from (and whose FLOP precisions it runs)."""
+    return "fp8-fp4-experts" if weights == REBLOCKED else weights
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 GiB = 1 << 30
@@ -281,7 +292,9 @@ def parse_args():
     p.add_argument("--weights", default="bf16",
                    help="bf16 (default), or as V4 releases store them, kept quantized on the device: fp8 (e4m3, "
                         "128x128 block scales; the experts on the W8A8 kernels), fp8-fp4-experts (routed experts "
-                        "e2m1 with per-32 scales, re-blocked as FP8 each step for the same kernels); a comma list "
+                        "e2m1 with per-32 scales, re-blocked as FP8 each step for the same kernels), "
+                        "fp8-fp4-experts-fp8 (those experts re-blocked once, at build: LLM(fp4_experts='fp8')); a "
+                        "comma list "
                         "(bf16,fp8,fp8-fp4-experts) runs each in turn, in this process, and tabulates them side by "
                         "side")  # fmt: skip
     p.add_argument("--ceiling-sizes", default=None, help="n of the n³ matmul ceilings (GPU default 8192,16384)")
@@ -302,8 +315,8 @@ def parse_args():
     args.variants = [v for v in PRIORITY if v in args.variants]
     args.weights = list(dict.fromkeys(w.strip() for w in args.weights.split(",") if w.strip()))
     for w in args.weights:
-        if w not in WEIGHT_FORMATS:
-            p.error(f"--weights: unknown format {w!r}; known: {','.join(WEIGHT_FORMATS)}")
+        if w not in BENCH_WEIGHTS:
+            p.error(f"--weights: unknown format {w!r}; known: {','.join(BENCH_WEIGHTS)}")
     if not args.weights:
         p.error("--weights: name at least one format")
     args.ceiling_sizes = parse_lengths(args.ceiling_sizes or ("256,512" if args.smoke else "8192,16384"))
@@ -896,7 +909,9 @@ class Bench:
             info = dict(init_s=time.perf_counter() - t0, n_leaves=len(jax.tree.leaves(state)), kinds={},
                         param_bytes=sum(int(x.nbytes) for x in jax.tree.leaves(state)), fallback=True)  # fmt: skip
         if self.weights != "bf16":
-            info.update(quantize_released(self.model, self.weights))
+            info.update(quantize_released(self.model, released(self.weights)))
+            if self.weights == REBLOCKED:
+                info["reblocked"] = reblock_fp4_experts(self.model)
             free()
         self.state = nnx.split(self.model)[1]
         info["bytes_in_use_after_gib"] = bytes_in_use() / GiB
@@ -981,9 +996,10 @@ class Bench:
         row["flops"] = flops
         row["tflops"] = flops / row["ttft_s"] / 1e12
         row["mfu"] = row["tflops"] / self.mm_bf16 if self.mm_bf16 else None
-        floor = mixed_floor(self.cfg, self.types, seq, kernels, self.weights, self.rates, fp8_activations=fp8_act)
+        floor = mixed_floor(self.cfg, self.types, seq, kernels, released(self.weights), self.rates,
+                            fp8_activations=fp8_act)  # fmt: skip
         row["kernels"] = str(kernels)
-        row["fp8_parts"] = fp8_parts(self.cfg, kernels, self.weights, fp8_act)
+        row["fp8_parts"] = fp8_parts(self.cfg, kernels, released(self.weights), fp8_act)
         row["flops_by_precision"] = floor["flops_by_precision"] if floor else None
         row["floor_s"] = floor["floor_s"] if floor else None
         row["mfu_mixed"] = floor["floor_s"] / row["ttft_s"] if floor else None
@@ -1594,8 +1610,9 @@ class Bench:
             if self.mm_bf16:
                 floor = f43 / (self.mm_bf16 * 1e12)
                 pallas = Kernels.all("pallas")
-                mixed = [(idx, mixed_floor(self.cfg, ref43, seq, dataclasses.replace(pallas, indexer=idx), self.weights,
-                                           self.rates)) for idx in ("pallas", "pallas-fp8")]  # fmt: skip
+                mixed = [(idx, mixed_floor(self.cfg, ref43, seq, dataclasses.replace(pallas, indexer=idx),
+                                           released(self.weights), self.rates))
+                         for idx in ("pallas", "pallas-fp8")]  # fmt: skip
                 mixed = ", ".join(f"indexer {'fp8' if i == 'pallas-fp8' else 'bf16'} {m['floor_s']:.2f} s "
                                   f"({m['floor_s'] / 8:.2f} on 8)" for i, m in mixed if m)  # fmt: skip
                 log(f"S={fmt_len(seq)}: 43-layer FLOPs {f43:.3g}; at the bf16 matmul ceiling: {floor:.2f} s on 1 GPU, "
