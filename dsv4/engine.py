@@ -455,21 +455,18 @@ class LLM:
         plan = self.scheduler.schedule()
         if any(chunk.num_steps > 1 for chunk in plan.chunks):
             return self._step_burst(plan)
-        compile_before = self.runner.compile_s
-        try:
+
+        def run():
             now = time.perf_counter()
             for chunk in plan.chunks:
                 metrics = self._live[chunk.request_id].output.metrics
                 if metrics.first_scheduled_time is None:
                     metrics.first_scheduled_time = now
-            logits = self.runner.execute(plan)
-        except Exception as e:  # noqa: BLE001 -- any fault: the plan's requests fail, the engine goes on
-            self._charge_compile(self.runner.compile_s - compile_before)
-            return self._fail_step(plan, e)
-        self._charge_compile(self.runner.compile_s - compile_before)
-        for chunk in plan.chunks:  # cancelled while the step ran: `execute` may have given it a slot again
-            if chunk.request_id not in self._live:
-                self.runner.release(chunk.request_id)
+            return self.runner.execute(plan)
+
+        logits, failure = self._execute(plan, run)
+        if failure is not None:
+            return failure
 
         events: list[TokenEvent] = []
         sampled: dict[str, int] = {}
@@ -507,19 +504,8 @@ class LLM:
             if live is None:
                 continue  # cancelled meanwhile: no more events
             try:
-                output, metrics = live.output, live.output.metrics
-                if metrics.first_token_time is None:
-                    metrics.first_token_time = now
-                metrics.token_times.append(now)
                 logprob, top = extra[request_id] if extra[request_id] is not None else (None, None)
-                if logprob is not None:
-                    output.logprobs.append(logprob)
-                    output.top_logprobs.append(top)
-                if request_id in finished:
-                    output = self._finish(request_id, _FINISH_REASONS[finished[request_id].status], now)
-                    events.append(TokenEvent(request_id, token, output.finish_reason, output, logprob, top))
-                else:
-                    events.append(TokenEvent(request_id, token, None, None, logprob, top))
+                events.append(self._emit(live, token, logprob, top, now, finished.get(request_id)))
             except Exception as e:  # noqa: BLE001
                 log.warning("request %s failed after its step", request_id, exc_info=True)
                 events += self._fail_emitted(request_id, live, f"{type(e).__name__}: {e}", now, token)
@@ -644,21 +630,35 @@ class LLM:
             return dict.fromkeys(rows, e)
         return {rid: int(tokens[i]) for i, rid in enumerate(rows)}
 
+    def _execute(self, plan, run) -> tuple[object, list[TokenEvent] | None]:
+        """The runner's call for `plan` (`run()`), its compile time charged: → (its result, None), or (None, the
+        events of the plan's requests failing) when it raised: any fault fails them, and the engine goes on.
+        Requests cancelled while it ran are released (the call may have given one a slot again)."""
+        compile_before = self.runner.compile_s
+        try:
+            result = run()
+        except Exception as e:  # noqa: BLE001
+            self._charge_compile(self.runner.compile_s - compile_before)
+            return None, self._fail_step(plan, e)
+        self._charge_compile(self.runner.compile_s - compile_before)
+        for chunk in plan.chunks:
+            if chunk.request_id not in self._live:
+                self.runner.release(chunk.request_id)
+        return result, None
+
     def _step_burst(self, plan) -> list[TokenEvent]:
         """`step` for a decode burst plan (`ScheduledChunk.num_steps`): the runner's one call, then each request's
         tokens in order until one finishes it (stop token, max_new_tokens; the rest dropped) or fails it (its logits
         not finite at that step: the tokens before it are kept). Faults as in `step`."""
-        compile_before = self.runner.compile_s
-        try:
+
+        def run():
             sampling = {chunk.request_id: self._live[chunk.request_id].sampling for chunk in plan.chunks}
-            bursts: dict[str, BurstTokens] = self.runner.execute_burst(plan, sampling, self.decode_steps)
-        except Exception as e:  # noqa: BLE001 -- any fault: the plan's requests fail, the engine goes on
-            self._charge_compile(self.runner.compile_s - compile_before)
-            return self._fail_step(plan, e)
-        self._charge_compile(self.runner.compile_s - compile_before)
-        for chunk in plan.chunks:  # cancelled while the step ran
-            if chunk.request_id not in self._live:
-                self.runner.release(chunk.request_id)
+            return self.runner.execute_burst(plan, sampling, self.decode_steps)
+
+        bursts: dict[str, BurstTokens]
+        bursts, failure = self._execute(plan, run)
+        if failure is not None:
+            return failure
 
         sampled: dict[str, list[int]] = {}
         failed: dict[str, tuple[int, str]] = {}  # request id → (step that failed, message)
@@ -707,25 +707,23 @@ class LLM:
                 token = tokens[step]
                 last = step == len(tokens) - 1
                 try:
-                    events.append(self._emit(live, token, bursts[request_id], step, now,
-                                             finished.get(request_id) if last else None))  # fmt: skip
+                    logprob, top = bursts[request_id].logprobs_at(step, live.sampling.logprobs)
+                    ends = finished.get(request_id) if last else None
+                    events.append(self._emit(live, token, logprob, top, now, ends))
                 except Exception as e:  # noqa: BLE001
                     log.warning("request %s failed after its step", request_id, exc_info=True)
                     events += self._fail_emitted(request_id, live, f"{type(e).__name__}: {e}", now, token)
         return events
 
-    def _emit(self, live: _Live, token: int, burst: BurstTokens, step: int, now: float,
+    def _emit(self, live: _Live, token: int, logprob: float | None, top, now: float,
               finished: Request | None) -> TokenEvent:  # fmt: skip
-        """One burst token's event: its time and logprobs recorded; the request finished with it if `finished`."""
+        """One token's event: its time and logprobs (if asked for) recorded; the request finished with it if
+        `finished`."""
         output, metrics, request_id = live.output, live.output.metrics, live.request.request_id
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.token_times.append(now)
-        k = live.sampling.logprobs
-        logprob = top = None
-        if k is not None:
-            logprob = float(burst.logprobs[step])
-            top = tuple((int(t), float(v)) for t, v in zip(burst.top_ids[step][:k], burst.top_logprobs[step][:k]))
+        if logprob is not None:
             output.logprobs.append(logprob)
             output.top_logprobs.append(top)
         if finished is not None:

@@ -113,6 +113,14 @@ class BurstTokens(NamedTuple):
     top_logprobs: np.ndarray | None = None
     """float32 [num_steps, MAX_LOGPROBS]: their log-probabilities."""
 
+    def logprobs_at(self, step: int, k: int | None) -> tuple[float | None, tuple[tuple[int, float], ...] | None]:
+        """(the token's log-probability, its step's k most likely (id, log-probability)) at `step`, as a single
+        step's `logprobs` gives them; (None, None) without k."""
+        if k is None:
+            return None, None
+        top = tuple((int(t), float(v)) for t, v in zip(self.top_ids[step][:k], self.top_logprobs[step][:k]))
+        return float(self.logprobs[step]), top
+
 
 def _to_host(x: jax.Array) -> np.ndarray:
     # replicated on the mesh: this process's copy is the whole array, whatever the process count
