@@ -453,8 +453,16 @@ class LLM:
         if not self.scheduler.has_unfinished_requests():
             return []
         plan = self.scheduler.schedule()
+        now = time.perf_counter()
+        events = [event for rid, message in plan.failed.items() for event in self._fail(rid, message, now)]
+        if not plan.chunks:
+            return events
         if any(chunk.num_steps > 1 for chunk in plan.chunks):
-            return self._step_burst(plan)
+            return events + self._step_burst(plan)
+        return events + self._step_chunks(plan)
+
+    def _step_chunks(self, plan) -> list[TokenEvent]:
+        """`step` for an ordinary plan: the runner's one call, then a token for each chunk that needs logits."""
 
         def run():
             now = time.perf_counter()

@@ -17,7 +17,8 @@ prefill chunk, a request waiting) is the ordinary one, so an arrival waits at mo
 The scheduler imports no JAX: it talks to the device side only through `SchedulerOutput` (plain
 dataclasses of ints) and gets back the sampled tokens as a dict. Its one dependency is the host-side
 `KVCacheManager`, whose `allocate_slots` returns None when pages run out; the scheduler turns that into
-waiting (for a new request) or preemption (for a running one), never into an exception mid-step.
+waiting (for a new request) or preemption (for a running one), never into an exception mid-step. Should granting
+a request raise all the same, that request alone leaves the scheduler (`SchedulerOutput.failed`).
 """
 
 from __future__ import annotations
@@ -151,6 +152,9 @@ class SchedulerOutput:
     """Lost their pages in this `schedule` call; they will recompute from position 0 when resumed."""
     finished_request_ids: list[str] = field(default_factory=list)
     """Finished (stopped, length, cancelled) since the previous `schedule` call."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Request id → message: granting it raised (a fault in the page pool, say), so this call took it out of the
+    scheduler (FINISHED_ERROR) with whatever pages it held freed; the other requests were scheduled as usual."""
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -333,6 +337,7 @@ class Scheduler:
         planned: dict[str, ScheduledChunk] = {}  # insertion order = grant order
         preempted: list[str] = []  # in preemption order, for the plan
         preempted_now: set[str] = set()
+        failed: dict[str, str] = {}
         admitting = True
         # Once admission has stopped and every running request has had its turn, only waiting requests are
         # left in the order: stop there rather than walk a long waiting queue every step.
@@ -341,56 +346,62 @@ class Scheduler:
             if budget == 0 or (not admitting and not running_unvisited):
                 break
             running_unvisited.discard(request)
-            num_steps = 1
-            if request.status is RequestStatus.RUNNING:
-                num_new = self._grant_size(request, budget, prefill_budget)
-                if num_new == 0:
-                    continue  # a prefill, and this step's prefill share is spent
-                if burst:  # the last sampled token is never fed back: no steps (nor pages) past max_new_tokens
-                    num_steps = min(self.config.decode_steps, request.max_new_tokens - len(request.output_token_ids))
-                while self.kv_cache.allocate_slots(request.request_id, num_new + num_steps - 1) is None:
-                    victim = self._running[-1]
-                    self._preempt(victim)
-                    preempted.append(victim.request_id)
-                    preempted_now.add(victim.request_id)
-                    refunded = planned.pop(victim.request_id, None)
-                    if refunded is not None:
-                        budget += refunded.num_tokens
-                    if victim is request:
-                        break
-                if request.status is not RequestStatus.RUNNING:
-                    continue
-            elif request.request_id in preempted_now:
-                continue  # lost its pages in this very step; trying again now would only thrash
-            else:
-                if not admitting:
-                    continue
-                num_new = self._grant_size(request, budget, prefill_budget)
-                if (
-                    num_new == 0
-                    or len(self._running) >= self.config.max_num_seqs
-                    or (self.kv_cache.allocate_slots(request.request_id, num_new) is None)
-                ):
-                    admitting = False
-                    continue
-                self._waiting.remove(request)
-                bisect.insort(self._running, request, key=_by_arrival)
-                request.status = RequestStatus.RUNNING
-            start = request.num_computed_tokens
-            planned[request.request_id] = ScheduledChunk(
-                request_id=request.request_id,
-                start=start,
-                num_tokens=num_new,
-                token_ids=request.token_ids(start, start + num_new),
-                block_tables=self.kv_cache.block_tables(request.request_id),
-                needs_logits=start + num_new == request.num_tokens,
-                num_steps=num_steps,
-            )
-            budget -= num_new
-            if prefill_budget is not None and request.num_remaining_tokens > 1:
-                prefill_budget -= num_new
+            try:
+                num_steps = 1
+                if request.status is RequestStatus.RUNNING:
+                    num_new = self._grant_size(request, budget, prefill_budget)
+                    if num_new == 0:
+                        continue  # a prefill, and this step's prefill share is spent
+                    if burst:  # the last sampled token is never fed back: no steps (nor pages) past max_new_tokens
+                        num_steps = min(self.config.decode_steps,
+                                        request.max_new_tokens - len(request.output_token_ids))  # fmt: skip
+                    while self.kv_cache.allocate_slots(request.request_id, num_new + num_steps - 1) is None:
+                        victim = self._running[-1]
+                        self._preempt(victim)
+                        preempted.append(victim.request_id)
+                        preempted_now.add(victim.request_id)
+                        refunded = planned.pop(victim.request_id, None)
+                        if refunded is not None:
+                            budget += refunded.num_tokens
+                        if victim is request:
+                            break
+                    if request.status is not RequestStatus.RUNNING:
+                        continue
+                elif request.request_id in preempted_now:
+                    continue  # lost its pages in this very step; trying again now would only thrash
+                else:
+                    if not admitting:
+                        continue
+                    num_new = self._grant_size(request, budget, prefill_budget)
+                    if (
+                        num_new == 0
+                        or len(self._running) >= self.config.max_num_seqs
+                        or (self.kv_cache.allocate_slots(request.request_id, num_new) is None)
+                    ):
+                        admitting = False
+                        continue
+                    self._waiting.remove(request)
+                    bisect.insort(self._running, request, key=_by_arrival)
+                    request.status = RequestStatus.RUNNING
+                start = request.num_computed_tokens
+                planned[request.request_id] = ScheduledChunk(
+                    request_id=request.request_id,
+                    start=start,
+                    num_tokens=num_new,
+                    token_ids=request.token_ids(start, start + num_new),
+                    block_tables=self.kv_cache.block_tables(request.request_id),
+                    needs_logits=start + num_new == request.num_tokens,
+                    num_steps=num_steps,
+                )
+                budget -= num_new
+                if prefill_budget is not None and request.num_remaining_tokens > 1:
+                    prefill_budget -= num_new
+            except Exception as e:  # noqa: BLE001 -- a fault while granting this request: it fails alone
+                planned.pop(request.request_id, None)
+                failed[request.request_id] = f"scheduling failed: {type(e).__name__}: {e}"
+                self._drop_failed(request)
         finished, self._finished_since_schedule = self._finished_since_schedule, []
-        return SchedulerOutput(list(planned.values()), preempted, finished)
+        return SchedulerOutput(list(planned.values()), preempted, finished, failed)
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]) -> list[Request]:
         """Applies a step's results: advances `num_computed_tokens` by each chunk, appends the sampled token
@@ -482,6 +493,16 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         bisect.insort(self._waiting, request, key=_by_arrival)
+
+    def _drop_failed(self, request: Request) -> None:
+        """Takes a request whose grant raised out of the scheduler, from whatever state the fault left it in."""
+        for queue in (self._running, self._waiting):
+            if request in queue:
+                queue.remove(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        del self._requests[request.request_id]
+        self._finished_since_schedule.append(request.request_id)
+        self.kv_cache.free(request.request_id)  # last: should the pool itself be broken, no request is left half-out
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """`request` must already be out of the running / waiting queue."""

@@ -122,6 +122,32 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llm, monkeypatc
     assert list(reasons.values()).count("length") >= 4
 
 
+def test_a_fault_granting_one_request_fails_it_alone(llm, monkeypatch):
+    """The page pool raises while the scheduler grants one running request more pages (after giving them): that
+    request alone fails, with the message and its pages back; the others in its steps give their alone tokens."""
+    prompts = {llm.add_request(p, max_new_tokens=MAX_NEW): p
+               for p in [random_prompt(n, 300 + n) for n in (12, 3, 30, 1, 6)]}  # fmt: skip
+    victim, calls = list(prompts)[2], [0]
+    allocate = llm.scheduler.kv_cache.allocate_slots
+
+    def faulty(request_id, num_tokens):
+        got = allocate(request_id, num_tokens)
+        if request_id == victim:
+            calls[0] += 1
+            if calls[0] == 2:  # its second grant: it is running and holds pages
+                raise RuntimeError("injected in allocate_slots")
+        return got
+
+    monkeypatch.setattr(llm.scheduler.kv_cache, "allocate_slots", faulty)
+    errors = {}
+    while llm.has_unfinished_requests():
+        errors.update({e.request_id: e.output.error for e in llm.step() if e.finish_reason == "error"})
+    assert calls[0] == 2 and list(errors) == [victim]
+    assert errors[victim] == "scheduling failed: RuntimeError: injected in allocate_slots"
+    reasons = check(llm, prompts)
+    assert [r for r, reason in reasons.items() if reason != "length"] == [victim]
+
+
 def test_lost_cache_preempts_running_requests_outside_the_plan(llm):
     """The recovery rule itself: a step whose plan holds only A fails with the cache consumed; B, running but not
     in that plan, is preempted and recomputes from scratch: its tokens are still its alone tokens."""
