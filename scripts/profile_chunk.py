@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
     import numpy as np
-    from trace_overlap import kernel_table
+    from trace_overlap import kernel_table, top_kernels
 
     from dsv4.cli import build_parser
 
@@ -78,18 +78,16 @@ def main(argv=None) -> int:
         print("no GPU kernels in the trace (a CPU run): nothing to rank")
     else:
         gpu = table[sorted(table)[0]]
-        busy = gpu["busy_us"]
-        kernels = sorted(gpu["kernels"].items(), key=lambda kv: -kv[1][0])
-        report.update(busy_ms=busy / 1e3, span_ms=gpu["span_us"] / 1e3, kernel_count=sum(c for _, c in kernels))
-        print(f"{sorted(table)[0]}: busy {busy / 1e3:.1f} ms over a {gpu['span_us'] / 1e3:.1f} ms span, "
-              f"{len(kernels)} distinct kernels, {report['kernel_count']} launches")  # fmt: skip
+        rows, rest = top_kernels(gpu, args.top)
+        calls = sum(count for _, count in gpu["kernels"].values())
+        report.update(busy_ms=gpu["busy_us"] / 1e3, span_ms=gpu["span_us"] / 1e3, kernel_count=calls, kernels=rows,
+                      rest_ms=rest["ms"])  # fmt: skip
+        print(f"{sorted(table)[0]}: busy {gpu['busy_us'] / 1e3:.1f} ms over a {gpu['span_us'] / 1e3:.1f} ms span, "
+              f"{len(gpu['kernels'])} distinct kernels, {calls} launches")  # fmt: skip
         print(f"{'ms':>9} {'share':>6} {'calls':>5}  kernel")
-        for name, (total, count) in kernels[: args.top]:
-            print(f"{total / 1e3:9.2f} {total / busy:6.1%} {count:5d}  {name[:110]}")
-            report["kernels"].append(dict(name=name, ms=total / 1e3, share=total / busy, calls=count))
-        rest = sum(total for _, (total, _) in kernels[args.top :])
-        print(f"{rest / 1e3:9.2f} {rest / busy:6.1%}        the other {max(0, len(kernels) - args.top)} kernels")
-        report["rest_ms"] = rest / 1e3
+        for row in rows:
+            print(f"{row['ms']:9.2f} {row['share']:6.1%} {row['calls']:5d}  {row['name'][:110]}")
+        print(f"{rest['ms']:9.2f} {rest['share']:6.1%}        the other {rest['kernels']} kernels")
     if args.out:
         (args.out / "profile_chunk.json").write_text(json.dumps(report, indent=2))
     return 0

@@ -156,6 +156,16 @@ def kernel_table(path: str) -> dict[str, dict]:
     return out
 
 
+def top_kernels(gpu: dict, top: int) -> tuple[list[dict], dict]:
+    """One GPU's `kernel_table` entry ranked by total time. → (the `top` kernels as rows {name, ms, share (of the busy
+    time), calls}, the others summed as {kernels, ms, share})."""
+    busy = gpu["busy_us"] or 1.0
+    ranked = sorted(gpu["kernels"].items(), key=lambda kv: -kv[1][0])
+    rows = [dict(name=name, ms=total / 1e3, share=total / busy, calls=count) for name, (total, count) in ranked[:top]]
+    rest = sum(total for _, (total, _) in ranked[top:])
+    return rows, dict(kernels=len(ranked[top:]), ms=rest / 1e3, share=rest / busy)
+
+
 COMM_KINDS = (("gather", ("allgather", "all-gather", "all_gather")),
               ("exchange", ("sendrecv", "alltoall", "all-to-all", "collective-permute", "permute")))  # fmt: skip
 """Communication kernels by what they move: "gather" (all-gathers: a chunk's K=V rows and the compressed entries,

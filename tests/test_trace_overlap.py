@@ -76,6 +76,9 @@ def test_kernel_table_by_hand(tmp_path):
     assert g["kernels"] == {"decode": [50.0, 2], "fusion.1": [10.0, 1]}
     assert g["busy_us"] == pytest.approx(25 + 30)  # [10, 35) ∪ [60, 90)
     assert g["span_us"] == pytest.approx(80)  # 10 .. 90
+    rows, rest = trace_overlap.top_kernels(g, 1)  # what scripts/profile_chunk.py prints
+    assert rows == [dict(name="decode", ms=0.05, share=pytest.approx(50 / 55), calls=2)]
+    assert rest == dict(kernels=1, ms=0.01, share=pytest.approx(10 / 55))
 
 
 def test_host_table_by_hand(tmp_path):
