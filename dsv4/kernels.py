@@ -29,7 +29,8 @@ CHOICES = {
     "moe": ("jnp", "pallas"),
     # cache writes: XLA's quantize + scatter, or the quantize-and-write kernel
     "kv_write": ("jnp", "pallas"),
-    # "pallas-mgpu": the Mosaic GPU form (Hopper; "auto" keeps the Triton kernel until a GPU has timed it)
+    # "pallas": Triton, or on Hopper the Mosaic GPU form for prefill-sized inputs (faster there, slower for a decode
+    # step: dsv4.layers.SINKHORN_MGPU_MIN_TOKENS); "pallas-mgpu": always the Mosaic GPU form
     "sinkhorn": ("jnp", "pallas", "pallas-mgpu"),
 }
 SEQUENCE_PARALLEL_CORES = ("sp", "sp-pallas")
