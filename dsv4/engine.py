@@ -476,7 +476,6 @@ class LLM:
         if failure is not None:
             return failure
 
-        events: list[TokenEvent] = []
         sampled: dict[str, int] = {}
         extra: dict[str, tuple[float, tuple[tuple[int, float], ...]] | None] = {}
         failed: dict[str, str] = {}
@@ -499,13 +498,9 @@ class LLM:
                 failed[request_id] = f"sampling failed: {type(e).__name__}: {e}"
                 continue
             sampled[request_id] = token
-        now = time.perf_counter()
-        for request_id, message in failed.items():
-            events += self._fail(request_id, message, now)
-        try:
-            finished = {request.request_id: request for request in self.scheduler.update(plan, sampled)}
-        except Exception as e:  # noqa: BLE001
-            return events + self._fail_step(plan, e)
+        events, finished = self._update(plan, sampled, failed)
+        if finished is None:
+            return events
         now = time.perf_counter()
         for request_id, token in sampled.items():
             live = self._live.get(request_id)
@@ -686,15 +681,10 @@ class LLM:
             if n:
                 sampled[request_id] = [int(t) for t in burst.tokens[:n]]
             before[request_id] = len(live.request.output_token_ids)
-        now = time.perf_counter()
-        events: list[TokenEvent] = []
-        for request_id, (n, message) in failed.items():
-            if n == 0:  # nothing to keep: fails now, as a single step's would
-                events += self._fail(request_id, message, now)
-        try:
-            finished = {request.request_id: request for request in self.scheduler.update(plan, sampled)}
-        except Exception as e:  # noqa: BLE001
-            return events + self._fail_step(plan, e)
+        # a request that failed at its first step has nothing to keep: it fails now, as a single step's would
+        events, finished = self._update(plan, sampled, {rid: message for rid, (n, message) in failed.items() if n == 0})
+        if finished is None:
+            return events
         now = time.perf_counter()
         taken = {}  # request id → the tokens it took, in order
         for request_id in sampled:
@@ -722,6 +712,17 @@ class LLM:
                     log.warning("request %s failed after its step", request_id, exc_info=True)
                     events += self._fail_emitted(request_id, live, f"{type(e).__name__}: {e}", now, token)
         return events
+
+    def _update(self, plan, sampled, failing: dict[str, str]) -> tuple[list[TokenEvent], dict[str, Request] | None]:
+        """Fails the requests in `failing` (request id → message), then applies the step's tokens to the scheduler.
+        → (the events so far, the requests the update finished by id), or (the events, None) when the update raised:
+        then the whole plan has failed (`_fail_step`)."""
+        now = time.perf_counter()
+        events = [event for rid, message in failing.items() for event in self._fail(rid, message, now)]
+        try:
+            return events, {request.request_id: request for request in self.scheduler.update(plan, sampled)}
+        except Exception as e:  # noqa: BLE001
+            return events + self._fail_step(plan, e), None
 
     def _emit(self, live: _Live, token: int, logprob: float | None, top, now: float,
               finished: Request | None) -> TokenEvent:  # fmt: skip
