@@ -19,7 +19,9 @@ prompt (interference). Both processes share a persistent JAX compilation cache, 
         --long-prompt-len 8192 --rounds 3
 
 With --num-prompts 0 only the long prompt runs (engine+long against http+long): its TTFT through HTTP against the
-engine's, as on a GPU with a 128K prompt. GPU memory is allocated on demand in both processes (no preallocation), so
+engine's, as on a GPU with a 128K prompt. The engine here then compiles only the widths that prompt and the warm-up
+request use; add --no-warmup to --engine-args to let the server compile them on first use too (its warm-up request
+and the long prompt's lone run come before any measured one). GPU memory is allocated on demand in both processes (no preallocation), so
 the two fit one device.
 """
 
@@ -176,7 +178,10 @@ def main(argv=None) -> int:
     try:
         engine_args = build_parser().parse_args(["serve", args.model, *engine_options(args)])
         llm = build_llm(engine_args)  # what the server built: same options, same defaults
-        llm.warmup(widths=llm.runner.width_buckets)
+        if args.num_prompts:  # short prompts of spread lengths, batched decodes: every width
+            llm.warmup(widths=llm.runner.width_buckets)
+        else:  # the long prompt alone, after the short warm-up request: only their widths (minutes less on a GPU)
+            llm.warmup(prompt_lens=[args.long_prompt_len, args.input_len])
         mixed = engine_args.mixed_chunk_size
         sides = ["engine", "http"] if args.num_prompts else []
         if args.long_prompt_len:
