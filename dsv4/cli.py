@@ -351,6 +351,7 @@ def check_memory(args, *, max_slots: int, max_model_len: int) -> None:
     made_on_devices = getattr(args, "random_weights", None)
     if made_on_devices:
         weights = {"fp8-fp4-experts": "fp4-experts"}.get(made_on_devices, made_on_devices)
+    weights = _planned_weights(weights, getattr(args, "fp4_experts", "fp4"))
     kv = args.kv_format if args.kv_format in ("bf16", "fp8-tensor", "fp8-channel", "fp8-tile", "fp8-tile-e8m0") else \
         "bf16"  # fmt: skip
     device = jax.devices()[0]
@@ -559,12 +560,19 @@ def cmd_bench_ttft(args) -> int:
 # ----- plan ----------------------------------------------------------------------------------------------
 
 
+def _planned_weights(weights: str, fp4_experts: str) -> str:
+    """The memory plan's weight format for a run: FP4 experts re-blocked once at build (`--fp4-experts fp8`) are held
+    as FP8 experts are, and need no per-step re-blocking buffer."""
+    return "fp8" if weights == "fp4-experts" and fp4_experts == "fp8" else weights
+
+
 def cmd_plan(args) -> int:
     from dsv4.memory_plan import format_plan, plan_memory, plan_to_dict
 
     cfg = _config_of(args.model)
     plan = plan_memory(cfg, context=args.context, devices=args.devices, kv_format=args.kv_format,
-                       weights=args.weights, chunk_size=args.chunk_size, device=args.device,
+                       weights=_planned_weights(args.weights, args.fp4_experts), chunk_size=args.chunk_size,
+                       device=args.device,
                        device_memory_gib=args.device_memory_gib, headroom=args.headroom)  # fmt: skip
     print(json.dumps(plan_to_dict(plan)) if args.json else format_plan(plan))
     return 0 if plan.fits else 1
@@ -672,6 +680,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights", "--weights-dtype", dest="weights", default="bf16", choices=WEIGHT_FORMATS,
         help="weight storage (default bf16; fp8 = e4m3 with 128x128 block scales as released; fp4-experts = "
              "that with e2m1 routed experts, one scale per 32 columns)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fp4-experts", default="fp4", choices=["fp4", "fp8"],
+        help="with --weights fp4-experts, how the engine will hold them (as its --fp4-experts): fp4 (default) as "
+             "stored, fp8 re-blocked once at build (sized as --weights fp8)",
     )  # fmt: skip
     p.add_argument(
         "--device", default=DEFAULT_DEVICE, choices=sorted(DEVICE_MIB),

@@ -194,6 +194,14 @@ def test_plan_refuses_what_does_not_fit(capsys):
     assert main([*argv, "--weights-dtype", "fp8", "--device-memory-gib", "80", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] and plan["required_bytes"] < 80 * GIB and plan["suggestions"] == []
+    # FP4 experts the engine re-blocks once at build (--fp4-experts fp8) are held, and so planned, as FP8 ones
+    fp4 = [*argv, "--weights", "fp4-experts", "--json"]
+    ledgers = []
+    for extra in (["--fp4-experts", "fp8"], []):
+        assert main([*fp4, *extra]) in (0, 1)
+        ledgers.append(json.loads(capsys.readouterr().out))
+    assert main([*argv, "--weights", "fp8", "--json"]) in (0, 1)
+    assert ledgers[0] == json.loads(capsys.readouterr().out) != ledgers[1]
     assert main(["plan", "--model", "tiny", "--context", "2m"]) == 2  # beyond max_position_embeddings (1M)
     assert "max_position_embeddings" in capsys.readouterr().err
 
