@@ -225,10 +225,10 @@ def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
     k.add_argument("--keep-quantized", action="store_true",
                    help="keep a checkpoint's FP8 / FP4 weights quantized on the devices; with the Pallas MoE (a GPU's "
                         "default), FP8 experts in 128x128 blocks run on the FP8 kernels (W8A8)")
-    k.add_argument("--fp4-experts", default="fp4", choices=["fp4", "fp8"],
-                   help="FP4 routed experts on the W8A8 kernels: fp4 (default) keeps them as stored and re-blocks "
-                        "them as FP8 in each step; fp8 re-blocks them once, at start-up: no per-step pass (decode "
-                        "steps gain most), twice the experts' FP4 memory")  # fmt: skip
+    k.add_argument("--fp4-experts", default="auto", choices=["auto", "fp4", "fp8"],
+                   help="FP4 routed experts on the W8A8 kernels: fp8 re-blocks them once, at start-up (twice the "
+                        "experts' FP4 memory, no per-step pass); fp4 keeps them as stored and re-blocks them in each "
+                        "step; auto (default) fp8 where the device has the room, else fp4")  # fmt: skip
     r = p.add_argument_group("presets", "random weights for a preset model (tiny, v4-flash, v4-pro)")
     r.add_argument("--layer-types", type=_parse_layer_types, default=None, metavar="TYPES",
                    help="replace the preset's layers: one per entry of sliding / csa / hca, each with routed MoE "
@@ -562,7 +562,7 @@ def cmd_bench_ttft(args) -> int:
 
 def _planned_weights(weights: str, fp4_experts: str) -> str:
     """The memory plan's weight format for a run: FP4 experts re-blocked once at build (`--fp4-experts fp8`) are held
-    as FP8 experts are, and need no per-step re-blocking buffer."""
+    as FP8 experts are, and need no per-step re-blocking buffer; "auto" needs at least the FP4 form."""
     return "fp8" if weights == "fp4-experts" and fp4_experts == "fp8" else weights
 
 
@@ -570,10 +570,15 @@ def cmd_plan(args) -> int:
     from dsv4.memory_plan import format_plan, plan_memory, plan_to_dict
 
     cfg = _config_of(args.model)
-    plan = plan_memory(cfg, context=args.context, devices=args.devices, kv_format=args.kv_format,
-                       weights=_planned_weights(args.weights, args.fp4_experts), chunk_size=args.chunk_size,
-                       device=args.device,
-                       device_memory_gib=args.device_memory_gib, headroom=args.headroom)  # fmt: skip
+
+    def plan_for(weights):
+        return plan_memory(cfg, context=args.context, devices=args.devices, kv_format=args.kv_format, weights=weights,
+                           chunk_size=args.chunk_size, device=args.device, device_memory_gib=args.device_memory_gib,
+                           headroom=args.headroom)  # fmt: skip
+
+    plan = plan_for(_planned_weights(args.weights, args.fp4_experts))
+    if args.weights == "fp4-experts" and args.fp4_experts == "auto" and plan_for("fp8").fits:
+        plan = plan_for("fp8")  # what the engine's "auto" does where the FP8 form fits (LLM.fp4_experts)
     print(json.dumps(plan_to_dict(plan)) if args.json else format_plan(plan))
     return 0 if plan.fits else 1
 
@@ -682,9 +687,9 @@ def build_parser() -> argparse.ArgumentParser:
              "that with e2m1 routed experts, one scale per 32 columns)",
     )  # fmt: skip
     p.add_argument(
-        "--fp4-experts", default="fp4", choices=["fp4", "fp8"],
-        help="with --weights fp4-experts, how the engine will hold them (as its --fp4-experts): fp4 (default) as "
-             "stored, fp8 re-blocked once at build (sized as --weights fp8)",
+        "--fp4-experts", default="auto", choices=["auto", "fp4", "fp8"],
+        help="with --weights fp4-experts, how the engine will hold them (as its --fp4-experts): fp4 as stored, fp8 "
+             "re-blocked once at build (sized as --weights fp8), auto (default) fp8 where that fits, else fp4",
     )  # fmt: skip
     p.add_argument(
         "--device", default=DEFAULT_DEVICE, choices=sorted(DEVICE_MIB),

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
@@ -63,8 +64,9 @@ from dsv4.generate import (
     sample_rows,
 )
 from dsv4.kernels import Kernels
+from dsv4.memory_plan import GIB, KV_FORMATS, MemoryPlan, plan_memory
 from dsv4.model import DeepseekV4, check_token_ids
-from dsv4.quantization import reblock_fp4_experts
+from dsv4.quantization import fp4_reblock_extra_bytes, reblock_fp4_experts
 from dsv4.runner import BurstTokens, ModelRunner, power_of_two_buckets
 from dsv4.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from dsv4.sharding.mesh import check_mesh, on_mesh, shard_model
@@ -182,6 +184,20 @@ class _Live:
     output: RequestOutput
 
 
+FP4_EXPERTS = ("auto", "fp4", "fp8")
+
+
+def fp8_experts_fit(plan: MemoryPlan, *, extra_bytes: int, in_use: int, limit: int, max_slots: int) -> bool:
+    """Whether FP4 experts re-blocked as FP8 (`extra_bytes` more on the device) leave room for what `plan` (the
+    engine's ledger, weights="fp8", at its max_model_len) counts beyond the weights: the KV cache of `max_slots`
+    requests, one chunk's activations and exchanges, the transient buffers; all with the plan's headroom, on a device
+    using `in_use` of its `limit` bytes with the weights already placed."""
+    runtime = sum(line.bytes_per_device for line in plan.lines
+                  if not line.name.startswith("weights:") or "transient" in line.name)  # fmt: skip
+    runtime += (max_slots - 1) * plan.kv_bytes_per_token * plan.context  # the plan counts one request's cache
+    return in_use + (extra_bytes + runtime) * plan.headroom <= limit
+
+
 def _resolve_model(model, *, dtype, seed: int, kernels: Kernels | str | None = None, keep_quantized: bool = False,
                    mesh: Mesh | None = None) -> tuple[DeepseekV4, str | None]:  # fmt: skip
     """A model instance, a checkpoint directory or a preset name → (model, directory or None), on `mesh` if given
@@ -255,9 +271,12 @@ class LLM:
         default: the fastest measured on this device. keep_quantized (a checkpoint directory only): keep
         FP8 / FP4 weights quantized on the device (`dsv4.load`); with `Kernels.moe="pallas"` (a GPU's default), FP8
         experts in 128 × 128 blocks run on the FP8 expert kernels (W8A8), and so do FP4 experts, re-blocked as FP8
-        in each step (`fp4_experts="fp4"`, the default: as stored) or once, here (`"fp8"`: no per-step pass, which a
-        decode step would spend on every expert of every layer, for twice the experts' FP4 memory; a model instance
-        passed in is converted in place).
+        once, here (`fp4_experts="fp8"`: twice the experts' FP4 memory; a model instance passed in is converted in
+        place), or in each step (`"fp4"`: as stored; a step then re-blocks every expert it reads, 17% of the 512K
+        TTFT on an H200, and a decode step every expert of every layer). `"auto"` (the default) re-blocks once when
+        the device, as it reports its memory with the weights placed, keeps room for the KV cache of `max_slots`
+        requests of `max_model_len` tokens and a chunk's working memory as `dsv4.memory_plan` counts them
+        (`fp8_experts_fit`); `self.fp4_experts` says which it chose.
     mesh: run on these devices (`dsv4.sharding.make_mesh()`: every device, over every process): each chunk's tokens
         split over them, the routed experts expert-parallel, the cache replicated; the same greedy tokens as one
         device. A model instance is placed on it, a checkpoint streamed onto it (each device reads its slice).
@@ -305,14 +324,13 @@ class LLM:
         mesh: Mesh | None = None,
         warmup: bool = True,
         decode_steps: int = 1,
-        fp4_experts: str = "fp4",
+        fp4_experts: str = "auto",
     ) -> None:
-        if fp4_experts not in ("fp4", "fp8"):
-            raise ValueError(f"fp4_experts={fp4_experts!r}; expected 'fp4' (as stored) or 'fp8' (re-blocked once)")
+        if fp4_experts not in FP4_EXPERTS:
+            raise ValueError(f"fp4_experts={fp4_experts!r}; expected 'auto', 'fp4' (as stored) or 'fp8' (re-blocked "
+                             "once)")  # fmt: skip
         self.model, model_dir = _resolve_model(model, dtype=dtype, seed=seed, kernels=kernels,
                                                keep_quantized=keep_quantized, mesh=mesh)  # fmt: skip
-        if fp4_experts == "fp8" and self.model.kernels.moe == "pallas":  # the W8A8 kernels' operands, made once
-            reblock_fp4_experts(self.model)
         self.mesh = mesh
         config = self.config = self.model.config
         if max_model_len is None:
@@ -328,6 +346,8 @@ class LLM:
             if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"{name}={value!r} must be an int >= 1 or None")
         self.max_model_len, self.chunk_size, self.decode_steps = max_model_len, chunk_size, int(decode_steps)
+        self.fp4_experts = self._hold_fp4_experts(fp4_experts, max_slots, kv_format)
+        """How FP4 routed experts are held: "fp8" (re-blocked here, once) or "fp4" (as stored, or none to hold)."""
         buckets = sorted(set(width_buckets)) if width_buckets is not None else list(power_of_two_buckets(chunk_size))
         if buckets[-1] < chunk_size:
             buckets.append(chunk_size)  # a full chunk must fit some bucket
@@ -369,6 +389,41 @@ class LLM:
         widths = [w for w in self.runner.width_buckets if self.runner.is_packed(w)] + [chunk_size]
         self.compile_s = self.warmup(widths=widths) if warmup else 0.0
         """Seconds spent compiling up front (`warmup`)."""
+
+    def _hold_fp4_experts(self, choice: str, max_slots: int, kv_format) -> str:
+        """Re-blocks the FP4 routed experts as FP8 once (for the W8A8 kernels, `Kernels.moe="pallas"`) if `choice`
+        is "fp8", or "auto" and the device has the room (`fp8_experts_fit`). → "fp8" if it did, else "fp4"."""
+        if self.model.kernels.moe != "pallas":
+            return "fp4"  # the jnp MoE dequantizes the FP4 experts where it reads them
+        devices = self.mesh.devices.flat if self.mesh is not None else jax.local_devices()
+        device = next(d for d in devices if d.process_index == jax.process_index())  # one whose memory we can see
+        extra = fp4_reblock_extra_bytes(self.model, device)
+        if not extra or choice == "fp4":
+            return "fp4"
+        if choice == "auto":
+            stats = (device.memory_stats() if hasattr(device, "memory_stats") else None) or {}
+            limit = stats.get("bytes_limit")
+            fits = False
+            if limit:
+                kv = kv_format if isinstance(kv_format, str) and kv_format in KV_FORMATS else "bf16"
+                plan = plan_memory(self.config, context=self.max_model_len, devices=self.mesh.size if self.mesh else 1,
+                                   kv_format=kv, weights="fp8", chunk_size=min(self.chunk_size, self.max_model_len),
+                                   device_memory_gib=limit / GIB)  # fmt: skip
+                fits = fp8_experts_fit(plan, extra_bytes=extra, in_use=stats.get("bytes_in_use", 0), limit=limit,
+                                       max_slots=max_slots)  # fmt: skip
+            if jax.process_count() > 1:  # every process must hold the same form: re-block only if all have the room
+                from jax.experimental import multihost_utils
+
+                fits = bool(np.all(multihost_utils.process_allgather(np.array(fits))))
+            if not fits:
+                log.info("FP4 experts kept as stored (re-blocked in each step): as FP8 they would take %.1f GiB more "
+                         "a device than %s leaves beside %d slots of %d tokens", extra / GIB,
+                         f"its {limit / GIB:.1f} GiB" if limit else "a device that reports no memory limit",
+                         max_slots, self.max_model_len)  # fmt: skip
+                return "fp4"
+        reblock_fp4_experts(self.model)
+        log.info("FP4 experts re-blocked as FP8 once: %.1f GiB more a device, no pass in each step", extra / GIB)
+        return "fp8"
 
     # ----- online API ------------------------------------------------------------------------------------
 

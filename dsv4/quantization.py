@@ -253,6 +253,21 @@ def fp4_to_fp8_blocks(w: BlockQuantized) -> BlockQuantized:
     return BlockQuantized(q, block_scale, "fp8", FP8_BLOCK, tuple(w.shape), w.dtype_name)
 
 
+def fp4_reblock_extra_bytes(model, device) -> int:
+    """Bytes `reblock_fp4_experts(model)` would add on `device`: its shards of every convertible FP4 weight, once
+    more (an e4m3 byte a weight where FP4 packs two; the block scales are smaller than the group scales they
+    replace)."""
+    from flax import nnx
+
+    extra = 0
+    for _, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Variable) and fp4_fits_fp8_blocks(var.get_value()):
+            q = var.get_value().q
+            shards = getattr(q, "addressable_shards", None)
+            extra += sum(s.data.nbytes for s in shards if s.device == device) if shards else q.nbytes
+    return extra
+
+
 def reblock_fp4_experts(model) -> int:
     """Re-blocks every FP4 expert weight of `model` (that tiles into `FP8_BLOCK`s) as FP8, once and in place, on the
     devices where it lives: the W8A8 kernels then read it as stored, with no pass in each step (a decode step's

@@ -194,14 +194,18 @@ def test_plan_refuses_what_does_not_fit(capsys):
     assert main([*argv, "--weights-dtype", "fp8", "--device-memory-gib", "80", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] and plan["required_bytes"] < 80 * GIB and plan["suggestions"] == []
-    # FP4 experts the engine re-blocks once at build (--fp4-experts fp8) are held, and so planned, as FP8 ones
-    fp4 = [*argv, "--weights", "fp4-experts", "--json"]
-    ledgers = []
-    for extra in (["--fp4-experts", "fp8"], []):
-        assert main([*fp4, *extra]) in (0, 1)
-        ledgers.append(json.loads(capsys.readouterr().out))
-    assert main([*argv, "--weights", "fp8", "--json"]) in (0, 1)
-    assert ledgers[0] == json.loads(capsys.readouterr().out) != ledgers[1]
+    # FP4 experts the engine re-blocks once at build (--fp4-experts fp8) are held, and so planned, as FP8 ones;
+    # "auto" (the default) plans them so where that fits (80 GiB), else as stored (48 GiB)
+    def ledger(*flags):
+        main([*argv, "--json", *flags])
+        return json.loads(capsys.readouterr().out)
+
+    for gib in ("80", "48"):
+        fp8, fp4 = (ledger("--device-memory-gib", gib, "--weights", w) for w in ("fp8", "fp4-experts"))
+        as_fp4 = ledger("--device-memory-gib", gib, "--weights", "fp4-experts", "--fp4-experts", "fp4")
+        as_fp8 = ledger("--device-memory-gib", gib, "--weights", "fp4-experts", "--fp4-experts", "fp8")
+        assert as_fp8 == fp8 and as_fp4 != fp8 and fp4 == (fp8 if gib == "80" else as_fp4)
+        assert fp8["fits"] == (gib == "80") and as_fp4["fits"]
     assert main(["plan", "--model", "tiny", "--context", "2m"]) == 2  # beyond max_position_embeddings (1M)
     assert "max_position_embeddings" in capsys.readouterr().err
 

@@ -69,6 +69,23 @@ def _fails_before_devices(path, match):
     assert len(jax.live_arrays()) <= before
 
 
+def test_fp8_experts_fit_by_hand():
+    """"auto" re-blocks FP4 experts when, with the weights placed, the device keeps room for the re-blocked copy plus
+    the plan's non-weight lines (its transient buffers included) and the other slots' caches, all × the headroom."""
+    from dsv4.engine import fp8_experts_fit
+    from dsv4.memory_plan import plan_memory
+
+    cfg = dsv4.Config.preset("tiny")
+    plan = plan_memory(cfg, context=1024, devices=1, kv_format="bf16", weights="fp8", chunk_size=256)
+    lines = {line.name: line.bytes_per_device for line in plan.lines}
+    runtime = sum(v for k, v in lines.items() if k.startswith(("KV cache", "activations", "communication")))
+    runtime += lines["weights: dequantized layer (transient)"] + 3 * plan.kv_bytes_per_token * 1024  # 4 slots
+    assert runtime > 0 and plan.headroom == 1.2
+    need = 1000 + (5000 + runtime) * 1.2
+    fit = dict(plan=plan, extra_bytes=5000, in_use=1000, max_slots=4)
+    assert fp8_experts_fit(**fit, limit=int(need) + 1) and not fp8_experts_fit(**fit, limit=int(need) - 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # The formats themselves.
 # ---------------------------------------------------------------------------------------------
@@ -174,7 +191,8 @@ def test_fp4_experts_run_the_fp8_kernel_as_their_fp8_image():
 
 def test_the_engine_re_blocks_fp4_experts_once_when_asked():
     """`LLM(fp4_experts="fp8")` under the Pallas MoE: every FP4 expert weight becomes its FP8 image (the same values,
-    ue8m0 scales), the rest untouched; "fp4" (the default) and the jnp MoE keep them as stored; a bad value is named."""
+    ue8m0 scales), the rest untouched; "fp4", the jnp MoE, and "auto" on a device that reports no memory limit (the
+    CPU) keep them as stored; a bad value is named."""
     from flax import nnx
 
     from dsv4.random_weights import random_model
@@ -184,11 +202,13 @@ def test_the_engine_re_blocks_fp4_experts_once_when_asked():
     def leaves(model):
         return {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
-    for moe, mode, want in (("pallas", "fp8", "fp8"), ("pallas", "fp4", "fp4"), ("jnp", "fp8", "fp4")):
+    for moe, mode, want in (("pallas", "fp8", "fp8"), ("pallas", "fp4", "fp4"), ("jnp", "fp8", "fp4"),
+                            ("pallas", "auto", "fp4")):  # fmt: skip
         model = random_model(cfg, 3, dtype=jnp.float32, kernels=f"moe={moe}", weights="fp8-fp4-experts")
         before = leaves(model)
         llm = dsv4.LLM(model, max_slots=1, max_model_len=64, chunk_size=32, warmup=False, fp4_experts=mode)
         after = leaves(llm.model)
+        assert llm.fp4_experts == want
         experts = [p for p, v in before.items() if isinstance(v, BlockQuantized) and v.fmt == "fp4"]
         assert len(experts) == 2 * cfg.num_hidden_layers
         for path, value in after.items():
@@ -199,7 +219,7 @@ def test_the_engine_re_blocks_fp4_experts_once_when_asked():
                 assert type(value) is type(before[path]), path
                 assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(value), jax.tree.leaves(before[path]),
                                                                   strict=True)), path  # fmt: skip
-    with pytest.raises(ValueError, match="fp4_experts='int4'"):
+    with pytest.raises(ValueError, match="fp4_experts='int4'.*'auto'"):
         dsv4.LLM(model, max_slots=1, max_model_len=64, warmup=False, fp4_experts="int4")
 
 
