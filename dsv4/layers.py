@@ -203,6 +203,10 @@ class HyperConnection(nnx.Module):
 
     def __call__(self, streams: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """streams: [B, S, hc, D] → post [B, S, hc], comb [B, S, hc, hc] (float32), collapsed [B, S, D]."""
+        with jax.named_scope("mhc"):  # its kernels named so in a profile (dsv4.model.LAYER_SCOPES)
+            return self._mix(streams)
+
+    def _mix(self, streams: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         hc, eps = self.hc_mult, self.hc_eps
         flat = rms_normalize(streams.reshape(*streams.shape[:2], -1).astype(F32), self.norm_eps)
         mixes = jnp.einsum("bsi,oi->bso", flat, self.fn[...], preferred_element_type=F32)
@@ -219,8 +223,9 @@ class HyperConnection(nnx.Module):
 def hc_merge(block_output: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     """New copies: post_k · output + Σ_j comb[j, k] · stream_j (comb is applied transposed)."""
     dtype = streams.dtype
-    mixed = jnp.einsum("bsjk,bsjd->bskd", comb.astype(dtype), streams)
-    return post.astype(dtype)[..., None] * block_output[:, :, None, :] + mixed
+    with jax.named_scope("mhc_merge"):
+        mixed = jnp.einsum("bsjk,bsjd->bskd", comb.astype(dtype), streams)
+        return post.astype(dtype)[..., None] * block_output[:, :, None, :] + mixed
 
 
 class HyperHead(nnx.Module):

@@ -21,7 +21,7 @@ from dsv4.attention import Attention
 from dsv4.cache.layout import KVFormat
 from dsv4.cache.state import ModelCache
 from dsv4.cache.store import resolve_format
-from dsv4.config import SLIDING, Config
+from dsv4.config import CSA, HCA, SLIDING, Config
 from dsv4.kernels import Kernels
 from dsv4.layers import F32, HyperConnection, HyperHead, RMSNorm, hc_merge, param
 from dsv4.moe import MoE
@@ -29,6 +29,11 @@ from dsv4.sharding.rules import active, constrain, use_mesh
 from dsv4.sharding.sequence import sequence_shards, zigzag_model_rows, zigzag_permute, zigzag_shards
 
 STREAM_AXES = ("batch", "seq", None, "embed")  # the residual copies [B, S, hc, D]
+
+
+LAYER_SCOPES = {SLIDING: "dsv4_sliding", CSA: "dsv4_csa", HCA: "dsv4_hca"}
+"""Each layer runs in a named scope of its type ("attn" and "ffn" within), so the op_name of every HLO instruction, and
+so every kernel of a profile (scripts/profile_chunk.py, trace_overlap), says which layer type and block made it."""
 
 
 class DecoderLayer(nnx.Module):
@@ -43,18 +48,25 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, streams: jax.Array, positions: jax.Array, token_ids: jax.Array) -> jax.Array:
         """streams: [B, S, hc, D] → [B, S, hc, D]."""
-        post, comb, collapsed = self.attn_hc(streams)
-        streams = hc_merge(self.self_attn(self.input_layernorm(collapsed), positions), streams, post, comb)
-        post, comb, collapsed = self.ffn_hc(streams)
-        return hc_merge(self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams, post, comb)
-
+        with jax.named_scope(LAYER_SCOPES[self.self_attn.layer_type]):
+            with jax.named_scope("attn"):
+                post, comb, collapsed = self.attn_hc(streams)
+                streams = hc_merge(self.self_attn(self.input_layernorm(collapsed), positions), streams, post, comb)
+            with jax.named_scope("ffn"):
+                post, comb, collapsed = self.ffn_hc(streams)
+                return hc_merge(self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams, post, comb)
 
     def forward_chunk(self, streams, start, valid, token_ids, state, block_table=None):
-        post, comb, collapsed = self.attn_hc(streams)
-        attn, state = self.self_attn.forward_chunk(self.input_layernorm(collapsed), start, valid, state, block_table)
-        streams = hc_merge(attn, streams, post, comb)
-        post, comb, collapsed = self.ffn_hc(streams)
-        return hc_merge(self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams, post, comb), state
+        with jax.named_scope(LAYER_SCOPES[self.self_attn.layer_type]):
+            with jax.named_scope("attn"):
+                post, comb, collapsed = self.attn_hc(streams)
+                attn, state = self.self_attn.forward_chunk(self.input_layernorm(collapsed), start, valid, state,
+                                                           block_table)  # fmt: skip
+                streams = hc_merge(attn, streams, post, comb)
+            with jax.named_scope("ffn"):
+                post, comb, collapsed = self.ffn_hc(streams)
+                out = hc_merge(self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams, post, comb)
+                return out, state
 
 
 class DeepseekV4(nnx.Module):

@@ -112,7 +112,6 @@ from dsv4.memory_plan import (  # noqa: E402
     resolve_schedule,
     sparse_capacity,
 )
-from dsv4.model import DecoderLayer  # noqa: E402
 from dsv4.quantization import BlockQuantized  # noqa: E402
 from dsv4.random_weights import WEIGHT_FORMATS, random_model  # noqa: E402
 from dsv4.sharding import make_mesh  # noqa: E402
@@ -153,25 +152,15 @@ def prompt_ids(config: Config, length: int, seed: int) -> list[int]:
     return np.random.default_rng([seed, length]).integers(0, config.vocab_size, length).tolist()
 
 
-class ScopedLayer(DecoderLayer):
-    """A decoder layer whose chunk step runs in a named scope of its layer type, so that a profile's kernels say which
-    layer type they belong to (the op_name of every HLO instruction carries the scope). Same parameters, same math."""
-
-    def forward_chunk(self, *args, **kwargs):
-        with jax.named_scope(f"dsv4_{SHORT[self.self_attn.layer_type]}"):
-            return super().forward_chunk(*args, **kwargs)
-
-
 def build_model(args, config: Config, mesh):
-    """Random weights in `args.weights`, made on `mesh`'s devices; layers scoped. → (model, seconds, bytes)."""
+    """Random weights in `args.weights`, made on `mesh`'s devices (each layer runs in its named scope,
+    `dsv4.model.LAYER_SCOPES`). → (model, seconds, bytes)."""
     t0 = time.perf_counter()
     model = random_model(config, args.seed, dtype=jnp.bfloat16, kernels=args.kernels, weights=args.weights, mesh=mesh)
     for layer in model.layers:
         layer.mlp.ep_schedule = args.ep_schedule
     leaves = jax.tree.leaves(model)
     jax.block_until_ready(leaves)
-    for layer in model.layers:
-        object.__setattr__(layer, "__class__", ScopedLayer)
     return model, time.perf_counter() - t0, sum(int(x.size) * x.dtype.itemsize for x in leaves)
 
 

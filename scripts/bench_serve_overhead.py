@@ -21,8 +21,8 @@ prompt (interference). Both processes share a persistent JAX compilation cache, 
 With --num-prompts 0 only the long prompt runs (engine+long against http+long): its TTFT through HTTP against the
 engine's, as on a GPU with a 128K prompt. The engine here then compiles only the widths that prompt and the warm-up
 request use; add --no-warmup to --engine-args to let the server compile them on first use too (its warm-up request
-and the long prompt's lone run come before any measured one). GPU memory is allocated on demand in both processes (no preallocation), so
-the two fit one device.
+and the long prompt's lone run come before any measured one). GPU memory is allocated on demand in both processes
+(no preallocation), so the two fit one device.
 """
 
 from __future__ import annotations

@@ -8,16 +8,19 @@ the prompt's chunk widths, prefills every chunk of a --length prompt but the las
 that attends to the whole context, and the first token) under `jax.profiler.trace`. Prints the first GPU's busy time
 (the union of its kernels), the wall time of that step, and the --top kernels by GPU time with their share of the
 busy time (`trace_overlap.kernel_table`): the Pallas kernels and the cuBLAS GEMMs beside XLA's own fusions, the glue
-between them. --out DIR: the trace and profile_chunk.json. On a CPU the trace has no GPU kernels, and the table says
-so.
+between them, each with the JAX op that made it (its op_name in the step programs' optimized HLO, dumped for the
+purpose and deleted after; --no-op-names skips it). --out DIR: the trace and profile_chunk.json. On a CPU the trace
+has no GPU kernels, and the table says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -37,14 +40,28 @@ def parse_args(argv=None):
     p.add_argument("--top", type=int, default=10, help="kernels to list (default 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=None, help="directory for the trace and profile_chunk.json")
+    p.add_argument("--no-op-names", action="store_true",
+                   help="skip the HLO dump through which each kernel is named by the JAX op that made it")
     return p.parse_args(argv)
+
+
+def _short_op(op_name: str, keep: int = 70) -> str:
+    """An op_name without its jit(...) wrappers, cut to its last `keep` characters (the layer and the op)."""
+    parts = [p for p in op_name.split("/") if not p.startswith("jit(")]
+    text = "/".join(parts) or op_name
+    return text if len(text) <= keep else "…" + text[-keep:]
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    dump = None
+    if not args.no_op_names:  # before the backend starts: the step programs' optimized HLO, for their op names
+        dump = tempfile.mkdtemp(prefix="dsv4_chunk_hlo_")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text "
+                                   "--xla_dump_hlo_module_re=step").strip()  # fmt: skip
     import jax
     import numpy as np
-    from trace_overlap import kernel_table, top_kernels
+    from trace_overlap import hlo_op_names, kernel_ops, kernel_table, top_kernels
 
     from dsv4.cli import build_parser
 
@@ -78,18 +95,22 @@ def main(argv=None) -> int:
         print("no GPU kernels in the trace (a CPU run): nothing to rank")
     else:
         gpu = table[sorted(table)[0]]
-        rows, rest = top_kernels(gpu, args.top)
+        ops = kernel_ops(trace_dir, hlo_op_names(dump, "step")).get(sorted(table)[0], {}) if dump else {}
+        rows, rest = top_kernels(gpu, args.top, ops)
         calls = sum(count for _, count in gpu["kernels"].values())
         report.update(busy_ms=gpu["busy_us"] / 1e3, span_ms=gpu["span_us"] / 1e3, kernel_count=calls, kernels=rows,
                       rest_ms=rest["ms"])  # fmt: skip
         print(f"{sorted(table)[0]}: busy {gpu['busy_us'] / 1e3:.1f} ms over a {gpu['span_us'] / 1e3:.1f} ms span, "
               f"{len(gpu['kernels'])} distinct kernels, {calls} launches")  # fmt: skip
-        print(f"{'ms':>9} {'share':>6} {'calls':>5}  kernel")
+        print(f"{'ms':>9} {'share':>6} {'calls':>5}  kernel  [the JAX op that made it]")
         for row in rows:
-            print(f"{row['ms']:9.2f} {row['share']:6.1%} {row['calls']:5d}  {row['name'][:110]}")
+            op = f"  [{_short_op(row['op'])}]" if row["op"] else ""
+            print(f"{row['ms']:9.2f} {row['share']:6.1%} {row['calls']:5d}  {row['name'][:60]}{op}")
         print(f"{rest['ms']:9.2f} {rest['share']:6.1%}        the other {rest['kernels']} kernels")
     if args.out:
         (args.out / "profile_chunk.json").write_text(json.dumps(report, indent=2))
+    if dump:
+        shutil.rmtree(dump, ignore_errors=True)
     return 0
 
 

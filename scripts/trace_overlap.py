@@ -156,12 +156,30 @@ def kernel_table(path: str) -> dict[str, dict]:
     return out
 
 
-def top_kernels(gpu: dict, top: int) -> tuple[list[dict], dict]:
+def kernel_ops(path: str, op_names: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Per GPU of a trace, each kernel's op_name (`hlo_op_names`: the JAX name stack of the code that made it), from
+    the first of its events with an argument naming an HLO instruction of the dump.
+    → {process name: {kernel name: op_name}}; kernels with no such event are left out."""
+    out = {}
+    for pname, chosen in _kernel_events(path).items():
+        ops = out.setdefault(pname, {})
+        for e in chosen:
+            name = e.get("name", "?")
+            if name not in ops:
+                hit = next((v for v in (e.get("args") or {}).values() if isinstance(v, str) and v in op_names), None)
+                if hit is not None:
+                    ops[name] = op_names[hit]
+    return out
+
+
+def top_kernels(gpu: dict, top: int, ops: dict[str, str] | None = None) -> tuple[list[dict], dict]:
     """One GPU's `kernel_table` entry ranked by total time. → (the `top` kernels as rows {name, ms, share (of the busy
-    time), calls}, the others summed as {kernels, ms, share})."""
+    time), calls, op (its `kernel_ops` op_name, or "")}, the others summed as {kernels, ms, share})."""
     busy = gpu["busy_us"] or 1.0
+    ops = ops or {}
     ranked = sorted(gpu["kernels"].items(), key=lambda kv: -kv[1][0])
-    rows = [dict(name=name, ms=total / 1e3, share=total / busy, calls=count) for name, (total, count) in ranked[:top]]
+    rows = [dict(name=name, ms=total / 1e3, share=total / busy, calls=count, op=ops.get(name, ""))
+            for name, (total, count) in ranked[:top]]  # fmt: skip
     rest = sum(total for _, (total, _) in ranked[top:])
     return rows, dict(kernels=len(ranked[top:]), ms=rest / 1e3, share=rest / busy)
 

@@ -76,8 +76,8 @@ def test_kernel_table_by_hand(tmp_path):
     assert g["kernels"] == {"decode": [50.0, 2], "fusion.1": [10.0, 1]}
     assert g["busy_us"] == pytest.approx(25 + 30)  # [10, 35) ∪ [60, 90)
     assert g["span_us"] == pytest.approx(80)  # 10 .. 90
-    rows, rest = trace_overlap.top_kernels(g, 1)  # what scripts/profile_chunk.py prints
-    assert rows == [dict(name="decode", ms=0.05, share=pytest.approx(50 / 55), calls=2)]
+    rows, rest = trace_overlap.top_kernels(g, 1, {"decode": "jit(step)/attn/decode"})  # as scripts/profile_chunk.py
+    assert rows == [dict(name="decode", ms=0.05, share=pytest.approx(50 / 55), calls=2, op="jit(step)/attn/decode")]
     assert rest == dict(kernels=1, ms=0.01, share=pytest.approx(10 / 55))
 
 
@@ -139,6 +139,9 @@ def test_breakdown_by_kind_and_scope_by_hand(tmp_path):
     names = trace_overlap.hlo_op_names(str(dump), "slot_step")
     assert names == {"collective-permute-start.3": "jit(slot_step)/dsv4_hca/ppermute",
                      "fusion.9": "jit(slot_step)/dsv4_hca/dot"}  # fmt: skip
+    # each kernel's op_name, through its hlo_op argument (the module-level event on another thread is no kernel)
+    assert trace_overlap.kernel_ops(str(path), names) == {"/device:GPU:0": {
+        "ncclDevKernel_SendRecv": "jit(slot_step)/dsv4_hca/ppermute", "gemm": "jit(slot_step)/dsv4_hca/dot"}}
     got = trace_overlap.breakdown(str(path), trace_overlap.scope_finder(r"dsv4_(\w+?)/", names))["/device:GPU:0"]
     ms = pytest.approx
     assert (got["span_ms"], got["busy_ms"], got["idle_ms"]) == ms((0.045, 0.035, 0.010))
