@@ -397,8 +397,8 @@ class LLM:
             return "fp4"  # the jnp MoE dequantizes the FP4 experts where it reads them
         devices = self.mesh.devices.flat if self.mesh is not None else jax.local_devices()
         device = next(d for d in devices if d.process_index == jax.process_index())  # one whose memory we can see
-        extra = fp4_reblock_extra_bytes(self.model, device)
-        if not extra or choice == "fp4":
+        count, extra = fp4_reblock_extra_bytes(self.model, device)
+        if not count or choice == "fp4":  # the same in every process (unlike `extra`)
             return "fp4"
         if choice == "auto":
             stats = (device.memory_stats() if hasattr(device, "memory_stats") else None) or {}

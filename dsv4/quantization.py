@@ -253,19 +253,20 @@ def fp4_to_fp8_blocks(w: BlockQuantized) -> BlockQuantized:
     return BlockQuantized(q, block_scale, "fp8", FP8_BLOCK, tuple(w.shape), w.dtype_name)
 
 
-def fp4_reblock_extra_bytes(model, device) -> int:
-    """Bytes `reblock_fp4_experts(model)` would add on `device`: its shards of every convertible FP4 weight, once
-    more (an e4m3 byte a weight where FP4 packs two; the block scales are smaller than the group scales they
-    replace)."""
+def fp4_reblock_extra_bytes(model, device) -> tuple[int, int]:
+    """What `reblock_fp4_experts(model)` would do: → (how many weights it would convert, the bytes it would add on
+    `device`: its shards of them once more, an e4m3 byte a weight where FP4 packs two; the block scales are smaller
+    than the group scales they replace)."""
     from flax import nnx
 
-    extra = 0
+    count = extra = 0
     for _, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Variable) and fp4_fits_fp8_blocks(var.get_value()):
             q = var.get_value().q
             shards = getattr(q, "addressable_shards", None)
             extra += sum(s.data.nbytes for s in shards if s.device == device) if shards else q.nbytes
-    return extra
+            count += 1
+    return count, extra
 
 
 def reblock_fp4_experts(model) -> int:
