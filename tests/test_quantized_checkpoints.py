@@ -69,6 +69,40 @@ def _fails_before_devices(path, match):
     assert len(jax.live_arrays()) <= before
 
 
+def test_auto_re_blocks_fp4_experts_where_the_device_has_the_room(monkeypatch):
+    """`fp4_experts="auto"` on a device that reports its memory (the CPU device behind a stand-in with memory_stats):
+    re-blocked when the FP8 copy and the plan's runtime fit the limit, kept as stored when they do not."""
+    from dsv4.random_weights import random_model
+
+    cfg = dsv4.Config.preset("tiny").replace(moe_intermediate_size=128, hidden_size=128)
+    real = jax.local_devices()[0]
+
+    class Reporting:  # the real device, reporting `limit` bytes of which 1 MiB in use
+        def __init__(self, limit):
+            self.limit = limit
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def memory_stats(self):
+            return {"bytes_limit": self.limit, "bytes_in_use": 1 << 20}
+
+        def __eq__(self, other):
+            return other is self or other == real
+
+        __hash__ = object.__hash__
+
+    for limit, want in ((1 << 40, "fp8"), (2 << 20, "fp4")):
+        model = random_model(cfg, 3, dtype=jnp.float32, kernels="moe=pallas", weights="fp8-fp4-experts")
+        with monkeypatch.context() as m:
+            m.setattr(jax, "local_devices", lambda limit=limit: [Reporting(limit)])
+            llm = dsv4.LLM(model, max_slots=1, max_model_len=64, chunk_size=32, warmup=False)
+        assert llm.fp4_experts == want
+        fmts = {v.fmt for v in jax.tree.leaves(nnx.state(llm.model), is_leaf=lambda x: isinstance(x, BlockQuantized))
+                if isinstance(v, BlockQuantized) and v.ndim == 3}  # fmt: skip
+        assert fmts == {want}
+
+
 def test_fp8_experts_fit_by_hand():
     """"auto" re-blocks FP4 experts when, with the weights placed, the device keeps room for the re-blocked copy plus
     the plan's non-weight lines (its transient buffers included) and the other slots' caches, all × the headroom."""
