@@ -78,12 +78,13 @@ the formulas are in its docstring). Per token and layer at V4-Flash widths: atte
 core 268 M averaged over 512K, mHC 1.6 M; the head for the last token only. XLA's dense over-computation (all C
 indexer keys per query, the full HCA entry set per query chunk) is not credited.
 
-Ceilings, measured first, in the same interleaved rounds (10 on a GPU; medians), random operands at 8192³ and 16384³
-(``--ceiling-sizes``): the bf16 matmul (``a @ b``) with XLA's defaults and through cuBLAS only (compiler option
-``xla_gpu_enable_triton_gemm=False``), the FP8 e4m3 dot (``jnp.dot(..., preferred_element_type=f32)``) the same two
-ways, and the float32 matmul (XLA's default precision, what the hyper-connection mixes run in). Each build's GEMM
-kernels are read from its compiled HLO; on a GPU the cuBLAS-only FP8 build must be a ``__cublas$lt$matmul$f8`` custom
-call (recorded as ``fp8_cublaslt_verified``). A precision's rate is its faster build at its best size.
+Ceilings, measured first, in the same interleaved rounds (10 on a GPU, each ~25 ms of back-to-back calls; medians),
+random operands at 8192³ and 16384³ (``--ceiling-sizes``): the bf16 matmul (``a @ b``) with XLA's defaults and through
+cuBLAS only (compiler option ``xla_gpu_enable_triton_gemm=False``), the FP8 e4m3 dot (``jnp.dot(...,
+preferred_element_type=f32)``) the same two ways, and the float32 matmul (XLA's default precision, what the
+hyper-connection mixes run in). Each build's GEMM kernels are read from its compiled HLO; on a GPU the cuBLAS-only FP8
+build must be a ``__cublas$lt$matmul$f8`` custom call (recorded as ``fp8_cublaslt_verified``). A precision's rate is its
+faster build at its best size.
 MFU, two ways: "MFU" = useful FLOPs / time / the bf16 rate (every FLOP at the bf16 rate, as before); "MFUx" = the
 mixed-precision floor / time, where the floor puts each part's FLOPs at the rate of the precision that row runs it
 in (`dsv4.flops.by_precision` of the variant's resolved kernels and the weights format: FP8 indexer scores under
@@ -1706,10 +1707,16 @@ def rates_text(rates: dict) -> str:
     return ", ".join(f"{p} {r:.4g}" if r else f"{p} -" for p, r in rates.items())
 
 
+CEILING_CALL_S = 0.025
+"""Seconds of back-to-back matmul calls a ceiling round times (one call of a 16384³ matmul, ~6 ms on an H200, is
+timed four at a time; an 8192³ one ~20 at a time)."""
+
+
 def measure_ceilings(rec: Recorder, budget: Budget, sizes, smoke: bool, seed: int) -> dict[str, float | None]:
     """Every build of `CEILINGS` at each n of `sizes` (n³, random normal operands) compiled and warmed up first, then
-    rounds that time one call of each build in turn (so clock and power drift hit them alike); a build's figure is
-    the median of its rounds. → TFLOP/s by precision: its fastest build at its best size (None where none ran)."""
+    rounds that time each build in turn (so clock and power drift hit them alike), as back-to-back calls filling about
+    `CEILING_CALL_S` (a ~1 ms matmul timed alone carries the launch and the host's synchronization); a build's figure
+    is the median of its rounds. → TFLOP/s by precision: its fastest build at its best size (None where none ran)."""
     rec.log("--- ceilings: matmuls in interleaved rounds (same run) ---")
     items = []
     for n in sizes:
@@ -1729,9 +1736,12 @@ def measure_ceilings(rec: Recorder, budget: Budget, sizes, smoke: bool, seed: in
                 e = Exe(fn, args, smoke=smoke, options=CUBLAS_ONLY if build == "cublas" else None)
                 budget.saw_compile("ceiling", e.compile_s)  # kept apart: XLA's FP8 autotuning can take minutes
                 jax.block_until_ready(e(*args))
+                t0 = time.perf_counter()
+                jax.block_until_ready(e(*args))
+                calls = max(1, min(50, int(CEILING_CALL_S / max(time.perf_counter() - t0, 1e-6))))
                 kernels = gemm_kernels(e.exe.as_text())
                 items.append(dict(key=key, precision=precision, build=build, n=n, exe=e, args=args, kernels=kernels,
-                                  compile_s=e.compile_s, times=[]))  # fmt: skip
+                                  compile_s=e.compile_s, calls=calls, times=[]))  # fmt: skip
                 rec.log(f"{where}: compiled in {e.compile_s:.1f} s; GEMM kernels {kernels or '(none named)'}")
             except Exception as exc:
                 rec.error(where, exc)
@@ -1740,20 +1750,22 @@ def measure_ceilings(rec: Recorder, budget: Budget, sizes, smoke: bool, seed: in
     for _ in range(rounds):
         for it in items:
             t0 = time.perf_counter()
-            jax.block_until_ready(it["exe"](*it["args"]))
-            it["times"].append(time.perf_counter() - t0)
+            for _ in range(it["calls"]):
+                out = it["exe"](*it["args"])
+            jax.block_until_ready(out)
+            it["times"].append((time.perf_counter() - t0) / it["calls"])
     table, rates, source = {}, {precision: None for _, precision, _ in CEILINGS}, {}
     for it in items:
         t = statistics.median(it["times"])
         tf = 2.0 * it["n"] ** 3 / t / 1e12
         row = dict(precision=it["precision"], build=it["build"], n=it["n"], ms=t * 1e3, tflops=tf,
                    times_ms=[x * 1e3 for x in it["times"]], spread=(max(it["times"]) - min(it["times"])) / t,
-                   compile_s=it["compile_s"], kernels=it["kernels"])  # fmt: skip
+                   calls_per_round=it["calls"], compile_s=it["compile_s"], kernels=it["kernels"])  # fmt: skip
         table.setdefault(it["key"], {})[str(it["n"])] = row
         if rates[it["precision"]] is None or tf > rates[it["precision"]]:
             rates[it["precision"]], source[it["precision"]] = tf, f"{it['key']} {it['n']}^3"
         rec.log(f"ceiling {it['key']} {it['n']}^3: {t * 1e3:.3f} ms = {tf:.1f} TFLOP/s (median of {len(it['times'])} "
-                f"rounds, spread {100 * row['spread']:.1f}%)")  # fmt: skip
+                f"rounds of {it['calls']} calls, spread {100 * row['spread']:.1f}%)")  # fmt: skip
     items.clear()
     free()
     verified = None  # off a GPU there is no cuBLAS to check for
