@@ -364,7 +364,7 @@ def check_memory(args, *, max_slots: int, max_model_len: int) -> None:
     plan = plan_memory(cfg, context=context, devices=args.devices, kv_format=kv, weights=weights,
                        chunk_size=min(args.chunk_size, context), device_memory_gib=(capacity or GIB) / GIB)  # fmt: skip
     scale = (4 if dtype == "float32" else 2) / 2  # the plan counts 2-byte weights and activations
-    needed = plan.required_bytes * scale + (max_slots - 1) * plan.kv_bytes_per_token * context
+    needed = plan.required_bytes * scale + plan.more_slots_bytes(max_slots)
     where = "host RAM available (MemAvailable)" if on_host and not limit else f"{device.platform} device memory"
     if capacity is not None and needed > capacity:
         hints = "; ".join(suggestions(plan)[:2]) or "a smaller --max-model-len or --max-slots"

@@ -194,7 +194,7 @@ def fp8_experts_fit(plan: MemoryPlan, *, extra_bytes: int, in_use: int, limit: i
     using `in_use` of its `limit` bytes with the weights already placed."""
     runtime = sum(line.bytes_per_device for line in plan.lines
                   if not line.name.startswith("weights:") or "transient" in line.name)  # fmt: skip
-    runtime += (max_slots - 1) * plan.kv_bytes_per_token * plan.context  # the plan counts one request's cache
+    runtime += plan.more_slots_bytes(max_slots)
     return in_use + (extra_bytes + runtime) * plan.headroom <= limit
 
 
@@ -508,8 +508,9 @@ class LLM:
         if not self.scheduler.has_unfinished_requests():
             return []
         plan = self.scheduler.schedule()
-        now = time.perf_counter()
-        events = [event for rid, message in plan.failed.items() for event in self._fail(rid, message, now)]
+        events = []  # requests whose grant raised (SchedulerOutput.failed): already out of the scheduler
+        for request_id, message in plan.failed.items():
+            events += self._fail(request_id, message, time.perf_counter())
         if not plan.chunks:
             return events
         if any(chunk.num_steps > 1 for chunk in plan.chunks):

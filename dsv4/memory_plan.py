@@ -254,6 +254,10 @@ class MemoryPlan:
     def line(self, name: str) -> LedgerLine:
         return next(line for line in self.lines if line.name == name)
 
+    def more_slots_bytes(self, slots: int) -> float:
+        """The caches of `slots` − 1 more requests of `context` tokens: the ledger counts one request's."""
+        return (slots - 1) * self.kv_bytes_per_token * self.context
+
 
 def device_gib(device: str) -> float:
     """A `DEVICE_MIB` preset's memory in GiB."""

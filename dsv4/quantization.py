@@ -253,20 +253,25 @@ def fp4_to_fp8_blocks(w: BlockQuantized) -> BlockQuantized:
     return BlockQuantized(q, block_scale, "fp8", FP8_BLOCK, tuple(w.shape), w.dtype_name)
 
 
+def _fp4_expert_vars(model):
+    """The variables of `model` holding FP4 weights that tile into `FP8_BLOCK`s (the routed experts)."""
+    from flax import nnx
+
+    return [var for _, var in nnx.iter_graph(model)
+            if isinstance(var, nnx.Variable) and fp4_fits_fp8_blocks(var.get_value())]  # fmt: skip
+
+
 def fp4_reblock_extra_bytes(model, device) -> tuple[int, int]:
     """What `reblock_fp4_experts(model)` would do: → (how many weights it would convert, the bytes it would add on
     `device`: its shards of them once more, an e4m3 byte a weight where FP4 packs two; the block scales are smaller
     than the group scales they replace)."""
-    from flax import nnx
-
-    count = extra = 0
-    for _, var in nnx.iter_graph(model):
-        if isinstance(var, nnx.Variable) and fp4_fits_fp8_blocks(var.get_value()):
-            q = var.get_value().q
-            shards = getattr(q, "addressable_shards", None)
-            extra += sum(s.data.nbytes for s in shards if s.device == device) if shards else q.nbytes
-            count += 1
-    return count, extra
+    found = _fp4_expert_vars(model)
+    extra = 0
+    for var in found:
+        q = var.get_value().q
+        shards = getattr(q, "addressable_shards", None)
+        extra += sum(s.data.nbytes for s in shards if s.device == device) if shards else q.nbytes
+    return len(found), extra
 
 
 def reblock_fp4_experts(model) -> int:
@@ -274,12 +279,8 @@ def reblock_fp4_experts(model) -> int:
     devices where it lives: the W8A8 kernels then read it as stored, with no pass in each step (a decode step's
     would read every expert of every layer), for twice the FP4 bytes (1 B a weight + block scales, as FP8 weights).
     → the number of weights converted. Layer by layer, so the transient is one weight's FP8 copy."""
-    from flax import nnx
-
     convert = jax.jit(fp4_to_fp8_blocks)
-    converted = 0
-    for _, var in nnx.iter_graph(model):
-        if isinstance(var, nnx.Variable) and fp4_fits_fp8_blocks(var.get_value()):
-            var.set_value(convert(var.get_value()))
-            converted += 1
-    return converted
+    found = _fp4_expert_vars(model)
+    for var in found:
+        var.set_value(convert(var.get_value()))
+    return len(found)

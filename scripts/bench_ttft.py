@@ -295,9 +295,8 @@ def parse_args():
                         "128x128 block scales; the experts on the W8A8 kernels), fp8-fp4-experts (routed experts "
                         "e2m1 with per-32 scales, re-blocked as FP8 each step for the same kernels), "
                         "fp8-fp4-experts-fp8 (those experts re-blocked once, at build: LLM(fp4_experts='fp8')); a "
-                        "comma list "
-                        "(bf16,fp8,fp8-fp4-experts) runs each in turn, in this process, and tabulates them side by "
-                        "side")  # fmt: skip
+                        "comma list (bf16,fp8,fp8-fp4-experts) runs each in turn, in this process, and tabulates "
+                        "them side by side")  # fmt: skip
     p.add_argument("--ceiling-sizes", default=None, help="n of the n³ matmul ceilings (GPU default 8192,16384)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-component breakdown")
     p.add_argument("--no-chunk-split", action="store_true", help="skip the layer-by-layer pass of the chunked variant")
