@@ -9,8 +9,9 @@ that attends to the whole context, and the first token) under `jax.profiler.trac
 (the union of its kernels), the wall time of that step, and the --top kernels by GPU time with their share of the
 busy time (`trace_overlap.kernel_table`): the Pallas kernels and the cuBLAS GEMMs beside XLA's own fusions, the glue
 between them, each with the JAX op that made it (its op_name in the step programs' optimized HLO, dumped for the
-purpose and deleted after; --no-op-names skips it). --out DIR: the trace and profile_chunk.json. On a CPU the trace
-has no GPU kernels, and the table says so.
+purpose and deleted after; --no-op-names skips it). Launches are ranked by kernel and op together: every Mosaic
+kernel is named after its body function, so only the op tells the attention's apart from the MoE's. --out DIR: the
+trace and profile_chunk.json. On a CPU the trace has no GPU kernels, and the table says so.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
                                    "--xla_dump_hlo_module_re=step").strip()  # fmt: skip
     import jax
     import numpy as np
-    from trace_overlap import hlo_op_names, kernel_ops, kernel_table, top_kernels
+    from trace_overlap import hlo_op_names, kernel_table, top_kernels
 
     from dsv4.cli import build_parser
 
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
     if not any(e.request_id == request for e in events):
         raise RuntimeError("the traced step did not finish the prompt: it was not its last chunk")
 
-    table = kernel_table(trace_dir)
+    table = kernel_table(trace_dir, hlo_op_names(dump, "step") if dump else None)
     report = dict(model=args.model, engine_args=args.engine_args, length=args.length, chunk_size=llm.chunk_size,
                   chunk_start=last, chunk_tokens=args.length - last, compile_s=compile_s,
                   chunks_before_s=before_s, wall_ms=wall_s * 1e3, devices=sorted(table), kernels=[])  # fmt: skip
@@ -95,8 +96,7 @@ def main(argv=None) -> int:
         print("no GPU kernels in the trace (a CPU run): nothing to rank")
     else:
         gpu = table[sorted(table)[0]]
-        ops = kernel_ops(trace_dir, hlo_op_names(dump, "step")).get(sorted(table)[0], {}) if dump else {}
-        rows, rest = top_kernels(gpu, args.top, ops)
+        rows, rest = top_kernels(gpu, args.top)
         calls = sum(count for _, count in gpu["kernels"].values())
         report.update(busy_ms=gpu["busy_us"] / 1e3, span_ms=gpu["span_us"] / 1e3, kernel_count=calls, kernels=rows,
                       rest_ms=rest["ms"])  # fmt: skip

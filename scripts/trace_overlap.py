@@ -141,14 +141,21 @@ def _kernel_events(path: str) -> dict[str, list[dict]]:
     return {pname: kinds["stream"] or kinds["other"] for pname, kinds in sorted(per.items())}
 
 
-def kernel_table(path: str) -> dict[str, dict]:
-    """Per GPU of a trace: the kernels by name (`_kernel_events`).
-    → {process name: {busy_us (union of the kernels' intervals), span_us, kernels: {name: [total_us, count]}}}."""
+def _event_op(e, op_names: dict[str, str]) -> str:
+    """The op_name (`hlo_op_names`) of the first of the event's arguments that names an HLO instruction, or ""."""
+    return next((op_names[v] for v in (e.get("args") or {}).values() if isinstance(v, str) and v in op_names), "")
+
+
+def kernel_table(path: str, op_names: dict[str, str] | None = None) -> dict[str, dict]:
+    """Per GPU of a trace: the kernels by name (`_kernel_events`), or with `op_names` (`hlo_op_names`) by (name, the
+    JAX op that made each launch): Mosaic kernels all carry a few generic names, so only the op tells them apart.
+    → {process name: {busy_us (union of the kernels' intervals), span_us, kernels: {key: [total_us, count]}}}."""
     out = {}
     for pname, chosen in _kernel_events(path).items():
-        kernels: dict[str, list] = {}
+        kernels: dict = {}
         for e in chosen:
-            row = kernels.setdefault(e.get("name", "?"), [0.0, 0])
+            name = e.get("name", "?")
+            row = kernels.setdefault(name if op_names is None else (name, _event_op(e, op_names)), [0.0, 0])
             row[0] += e["dur"]
             row[1] += 1
         busy = _union([(float(e["ts"]), float(e["ts"]) + e["dur"]) for e in chosen])
@@ -156,30 +163,16 @@ def kernel_table(path: str) -> dict[str, dict]:
     return out
 
 
-def kernel_ops(path: str, op_names: dict[str, str]) -> dict[str, dict[str, str]]:
-    """Per GPU of a trace, each kernel's op_name (`hlo_op_names`: the JAX name stack of the code that made it), from
-    the first of its events with an argument naming an HLO instruction of the dump.
-    → {process name: {kernel name: op_name}}; kernels with no such event are left out."""
-    out = {}
-    for pname, chosen in _kernel_events(path).items():
-        ops = out.setdefault(pname, {})
-        for e in chosen:
-            name = e.get("name", "?")
-            if name not in ops:
-                hit = next((v for v in (e.get("args") or {}).values() if isinstance(v, str) and v in op_names), None)
-                if hit is not None:
-                    ops[name] = op_names[hit]
-    return out
-
-
-def top_kernels(gpu: dict, top: int, ops: dict[str, str] | None = None) -> tuple[list[dict], dict]:
+def top_kernels(gpu: dict, top: int) -> tuple[list[dict], dict]:
     """One GPU's `kernel_table` entry ranked by total time. → (the `top` kernels as rows {name, ms, share (of the busy
-    time), calls, op (its `kernel_ops` op_name, or "")}, the others summed as {kernels, ms, share})."""
+    time), calls, op (the JAX op that made it, with `op_names`, else "")}, the others summed as {kernels, ms,
+    share})."""
     busy = gpu["busy_us"] or 1.0
-    ops = ops or {}
     ranked = sorted(gpu["kernels"].items(), key=lambda kv: -kv[1][0])
-    rows = [dict(name=name, ms=total / 1e3, share=total / busy, calls=count, op=ops.get(name, ""))
-            for name, (total, count) in ranked[:top]]  # fmt: skip
+    rows = []
+    for key, (total, count) in ranked[:top]:
+        name, op = key if isinstance(key, tuple) else (key, "")
+        rows.append(dict(name=name, ms=total / 1e3, share=total / busy, calls=count, op=op))
     rest = sum(total for _, (total, _) in ranked[top:])
     return rows, dict(kernels=len(ranked[top:]), ms=rest / 1e3, share=rest / busy)
 

@@ -76,9 +76,35 @@ def test_kernel_table_by_hand(tmp_path):
     assert g["kernels"] == {"decode": [50.0, 2], "fusion.1": [10.0, 1]}
     assert g["busy_us"] == pytest.approx(25 + 30)  # [10, 35) ∪ [60, 90)
     assert g["span_us"] == pytest.approx(80)  # 10 .. 90
-    rows, rest = trace_overlap.top_kernels(g, 1, {"decode": "jit(step)/attn/decode"})  # as scripts/profile_chunk.py
-    assert rows == [dict(name="decode", ms=0.05, share=pytest.approx(50 / 55), calls=2, op="jit(step)/attn/decode")]
+    rows, rest = trace_overlap.top_kernels(g, 1)
+    assert rows == [dict(name="decode", ms=0.05, share=pytest.approx(50 / 55), calls=2, op="")]
     assert rest == dict(kernels=1, ms=0.01, share=pytest.approx(10 / 55))
+
+
+def test_kernels_of_one_name_split_by_op(tmp_path):
+    """Mosaic kernels share a generic name: with op names, launches of one name from different JAX ops rank apart."""
+
+    def launch(ts, dur, hlo_op):
+        args = {"hlo_op": hlo_op} if hlo_op else {}
+        return {"ph": "X", "pid": 1, "tid": 7, "name": "kernel_body", "ts": ts, "dur": dur, "args": args}
+
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}},
+        *(launch(ts, dur, op) for ts, dur, op in ((0, 30, "custom-call.1"), (30, 20, "custom-call.2"),
+                                                   (50, 25, "custom-call.2"), (75, 5, None))),
+    ]  # fmt: skip
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    names = {"custom-call.1": "jit(step)/dsv4_hca/attn/mpmd_map", "custom-call.2": "jit(step)/dsv4_hca/ffn/mpmd_map"}
+    gpu = trace_overlap.kernel_table(str(path), names)["/device:GPU:0"]
+    rows, rest = trace_overlap.top_kernels(gpu, 2)
+    ms = pytest.approx
+    assert rows == [dict(name="kernel_body", ms=ms(0.045), share=ms(45 / 80), calls=2, op=names["custom-call.2"]),
+                    dict(name="kernel_body", ms=ms(0.03), share=ms(30 / 80), calls=1, op=names["custom-call.1"])]
+    assert rest == dict(kernels=1, ms=0.005, share=pytest.approx(5 / 80))
+    assert trace_overlap.kernel_table(str(path))["/device:GPU:0"]["kernels"] == {"kernel_body": [80.0, 4]}
 
 
 def test_host_table_by_hand(tmp_path):
@@ -139,9 +165,11 @@ def test_breakdown_by_kind_and_scope_by_hand(tmp_path):
     names = trace_overlap.hlo_op_names(str(dump), "slot_step")
     assert names == {"collective-permute-start.3": "jit(slot_step)/dsv4_hca/ppermute",
                      "fusion.9": "jit(slot_step)/dsv4_hca/dot"}  # fmt: skip
-    # each kernel's op_name, through its hlo_op argument (the module-level event on another thread is no kernel)
-    assert trace_overlap.kernel_ops(str(path), names) == {"/device:GPU:0": {
-        "ncclDevKernel_SendRecv": "jit(slot_step)/dsv4_hca/ppermute", "gemm": "jit(slot_step)/dsv4_hca/dot"}}
+    # kernels by (name, op_name through the hlo_op argument); the module-level event on another thread is no kernel
+    kernels = trace_overlap.kernel_table(str(path), names)["/device:GPU:0"]["kernels"]
+    assert kernels == {("loop_fusion", ""): [10.0, 1], ("ncclDevKernel_AllGather_RING_LL", ""): [10.0, 1],
+                       ("ncclDevKernel_SendRecv", "jit(slot_step)/dsv4_hca/ppermute"): [10.0, 1],
+                       ("gemm", "jit(slot_step)/dsv4_hca/dot"): [10.0, 1], ("head_fusion", ""): [5.0, 1]}  # fmt: skip
     got = trace_overlap.breakdown(str(path), trace_overlap.scope_finder(r"dsv4_(\w+?)/", names))["/device:GPU:0"]
     ms = pytest.approx
     assert (got["span_ms"], got["busy_ms"], got["idle_ms"]) == ms((0.045, 0.035, 0.010))
