@@ -11,8 +11,11 @@ Starts `dsv4 serve MODEL` as a subprocess and builds the same engine in this pro
 Both engines are built by the same code from the same engine options (`dsv4.serve.server.build_llm`, defaults
 included). Only one side runs at a time, so on a small CPU box the two processes never compete, and the sides
 alternate within every round, so a slow spell of the machine hits both. Reported: the median over rounds of each
-side's TTFT p50 and ITL p50 / p99, and the ratios http / engine (the HTTP layer's cost) and with / without the long
-prompt (interference). Both processes share a persistent JAX compilation cache, so each shape compiles once.
+side's TTFT p50 and mean and ITL p50 / p99, and the ratios http / engine (the HTTP layer's cost) and with / without
+the long prompt (interference). The http sides also read the server's own TTFT histogram from /metrics: its mean
+against the engine's says whether the engine runs slower inside the server, and the client's mean minus it is what
+HTTP itself adds to a request (receiving and parsing the body, the first chunk's way back). Both processes share a
+persistent JAX compilation cache, so each shape compiles once.
 
     python scripts/bench_serve_overhead.py --model tiny --engine-args "--max-slots 16 --chunk-size 256 \\
         --max-model-len 9000" --num-prompts 100 --request-rate 10 --input-len 64 --output-len 32 \\
@@ -40,13 +43,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dsv4.serve import bench  # noqa: E402  (after the path)
 
-STATS = ("ttft_p50_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "long_ttft_ms")
+STATS = ("ttft_p50_ms", "ttft_mean_ms", "server_ttft_mean_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms",
+         "long_ttft_ms", "server_long_ttft_ms")  # fmt: skip
+SERVER_TTFT = "dsv4_time_to_first_token_seconds"
+LONG_PREFILL_LINE = r"prefill of {} tokens done, first token after ([0-9.]+) s"
+"""The server's log line for a prompt longer than a chunk (dsv4.serve.worker): its own TTFT, to the millisecond."""
 
 
 def parse_args(argv=None):
@@ -148,8 +156,26 @@ def engine_round(llm, work: bench.Workload, bargs, *, long: bool) -> dict:
     return summary
 
 
+def server_ttft_totals(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's own TTFT histogram: each request's arrival at the engine to its first token."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    totals = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in (f"{SERVER_TTFT}_sum", f"{SERVER_TTFT}_count"):
+            totals[name] = float(value)
+    return totals[f"{SERVER_TTFT}_sum"], totals[f"{SERVER_TTFT}_count"]
+
+
 def http_round(bargs) -> dict:
-    return asyncio.run(bench.run(bargs))["summary"]
+    """The client's numbers, and the server's mean TTFT over the same requests (its clock starts once the body is
+    parsed, and stops when the engine has the token), so client mean - server mean is what HTTP itself costs."""
+    sum0, count0 = server_ttft_totals(bargs.base_url)
+    summary = asyncio.run(bench.run(bargs))["summary"]
+    sum1, count1 = server_ttft_totals(bargs.base_url)
+    # The client's warm-up request is in the server's count too: one short prompt on an idle engine.
+    summary["server_ttft_mean_ms"] = (sum1 - sum0) / (count1 - count0) * 1e3 if count1 > count0 else None
+    return summary
 
 
 def nan_if_none(value) -> float:
@@ -202,7 +228,10 @@ def main(argv=None) -> int:
                     error = summary.get("first_error") or summary.get("long_prompt_error")
                     raise RuntimeError(f"{side}: {summary['failed']} requests failed: {error}")
                 summary["long_ttft_ms"] = (summary.get("long_prompt") or {}).get("ttft_loaded_ms")
-                row = {k: nan_if_none(summary[k]) for k in STATS}
+                if side == "http+long":  # the loaded run's line comes last
+                    found = re.findall(LONG_PREFILL_LINE.format(args.long_prompt_len), server.log_path.read_text())
+                    summary["server_long_ttft_ms"] = float(found[-1]) * 1e3 if found else None
+                row = {k: nan_if_none(summary.get(k)) for k in STATS}
                 rounds[side].append(row)
                 print(f"round {r + 1} {side:<12} " + "  ".join(f"{k} {v:.1f}" for k, v in row.items()),
                       file=sys.stderr, flush=True)  # fmt: skip
@@ -214,17 +243,32 @@ def main(argv=None) -> int:
           f"{args.input_len} tokens at {args.request_rate}/s, {args.output_len} new"
           f"{f', one {args.long_prompt_len}-token prompt' if args.long_prompt_len else ''}; "
           f"median of {args.rounds} rounds")  # fmt: skip
-    print(f"{'side':<12} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>9} {'long TTFT':>10}   (ms)")
+    print(f"{'side':<12} {'TTFT p50':>9} {'mean':>7} {'server':>7} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>9} "
+          f"{'long TTFT':>10} {'server':>7}   (ms; server: the server's own TTFT)")  # fmt: skip
     for side, row in med.items():
-        print(f"{side:<12} {row['ttft_p50_ms']:>9.1f} {row['itl_p50_ms']:>8.1f} {row['itl_p99_ms']:>8.1f} "
-              f"{row['tpot_p50_ms']:>9.1f} {row['long_ttft_ms']:>10.1f}")  # fmt: skip
+        print(f"{side:<12} {row['ttft_p50_ms']:>9.1f} {row['ttft_mean_ms']:>7.1f} {row['server_ttft_mean_ms']:>7.1f} "
+              f"{row['itl_p50_ms']:>8.1f} {row['itl_p99_ms']:>8.1f} {row['tpot_p50_ms']:>9.1f} "
+              f"{row['long_ttft_ms']:>10.1f} {row['server_long_ttft_ms']:>7.1f}")  # fmt: skip
     ratios = {}
     if args.num_prompts:
         ratios["http_over_engine_ttft_p50"] = med["http"]["ttft_p50_ms"] / med["engine"]["ttft_p50_ms"]
-        print(f"\nTTFT p50 through HTTP / the engine's: {ratios['http_over_engine_ttft_p50']:.3f}")
+        ratios["http_over_engine_ttft_mean"] = med["http"]["ttft_mean_ms"] / med["engine"]["ttft_mean_ms"]
+        ratios["server_over_engine_ttft_mean"] = med["http"]["server_ttft_mean_ms"] / med["engine"]["ttft_mean_ms"]
+        http_layer = [r["ttft_mean_ms"] - r["server_ttft_mean_ms"] for r in rounds["http"]]
+        ratios["http_layer_ms"] = statistics.median(http_layer)
+        print(f"\nTTFT through HTTP / the engine's: p50 {ratios['http_over_engine_ttft_p50']:.3f}, mean "
+              f"{ratios['http_over_engine_ttft_mean']:.3f}; the server's own TTFT / the engine's (mean): "
+              f"{ratios['server_over_engine_ttft_mean']:.3f}; HTTP itself (client - server mean): "
+              f"{ratios['http_layer_ms']:.2f} ms a request")  # fmt: skip
     if args.long_prompt_len:
         ratios["http_over_engine_long_ttft"] = med["http+long"]["long_ttft_ms"] / med["engine+long"]["long_ttft_ms"]
-        print(f"long prompt's TTFT through HTTP / the engine's: {ratios['http_over_engine_long_ttft']:.3f}")
+        server_long = med["http+long"]["server_long_ttft_ms"]
+        ratios["server_over_engine_long_ttft"] = server_long / med["engine+long"]["long_ttft_ms"]
+        ratios["http_layer_long_ms"] = statistics.median(r["long_ttft_ms"] - r["server_long_ttft_ms"]
+                                                         for r in rounds["http+long"])  # fmt: skip
+        print(f"long prompt's TTFT through HTTP / the engine's: {ratios['http_over_engine_long_ttft']:.3f}; the "
+              f"server's own / the engine's: {ratios['server_over_engine_long_ttft']:.3f}; HTTP itself (client - "
+              f"server): {ratios['http_layer_long_ms']:.1f} ms")  # fmt: skip
         if args.num_prompts:
             for base in ("http", "engine"):
                 key = f"{base}_itl_p99_long_over_alone"

@@ -192,7 +192,7 @@ class EngineWorker:
             job.prefilled = len(job.prompt_ids)
             if job.num_tokens == 1 and len(job.prompt_ids) > self.llm.chunk_size:
                 log.info(
-                    "%s: prefill of %d tokens done, first token after %.2f s",
+                    "%s: prefill of %d tokens done, first token after %.3f s",
                     job.request_id,
                     len(job.prompt_ids),
                     now - job.arrival_time,
