@@ -446,7 +446,9 @@ class LLM:
                 raise ValueError(f"prompt: token ids must be a flat sequence; got an array of shape {array.shape}")
             if not np.issubdtype(array.dtype, np.integer):
                 raise ValueError(f"prompt: token ids must be integers; got an array of dtype {array.dtype}")
-            return [int(t) for t in array]
+            return array.tolist()  # Python ints, whatever the integer dtype
+        if type(prompt) is list and set(map(type, prompt)) == {int}:  # the common case, checked in C loops
+            return list(prompt)  # (a 128K-token prompt: ~2 ms, where the loop below takes ~55 on a 2-core box)
         ids = []
         for position, token in enumerate(prompt):
             if not is_int(token):

@@ -189,6 +189,7 @@ def test_bad_sampling_parameters_are_refused_at_the_door(llm):
         (dict(prompt=good, max_new_tokens=True), "max_new_tokens=True"),
         (dict(prompt=good, max_new_tokens=0), "max_new_tokens=0"),
         (dict(prompt=[1.0, 2.0]), "position 0 is 1.0"),
+        (dict(prompt=[5, True]), "position 1 is True"),
         (dict(prompt=[[1, 2], [3, 4]]), "nested"),
         (dict(prompt=np.ones((2, 3), np.int64)), "shape \\(2, 3\\)"),
         (dict(prompt=np.ones(3, np.float32)), "dtype float32"),
@@ -201,6 +202,11 @@ def test_bad_sampling_parameters_are_refused_at_the_door(llm):
     for kwargs, message in bad_requests:
         with pytest.raises(ValueError, match=message):
             llm.add_request(**kwargs)
+    # a list of Python ints is copied, not kept; numpy ints (in a list or an array) come back as Python ints
+    assert llm.encode(good) == good and llm.encode(good) is not good
+    mixed = llm.encode([np.int64(3), 4, np.uint8(5)])
+    assert mixed == [3, 4, 5] and {type(t) for t in mixed} == {int}
+    assert {type(t) for t in llm.encode(np.asarray(good, np.uint16))} == {int}
     # numpy ints are ints; among bad requests, the good ones run
     outputs = llm.generate([good, [1.0], np.asarray(good, np.int32)], max_new_tokens=MAX_NEW)
     assert outputs[0].token_ids == outputs[2].token_ids == alone(llm, good)
