@@ -62,7 +62,7 @@ def main(argv=None) -> int:
                                    "--xla_dump_hlo_module_re=step").strip()  # fmt: skip
     import jax
     import numpy as np
-    from trace_overlap import hlo_op_names, kernel_table, top_kernels
+    from trace_overlap import first_event_args, hlo_op_names, kernel_table, top_kernels
 
     from dsv4.cli import build_parser
 
@@ -97,6 +97,11 @@ def main(argv=None) -> int:
     else:
         gpu = table[sorted(table)[0]]
         rows, rest = top_kernels(gpu, args.top)
+        unnamed = {row["name"] for row in rows if not row["op"]}
+        found = first_event_args(trace_dir, sorted(table)[0], unnamed) if unnamed else {}
+        for row in rows:
+            if not row["op"]:  # what the trace says of it, to see why the dump did not name it
+                row["args"] = found.get(row["name"], {})
         calls = sum(count for _, count in gpu["kernels"].values())
         report.update(busy_ms=gpu["busy_us"] / 1e3, span_ms=gpu["span_us"] / 1e3, kernel_count=calls, kernels=rows,
                       rest_ms=rest["ms"])  # fmt: skip
