@@ -348,6 +348,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [7] * 40_000, "max_tokens": 1}, "prompt"),  # > 64 KiB: parsed off the event loop
     ("completions", b'{"prompt": [' + b"7, " * 40_000, None),  # the same, malformed
     ("completions", {"prompt": [1, 999]}, "prompt"),
+    ("completions", {"prompt": [1, True]}, "prompt"),  # ids are checked by the engine's add_request
+    ("completions", {"prompt": [1, 2.5]}, "prompt"),
     ("completions", {"prompt": [1, 2], "n": 2}, "n"),
     ("completions", {"prompt": [1, 2], "stop": [""]}, "stop"),
     ("completions", {"prompt": [1, 2], "stream_options": {"include_usage": True}}, "stream_options"),
