@@ -10,7 +10,10 @@ that attends to the whole context, and the first token) under `jax.profiler.trac
 busy time (`trace_overlap.kernel_table`): the Pallas kernels and the cuBLAS GEMMs beside XLA's own fusions, the glue
 between them, each with the JAX op that made it (its op_name in the step programs' optimized HLO, dumped for the
 purpose and deleted after; --no-op-names skips it). Launches are ranked by kernel and op together: every Mosaic
-kernel is named after its body function, so only the op tells the attention's apart from the MoE's. --out DIR: the
+kernel is named after its body function, so only the op tells the attention's apart from the MoE's. Kernels that XLA
+replays from a command buffer (a CUDA graph: the straight-line stretches of the step) carry no HLO op in the trace;
+run with XLA_FLAGS=--xla_gpu_enable_command_buffer= to name every kernel (kernel times stay; the gaps between
+launches grow, so busy time is the measure, not the span). The JSON says which way it ran. --out DIR: the
 trace and profile_chunk.json. On a CPU the trace has no GPU kernels, and the table says so.
 """
 
@@ -62,7 +65,7 @@ def main(argv=None) -> int:
                                    "--xla_dump_hlo_module_re=step").strip()  # fmt: skip
     import jax
     import numpy as np
-    from trace_overlap import first_event_args, hlo_op_names, kernel_table, top_kernels
+    from trace_overlap import hlo_op_names, kernel_table, top_kernels
 
     from dsv4.cli import build_parser
 
@@ -89,7 +92,9 @@ def main(argv=None) -> int:
     table = kernel_table(trace_dir, hlo_op_names(dump, "step") if dump else None)
     report = dict(model=args.model, engine_args=args.engine_args, length=args.length, chunk_size=llm.chunk_size,
                   chunk_start=last, chunk_tokens=args.length - last, compile_s=compile_s,
-                  chunks_before_s=before_s, wall_ms=wall_s * 1e3, devices=sorted(table), kernels=[])  # fmt: skip
+                  chunks_before_s=before_s, wall_ms=wall_s * 1e3, devices=sorted(table), kernels=[],
+                  command_buffers="off" if "xla_gpu_enable_command_buffer=" in os.environ.get("XLA_FLAGS", "") else
+                  "on")  # fmt: skip
     print(f"{args.model} {args.engine_args}: the last chunk of a {args.length}-token prompt (tokens {last}.."
           f"{args.length - 1}): wall {wall_s * 1e3:.1f} ms under the profiler")  # fmt: skip
     if not table:
@@ -97,11 +102,6 @@ def main(argv=None) -> int:
     else:
         gpu = table[sorted(table)[0]]
         rows, rest = top_kernels(gpu, args.top)
-        unnamed = {row["name"] for row in rows if not row["op"]}
-        found = first_event_args(trace_dir, sorted(table)[0], unnamed) if unnamed else {}
-        for row in rows:
-            if not row["op"]:  # what the trace says of it, to see why the dump did not name it
-                row["args"] = found.get(row["name"], {})
         calls = sum(count for _, count in gpu["kernels"].values())
         report.update(busy_ms=gpu["busy_us"] / 1e3, span_ms=gpu["span_us"] / 1e3, kernel_count=calls, kernels=rows,
                       rest_ms=rest["ms"])  # fmt: skip

@@ -163,17 +163,6 @@ def kernel_table(path: str, op_names: dict[str, str] | None = None) -> dict[str,
     return out
 
 
-def first_event_args(path: str, process: str, names) -> dict[str, dict]:
-    """For each of `names`, the arguments of its first kernel event on `process` (what a trace says of a kernel that
-    `hlo_op_names` could not name). → {name: args}; names with no event are left out."""
-    out: dict[str, dict] = {}
-    for e in _kernel_events(path).get(process, []):
-        name = e.get("name")
-        if name in names and name not in out:
-            out[name] = e.get("args") or {}
-    return out
-
-
 def top_kernels(gpu: dict, top: int) -> tuple[list[dict], dict]:
     """One GPU's `kernel_table` entry ranked by total time. → (the `top` kernels as rows {name, ms, share (of the busy
     time), calls, op (the JAX op that made it, with `op_names`, else "")}, the others summed as {kernels, ms,
