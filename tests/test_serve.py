@@ -350,6 +350,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [1, 999]}, "prompt"),
     ("completions", {"prompt": [1, True]}, "prompt"),  # ids are checked by the engine's add_request
     ("completions", {"prompt": [1, 2.5]}, "prompt"),
+    ("completions", {"prompt": [1, 10**30]}, "prompt"),
     ("completions", {"prompt": [1, 2], "n": 2}, "n"),
     ("completions", {"prompt": [1, 2], "stop": [""]}, "stop"),
     ("completions", {"prompt": [1, 2], "stream_options": {"include_usage": True}}, "stream_options"),
