@@ -393,12 +393,12 @@ class LLM:
     def _hold_fp4_experts(self, choice: str, max_slots: int, kv_format) -> str:
         """Re-blocks the FP4 routed experts as FP8 once (for the W8A8 kernels, `Kernels.moe="pallas"`) if `choice`
         is "fp8", or "auto" and the device has the room (`fp8_experts_fit`). → "fp8" if it did, else "fp4"."""
-        if self.model.kernels.moe != "pallas":
-            return "fp4"  # the jnp MoE dequantizes the FP4 experts where it reads them
+        if self.model.kernels.moe != "pallas" or choice == "fp4":
+            return "fp4"  # as asked, or the jnp MoE, which dequantizes the FP4 experts where it reads them
         devices = self.mesh.devices.flat if self.mesh is not None else jax.local_devices()
         device = next(d for d in devices if d.process_index == jax.process_index())  # one whose memory we can see
         count, extra = fp4_reblock_extra_bytes(self.model, device)
-        if not count or choice == "fp4":  # the same in every process (unlike `extra`)
+        if not count:  # the same in every process (unlike `extra`)
             return "fp4"
         if choice == "auto":
             stats = (device.memory_stats() if hasattr(device, "memory_stats") else None) or {}

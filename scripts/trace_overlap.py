@@ -141,9 +141,14 @@ def _kernel_events(path: str) -> dict[str, list[dict]]:
     return {pname: kinds["stream"] or kinds["other"] for pname, kinds in sorted(per.items())}
 
 
+def _event_ops(e, op_names: dict[str, str]):
+    """The op_names (`hlo_op_names`) of the event's arguments that name an HLO instruction, in argument order."""
+    return (op_names[v] for v in (e.get("args") or {}).values() if isinstance(v, str) and v in op_names)
+
+
 def _event_op(e, op_names: dict[str, str]) -> str:
-    """The op_name (`hlo_op_names`) of the first of the event's arguments that names an HLO instruction, or ""."""
-    return next((op_names[v] for v in (e.get("args") or {}).values() if isinstance(v, str) and v in op_names), "")
+    """The first of `_event_ops`, or ""."""
+    return next(_event_ops(e, op_names), "")
 
 
 def kernel_table(path: str, op_names: dict[str, str] | None = None) -> dict[str, dict]:
@@ -228,11 +233,10 @@ def scope_finder(pattern: str, op_names: dict[str, str] | None = None):
         m = regex.search(_event_text(e))
         if m:
             return m.group(1)
-        for v in (e.get("args") or {}).values():
-            if isinstance(v, str) and v in op_names:
-                m = regex.search(op_names[v])
-                if m:
-                    return m.group(1)
+        for op in _event_ops(e, op_names):
+            m = regex.search(op)
+            if m:
+                return m.group(1)
         return None
 
     return scope_of

@@ -206,10 +206,6 @@ def _check_range(name: str, value, lo=None, hi=None, *, lo_open=False) -> None:
 def _token_ids(value, name: str, vocab_size: int) -> list[int]:
     if not value:
         raise RequestError(f"{name} is empty", param=name)
-    # The common case checked in C loops (a 128K-token prompt in ~7 ms rather than ~30 on a 2-core box): all ints
-    # (JSON's bools are not of type int), all in range. Only a bad array is walked in Python, to name its first bad one.
-    if set(map(type, value)) == {int} and 0 <= min(value) and max(value) < vocab_size:
-        return list(value)
     for i, t in enumerate(value):
         if not isinstance(t, int) or isinstance(t, bool):
             raise RequestError(f"{name}[{i}] must be an integer token id, not {_type_name(t)}", param=name)
