@@ -14,7 +14,7 @@ kernel is named after its body function, so only the op tells the attention's ap
 replays from a command buffer (a CUDA graph: the straight-line stretches of the step) carry no HLO op in the trace;
 run with XLA_FLAGS=--xla_gpu_enable_command_buffer= to name every kernel (kernel times stay; the gaps between
 launches grow, so busy time is the measure, not the span). The JSON says which way it ran. --out DIR: the
-trace and profile_chunk.json. On a CPU the trace has no GPU kernels, and the table says so.
+trace and profile_chunk.json (and, with --keep-hlo, the optimized HLO). On a CPU the trace has no GPU kernels, and the table says so.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=pathlib.Path, default=None, help="directory for the trace and profile_chunk.json")
     p.add_argument("--no-op-names", action="store_true",
                    help="skip the HLO dump through which each kernel is named by the JAX op that made it")
+    p.add_argument("--keep-hlo", action="store_true",
+                   help="keep the step programs' optimized HLO (gzipped) under --out/hlo, to read the fusions")
     return p.parse_args(argv)
 
 
@@ -114,6 +116,12 @@ def main(argv=None) -> int:
         print(f"{rest['ms']:9.2f} {rest['share']:6.1%}        the other {rest['kernels']} kernels")
     if args.out:
         (args.out / "profile_chunk.json").write_text(json.dumps(report, indent=2))
+    if dump and args.keep_hlo and args.out:
+        import gzip
+
+        (args.out / "hlo").mkdir(parents=True, exist_ok=True)
+        for path in pathlib.Path(dump).glob("*after_optimizations.txt"):
+            (args.out / "hlo" / (path.name + ".gz")).write_bytes(gzip.compress(path.read_bytes()))
     if dump:
         shutil.rmtree(dump, ignore_errors=True)
     return 0
