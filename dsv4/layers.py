@@ -48,14 +48,31 @@ def param(rngs: nnx.Rngs | np.random.Generator, shape, axes, *, dtype, init: str
 
 
 def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """`x @ weight.T` for a [out, in] weight, accumulating in float32."""
-    return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=F32).astype(x.dtype)
+    """`x @ weight.T` for a [out, in] weight, accumulating in float32, rounded once to x's dtype."""
+    return matmul_in_dtype("...i,oi->...o", x, weight)
+
+
+def matmul_in_dtype(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """`jnp.einsum(spec, x, weight)` accumulated in float32 and returned in x's dtype.
+
+    NOTE: where x and the weight share a dtype the dot returns that dtype itself (GPU GEMMs accumulate bf16 in
+    float32 either way). A float32 result cast afterwards makes XLA write the float32 product and read it back in a
+    separate pass: 3.2 GB more traffic for a 16K-token chunk's [16K, 64 × 512] queries (docs/BENCHMARKS.md).
+    """
+    if x.dtype == weight.dtype and x.dtype != F32:
+        return jnp.einsum(spec, x, weight, preferred_element_type=x.dtype)
+    return jnp.einsum(spec, x, weight, preferred_element_type=F32).astype(x.dtype)
+
+
+def inverse_rms(x32: jax.Array, eps: float) -> jax.Array:
+    """1 / RMS over the last axis (keepdims) of a float32 array."""
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     """Unweighted RMSNorm over the last axis, in float32, cast back to x's dtype."""
     x32 = x.astype(F32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return (x32 * inverse_rms(x32, eps)).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -67,8 +84,7 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(F32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (self.weight[...] * normed).astype(x.dtype)
+        return (self.weight[...] * (x32 * inverse_rms(x32, self.eps))).astype(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,6 +163,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].astype(F32)
     even, odd = rope[..., 0::2], rope[..., 1::2]
     rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(rope.shape)
+    # NOTE: a concatenate, not an in-place update of the rope channels: XLA's CPU backend ran
+    # dynamic_update_slice(x, rotate(x[..., -R:])) in place and read partners it had already overwritten.
     return jnp.concatenate([nope, rotated.astype(x.dtype)], axis=-1)
 
 
@@ -208,8 +226,7 @@ class HyperConnection(nnx.Module):
 
     def _mix(self, streams: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         hc, eps = self.hc_mult, self.hc_eps
-        flat = rms_normalize(streams.reshape(*streams.shape[:2], -1).astype(F32), self.norm_eps)
-        mixes = jnp.einsum("bsi,oi->bso", flat, self.fn[...], preferred_element_type=F32)
+        mixes = normalized_mixes(streams, self.fn[...], self.norm_eps)
         pre_w, post_w, comb_w = mixes[..., :hc], mixes[..., hc : 2 * hc], mixes[..., 2 * hc :]
         base, scale = self.base[...], self.scale[...]
         pre = jax.nn.sigmoid(pre_w * scale[0] + base[:hc]) + eps
@@ -220,12 +237,26 @@ class HyperConnection(nnx.Module):
         return post, comb, collapsed
 
 
+def normalized_mixes(streams: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm(the copies flattened) · fnᵀ in float32: streams [B, S, hc, D], fn [n, hc·D] → [B, S, n].
+
+    NOTE: the norm's per-token factor is applied to the n mixes, not to the hc·D inputs, so the normalized float32
+    copies (1 GiB for a 16K-token chunk) are never written: the GEMM reads the streams as they are."""
+    flat = streams.reshape(*streams.shape[:2], -1).astype(F32)
+    return jnp.einsum("bsi,oi->bso", flat, fn, preferred_element_type=F32) * inverse_rms(flat, eps)
+
+
 def hc_merge(block_output: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-    """New copies: post_k · output + Σ_j comb[j, k] · stream_j (comb is applied transposed)."""
-    dtype = streams.dtype
+    """New copies: post_k · output + Σ_j comb[j, k] · stream_j (comb is applied transposed), in float32, rounded
+    once to the streams' dtype."""
     with jax.named_scope("mhc_merge"):
-        mixed = jnp.einsum("bsjk,bsjd->bskd", comb.astype(dtype), streams)
-        return post.astype(dtype)[..., None] * block_output[:, :, None, :] + mixed
+        # NOTE: hc (4) products summed elementwise, one pass over the copies; as a batched dot of k = 4 XLA runs
+        # a GEMM kernel at a sixth of the bandwidth.
+        out = post.astype(F32)[..., None] * block_output.astype(F32)[:, :, None, :]
+        comb = comb.astype(F32)
+        for j in range(streams.shape[2]):
+            out = out + comb[:, :, j, :, None] * streams[:, :, j, None, :].astype(F32)
+        return out.astype(streams.dtype)
 
 
 class HyperHead(nnx.Module):
@@ -239,7 +270,6 @@ class HyperHead(nnx.Module):
         self.hc_eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
 
     def __call__(self, streams: jax.Array) -> jax.Array:
-        flat = rms_normalize(streams.reshape(*streams.shape[:2], -1).astype(F32), self.norm_eps)
-        mixes = jnp.einsum("bsi,oi->bso", flat, self.hc_fn[...], preferred_element_type=F32)
+        mixes = normalized_mixes(streams, self.hc_fn[...], self.norm_eps)
         pre = jax.nn.sigmoid(mixes * self.hc_scale[...] + self.hc_base[...]) + self.hc_eps
         return jnp.einsum("bsj,bsjd->bsd", pre, streams.astype(F32)).astype(streams.dtype)

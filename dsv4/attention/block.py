@@ -22,7 +22,7 @@ from dsv4.cache.state import LayerCache
 from dsv4.cache.store import KVStore, resolve_format
 from dsv4.config import CSA, HCA, SLIDING, Config
 from dsv4.kernels import Kernels
-from dsv4.layers import F32, RMSNorm, Rope, apply_rope, linear, param, rms_normalize
+from dsv4.layers import F32, RMSNorm, Rope, apply_rope, linear, matmul_in_dtype, param, rms_normalize
 from dsv4.pallas._device import on_gpu
 from dsv4.pallas.attention import SCALE_TILE
 from dsv4.pallas.decode import paged_decode_attention, unsupported_shape
@@ -233,5 +233,5 @@ class Attention(nnx.Module):
         out = apply_rope(out, cos, -sin).reshape(b, s, self.o_groups, -1)  # [B, S, G, H·D/G]
         w_a = self.o_a_proj["weight"][...]
         w_a = w_a.reshape(self.o_groups, -1, w_a.shape[-1])  # [G, R, H·D/G]
-        grouped = jnp.einsum("bsgi,gri->bsgr", out, w_a, preferred_element_type=F32).astype(out.dtype)
+        grouped = matmul_in_dtype("bsgi,gri->bsgr", out, w_a)
         return linear(grouped.reshape(b, s, -1), self.o_b_proj["weight"][...])
