@@ -139,6 +139,12 @@ def test_kernels_interpreted(mode, form):
     y_want = np.asarray(grouped_down_reference(h_in, down, sizes, out_dtype=F32, **dkw), F32)
     assert not np.isnan(y[rows]).any(), "down left rows of a used tile unwritten"
     np.testing.assert_allclose(y[rows], y_want[rows], atol=1e-4 * np.abs(y_want).max(), rtol=0)
+    if form == "per_step":  # y stored in bf16 (routed_experts' form): the same float32 sums, rounded once
+        y16 = grouped_down_mgpu(h_in, down, tiles, config=config, interpret=_interpret(), out_dtype=jnp.bfloat16,
+                                **dkw)  # fmt: skip
+        assert y16.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(y16, F32)[rows], np.asarray(jnp.asarray(y[rows]).astype(
+            jnp.bfloat16), F32))  # fmt: skip
 
 
 @pytest.mark.parametrize("mode, tokens", [("bf16", 50), ("w8a8", 50), ("bf16", 1)])  # 1: a decode step, P < E

@@ -5,7 +5,8 @@ for the tensor core instead of for masked loads:
 
     tokens ──sort by expert──▶ padded rows: each expert's rows start on a TILE_M boundary; tile t has one expert
     x_pad [Mp, D] ──gate_up──▶ h [Mp, I] = silu(min(x·Wgᵀ, L)) · clip(x·Wuᵀ, ±L)      (SwiGLU fused)
-    h     [Mp, I] ──down─────▶ y [Mp, D] = h·Wdᵀ  (f32; the routing weight is applied in the combine)
+    h     [Mp, I] ──down─────▶ y [Mp, D] = h·Wdᵀ  (bf16 in `routed_experts_mgpu`; the routing weight is applied in
+                                                      the combine, in f32)
 
 NOTE (padding in memory, unlike the Triton kernels): a TMA store writes whole boxes, so a CTA tile must not end
 inside another expert's rows. Each expert's group is padded to a multiple of TILE_M = 128 rows in the sorted
@@ -67,7 +68,7 @@ class MgpuMoeConfig:
     """Launch parameters of the Mosaic grouped GEMMs.
 
     num_slots: ring stages (each holds x [128, bk] and two weight parts [128, bk]: 48 KiB for bf16 at bk = 64 and
-               for fp8 at bk = 128). None: 4 for gate_up (bf16 h staging 32 KiB), 3 for down (f32 y staging 64 KiB).
+               for fp8 at bk = 128). None: 4 for gate_up (bf16 h staging 32 KiB), 3 for down (y staging up to 64 KiB).
     num_ctas:  persistent CTAs (None: the device's SM count).
     acc_form:  bf16 only. "in_place" (the default): the wgmma accumulates over all K steps in its accumulator;
                "per_step": a fresh accumulator per step, added in registers: the form the fp8 path always uses
@@ -390,14 +391,17 @@ def grouped_gate_up_mgpu(x_pad, gate_up, tile_expert, *, limit: float, x_scales=
     return (out[0], out[1].T) if quantize_out else out
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "out_dtype"))
 def grouped_down_mgpu(h_pad, down, tile_expert, *, h_scales=None, down_scales=None,
-                      config: MgpuMoeConfig = MgpuMoeConfig(), interpret=None):  # fmt: skip
-    """y = h·Wdᵀ per padded row tile's expert, in float32. → [Mp, D]. Arguments as `grouped_gate_up_mgpu`."""
+                      config: MgpuMoeConfig = MgpuMoeConfig(), interpret=None, out_dtype=F32):  # fmt: skip
+    """y = h·Wdᵀ per padded row tile's expert, accumulated in float32 and stored as out_dtype (float32, or bf16 /
+    f16: half the bytes written and read back by the combine). → [Mp, D]. Arguments as `grouped_gate_up_mgpu`."""
     _check_weights(h_pad, down, down_scales, "grouped_down_mgpu")
+    if jnp.dtype(out_dtype) not in (jnp.dtype(F32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"grouped_down_mgpu: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
     xs_t = None if h_scales is None else h_scales.T
-    return _grouped_call(h_pad, down, tile_expert, xs_t, down_scales, gate_up=False, limit=None, out_dtype=F32,
-                         config=config, interpret=interpret)  # fmt: skip
+    return _grouped_call(h_pad, down, tile_expert, xs_t, down_scales, gate_up=False, limit=None,
+                         out_dtype=jnp.dtype(out_dtype), config=config, interpret=interpret)  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "config", "interpret", "out_dtype"))
@@ -408,9 +412,9 @@ def routed_experts_mgpu(x, expert_ids, weights, gate_up, down, limit: float, *, 
 
     Checks are `moe.routed_experts`'s (call that with impl="mgpu" for them); this is the composition:
     padded_layout → gather (quantized per token first for W8A8, unless x comes quantized with x_scales) → gate_up
-    (W8A8: h quantized in its epilogue) → down → combine. The combine gathers each pair's row of y through
-    row_of_pair, scales it by the routing weight in f32 and sums a token's pairs; a dropped pair (id outside [0, E))
-    adds 0.
+    (W8A8: h quantized in its epilogue) → down → combine. down stores y in bf16 (x's dtype for bf16 / f16 weights),
+    as the reference's experts return theirs; the combine gathers each pair's row of y through row_of_pair, scales
+    it by the routing weight in f32 and sums a token's pairs; a dropped pair (id outside [0, E)) adds 0.
     """
     n, k = expert_ids.shape
     d = x.shape[1]
@@ -424,11 +428,11 @@ def routed_experts_mgpu(x, expert_ids, weights, gate_up, down, limit: float, *, 
                                       gate_up_scales=gate_up_scales, quantize_out=True, config=config,
                                       interpret=interpret)  # fmt: skip
         y = grouped_down_mgpu(hq, down, tile_expert, h_scales=hs, down_scales=down_scales, config=config,
-                              interpret=interpret)  # fmt: skip
+                              interpret=interpret, out_dtype=jnp.bfloat16)  # fmt: skip
     else:
         h = grouped_gate_up_mgpu(x[src_token], gate_up, tile_expert, limit=limit, config=config, interpret=interpret)
-        y = grouped_down_mgpu(h, down, tile_expert, config=config, interpret=interpret)
+        y = grouped_down_mgpu(h, down, tile_expert, config=config, interpret=interpret, out_dtype=x.dtype)
     kept = (flat_ids >= 0) & (flat_ids < gate_up.shape[0])
-    rows = y[jnp.minimum(row_of_pair, y.shape[0] - 1)]  # [P, D] f32
+    rows = y[jnp.minimum(row_of_pair, y.shape[0] - 1)].astype(F32)  # [P, D]
     rows = jnp.where(kept[:, None], rows * weights.reshape(-1, 1).astype(F32), 0.0)
     return rows.reshape(n, k, d).sum(1).astype(out_dtype or x.dtype)
