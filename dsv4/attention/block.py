@@ -22,7 +22,7 @@ from dsv4.cache.state import LayerCache
 from dsv4.cache.store import KVStore, resolve_format
 from dsv4.config import CSA, HCA, SLIDING, Config
 from dsv4.kernels import Kernels
-from dsv4.layers import F32, RMSNorm, Rope, apply_rope, linear, matmul_in_dtype, param, rms_normalize
+from dsv4.layers import F32, RMSNorm, Rope, apply_rope, linear, matmul_in_dtype, normalize_and_rope, param
 from dsv4.pallas._device import on_gpu
 from dsv4.pallas.attention import SCALE_TILE
 from dsv4.pallas.decode import paged_decode_attention, unsupported_shape
@@ -67,7 +67,7 @@ class Attention(nnx.Module):
         cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
         q_residual = self.q_a_norm(linear(x, self.q_a_proj["weight"][...]))
         q = linear(q_residual, self.q_b_proj["weight"][...]).reshape(b, s, self.n_heads, self.head_dim)
-        q = apply_rope(rms_normalize(q, self.eps), cos, sin)  # [B, S, H, D]
+        q = normalize_and_rope(q, cos, sin, self.eps)  # [B, S, H, D]
         kv = apply_rope(self.kv_norm(linear(x, self.kv_proj["weight"][...])), cos, sin)  # [B, S, D]
 
         compressed = None
@@ -128,7 +128,7 @@ class Attention(nnx.Module):
         cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
         q_residual = self.q_a_norm(linear(x, self.q_a_proj["weight"][...]))
         q = linear(q_residual, self.q_b_proj["weight"][...]).reshape(b, n, self.n_heads, self.head_dim)
-        q = apply_rope(rms_normalize(q, self.eps), cos, sin)
+        q = normalize_and_rope(q, cos, sin, self.eps)
         kv = apply_rope(self.kv_norm(linear(x, self.kv_proj["weight"][...])), cos, sin)  # [B, n, D]
 
         new = state
