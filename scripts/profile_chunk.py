@@ -8,8 +8,8 @@ the prompt's chunk widths, prefills every chunk of a --length prompt but the las
 that attends to the whole context, and the first token) under `jax.profiler.trace`. Prints the first GPU's busy time
 (the union of its kernels), the wall time of that step, and the --top kernels by GPU time with their share of the
 busy time (`trace_overlap.kernel_table`): the Pallas kernels and the cuBLAS GEMMs beside XLA's own fusions, the glue
-between them, each with the JAX op that made it (its op_name in the step programs' optimized HLO, dumped for the
-purpose and deleted after; --no-op-names skips it). Launches are ranked by kernel and op together: every Mosaic
+between them, each with the JAX op that made it (its op_name in the optimized HLO of the programs the traced step
+ran, dumped for the purpose and deleted after; --no-op-names skips it). Launches are ranked by kernel and op together: every Mosaic
 kernel is named after its body function, so only the op tells the attention's apart from the MoE's. Kernels that XLA
 replays from a command buffer (a CUDA graph: the straight-line stretches of the step) carry no HLO op in the trace;
 run with XLA_FLAGS=--xla_gpu_enable_command_buffer= to name every kernel (kernel times stay; the gaps between
@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import shlex
 import shutil
 import sys
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
                                    "--xla_dump_hlo_module_re=step").strip()  # fmt: skip
     import jax
     import numpy as np
-    from trace_overlap import hlo_op_names, kernel_table, top_kernels
+    from trace_overlap import hlo_op_names, kernel_table, modules_run, top_kernels
 
     from dsv4.cli import build_parser
 
@@ -91,9 +92,11 @@ def main(argv=None) -> int:
     if not any(e.request_id == request for e in events):
         raise RuntimeError("the traced step did not finish the prompt: it was not its last chunk")
 
-    table = kernel_table(trace_dir, hlo_op_names(dump, "step") if dump else None)
+    ran = modules_run(trace_dir)  # name kernels by these modules' dumps only: others reuse instruction names
+    pattern = "|".join(rf"\.{re.escape(m)}\." for m in ran) or "step"
+    table = kernel_table(trace_dir, hlo_op_names(dump, pattern) if dump else None)
     report = dict(model=args.model, engine_args=args.engine_args, length=args.length, chunk_size=llm.chunk_size,
-                  chunk_start=last, chunk_tokens=args.length - last, compile_s=compile_s,
+                  chunk_start=last, chunk_tokens=args.length - last, compile_s=compile_s, modules=ran,
                   chunks_before_s=before_s, wall_ms=wall_s * 1e3, devices=sorted(table), kernels=[],
                   command_buffers="off" if "xla_gpu_enable_command_buffer=" in os.environ.get("XLA_FLAGS", "") else
                   "on")  # fmt: skip

@@ -202,8 +202,12 @@ _HLO_OP = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_na
 def hlo_op_names(dump_dir: str, module_pattern: str = "") -> dict[str, str]:
     """{HLO instruction name: its op_name metadata (the JAX name stack, named scopes included)} from the optimized
     HLO text XLA dumps (`--xla_dump_to=DIR --xla_dump_hlo_as_text`), of the modules whose file name matches
-    `module_pattern`: how a GPU kernel event's `hlo_op` argument is traced back to the code that made it."""
+    `module_pattern`: how a GPU kernel event's `hlo_op` argument is traced back to the code that made it.
+
+    NOTE: XLA numbers instructions per module, so one name can be two different ops in two matched modules; such a
+    name is left out (its kernels stay unattributed) rather than given the op of whichever module was read last."""
     out: dict[str, str] = {}
+    clashes: set[str] = set()
     if not os.path.isdir(dump_dir):
         return out
     for name in sorted(os.listdir(dump_dir)):
@@ -213,8 +217,17 @@ def hlo_op_names(dump_dir: str, module_pattern: str = "") -> dict[str, str]:
             for line in f:
                 m = _HLO_OP.match(line)
                 if m:
-                    out[m.group(1)] = m.group(2)
-    return out
+                    if out.setdefault(m.group(1), m.group(2)) != m.group(2):
+                        clashes.add(m.group(1))
+    return {k: v for k, v in out.items() if k not in clashes}
+
+
+def modules_run(path: str) -> list[str]:
+    """The XLA modules a trace ran on its GPUs (the events of the devices' "XLA Modules" threads), e.g.
+    ["jit_slot_step"], sorted: the dumps whose op names apply to its kernels."""
+    names = {re.split(r"[\s(]", e.get("name", ""))[0] for _, tname, e in _gpu_events(path)
+             if tname.lower().startswith("xla modules")}  # fmt: skip
+    return sorted(n for n in names if n)
 
 
 def _event_text(e) -> str:

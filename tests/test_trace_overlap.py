@@ -165,6 +165,9 @@ def test_breakdown_by_kind_and_scope_by_hand(tmp_path):
     names = trace_overlap.hlo_op_names(str(dump), "slot_step")
     assert names == {"collective-permute-start.3": "jit(slot_step)/dsv4_hca/ppermute",
                      "fusion.9": "jit(slot_step)/dsv4_hca/dot"}  # fmt: skip
+    # both modules: fusion.9 is a different op in each, so it is left unattributed rather than given either
+    assert trace_overlap.hlo_op_names(str(dump)) == {"collective-permute-start.3": "jit(slot_step)/dsv4_hca/ppermute"}
+    assert trace_overlap.modules_run(str(path)) == ["jit_slot_step"]  # the GPU's "XLA Modules" thread
     # kernels by (name, op_name through the hlo_op argument); the module-level event on another thread is no kernel
     kernels = trace_overlap.kernel_table(str(path), names)["/device:GPU:0"]["kernels"]
     assert kernels == {("loop_fusion", ""): [10.0, 1], ("ncclDevKernel_AllGather_RING_LL", ""): [10.0, 1],
