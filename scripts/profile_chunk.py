@@ -9,12 +9,13 @@ that attends to the whole context, and the first token) under `jax.profiler.trac
 (the union of its kernels), the wall time of that step, and the --top kernels by GPU time with their share of the
 busy time (`trace_overlap.kernel_table`): the Pallas kernels and the cuBLAS GEMMs beside XLA's own fusions, the glue
 between them, each with the JAX op that made it (its op_name in the optimized HLO of the programs the traced step
-ran, dumped for the purpose and deleted after; --no-op-names skips it). Launches are ranked by kernel and op together: every Mosaic
-kernel is named after its body function, so only the op tells the attention's apart from the MoE's. Kernels that XLA
-replays from a command buffer (a CUDA graph: the straight-line stretches of the step) carry no HLO op in the trace;
-run with XLA_FLAGS=--xla_gpu_enable_command_buffer= to name every kernel (kernel times stay; the gaps between
-launches grow, so busy time is the measure, not the span). The JSON says which way it ran. --out DIR: the
-trace and profile_chunk.json (and, with --keep-hlo, the optimized HLO). On a CPU the trace has no GPU kernels, and the table says so.
+ran, dumped for the purpose and deleted after; --no-op-names skips it). Launches are ranked by kernel and op
+together: every Mosaic kernel is named after its body function, so only the op tells the attention's apart from the
+MoE's. Kernels that XLA replays from a command buffer (a CUDA graph: the straight-line stretches of the step) carry
+no HLO op in the trace; run with XLA_FLAGS=--xla_gpu_enable_command_buffer= to name every kernel (kernel times stay;
+the gaps between launches grow, so busy time is the measure, not the span). The JSON says which way it ran. --out
+DIR: the trace and profile_chunk.json (and, with --keep-hlo, the optimized HLO). On a CPU the trace has no GPU
+kernels, and the table says so.
 """
 
 from __future__ import annotations
