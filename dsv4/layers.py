@@ -260,8 +260,8 @@ def hc_merge(block_output: jax.Array, streams: jax.Array, post: jax.Array, comb:
     """New copies: post_k · output + Σ_j comb[j, k] · stream_j (comb is applied transposed), in float32, rounded
     once to the streams' dtype."""
     with jax.named_scope("mhc_merge"):
-        # NOTE: hc (4) products summed elementwise, one pass over the copies; as a batched dot of k = 4 XLA runs
-        # a GEMM kernel at a sixth of the bandwidth.
+        # NOTE: hc (4) products summed elementwise, one pass over the copies; XLA runs a batched dot of k = 4 as a
+        # GEMM kernel, 1.5× slower at a 16K-token chunk (docs/BENCHMARKS.md, "Where a chunk's time goes").
         out = post.astype(F32)[..., None] * block_output.astype(F32)[:, :, None, :]
         comb = comb.astype(F32)
         for j in range(streams.shape[2]):
