@@ -9,15 +9,15 @@ expert excluded; random weights (bf16, and DeepSeek's fp8 with 128 × 128 block 
 
     e2e      `moe.routed_experts(impl=...)` end to end: sort / layout, gather, both GEMMs, quantize (w8a8), combine
     gate_up  the gate_up kernel alone, on inputs already in its layout (Triton: sorted rows; Mosaic: padded rows)
-    down     the down kernel alone, likewise
+    down     the down kernel alone, likewise (Mosaic: y stored in bf16, as `routed_experts` has it)
 
 Useful FLOPs = 2 · 3 · D · I · N · top-k for e2e (gate_up: 2/3 of it, down: 1/3), the same for every row.
 "% mm" is against the same run's matmul of that precision (bf16: `a @ b`; w8a8: e4m3 × e4m3 → f32), at 16384³.
 Medians of `--reps` synchronized calls after a warm-up call. The first call of each Mosaic e2e row is compared
 with the Triton e2e output of the same mode (relative L2; both dropless, independent code paths).
 
-Mosaic variants (`--variants`, applied to every mode): `name:sl=3,form=per_step,ctas=132` (num_slots, acc_form,
-num_ctas of `MgpuMoeConfig`). The first variant is the default config.
+Mosaic variants (`--variants`, applied to every mode): `name:sl=3,form=per_step,ctas=132,sb=2` (num_slots, acc_form,
+num_ctas, store_buffers of `MgpuMoeConfig`). The first variant is the default config.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import dsv4.pallas.moe as pm  # noqa: E402
 import dsv4.pallas.moe_mgpu as mm  # noqa: E402
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
-KEYS = {"sl": ("num_slots", int), "form": ("acc_form", str), "ctas": ("num_ctas", int)}
+KEYS = {"sl": ("num_slots", int), "form": ("acc_form", str), "ctas": ("num_ctas", int), "sb": ("store_buffers", int)}
 
 
 def parse_args():
@@ -221,7 +221,8 @@ def mgpu_parts(n, mode, x, ids, wts, limit, config, interpret, reps, flops, reco
     if mode == "w8a8":
         h, hs = h
         hkw = dict(h_scales=hs, down_scales=wts["down_scales"])
-    dn = jax.jit(lambda h, dw, t, kw: mm.grouped_down_mgpu(h, dw, t, config=config, interpret=interpret, **kw))
+    dn = jax.jit(lambda h, dw, t, kw: mm.grouped_down_mgpu(h, dw, t, config=config, interpret=interpret,
+                                                           out_dtype=jnp.bfloat16, **kw))  # as routed_experts_mgpu
     _, ms = timed(lambda: dn(h, wts["down"], tiles, hkw), reps)
     record(n, mode, "mgpu", vname, "down", ms, flops / 3)
 

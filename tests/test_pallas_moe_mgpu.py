@@ -19,6 +19,8 @@ summed in another order, one bf16 rounding); float32 outputs (down) 1e-4 relativ
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,6 +87,18 @@ def test_lowers_for_h200(w8a8):
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args, **kw).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2
+    if w8a8:  # down with bf16 y through two staging buffers: still within an H200's shared memory
+
+        def down(h, w, tiles, hs, ws):
+            return grouped_down_mgpu(h, w, tiles, h_scales=hs, down_scales=ws, out_dtype=jnp.bfloat16,
+                                     config=MgpuMoeConfig(store_buffers=2))  # fmt: skip
+
+        rows = n * k // 128 * 128
+        with abstract_gpu_mesh():
+            text = jax.jit(down).trace(sds((rows, i), FP8), sds((e, d, i), FP8), sds((rows // 128,), jnp.int32),
+                                       sds((rows, i // 128), F32), kw["down_scales"]).lower(
+                lowering_platforms=("cuda",)).as_text()  # fmt: skip
+        assert "mosaic_gpu" in text
 
 
 def _skewed_layout(experts, top_k=2):
@@ -140,11 +154,13 @@ def test_kernels_interpreted(mode, form):
     assert not np.isnan(y[rows]).any(), "down left rows of a used tile unwritten"
     np.testing.assert_allclose(y[rows], y_want[rows], atol=1e-4 * np.abs(y_want).max(), rtol=0)
     if form == "per_step":  # y stored in bf16 (routed_experts' form): the same float32 sums, rounded once
-        y16 = grouped_down_mgpu(h_in, down, tiles, config=config, interpret=_interpret(), out_dtype=jnp.bfloat16,
-                                **dkw)  # fmt: skip
-        assert y16.dtype == jnp.bfloat16
-        np.testing.assert_array_equal(np.asarray(y16, F32)[rows], np.asarray(jnp.asarray(y[rows]).astype(
-            jnp.bfloat16), F32))  # fmt: skip
+        y_bf16 = np.asarray(jnp.asarray(y[rows]).astype(jnp.bfloat16), F32)
+        for buffers in (1, 2):  # parts A and B through one staging buffer or their own
+            cfg = dataclasses.replace(config, store_buffers=buffers)
+            y16 = grouped_down_mgpu(h_in, down, tiles, config=cfg, interpret=_interpret(), out_dtype=jnp.bfloat16,
+                                    **dkw)  # fmt: skip
+            assert y16.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(np.asarray(y16, F32)[rows], y_bf16)
 
 
 @pytest.mark.parametrize("mode, tokens", [("bf16", 50), ("w8a8", 50), ("bf16", 1)])  # 1: a decode step, P < E

@@ -74,11 +74,15 @@ class MgpuMoeConfig:
                "per_step": a fresh accumulator per step, added in registers: the form the fp8 path always uses
                (it scales each step), kept for bf16 as the slower alternative measured (docs/kernels/moe.md).
                Both run in the CPU Mosaic interpreter.
+    store_buffers: down with a 2-byte y only: 2 gives each of an item's two parts its own staging buffer (64 KiB
+               in all, as float32 y takes with 1), so part B's store does not wait for part A's TMA to read the
+               shared one. Opt-in until measured on a GPU (docs/BENCHMARKS.md, "MoE").
     """
 
     num_slots: int | None = None
     num_ctas: int | None = None
     acc_form: str = "in_place"
+    store_buffers: int = 1
 
     def __post_init__(self):
         if self.num_slots is not None and not 2 <= self.num_slots <= 6:
@@ -87,6 +91,8 @@ class MgpuMoeConfig:
             raise ValueError(f"MgpuMoeConfig.num_ctas={self.num_ctas} must be >= 1")
         if self.acc_form not in _ACC_FORMS:
             raise ValueError(f"MgpuMoeConfig.acc_form={self.acc_form!r} must be one of {_ACC_FORMS}")
+        if self.store_buffers not in (1, 2):
+            raise ValueError(f"MgpuMoeConfig.store_buffers={self.store_buffers} must be 1 or 2")
 
 
 def _tiled(minor: int, itemsize: int):
@@ -150,6 +156,8 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
     per_step = fp8 or config.acc_form == "per_step"
     store_dtype = FP8 if quantize_out else out_dtype
     out_itemsize = jnp.dtype(store_dtype).itemsize
+    # down's parts A and B in their own staging buffers (2), or one after the other through one (1)
+    bufs = 2 if not gate_up and config.store_buffers == 2 and out_itemsize == 2 else 1
     half_rows = TILE_M // 2
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = wgmma_layout.reduce(1)
@@ -233,18 +241,20 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                 zero = plgpu.layout_cast(jnp.zeros((half_rows, PART_N), F32), wgmma_layout)
                 return lax.fori_loop(0, k_steps, k_body, (zero, zero))
 
-            def store(value, mt, col):
-                """value [64, 128] f32 → out rows of this warpgroup, columns col.. (fp8 + scales if quantize_out)."""
+            def store(value, mt, col, buf=0):
+                """value [64, 128] f32 → out rows of this warpgroup, columns col.. (fp8 + scales if quantize_out),
+                through staging buffer buf."""
                 out_rows = pl.ds(mt * TILE_M + wi * half_rows, half_rows)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous stores have read o_smem[wi]
+                # one copy (group) a store and buffers used in turn: all but the other buffer's last store have read
+                plgpu.wait_smem_to_gmem(bufs - 1, wait_read_only=True)
                 if quantize_out:  # quantize_per_token_group of the out_dtype-rounded row group
                     value = value.astype(out_dtype).astype(F32)
                     scale = jnp.maximum(jnp.abs(value).max(axis=1), AMAX_FLOOR) / FP8_MAX  # [64]
                     value = value / lax.broadcast_in_dim(scale, value.shape, [0])
                     os_smem[wi] = scale
-                o_smem[wi] = value.astype(store_dtype)
+                o_smem[wi, buf] = value.astype(store_dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wi], out_ref.at[out_rows, pl.ds(col, PART_N)])
+                plgpu.copy_smem_to_gmem(o_smem.at[wi, buf], out_ref.at[out_rows, pl.ds(col, PART_N)])
                 if quantize_out:
                     plgpu.copy_smem_to_gmem(os_smem.at[wi], os_ref.at[lax.div(col, PART_N), out_rows])
 
@@ -259,7 +269,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                         store(g / (1.0 + jnp.exp(-g)) * jnp.clip(part_b, -limit, limit), mt, nt * PART_N)
                     else:
                         store(part_a, mt, nt * 2 * PART_N)
-                        store(part_b, mt, nt * 2 * PART_N + PART_N)
+                        store(part_b, mt, nt * 2 * PART_N + PART_N, bufs - 1)
 
                 return step + jnp.where(e >= 0, k_steps, 0)
 
@@ -317,7 +327,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
         plgpu.SMEM((slots, PART_N, bk), w.dtype, transforms=tiled_in),
         plgpu.SMEM((slots, PART_N, bk), w.dtype, transforms=tiled_in),
         plgpu.SMEM((slots, TILE_M) if fp8 else (1, 8), F32),  # x scales of the step (fp8; else a stub)
-        plgpu.SMEM((2, half_rows, PART_N), store_dtype, transforms=_tiled(out_minor, out_itemsize)),
+        plgpu.SMEM((2, bufs, half_rows, PART_N), store_dtype, transforms=_tiled(out_minor, out_itemsize)),
         plgpu.SMEM((2, half_rows) if quantize_out else (1, 8), F32),  # quantized output's row scales (or a stub)
         plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # slot full: every TMA of the step has landed
         plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # slot consumed by both consumer warpgroups
