@@ -10,7 +10,18 @@ import pytest
 
 from dsv4.attention import CompressedKeys, core_attention_jnp, index_topk_jnp, pool_windows
 from dsv4.config import Config, RopeConfig
-from dsv4.layers import HyperConnection, RMSNorm, Rope, apply_rope, rms_normalize, rope_inv_freq
+from dsv4.layers import (
+    HyperConnection,
+    RMSNorm,
+    Rope,
+    apply_rope,
+    hc_merge,
+    linear,
+    normalize_and_rope,
+    normalized_mixes,
+    rms_normalize,
+    rope_inv_freq,
+)
 from dsv4.moe import MoE, routed_experts_jnp, swiglu
 
 
@@ -42,6 +53,43 @@ def test_rope_relative_property_and_head_broadcast():
         ck, sk = rope.cos_sin(jnp.array([[p]]))
         dots.append(jnp.einsum("bshd,bsd->h", apply_rope(q, cq, sq), apply_rope(k, ck, sk)))
     np.testing.assert_allclose(dots[0], dots[1], rtol=1e-5)
+
+
+def test_normalize_and_rope_is_rope_of_the_normalized_rows():
+    """Rotating first and scaling by the RMS factor after (one pass over x) equals normalizing, then rotating."""
+    x = jax.random.normal(jax.random.key(3), (2, 5, 3, 16)) * 3.0  # [B, S, H, D], rope on the last 8 channels
+    angles = jax.random.uniform(jax.random.key(4), (2, 5, 4), maxval=6.0)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    want = apply_rope(rms_normalize(x, 1e-6), cos, sin)
+    np.testing.assert_allclose(normalize_and_rope(x, cos, sin, 1e-6), want, rtol=1e-5, atol=1e-6)
+    # by hand: one pair rotated by 90° keeps the row's RMS, so only the pair moves
+    row = jnp.array([[[3.0, 4.0, 0.0, 5.0]]])  # mean square 12.5
+    got = normalize_and_rope(row, jnp.array([[[0.0]]]), jnp.array([[[1.0]]]), 0.0)
+    np.testing.assert_allclose(got, [[[3, 4, -5, 0]]] / np.sqrt(12.5), rtol=1e-6, atol=1e-7)
+
+
+def test_linear_rounds_once_to_the_input_dtype():
+    x = jax.random.normal(jax.random.key(5), (4, 64), jnp.float32)
+    w = jax.random.normal(jax.random.key(6), (8, 64), jnp.float32)
+    want = np.asarray(x) @ np.asarray(w).T
+    np.testing.assert_allclose(linear(x, w), want, rtol=1e-5, atol=1e-5)
+    got = linear(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    assert got.dtype == jnp.bfloat16
+    exact = np.asarray(x.astype(jnp.bfloat16), np.float64) @ np.asarray(w.astype(jnp.bfloat16), np.float64).T
+    # float32 accumulation, one rounding to bf16: within half a bf16 step (2^-9 relative) of the exact product
+    np.testing.assert_allclose(np.asarray(got, np.float64), exact, rtol=2**-8, atol=1e-3)
+
+
+def test_mhc_mixes_and_merge_by_hand():
+    """normalized_mixes = RMSNorm(flattened copies) · fnᵀ; hc_merge: copy k = post_k · out + Σ_j comb[j, k] · copy_j."""
+    streams = jnp.array([[[[3.0, 4.0], [0.0, 0.0]]]])  # [B=1, S=1, hc=2, D=2]: flattened mean square 25/4
+    fn = jnp.array([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]])
+    np.testing.assert_allclose(normalized_mixes(streams, fn, 0.0), [[[3 / 2.5, 4 / 2.5]]], rtol=1e-6)
+    out = jnp.array([[[10.0, 20.0]]])
+    post = jnp.array([[[0.5, 2.0]]])
+    comb = jnp.array([[[[0.25, 0.75], [1.0, 0.0]]]])  # comb[j, k]
+    # copy 0: 0.5·out + 0.25·copy_0 + 1.0·copy_1; copy 1: 2·out + 0.75·copy_0 + 0·copy_1
+    np.testing.assert_allclose(hc_merge(out, streams, post, comb), [[[[5.75, 11.0], [22.25, 43.0]]]], rtol=1e-6)
 
 
 def test_yarn_frequencies_by_hand():
