@@ -562,8 +562,7 @@ def step_profile(ctx: Context) -> None:
     length = max([s for s in ctx.tokens if s <= args.profile_length] or [longest])
     trace_dir = (args.out or Path("/tmp/bench_multi_gpu")) / "trace"
     entry.update(prompt_len=length, chunk=chunk, devices=len(mesh.devices.flat), trace_dir=str(trace_dir),
-                 command_buffers="off" if "xla_gpu_enable_command_buffer=" in os.environ.get("XLA_FLAGS", "") else
-                 "XLA's default")  # fmt: skip
+                 command_buffers=trace_overlap.command_buffers())  # fmt: skip
     try:
         rid = llm.add_request(prompt_ids(config, length, args.seed), max_new_tokens=1)
         while True:

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
                                    "--xla_dump_hlo_module_re=step").strip()  # fmt: skip
     import jax
     import numpy as np
-    from trace_overlap import hlo_op_names, kernel_table, modules_run, top_kernels
+    from trace_overlap import command_buffers, hlo_op_names, kernel_table, modules_run, top_kernels
 
     from dsv4.cli import build_parser
 
@@ -99,8 +99,7 @@ def main(argv=None) -> int:
     report = dict(model=args.model, engine_args=args.engine_args, length=args.length, chunk_size=llm.chunk_size,
                   chunk_start=last, chunk_tokens=args.length - last, compile_s=compile_s, modules=ran,
                   chunks_before_s=before_s, wall_ms=wall_s * 1e3, devices=sorted(table), kernels=[],
-                  command_buffers="off" if "xla_gpu_enable_command_buffer=" in os.environ.get("XLA_FLAGS", "") else
-                  "on")  # fmt: skip
+                  command_buffers=command_buffers())  # fmt: skip
     print(f"{args.model} {args.engine_args}: the last chunk of a {args.length}-token prompt (tokens {last}.."
           f"{args.length - 1}): wall {wall_s * 1e3:.1f} ms under the profiler")  # fmt: skip
     if not table:

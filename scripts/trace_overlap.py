@@ -151,6 +151,12 @@ def _event_op(e, op_names: dict[str, str]) -> str:
     return next(_event_ops(e, op_names), "")
 
 
+def command_buffers() -> str:
+    """"off" where XLA_FLAGS turns XLA's command buffers (CUDA graphs) off, so every kernel event carries its HLO op,
+    else "on": what a profile records beside its kernel table."""
+    return "off" if "xla_gpu_enable_command_buffer=" in os.environ.get("XLA_FLAGS", "") else "on"
+
+
 def kernel_table(path: str, op_names: dict[str, str] | None = None) -> dict[str, dict]:
     """Per GPU of a trace: the kernels by name (`_kernel_events`), or with `op_names` (`hlo_op_names`) by (name, the
     JAX op that made each launch): Mosaic kernels all carry a few generic names, so only the op tells them apart.
