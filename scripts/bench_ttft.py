@@ -153,7 +153,7 @@ from dsv4.config import CSA, HCA, SLIDING, Config  # noqa: E402
 from dsv4.engine import LLM  # noqa: E402
 from dsv4.flops import by_precision, floor_seconds, layer_flops, part_precisions, prefill_flops  # noqa: E402
 from dsv4.kernels import Kernels  # noqa: E402
-from dsv4.layers import apply_rope, hc_merge, linear, rms_normalize  # noqa: E402
+from dsv4.layers import apply_rope, hc_merge, linear  # noqa: E402
 from dsv4.model import DeepseekV4  # noqa: E402
 from dsv4.quantization import reblock_fp4_experts  # noqa: E402
 from dsv4.random_weights import WEIGHT_FORMATS, init_kinds, quantize_released, random_model  # noqa: E402
@@ -697,15 +697,7 @@ def jits(donate: bool) -> dict:
 
 # ---- breakdown pieces -----------------------------------------------------------------------
 def _qkv(gd, st, x, positions):
-    attn = nnx.merge(gd, st)
-    b, s, _ = x.shape
-    cos, sin = attn.rope.cos_sin(positions)
-    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
-    q_residual = attn.q_a_norm(linear(x, attn.q_a_proj["weight"][...]))
-    q = linear(q_residual, attn.q_b_proj["weight"][...]).reshape(b, s, attn.n_heads, attn.head_dim)
-    q = apply_rope(rms_normalize(q, attn.eps), cos, sin)
-    kv = apply_rope(attn.kv_norm(linear(x, attn.kv_proj["weight"][...])), cos, sin)
-    return q, kv, q_residual
+    return nnx.merge(gd, st).project_qkv(x, positions)[:3]  # q, kv, q_residual
 
 
 def _out_proj(gd, st, o, positions):

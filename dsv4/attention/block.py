@@ -60,15 +60,22 @@ class Attention(nnx.Module):
         self.sliding_window, self.eps = config.sliding_window, config.rms_norm_eps
         self.kernels = kernels
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """Full-sequence (stateless) attention. x: [B, S, hidden]; positions: [B, S] → [B, S, hidden]."""
+    def project_qkv(self, x: jax.Array, positions: jax.Array):
+        """The projections of x [B, S, hidden] at positions [B, S] (global; RoPE angles in float32).
+        → (q [B, S, H, D] normalized and rotated, kv [B, S, D] normed and rotated, q_residual [B, S, q_lora_rank]
+        (the indexer's input), cos and sin [B, S, rope_dim / 2] in x's dtype)."""
         b, s, _ = x.shape
         cos, sin = self.rope.cos_sin(positions)
         cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
         q_residual = self.q_a_norm(linear(x, self.q_a_proj["weight"][...]))
         q = linear(q_residual, self.q_b_proj["weight"][...]).reshape(b, s, self.n_heads, self.head_dim)
-        q = normalize_and_rope(q, cos, sin, self.eps)  # [B, S, H, D]
-        kv = apply_rope(self.kv_norm(linear(x, self.kv_proj["weight"][...])), cos, sin)  # [B, S, D]
+        q = normalize_and_rope(q, cos, sin, self.eps)
+        kv = apply_rope(self.kv_norm(linear(x, self.kv_proj["weight"][...])), cos, sin)
+        return q, kv, q_residual, cos, sin
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Full-sequence (stateless) attention. x: [B, S, hidden]; positions: [B, S] → [B, S, hidden]."""
+        q, kv, q_residual, cos, sin = self.project_qkv(x, positions)
 
         compressed = None
         if self.layer_type != SLIDING:
@@ -122,14 +129,9 @@ class Attention(nnx.Module):
         one-token chunk (a decode step) runs the paged decode kernel on the cache itself, bf16 or FP8
         (`_decode_paged`), instead of reading every entry out densely."""
         b, n, _ = x.shape
-        positions = start[:, None] + jnp.arange(n)[None]  # [B, n] global positions (RoPE angles in float32)
+        positions = start[:, None] + jnp.arange(n)[None]  # [B, n] global positions
         real = jnp.arange(n)[None] < valid[:, None]
-        cos, sin = self.rope.cos_sin(positions)
-        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
-        q_residual = self.q_a_norm(linear(x, self.q_a_proj["weight"][...]))
-        q = linear(q_residual, self.q_b_proj["weight"][...]).reshape(b, n, self.n_heads, self.head_dim)
-        q = normalize_and_rope(q, cos, sin, self.eps)
-        kv = apply_rope(self.kv_norm(linear(x, self.kv_proj["weight"][...])), cos, sin)  # [B, n, D]
+        q, kv, q_residual, cos, sin = self.project_qkv(x, positions)
 
         new = state
         write_impl = self.kernels.kv_write
