@@ -228,6 +228,7 @@ PRIORITY = ["pallas", "chunked", "engine", "xla-cap", "pallas-attn-cap", "chunke
             "chunked-fp8idx", "chunked-loop"]  # fmt: skip
 TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-loop", "chunked", "engine",
                "chunked-fp8idx", "chunked-fp8"]  # fmt: skip
+BASELINES = ("xla", "xla-cap")  # plain XLA: the speed-ups' denominators
 PAGE_TOKENS = 256  # (5)'s page size: a multiple of both compress rates
 
 
@@ -944,6 +945,11 @@ class Bench:
         if vkey in self.failed:
             self.record(seq, vkey, status="skip", note=self.failed[vkey])
             self.rec.skip(where, self.failed[vkey])
+            return
+        if vkey in BASELINES and self.weights != "bf16":
+            # The baseline keeps its plain XLA form: bf16 weights. Quantized weights would be dequantized in every
+            # call there, a slower baseline and a flattering ratio; the weights table divides by the bf16 row.
+            self.rec.skip(where, "the XLA baselines run bf16 weights only")
             return
         if v.mode in ("chunked", "engine") and seq < self.setup.chunk:
             self.rec.skip(where, f"S < chunk {self.setup.chunk}")
@@ -1779,17 +1785,24 @@ def measure_ceilings(rec: Recorder, budget: Budget, sizes, smoke: bool, seed: in
 
 def weights_table(rec: Recorder, group: list[Bench]):
     """One setup's weights formats side by side: per length and variant, each format's TTFT, the mixed-precision floor
-    of the precisions that row runs in, MFU against it (MFUx) and against the bf16 rate alone (MFU)."""
+    of the precisions that row runs in, MFU against it (MFUx) and against the bf16 rate alone (MFU), and the speed-up
+    over the same length's XLA baseline (bf16 weights: `BASELINES`), where one ran."""
     log, first = rec.log, group[0]
-    cell = " | {:>10} {:>9} {:>5} {:>5}"
+    cell = " | {:>10} {:>9} {:>5} {:>5} {:>6}"
     log("=" * 150)
     log(f"Weights formats side by side — {first.setup.name} ({len(first.types)} layers), B=1; ceilings (this run, "
         f"TFLOP/s): {rates_text(first.rates)}")  # fmt: skip
-    log(f"{'S':>5} {'variant':<38}" + "".join(f" | {b.weights + ' weights':^33}" for b in group))
-    log(f"{'':>5} {'':<38}" + "".join(cell.format("TTFT ms", "floor ms", "MFUx", "MFU") for _ in group))
+    log(f"{'S':>5} {'variant':<38}" + "".join(f" | {b.weights + ' weights':^40}" for b in group))
+    log(f"{'':>5} {'':<38}" + "".join(cell.format("TTFT ms", "floor ms", "MFUx", "MFU", "× base") for _ in group))
     pct = lambda x: f"{100 * x:.0f}%" if x else "-"  # noqa: E731
     out, fp8_legend = [], {}
     for seq in sorted(set().union(*(b.results for b in group))):
+        base = None  # the plain XLA baseline at this length: the full-sequence one if it ran, else the capacity MoE's
+        for vkey in BASELINES:
+            for b in group:
+                r = b.results.get(seq, {}).get(vkey)
+                if r and r.get("status") == "ok" and base is None:
+                    base = dict(variant=vkey, ttft_s=r["ttft_s"])
         for vkey in TABLE_ORDER:
             rows = [b.results.get(seq, {}).get(vkey) for b in group]
             if not any(rows):
@@ -1797,20 +1810,25 @@ def weights_table(rec: Recorder, group: list[Bench]):
             cells, entry = [], dict(seq=seq, variant=vkey)
             for b, r in zip(group, rows):
                 if not r or r.get("status") != "ok":
-                    cells.append(cell.format((r or {}).get("status", "-").upper() if r else "-", "", "", ""))
+                    cells.append(cell.format((r or {}).get("status", "-").upper() if r else "-", "", "", "", ""))
                     continue
                 floor = r.get("floor_s")
                 cells.append(cell.format(f"{r['ttft_s'] * 1e3:.1f}" + ("*" if r.get("warm_only") else ""),
                                          f"{floor * 1e3:.1f}" if floor else "-", pct(r.get("mfu_mixed")),
-                                         pct(r.get("mfu"))))  # fmt: skip
+                                         pct(r.get("mfu")),
+                                         f"{base['ttft_s'] / r['ttft_s']:.2f}×" if base else "-"))  # fmt: skip
                 entry[b.weights] = {k: r.get(k) for k in ("ttft_s", "floor_s", "mfu_mixed", "mfu", "fp8_parts",
                                                           "flops_by_precision", "kernels")}  # fmt: skip
+                if base:
+                    entry[b.weights]["speedup"] = base["ttft_s"] / r["ttft_s"]
+                    entry["baseline"] = base
                 fp8_legend[(b.weights, VARIANTS[vkey].tag)] = r.get("fp8_parts") or []
             log(f"{fmt_len(seq):>5} {(VARIANTS[vkey].tag + ' ' + VARIANTS[vkey].label)[:38]:<38}" + "".join(cells))
             out.append(entry)
     legend = "; ".join(f"{w} {tag} {'+'.join(p) or 'none'}" for (w, tag), p in fp8_legend.items())
     log("floor: the row's useful FLOPs, each part at the rate of the precision it runs in (dsv4.flops); MFUx = floor "
-        "/ TTFT; MFU = useful FLOPs at the bf16 rate / TTFT; * = warm-up pass only. Parts in FP8 (the rest bf16, the "
+        "/ TTFT; MFU = useful FLOPs at the bf16 rate / TTFT; × base = the XLA baseline's TTFT (bf16 weights, this run) / "
+        "TTFT; * = warm-up pass only. Parts in FP8 (the rest bf16, the "
         f"mHC mixes float32): {legend}")  # fmt: skip
     rec.data.setdefault("weights_table", {})[first.setup.name] = out
 
