@@ -269,10 +269,13 @@ def test_two_pass_matches_reference(k, chunk, group):
     assert ((got >= 0).sum(-1) == np.minimum(visible, k)).all()
 
 
-def test_two_pass_width_bands():
+@pytest.mark.parametrize("call_band", [False, True, None])
+def test_two_pass_width_bands(call_band):
     """Chunks scored over only the keys they can see (4 bands of C = 300: widths 128, 192, 256, 300): queries 30
-    positions apart, so the 8-query chunks need widths from 64 up to all 300 and take four different branches;
-    per-row k scales are cut with the keys. The same index rows as the reference, and as one band."""
+    positions apart, so the 8-query chunks need widths from 64 up to all 300 and take four different branches (a
+    band per chunk), or all take the widest (one band for the call, which `call_band=None` picks here: 37 queries
+    at rate 4 span fewer entries than the narrowest band); per-row k scales are cut with the keys. The same index
+    rows as the reference, and as one band."""
     rng = np.random.default_rng(14)
     inputs = make_inputs(14, seq=37, entries=300, span=8, dtype=jnp.float8_e4m3fn)
     inputs["positions"] = jnp.asarray(np.arange(37, dtype=np.int32)[None] * 30 + np.array([[0], [13]], np.int32))
@@ -281,7 +284,7 @@ def test_two_pass_width_bands():
     assert band_widths(300, 4) == (128, 192, 256, 300)
     run = functools.partial(index_topk_two_pass, **inputs, **kw, query_chunk=8, group=2, blocks=SCORE_TILINGS[1],
                             interpret=True)  # fmt: skip
-    got = np.asarray(run(width_bands=4))
+    got = np.asarray(run(width_bands=4, call_band=call_band))
     np.testing.assert_array_equal(got, np.asarray(index_topk_reference(**inputs, **kw)))
     np.testing.assert_array_equal(got, np.asarray(run(width_bands=1)))
     with pytest.raises(ValueError, match="width_bands=0"):

@@ -628,7 +628,7 @@ def band_widths(num_entries: int, bands: int, align: int = 64) -> tuple[int, ...
 
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "query_chunk", "blocks", "group",
                                              "interpret", "scores_impl", "mgpu_config", "width_bands",
-                                             "selection"))  # fmt: skip
+                                             "selection", "call_band"))  # fmt: skip
 def index_topk_two_pass(
     q: jax.Array,
     keys: jax.Array,
@@ -648,6 +648,7 @@ def index_topk_two_pass(
     mgpu_config=None,
     width_bands: int = 1,
     selection: str = "auto",
+    call_band: bool | None = None,
 ) -> jax.Array:
     """`index_topk` in two passes per chunk of queries: the scores kernel writes a [B, chunk, C] float32 slab
     (never the whole [S, C]), then `dsv4.topk.top_k` picks exactly what `lax.top_k` would while sorting only about
@@ -662,8 +663,11 @@ def index_topk_two_pass(
     width_bands: a chunk whose queries see at most n entries is scored and searched over only the first W keys,
     the narrowest of `band_widths(C, width_bands)` that holds n (a `lax.switch` over the bands' programs). Causal
     chunks early in a prompt then skip the invisible columns: with 4 bands the slabs average 5/8 of C instead of
-    all of it, at the cost of one compile per band (docs/kernels/indexer.md). 1 (off) by default here; the model's
-    FP8 indexer on a Hopper GPU (`dsv4.attention.index_topk_fp8`) passes 4.
+    all of it, at the cost of one compile per band (docs/kernels/indexer.md). When the call's S queries span no
+    more than the narrowest band (S / rate <= C / width_bands: a prefill chunk of a long prompt), one band serves
+    the whole call, chosen once (`call_band`: None decides so; True / False force one band a call / a band per query
+    chunk; the indices are the same). 1 (off) by default here; the model's FP8 indexer on a Hopper GPU
+    (`dsv4.attention.index_topk_fp8`) passes 4.
 
     selection: how `dsv4.topk.top_k` refines each level: "xla" (a sort of the chosen group ids, a gather and
     `lax.top_k`), "kernel" (`dsv4.pallas.select.refine_top_k`, one pass; interpreted with `interpret`), or "auto"
@@ -711,19 +715,33 @@ def index_topk_two_pass(
         select = functools.partial(top_k, group=group, refine=refine)
         return topk_of_scores(scores, visible_entries(pc, rate, width), k, lambda x, kk: select(x, kk))
 
-    def one_chunk(args):
+    def band_of(pos):  # the narrowest width that holds every entry these queries see
+        return jnp.searchsorted(jnp.asarray(widths, jnp.int32), jnp.max(visible_entries(pos, rate, c)))
+
+    def one_chunk(args, width=None):
         qc, wc, pc, qsc = args
         qsc = qsc if per_token_q_scale else q_scale
-        if len(widths) == 1:
-            return chunk_at_width(c, qc, wc, pc, qsc)
-        need = jnp.max(visible_entries(pc, rate, c))  # entries the chunk's furthest query sees
-        band = jnp.searchsorted(jnp.asarray(widths, jnp.int32), need)  # narrowest width >= need
+        if width is not None or len(widths) == 1:
+            return chunk_at_width(width or c, qc, wc, pc, qsc)
         branches = [functools.partial(chunk_at_width, w) for w in widths]
-        return lax.switch(band, branches, qc, wc, pc, qsc)
+        return lax.switch(band_of(pc), branches, qc, wc, pc, qsc)
+
+    def all_chunks(xs, width=None):
+        # One chunk (every decode step) runs straight, not as a one-trip loop: on a GPU XLA drives a while loop from
+        # the host, with a predicate copy back each trip.
+        if n_chunks == 1:
+            return one_chunk(jax.tree.map(lambda a: a[0], xs), width)[None]
+        return lax.map(functools.partial(one_chunk, width=width), xs)
 
     xs = (split(q, 0), split(weights, 0), split(positions, -1),
           split(q_scale, 1) if per_token_q_scale else jnp.zeros((n_chunks,), F32))  # fmt: skip
-    # One chunk (every decode step) runs straight, not as a one-trip loop: on a GPU XLA drives a while loop from the
-    # host, with a predicate copy back each trip.
-    out = lax.map(one_chunk, xs) if n_chunks > 1 else one_chunk(jax.tree.map(lambda a: a[0], xs))[None]
+    if call_band is None:
+        call_band = -(-s // rate) <= widths[0]
+    if len(widths) > 1 and call_band:
+        # The queries of this call see at most one band's step more than each other when their positions are
+        # contiguous (a prefill chunk): one band for the whole call. A GPU copies a conditional's branch index to the
+        # host before it runs the branch, so a band per query chunk costs a sync per chunk (64 in a 16K-token step).
+        out = lax.switch(band_of(positions), [functools.partial(all_chunks, width=w) for w in widths], xs)
+    else:
+        out = all_chunks(xs)
     return jnp.moveaxis(out, 0, 1).reshape(b, n_chunks * chunk, k)[:, :s]
