@@ -87,18 +87,26 @@ def test_lowers_for_h200(w8a8):
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args, **kw).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2
-    if w8a8:  # down with bf16 y through two staging buffers: still within an H200's shared memory
+    if not w8a8:
+        return
+    rows = n * k // 128 * 128
+    down_args = (sds((rows, i), FP8), sds((e, d, i), FP8), sds((rows // 128,), jnp.int32), sds((rows, i // 128), F32),
+                 kw["down_scales"])  # fmt: skip
 
+    def lower_down(**config):
         def down(h, w, tiles, hs, ws):
             return grouped_down_mgpu(h, w, tiles, h_scales=hs, down_scales=ws, out_dtype=jnp.bfloat16,
-                                     config=MgpuMoeConfig(store_buffers=2))  # fmt: skip
+                                     config=MgpuMoeConfig(**config))  # fmt: skip
 
-        rows = n * k // 128 * 128
         with abstract_gpu_mesh():
-            text = jax.jit(down).trace(sds((rows, i), FP8), sds((e, d, i), FP8), sds((rows // 128,), jnp.int32),
-                                       sds((rows, i // 128), F32), kw["down_scales"]).lower(
-                lowering_platforms=("cuda",)).as_text()  # fmt: skip
-        assert "mosaic_gpu" in text
+            return jax.jit(down).trace(*down_args).lower(lowering_platforms=("cuda",)).as_text()
+
+    # down with bf16 y: two staging buffers, or a fourth ring slot, still fit an H200's shared memory (227 KiB); a
+    # fifth slot does not, and says so
+    assert "mosaic_gpu" in lower_down(store_buffers=2)
+    assert "mosaic_gpu" in lower_down(num_slots=4)
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        lower_down(num_slots=5)
 
 
 def _skewed_layout(experts, top_k=2):

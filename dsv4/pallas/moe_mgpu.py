@@ -68,7 +68,8 @@ class MgpuMoeConfig:
     """Launch parameters of the Mosaic grouped GEMMs.
 
     num_slots: ring stages (each holds x [128, bk] and two weight parts [128, bk]: 48 KiB for bf16 at bk = 64 and
-               for fp8 at bk = 128). None: 4 for gate_up (bf16 h staging 32 KiB), 3 for down (y staging up to 64 KiB).
+               for fp8 at bk = 128). None: 4 for gate_up (bf16 h staging 32 KiB), 3 for down (y staging up to 64 KiB;
+               with bf16 y and one staging buffer, 4 fit too).
     num_ctas:  persistent CTAs (None: the device's SM count).
     acc_form:  bf16 only. "in_place" (the default): the wgmma accumulates over all K steps in its accumulator;
                "per_step": a fresh accumulator per step, added in registers: the form the fp8 path always uses
@@ -326,17 +327,25 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
         plgpu.SMEM((slots, TILE_M, bk), x.dtype, transforms=tiled_in),
         plgpu.SMEM((slots, PART_N, bk), w.dtype, transforms=tiled_in),
         plgpu.SMEM((slots, PART_N, bk), w.dtype, transforms=tiled_in),
-        plgpu.SMEM((slots, TILE_M) if fp8 else (1, 8), F32),  # x scales of the step (fp8; else a stub)
         plgpu.SMEM((2, bufs, half_rows, PART_N), store_dtype, transforms=_tiled(out_minor, out_itemsize)),
-        plgpu.SMEM((2, half_rows) if quantize_out else (1, 8), F32),  # quantized output's row scales (or a stub)
         plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # slot full: every TMA of the step has landed
         plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # slot consumed by both consumer warpgroups
     ]
+    # Only the buffers this build uses: every buffer is aligned to 1 KiB, and with a stub down's fourth ring slot
+    # (bf16 y) missed an H200's shared memory by 64 bytes.
+    if fp8:
+        scratch.append(plgpu.SMEM((slots, TILE_M), F32))  # x scales of the step
+    if quantize_out:
+        scratch.append(plgpu.SMEM((2, half_rows), F32))  # the quantized output's row scales
 
     def kernel_body(te_ref, x_ref, w_ref, *rest):
         xs_ref, ws_ref, rest = (rest[0], rest[1], rest[2:]) if fp8 else (None, None, rest)
         out_ref, os_ref, scr = (rest[0], rest[1], rest[2:]) if quantize_out else (rest[0], None, rest[1:])
-        return body(te_ref, x_ref, w_ref, xs_ref, ws_ref, out_ref, os_ref, *scr)
+        x_smem, a_smem, b_smem, o_smem, full_bar, consumed_bar, *extra = scr
+        xs_smem = extra.pop(0) if fp8 else None
+        os_smem = extra.pop(0) if quantize_out else None
+        return body(te_ref, x_ref, w_ref, xs_ref, ws_ref, out_ref, os_ref, x_smem, a_smem, b_smem, xs_smem, o_smem,
+                    os_smem, full_bar, consumed_bar)  # fmt: skip
 
     args = (tile_expert, x, w) + ((x_scales_t, w_scales) if fp8 else ())
     out_type = jax.ShapeDtypeStruct((mp, n_out), store_dtype)
