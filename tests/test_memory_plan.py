@@ -235,7 +235,8 @@ def test_too_long_a_context_is_refused_naming_the_limit(capsys):
     (1, 1, 4096),
     (131072, 4, 128),   # 2^28 / (4 · 4 · 2^17) = 128
     (1 << 22, 1, 128),  # 16 fits, raised to 128
-    (100_000, 1, 512),  # 671 fits, rounded down to a power of two
+    (100_000, 1, 640),  # 671 fits, rounded down to a multiple of 128
+    (131072 + 512, 1, 384),  # a 512K prompt and 2K generated tokens: 508 fit (a power of two would give 256)
 ])  # fmt: skip
 def test_index_slab_rows_by_hand_and_the_indexer_uses_them(keys, batch, rows):
     from dsv4.memory_plan import index_slab_rows

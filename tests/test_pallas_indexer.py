@@ -269,24 +269,23 @@ def test_two_pass_matches_reference(k, chunk, group):
     assert ((got >= 0).sum(-1) == np.minimum(visible, k)).all()
 
 
-@pytest.mark.parametrize("call_band", [False, True, None])
-def test_two_pass_width_bands(call_band):
+@pytest.mark.parametrize("call_band, query_chunk", [(False, 8), (True, 8), (None, 36)])
+def test_two_pass_width_bands(call_band, query_chunk):
     """Chunks scored over only the keys they can see (4 bands of C = 300: widths 128, 192, 256, 300): queries 30
     positions apart, so the 8-query chunks need widths from 64 up to all 300 and take four different branches (a
     band per chunk), or all take the widest (one band for the call, which `call_band=None` picks here: 37 queries
     at rate 4 span fewer entries than the narrowest band); per-row k scales are cut with the keys. The same index
-    rows as the reference, and as one band."""
+    rows as the reference, and as one band. query_chunk 36 is evened out to two steps of 32 (whole 16-query tiles)."""
     rng = np.random.default_rng(14)
     inputs = make_inputs(14, seq=37, entries=300, span=8, dtype=jnp.float8_e4m3fn)
     inputs["positions"] = jnp.asarray(np.arange(37, dtype=np.int32)[None] * 30 + np.array([[0], [13]], np.int32))
     kw = dict(rate=4, k=24, softmax_scale=0.25, q_scale=jnp.float32(0.5),
               k_scale=jnp.asarray(2.0 ** rng.integers(-2, 3, (2, 300)), jnp.float32))  # fmt: skip
     assert band_widths(300, 4) == (128, 192, 256, 300)
-    run = functools.partial(index_topk_two_pass, **inputs, **kw, query_chunk=8, group=2, blocks=SCORE_TILINGS[1],
-                            interpret=True)  # fmt: skip
-    got = np.asarray(run(width_bands=4, call_band=call_band))
+    run = functools.partial(index_topk_two_pass, **inputs, **kw, group=2, blocks=SCORE_TILINGS[1], interpret=True)
+    got = np.asarray(run(width_bands=4, call_band=call_band, query_chunk=query_chunk))
     np.testing.assert_array_equal(got, np.asarray(index_topk_reference(**inputs, **kw)))
-    np.testing.assert_array_equal(got, np.asarray(run(width_bands=1)))
+    np.testing.assert_array_equal(got, np.asarray(run(width_bands=1, query_chunk=8)))
     with pytest.raises(ValueError, match="width_bands=0"):
         run(width_bands=0)
 

@@ -613,8 +613,8 @@ def index_scores(
 
 
 def default_query_chunk(num_entries: int, batch: int = 1) -> int:
-    """Queries per `index_topk_two_pass` step: the float32 [B, chunk, C] scores stay within 256 MiB
-    (`indexer_slab.INDEX_SLAB_BYTES`, which the memory plan counts), 128..4096, a power of two."""
+    """The most queries an `index_topk_two_pass` step takes: the float32 [B, chunk, C] scores stay within 256 MiB
+    (`indexer_slab.INDEX_SLAB_BYTES`, which the memory plan counts), 128..4096, a multiple of 128."""
     return index_slab_rows(num_entries, batch)
 
 
@@ -655,7 +655,8 @@ def index_topk_two_pass(
     k · group elements per query. → int32 [B, S, k], ordered as `index_topk` (score desc, ties to the lower index,
     -1 past the visible count).
 
-    query_chunk: queries per step (None: `default_query_chunk`, a 256 MiB slab); group: `dsv4.topk.top_k`'s group
+    query_chunk: queries per step (None: as many as a 256 MiB float32 slab of the keys scored holds,
+    `default_query_chunk`, evened out over the steps); group: `dsv4.topk.top_k`'s group
     size. scores_impl: "triton" (`index_scores`, any dtype) or "mgpu" (`dsv4.pallas.indexer_mgpu.index_scores_mgpu`:
     e4m3 q and keys, Hi = 64, Hopper; `mgpu_config` its MgpuScoreConfig, None for the default; with `interpret` it
     runs in the Mosaic GPU interpreter). Other arguments as `index_topk`.
@@ -679,18 +680,9 @@ def index_topk_two_pass(
     check_index_inputs(q, keys, weights, positions, rate=rate, k=k, q_scale=q_scale, k_scale=k_scale)
     b, s = positions.shape
     c = keys.shape[1]
-    chunk = min(query_chunk or default_query_chunk(c, b), s)
-    n_chunks = -(-s // chunk)
-    pad = n_chunks * chunk - s
     per_token_q_scale = q_scale is not None and q_scale.ndim == 3
-
-    def split(x, fill):  # [B, S, ...] → [n_chunks, B, chunk, ...]; padding queries (position -1) see nothing
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-        return jnp.moveaxis(x.reshape(b, n_chunks, chunk, *x.shape[2:]), 1, 0)
-
     if scores_impl not in ("triton", "mgpu"):
         raise ValueError(f"scores_impl={scores_impl!r} must be 'triton' or 'mgpu'")
-
     if width_bands < 1:
         raise ValueError(f"width_bands={width_bands} must be >= 1")
     refine = refine_for(selection, interpret)
@@ -716,32 +708,45 @@ def index_topk_two_pass(
         return topk_of_scores(scores, visible_entries(pc, rate, width), k, lambda x, kk: select(x, kk))
 
     def band_of(pos):  # the narrowest width that holds every entry these queries see
-        return jnp.searchsorted(jnp.asarray(widths, jnp.int32), jnp.max(visible_entries(pos, rate, c)))
+        return jnp.sum(jnp.asarray(widths, jnp.int32) < jnp.max(visible_entries(pos, rate, c)))
 
-    def one_chunk(args, width=None):
-        qc, wc, pc, qsc = args
-        qsc = qsc if per_token_q_scale else q_scale
-        if width is not None or len(widths) == 1:
-            return chunk_at_width(width or c, qc, wc, pc, qsc)
-        branches = [functools.partial(chunk_at_width, w) for w in widths]
-        return lax.switch(band_of(pc), branches, qc, wc, pc, qsc)
+    def all_chunks(width=None):
+        """Every query, `chunk` at a time, over the first `width` keys; None: each chunk in its own band."""
+        chunk = min(query_chunk or default_query_chunk(width or c, b), s)
+        n_chunks = -(-s // chunk)
+        # as many steps, evenly filled (less padding in the last), in whole 16-query tiles of the scores kernels
+        chunk = min((-(-s // n_chunks) + 15) // 16 * 16, chunk)
+        n_chunks = -(-s // chunk)
+        pad = n_chunks * chunk - s
 
-    def all_chunks(xs, width=None):
+        def split(x, fill):  # [B, S, ...] → [n_chunks, B, chunk, ...]; padding queries (position -1) see nothing
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+            return jnp.moveaxis(x.reshape(b, n_chunks, chunk, *x.shape[2:]), 1, 0)
+
+        def one_chunk(args):
+            qc, wc, pc, qsc = args
+            qsc = qsc if per_token_q_scale else q_scale
+            if width is not None or len(widths) == 1:
+                return chunk_at_width(width or c, qc, wc, pc, qsc)
+            branches = [functools.partial(chunk_at_width, w) for w in widths]
+            return lax.switch(band_of(pc), branches, qc, wc, pc, qsc)
+
+        xs = (split(q, 0), split(weights, 0), split(positions, -1),
+              split(q_scale, 1) if per_token_q_scale else jnp.zeros((n_chunks,), F32))  # fmt: skip
         # One chunk (every decode step) runs straight, not as a one-trip loop: on a GPU XLA drives a while loop from
         # the host, with a predicate copy back each trip.
         if n_chunks == 1:
-            return one_chunk(jax.tree.map(lambda a: a[0], xs), width)[None]
-        return lax.map(functools.partial(one_chunk, width=width), xs)
+            out = one_chunk(jax.tree.map(lambda a: a[0], xs))[None]
+        else:
+            out = lax.map(one_chunk, xs)
+        return jnp.moveaxis(out, 0, 1).reshape(b, n_chunks * chunk, k)[:, :s]
 
-    xs = (split(q, 0), split(weights, 0), split(positions, -1),
-          split(q_scale, 1) if per_token_q_scale else jnp.zeros((n_chunks,), F32))  # fmt: skip
     if call_band is None:
         call_band = -(-s // rate) <= widths[0]
     if len(widths) > 1 and call_band:
         # The queries of this call see at most one band's step more than each other when their positions are
-        # contiguous (a prefill chunk): one band for the whole call. A GPU copies a conditional's branch index to the
-        # host before it runs the branch, so a band per query chunk costs a sync per chunk (64 in a 16K-token step).
-        out = lax.switch(band_of(positions), [functools.partial(all_chunks, width=w) for w in widths], xs)
-    else:
-        out = all_chunks(xs)
-    return jnp.moveaxis(out, 0, 1).reshape(b, n_chunks * chunk, k)[:, :s]
+        # contiguous (a prefill chunk): one band for the whole call, each band's program stepping through the
+        # queries in as many rows as its slab holds. A GPU copies a conditional's branch index to the host before
+        # it runs the branch, so a band per query chunk costs a sync per chunk (64 in a 16K-token step at 512K).
+        return lax.switch(band_of(positions), [functools.partial(all_chunks, w) for w in widths])
+    return all_chunks()
