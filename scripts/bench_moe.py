@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python3 scripts/bench_moe.py --out $OUT/moe                 # one H200 (~3 min)
     PYTHONPATH=. python3 scripts/bench_moe.py --smoke                        # CPU: tiny shapes, Mosaic interpreter
+    PYTHONPATH=. python3 scripts/bench_moe.py --tokens 16k --modes w8a8 --no-triton --mosaic-trace $OUT/trace
+                                                          # + each kernel's phases per item (Mosaic's trace)
 
 Shapes and routing are scripts/bench_kernels.py's MoE section's: D = 4096, I = 2048, E = 256, top-6, the shared
 expert excluded; random weights (bf16, and DeepSeek's fp8 with 128 × 128 block scales for w8a8); expert popularity
@@ -23,6 +25,7 @@ num_ctas, store_buffers of `MgpuMoeConfig`). The first variant is the default co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -62,6 +65,10 @@ def parse_args():
     p.add_argument("--no-parts", action="store_true", help="skip the per-kernel rows")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, the Mosaic interpreter, Triton interpreted")
     p.add_argument("--out", default=None, help="folder for moe.json")
+    p.add_argument("--mosaic-trace", default=None, metavar="DIR",
+                   help="after each variant's part rows, run its gate_up and down once more with Mosaic GPU's trace "
+                        "on (MgpuMoeConfig.profile_dir = DIR/<tokens>_<mode>_<variant>_<part>) and print each "
+                        "phase's median per item (GPU only)")  # fmt: skip
     a = p.parse_args()
     a.tokens = parse_lengths(a.tokens or ("40" if a.smoke else "8k,64k"))
     a.modes = [m for m in a.modes.split(",") if m]
@@ -173,7 +180,9 @@ def main():
                     note += " NaN!" if bool(jnp.isnan(out).any()) else ""
                     record(n, mode, "mgpu", vname, "e2e", ms, flops, note)
                     if not args.no_parts:
-                        mgpu_parts(n, mode, x, ids, wts, limit, config, interp_m, args.reps, flops, record, vname)
+                        trace = args.mosaic_trace and not smoke and Path(args.mosaic_trace) / f"{n}_{mode}_{vname}"
+                        mgpu_parts(n, mode, x, ids, wts, limit, config, interp_m, args.reps, flops, record, vname,
+                                   trace=trace, say=say)  # fmt: skip
                 except Exception:
                     say(f"ERROR mgpu {vname} {mode} N={n}:\n{traceback.format_exc()}")
     if args.out:
@@ -205,8 +214,9 @@ def triton_parts(n, mode, x, ids, wts, limit, interpret, reps, flops, record):
     record(n, mode, "triton", "default", "down", ms, flops / 3)
 
 
-def mgpu_parts(n, mode, x, ids, wts, limit, config, interpret, reps, flops, record, vname):
-    """The Mosaic kernels alone on padded rows."""
+def mgpu_parts(n, mode, x, ids, wts, limit, config, interpret, reps, flops, record, vname, trace=None, say=print):
+    """The Mosaic kernels alone on padded rows; with `trace` (a folder prefix), each once more with Mosaic's trace
+    on, summarized by `trace_phases`."""
     e = wts["gate_up"].shape[0]
     src, _, tiles = mm.padded_layout(ids.reshape(-1), e)
     xp = x[src // ids.shape[1]]
@@ -225,6 +235,39 @@ def mgpu_parts(n, mode, x, ids, wts, limit, config, interpret, reps, flops, reco
                                                            out_dtype=jnp.bfloat16, **kw))  # as routed_experts_mgpu
     _, ms = timed(lambda: dn(h, wts["down"], tiles, hkw), reps)
     record(n, mode, "mgpu", vname, "down", ms, flops / 3)
+    if not trace:
+        return
+    for part, run in (("gate_up", lambda cfg: mm.grouped_gate_up_mgpu(xp, wts["gate_up"], tiles, limit=limit,
+                                                                      quantize_out=mode == "w8a8", config=cfg, **kw)),
+                      ("down", lambda cfg: mm.grouped_down_mgpu(h, wts["down"], tiles, config=cfg,
+                                                                out_dtype=jnp.bfloat16, **hkw))):  # fmt: skip
+        folder = Path(f"{trace}_{part}")
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            jax.block_until_ready(run(dataclasses.replace(config, profile_dir=str(folder))))
+            jax.effects_barrier()  # the trace is written by a host callback
+            files = sorted(folder.glob("*-trace.json"))
+            phases = trace_phases(json.loads(files[-1].read_text()))
+            say(f"  trace {n} {mode} {vname} {part}: " + "; ".join(
+                f"{role} {name} {v['median_us']:.2f} µs × {v['count']}" for (role, name), v in sorted(phases.items())))
+        except Exception:
+            say(f"ERROR trace {n} {mode} {vname} {part}:\n{traceback.format_exc()}")
+
+
+def trace_phases(trace: dict, warpgroups: int = 3) -> dict:
+    """Mosaic GPU trace (Perfetto JSON: B/E events, ts in µs, tid = 1 + warpgroup + warpgroups · block) → {(role,
+    name): {"median_us", "count"}} over every range of every CTA; role "consumer" for warpgroups below the last,
+    "producer" for the last (the kernel's layout)."""
+    open_at, spans = {}, {}
+    for ev in trace["traceEvents"]:
+        wg = (ev["tid"] - 1) % warpgroups
+        role = "producer" if wg == warpgroups - 1 else "consumer"
+        key = (ev["tid"], ev["name"])
+        if ev["ph"] == "B":
+            open_at[key] = ev["ts"]
+        elif key in open_at:
+            spans.setdefault((role, ev["name"]), []).append(ev["ts"] - open_at.pop(key))
+    return {k: {"median_us": statistics.median(v), "count": len(v)} for k, v in spans.items()}
 
 
 if __name__ == "__main__":

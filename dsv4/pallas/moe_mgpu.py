@@ -78,12 +78,19 @@ class MgpuMoeConfig:
     store_buffers: down with a 2-byte y only: 2 gives each of an item's two parts its own staging buffer (64 KiB
                in all, as float32 y takes with 1), so part B's store does not wait for part A's TMA to read the
                shared one. Opt-in until measured on a GPU (docs/BENCHMARKS.md, "MoE").
+    profile_dir: measurement switch, off ("") in use: a folder for Mosaic GPU's trace of each warpgroup's phases,
+               one JSON a launch (`*-trace.json`; `scripts/bench_moe.py --mosaic-trace` writes and reads them).
+               The consumers record each item's "k_loop" and "epilogue", the producer each item's "loads" (issuing
+               its TMAs, waiting for free slots). The trace lives in shared memory: profile_ranges ranges a
+               warpgroup (16 B each) are kept, the rest dropped, so it covers each CTA's first items.
     """
 
     num_slots: int | None = None
     num_ctas: int | None = None
     acc_form: str = "in_place"
     store_buffers: int = 1
+    profile_dir: str = ""
+    profile_ranges: int = 256
 
     def __post_init__(self):
         if self.num_slots is not None and not 2 <= self.num_slots <= 6:
@@ -94,6 +101,8 @@ class MgpuMoeConfig:
             raise ValueError(f"MgpuMoeConfig.acc_form={self.acc_form!r} must be one of {_ACC_FORMS}")
         if self.store_buffers not in (1, 2):
             raise ValueError(f"MgpuMoeConfig.store_buffers={self.store_buffers} must be 1 or 2")
+        if self.profile_ranges < 1:
+            raise ValueError(f"MgpuMoeConfig.profile_ranges={self.profile_ranges} must be >= 1")
 
 
 def _tiled(minor: int, itemsize: int):
@@ -264,13 +273,15 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
 
                 @pl.when(e >= 0)
                 def _():
-                    part_a, part_b = tile_result(step, e, nt)
-                    if gate_up:
-                        g = jnp.minimum(part_a, limit)
-                        store(g / (1.0 + jnp.exp(-g)) * jnp.clip(part_b, -limit, limit), mt, nt * PART_N)
-                    else:
-                        store(part_a, mt, nt * 2 * PART_N)
-                        store(part_b, mt, nt * 2 * PART_N + PART_N, bufs - 1)
+                    with jax.named_scope("k_loop"):  # named scopes: ranges of the trace (config.profile_dir)
+                        part_a, part_b = tile_result(step, e, nt)
+                    with jax.named_scope("epilogue"):
+                        if gate_up:
+                            g = jnp.minimum(part_a, limit)
+                            store(g / (1.0 + jnp.exp(-g)) * jnp.clip(part_b, -limit, limit), mt, nt * PART_N)
+                        else:
+                            store(part_a, mt, nt * 2 * PART_N)
+                            store(part_b, mt, nt * 2 * PART_N + PART_N, bufs - 1)
 
                 return step + jnp.where(e >= 0, k_steps, 0)
 
@@ -294,6 +305,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                 a0, b0 = part_rows(nt)
 
                 @pl.when(e >= 0)
+                @jax.named_scope("loads")
                 def _():
                     @pl.loop(0, k_steps)
                     def _(ks):
@@ -348,6 +360,9 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                     os_smem, full_bar, consumed_bar)  # fmt: skip
 
     args = (tile_expert, x, w) + ((x_scales_t, w_scales) if fp8 else ())
+    profile = {}
+    if config.profile_dir:
+        profile = dict(profile_space=config.profile_ranges, profile_dir=config.profile_dir, profile_bounds_check=True)
     out_type = jax.ShapeDtypeStruct((mp, n_out), store_dtype)
     if quantize_out:
         out_type = (out_type, jax.ShapeDtypeStruct((n_out // QUANT_BLOCK, mp), F32))
@@ -360,7 +375,8 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
         num_threads=3,
         thread_name="wg",
         # NOTE: exact math: the quantizing epilogue divides by the scale exactly as quantize_per_token_group does.
-        compiler_params=plgpu.CompilerParams(approx_math=False, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        compiler_params=plgpu.CompilerParams(approx_math=False, lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                             **profile),
         interpret=interpret,
     )(*args)
 
