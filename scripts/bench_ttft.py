@@ -1827,9 +1827,9 @@ def weights_table(rec: Recorder, group: list[Bench]):
             out.append(entry)
     legend = "; ".join(f"{w} {tag} {'+'.join(p) or 'none'}" for (w, tag), p in fp8_legend.items())
     log("floor: the row's useful FLOPs, each part at the rate of the precision it runs in (dsv4.flops); MFUx = floor "
-        "/ TTFT; MFU = useful FLOPs at the bf16 rate / TTFT; × base = the XLA baseline's TTFT (bf16 weights, this run) / "
-        "TTFT; * = warm-up pass only. Parts in FP8 (the rest bf16, the "
-        f"mHC mixes float32): {legend}")  # fmt: skip
+        "/ TTFT; MFU = useful FLOPs at the bf16 rate / TTFT; × base = the XLA baseline's TTFT (bf16 weights, this "
+        "run) / TTFT; * = warm-up pass only. Parts in FP8 (the rest bf16, the mHC mixes float32): "
+        f"{legend}")  # fmt: skip
     rec.data.setdefault("weights_table", {})[first.setup.name] = out
 
 

@@ -31,6 +31,7 @@ from dsv4.pallas.indexer import (
     index_topk,
     index_topk_reference,
     index_topk_two_pass,
+    one_band_per_call,
 )
 
 POISON = -7  # never a valid output (indices are >= -1)
@@ -292,6 +293,10 @@ def test_two_pass_width_bands(call_band, query_chunk):
 
 def test_band_widths():
     assert band_widths(131072, 4) == (32768, 65536, 98304, 131072)
+    # one band a call: a 16K-token chunk at rate 4 spans 4096 entries, within the narrowest band (32K) of a 512K
+    # prompt's keys; the whole 512K prompt (128K entries) does not; 131,076 entries: the narrowest band is 32,832
+    assert one_band_per_call(16384, 4, 131072, 4) and not one_band_per_call(524288, 4, 131072, 4)
+    assert one_band_per_call(4 * 32832, 4, 131076, 4) and not one_band_per_call(4 * 32832 + 1, 4, 131076, 4)
     assert band_widths(1000, 3) == (384, 704, 1000)  # rounded up to 64-key tiles
     assert band_widths(100, 4) == (64, 100)  # repeats dropped
     assert band_widths(70, 1) == (70,)

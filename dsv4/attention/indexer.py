@@ -17,7 +17,7 @@ from dsv4.kernels import Kernels
 from dsv4.layers import F32, Rope, apply_rope, linear, param
 from dsv4.pallas._device import is_hopper, on_gpu
 from dsv4.pallas.attention import SCALE_TILE
-from dsv4.pallas.indexer import index_topk, index_topk_two_pass
+from dsv4.pallas.indexer import index_topk, index_topk_two_pass, one_band_per_call
 from dsv4.pallas.indexer_paged import index_topk_paged
 from dsv4.sharding.sequence import per_sequence_shard
 
@@ -64,13 +64,17 @@ class Indexer(Compressor):
         kw = dict(rate=self.rate, k=k, softmax_scale=self.head_dim**-0.5)
         if impl in ("pallas", "pallas-fp8"):
             interpret = not on_gpu()
+            # One width band for the call when the whole call's positions fit one band (a prefill chunk): judged
+            # on the global S, since a sequence shard of a zigzag layout holds two blocks far apart.
+            one_band = one_band_per_call(q.shape[1], self.rate, n_keys, 4)
 
             def local(q_, weights_, positions_, keys_):  # this shard's queries against all keys
                 return index_topk_two_pass(q_, keys_, weights_, positions_, **kw, interpret=interpret,
                                            selection=self.selection)  # fmt: skip
 
             if impl == "pallas-fp8":
-                local = functools.partial(index_topk_fp8, **kw, interpret=interpret, selection=self.selection)
+                local = functools.partial(index_topk_fp8, **kw, interpret=interpret, selection=self.selection,
+                                          call_band=one_band)  # fmt: skip
             return per_sequence_shard(local, (q, weights, positions), (keys,), fill=(0, 0, -1))
         if impl == "pallas-stream":
             return index_topk(q, keys, weights, positions, **kw, interpret=not on_gpu())
@@ -119,19 +123,20 @@ def quantize_rows_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def index_topk_fp8(q, weights, positions, keys, *, rate: int, k: int, softmax_scale: float, interpret: bool,
-                   selection: str = "auto"):  # fmt: skip
+                   selection: str = "auto", call_band: bool | None = None):  # fmt: skip
     """The lightning indexer in FP8 (as DeepSeek-V3.2's inference code runs it; the transformers V4 spec uses bf16):
     q quantized per (token, head), keys per entry (e4m3, amax scales), scores by the Mosaic FP8 kernel on a Hopper
     GPU (`index_scores_mgpu`) or the Triton kernel elsewhere, then the exact grouped top-k. Arguments as
     `index_topk_jnp` (q, weights, positions first: the per-shard function of `per_sequence_shard`).
     On the Mosaic path each query chunk is scored over one of 4 width bands (`index_topk_two_pass(width_bands=4)`,
-    docs/kernels/indexer.md). → [B, S, k] int32."""
+    docs/kernels/indexer.md; `call_band` as there). → [B, S, k] int32."""
     q8, q_scale = quantize_rows_e4m3(q)
     k8, k_scale = quantize_rows_e4m3(keys)
     mgpu = not interpret and is_hopper() and q.shape[2] == 64
     return index_topk_two_pass(q8, k8, weights, positions, rate=rate, k=k, softmax_scale=softmax_scale,
                                q_scale=q_scale, k_scale=k_scale, interpret=interpret, selection=selection,
-                               scores_impl="mgpu" if mgpu else "triton", width_bands=4 if mgpu else 1)  # fmt: skip
+                               scores_impl="mgpu" if mgpu else "triton", width_bands=4 if mgpu else 1,
+                               call_band=call_band)  # fmt: skip
 
 
 def index_topk_jnp(q, keys, weights, positions, *, rate: int, k: int, softmax_scale: float, query_chunk: int = 512):

@@ -72,6 +72,7 @@ __all__ = [
     "index_topk_kernel",
     "index_topk_reference",
     "index_topk_two_pass",
+    "one_band_per_call",
 ]
 
 # Index of an empty buffer slot or an invisible entry: sorts after every real entry of equal (-inf) score.
@@ -626,6 +627,13 @@ def band_widths(num_entries: int, bands: int, align: int = 64) -> tuple[int, ...
                          for j in range(1, bands + 1)}))  # fmt: skip
 
 
+def one_band_per_call(num_queries: int, rate: int, num_entries: int, bands: int) -> bool:
+    """Whether `index_topk_two_pass` should choose one width band for a call of `num_queries` contiguous positions:
+    they then see at most one band's step more than each other. Callers whose queries are not contiguous (a
+    sequence shard of a zigzag layout) pass the extent their positions span instead."""
+    return -(-num_queries // rate) <= band_widths(num_entries, bands)[0]
+
+
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "query_chunk", "blocks", "group",
                                              "interpret", "scores_impl", "mgpu_config", "width_bands",
                                              "selection", "call_band"))  # fmt: skip
@@ -666,9 +674,9 @@ def index_topk_two_pass(
     chunks early in a prompt then skip the invisible columns: with 4 bands the slabs average 5/8 of C instead of
     all of it, at the cost of one compile per band (docs/kernels/indexer.md). When the call's S queries span no
     more than the narrowest band (S / rate <= C / width_bands: a prefill chunk of a long prompt), one band serves
-    the whole call, chosen once (`call_band`: None decides so; True / False force one band a call / a band per query
-    chunk; the indices are the same). 1 (off) by default here; the model's FP8 indexer on a Hopper GPU
-    (`dsv4.attention.index_topk_fp8`) passes 4.
+    the whole call, chosen once (`call_band`: None decides so by `one_band_per_call`, assuming contiguous
+    positions; True / False force one band a call / a band per query chunk; the indices are the same). 1 (off) by
+    default here; the model's FP8 indexer on a Hopper GPU (`dsv4.attention.index_topk_fp8`) passes 4.
 
     selection: how `dsv4.topk.top_k` refines each level: "xla" (a sort of the chosen group ids, a gather and
     `lax.top_k`), "kernel" (`dsv4.pallas.select.refine_top_k`, one pass; interpreted with `interpret`), or "auto"
@@ -742,7 +750,7 @@ def index_topk_two_pass(
         return jnp.moveaxis(out, 0, 1).reshape(b, n_chunks * chunk, k)[:, :s]
 
     if call_band is None:
-        call_band = -(-s // rate) <= widths[0]
+        call_band = one_band_per_call(s, rate, c, width_bands)
     if len(widths) > 1 and call_band:
         # The queries of this call see at most one band's step more than each other when their positions are
         # contiguous (a prefill chunk): one band for the whole call, each band's program stepping through the
