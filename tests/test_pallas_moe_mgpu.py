@@ -105,6 +105,8 @@ def test_lowers_for_h200(w8a8):
     # fifth slot does not, and says so
     assert "mosaic_gpu" in lower_down(store_buffers=2)
     assert "mosaic_gpu" in lower_down(num_slots=4)
+    # the pipelined promotion: the next 64-column wgmma stays in flight while the last one's result is read
+    assert "wgmma.wait_group.sync.aligned 1" in lower_down(acc_form="pipelined")
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         lower_down(num_slots=5)
 
@@ -119,7 +121,8 @@ def _skewed_layout(experts, top_k=2):
     return jnp.asarray(ids)
 
 
-@pytest.mark.parametrize("mode, form", [("bf16", "in_place"), ("bf16", "per_step"), ("w8a8", "per_step")])
+@pytest.mark.parametrize("mode, form", [("bf16", "in_place"), ("bf16", "per_step"), ("w8a8", "per_step"),
+                                        ("w8a8", "pipelined")])  # fmt: skip
 def test_kernels_interpreted(mode, form):
     experts, hidden, inter = 5, 256, 256  # gate_up: 2 column tiles; down: 1; K steps: 4 (bf16) or 2 (fp8)
     ids = _skewed_layout(experts)
@@ -161,6 +164,10 @@ def test_kernels_interpreted(mode, form):
     y_want = np.asarray(grouped_down_reference(h_in, down, sizes, out_dtype=F32, **dkw), F32)
     assert not np.isnan(y[rows]).any(), "down left rows of a used tile unwritten"
     np.testing.assert_allclose(y[rows], y_want[rows], atol=1e-4 * np.abs(y_want).max(), rtol=0)
+    if form == "pipelined":  # each column's total: per_step's scaled K steps, up to the 64- vs 128-column dots'
+        per_step = dataclasses.replace(config, acc_form="per_step")  # rounding (1 ulp in 0.4% of y here)
+        y_per_step = grouped_down_mgpu(h_in, down, tiles, config=per_step, interpret=_interpret(), **dkw)
+        np.testing.assert_allclose(y[rows], np.asarray(y_per_step, F32)[rows], rtol=1e-5, atol=1e-6)
     if form == "per_step":  # y stored in bf16 (routed_experts' form): the same float32 sums, rounded once
         y_bf16 = np.asarray(jnp.asarray(y[rows]).astype(jnp.bfloat16), F32)
         for buffers in (1, 2):  # parts A and B through one staging buffer or their own
@@ -251,3 +258,10 @@ def test_gpu_routed_experts_default_impl(mode):
         assert np.mean(np.abs(got - want) > 2**-5 * np.abs(want).max()) < 1e-3
     else:
         np.testing.assert_allclose(got, want, atol=2**-5 * np.abs(want).max(), rtol=0)
+
+
+def test_pipelined_promotion_is_for_fp8_weights():
+    h = jnp.zeros((TILE_M, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="acc_form='pipelined' applies to W8A8"):
+        grouped_down_mgpu(h, jnp.zeros((1, 256, 128), jnp.bfloat16), jnp.zeros((1,), jnp.int32),
+                          config=MgpuMoeConfig(acc_form="pipelined"), interpret=_interpret())  # fmt: skip

@@ -60,7 +60,7 @@ __all__ = [
 F32 = jnp.float32
 TILE_M = 128  # rows per CTA tile: two consumer warpgroups × 64 (one wgmma M)
 PART_N = 128  # weight rows per part; a CTA tile reads two parts
-_ACC_FORMS = ("in_place", "per_step")
+_ACC_FORMS = ("in_place", "per_step", "pipelined")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +71,13 @@ class MgpuMoeConfig:
                for fp8 at bk = 128). None: 4 for gate_up (bf16 h staging 32 KiB), 3 for down (y staging up to 64 KiB;
                with bf16 y and one staging buffer, 4 fit too).
     num_ctas:  persistent CTAs (None: the device's SM count).
-    acc_form:  bf16 only. "in_place" (the default): the wgmma accumulates over all K steps in its accumulator;
+    acc_form:  bf16: "in_place" (the default): the wgmma accumulates over all K steps in its accumulator;
                "per_step": a fresh accumulator per step, added in registers: the form the fp8 path always uses
                (it scales each step), kept for bf16 as the slower alternative measured (docs/kernels/moe.md).
-               Both run in the CPU Mosaic interpreter.
+               fp8: "pipelined" splits each part into two 64-column wgmmas and keeps the next one in flight while
+               the last one's result is scaled into its total (two 32-register accumulators beside the 128 of the
+               totals), where the default waits on each 128-column wgmma before scaling it. Opt-in until measured
+               on a GPU. All forms run in the CPU Mosaic interpreter.
     store_buffers: down with a 2-byte y only: 2 gives each of an item's two parts its own staging buffer (64 KiB
                in all, as float32 y takes with 1), so part B's store does not wait for part A's TMA to read the
                shared one. Opt-in until measured on a GPU (docs/BENCHMARKS.md, "MoE").
@@ -164,6 +167,9 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
     num_ctas = max(1, min(config.num_ctas or sm_count(), items))
     slots = config.num_slots or (4 if gate_up else 3)
     per_step = fp8 or config.acc_form == "per_step"
+    pipelined = fp8 and config.acc_form == "pipelined"
+    if config.acc_form == "pipelined" and not fp8:
+        raise ValueError("MgpuMoeConfig.acc_form='pipelined' applies to W8A8 (fp8) weights only")
     store_dtype = FP8 if quantize_out else out_dtype
     out_itemsize = jnp.dtype(store_dtype).itemsize
     # down's parts A and B in their own staging buffers (2), or one after the other through one (1)
@@ -249,7 +255,44 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                     return tot_a, tot_b
 
                 zero = plgpu.layout_cast(jnp.zeros((half_rows, PART_N), F32), wgmma_layout)
-                return lax.fori_loop(0, k_steps, k_body, (zero, zero))
+                if not pipelined:
+                    return lax.fori_loop(0, k_steps, k_body, (zero, zero))
+                sub = PART_N // 2
+                # a K step's four 64-column wgmmas: part A's halves, then part B's
+                subs = [(a_smem, 0, a0), (a_smem, sub, a0), (b_smem, 0, b0), (b_smem, sub, b0)]
+
+                def k_body_pipelined(ks, totals):
+                    scales = [ws_ref[e, lax.div(w0, QUANT_BLOCK), ks] for _, _, w0 in subs]
+                    slot = wait_step(step + ks)
+                    xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)
+
+                    def fold(totals, j, acc, wait_n):
+                        part = plgpu.wgmma_accumulator_load(acc, wait_n=wait_n)
+                        row_scale = xs * scales[j]
+                        out = list(totals)
+                        out[j] = out[j] + part * lax.broadcast_in_dim(row_scale, part.shape, [0])
+                        return tuple(out)
+
+                    def chain(j, prev, totals):
+                        """Sub-step j into a fresh accumulator (nested scopes keep sub-step j - 1's alive), then
+                        sub-step j - 1's result scaled into its total while j runs."""
+
+                        def scoped(acc):
+                            smem, r0, _ = subs[j]
+                            w_half = smem.at[slot].at[pl.ds(r0, sub)]  # [64, bk]: 64 of the part's rows
+                            plgpu.wgmma(acc, x_smem.at[slot].at[rows], w_half.transpose((1, 0)))
+                            t = totals if prev is None else fold(totals, j - 1, prev, wait_n=1)
+                            return chain(j + 1, acc, t) if j + 1 < len(subs) else fold(t, j, acc, wait_n=0)
+
+                        return pl.run_scoped(scoped, plgpu.ACC((half_rows, sub), F32))
+
+                    totals = chain(0, None, totals)
+                    plgpu.barrier_arrive(consumed_bar.at[slot])
+                    return totals
+
+                zero_sub = plgpu.layout_cast(jnp.zeros((half_rows, sub), F32), wgmma_layout)
+                t = lax.fori_loop(0, k_steps, k_body_pipelined, (zero_sub,) * len(subs))
+                return jnp.concatenate(t[:2], axis=1), jnp.concatenate(t[2:], axis=1)
 
             def store(value, mt, col, buf=0):
                 """value [64, 128] f32 → out rows of this warpgroup, columns col.. (fp8 + scales if quantize_out),
