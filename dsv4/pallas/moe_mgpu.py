@@ -258,11 +258,12 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                 if not pipelined:
                     return lax.fori_loop(0, k_steps, k_body, (zero, zero))
                 sub = PART_N // 2
-                # a K step's four 64-column wgmmas: part A's halves, then part B's
-                subs = [(a_smem, 0, a0), (a_smem, sub, a0), (b_smem, 0, b0), (b_smem, sub, b0)]
+                # a K step's four 64-column wgmmas: part A's halves, then part B's (a part is one weight block)
+                subs = [(a_smem, 0), (a_smem, sub), (b_smem, 0), (b_smem, sub)]
 
                 def k_body_pipelined(ks, totals):
-                    scales = [ws_ref[e, lax.div(w0, QUANT_BLOCK), ks] for _, _, w0 in subs]
+                    ws_a, ws_b = (ws_ref[e, lax.div(w0, QUANT_BLOCK), ks] for w0 in (a0, b0))
+                    scales = (ws_a, ws_a, ws_b, ws_b)
                     slot = wait_step(step + ks)
                     xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)
 
@@ -278,7 +279,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                         sub-step j - 1's result scaled into its total while j runs."""
 
                         def scoped(acc):
-                            smem, r0, _ = subs[j]
+                            smem, r0 = subs[j]
                             w_half = smem.at[slot].at[pl.ds(r0, sub)]  # [64, bk]: 64 of the part's rows
                             plgpu.wgmma(acc, x_smem.at[slot].at[rows], w_half.transpose((1, 0)))
                             t = totals if prev is None else fold(totals, j - 1, prev, wait_n=1)
