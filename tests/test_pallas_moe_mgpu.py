@@ -164,8 +164,10 @@ def test_kernels_interpreted(mode, form):
     y_want = np.asarray(grouped_down_reference(h_in, down, sizes, out_dtype=F32, **dkw), F32)
     assert not np.isnan(y[rows]).any(), "down left rows of a used tile unwritten"
     np.testing.assert_allclose(y[rows], y_want[rows], atol=1e-4 * np.abs(y_want).max(), rtol=0)
-    if form == "pipelined":  # each column's total: per_step's scaled K steps, up to the 64- vs 128-column dots'
-        per_step = dataclasses.replace(config, acc_form="per_step")  # rounding (1 ulp in 0.4% of y here)
+    if form == "pipelined":
+        # each column's total: per_step's scaled K steps, up to the rounding of 64- against 128-column dots (1 ulp in
+        # 0.4% of y here)
+        per_step = dataclasses.replace(config, acc_form="per_step")
         y_per_step = grouped_down_mgpu(h_in, down, tiles, config=per_step, interpret=_interpret(), **dkw)
         np.testing.assert_allclose(y[rows], np.asarray(y_per_step, F32)[rows], rtol=1e-5, atol=1e-6)
     if form == "per_step":  # y stored in bf16 (routed_experts' form): the same float32 sums, rounded once
