@@ -41,6 +41,7 @@ from dsv4.pallas.moe_mgpu import (
     grouped_down_mgpu,
     grouped_gate_up_mgpu,
     padded_layout,
+    routed_experts_mgpu,
 )
 
 FP8 = jnp.float8_e4m3fn
@@ -267,3 +268,26 @@ def test_pipelined_promotion_is_for_fp8_weights():
     with pytest.raises(ValueError, match="acc_form='pipelined' applies to W8A8"):
         grouped_down_mgpu(h, jnp.zeros((1, 256, 128), jnp.bfloat16), jnp.zeros((1,), jnp.int32),
                           config=MgpuMoeConfig(acc_form="pipelined"), interpret=_interpret())  # fmt: skip
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("change", [dict(acc_form="pipelined"), dict(store_buffers=2), dict(num_slots=4)])
+def test_gpu_w8a8_opt_in_configs(change):
+    """The opt-in W8A8 configurations compile on Hopper and give the default's result: the same sums for two staging
+    buffers or four slots; for the pipelined promotion the same sums up to the dots' rounding order (y in bf16)."""
+    experts, hidden, inter, tokens, top_k = 32, 1024, 512, 700, 6
+    ids, weights = make_routing(22, tokens, top_k, experts)
+    x = make_weights(22, (tokens, hidden), jnp.bfloat16, 1.0)
+    (gate_up, gs), (down, ds) = (quantize_weights(make_weights(23, (experts, 2 * inter, hidden), F32, 0.05)),
+                                 quantize_weights(make_weights(24, (experts, hidden, inter), F32, 0.05)))  # fmt: skip
+
+    def run(config):
+        return np.asarray(routed_experts_mgpu(x, ids, weights, gate_up, down, LIMIT, gate_up_scales=gs,
+                                              down_scales=ds, config=config), F32)  # fmt: skip
+
+    base, got = run(MgpuMoeConfig()), run(MgpuMoeConfig(**change))
+    if "acc_form" in change:
+        np.testing.assert_allclose(got, base, atol=2**-7 * np.abs(base).max(), rtol=2**-7)
+    else:
+        np.testing.assert_array_equal(got, base)
