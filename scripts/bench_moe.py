@@ -224,23 +224,25 @@ def mgpu_parts(n, mode, x, ids, wts, limit, config, interpret, reps, flops, reco
     if mode == "w8a8":  # as routed_experts_mgpu: gate_up quantizes h in its epilogue
         xp, sc = pm.quantize_per_token_group(xp)
         kw = dict(x_scales=sc, gate_up_scales=wts["gate_up_scales"])
-    gu = jax.jit(lambda xp, g, t, kw: mm.grouped_gate_up_mgpu(xp, g, t, limit=limit, quantize_out=mode == "w8a8",
-                                                              config=config, interpret=interpret, **kw))  # fmt: skip
-    h, ms = timed(lambda: gu(xp, wts["gate_up"], tiles, kw), reps)
+
+    def gate_up(cfg):  # the kernel entries are jitted already (config static)
+        return mm.grouped_gate_up_mgpu(xp, wts["gate_up"], tiles, limit=limit, quantize_out=mode == "w8a8", config=cfg,
+                                       interpret=interpret, **kw)  # fmt: skip
+
+    def down(cfg):  # y in bf16, as routed_experts_mgpu stores it
+        return mm.grouped_down_mgpu(h, wts["down"], tiles, config=cfg, interpret=interpret, out_dtype=jnp.bfloat16,
+                                    **hkw)  # fmt: skip
+
+    h, ms = timed(lambda: gate_up(config), reps)
     record(n, mode, "mgpu", vname, "gate_up", ms, flops * 2 / 3)
     if mode == "w8a8":
         h, hs = h
         hkw = dict(h_scales=hs, down_scales=wts["down_scales"])
-    dn = jax.jit(lambda h, dw, t, kw: mm.grouped_down_mgpu(h, dw, t, config=config, interpret=interpret,
-                                                           out_dtype=jnp.bfloat16, **kw))  # as routed_experts_mgpu
-    _, ms = timed(lambda: dn(h, wts["down"], tiles, hkw), reps)
+    _, ms = timed(lambda: down(config), reps)
     record(n, mode, "mgpu", vname, "down", ms, flops / 3)
     if not trace:
         return
-    for part, run in (("gate_up", lambda cfg: mm.grouped_gate_up_mgpu(xp, wts["gate_up"], tiles, limit=limit,
-                                                                      quantize_out=mode == "w8a8", config=cfg, **kw)),
-                      ("down", lambda cfg: mm.grouped_down_mgpu(h, wts["down"], tiles, config=cfg,
-                                                                out_dtype=jnp.bfloat16, **hkw))):  # fmt: skip
+    for part, run in (("gate_up", gate_up), ("down", down)):
         folder = Path(f"{trace}_{part}")
         folder.mkdir(parents=True, exist_ok=True)
         try:
