@@ -1802,12 +1802,9 @@ def weights_table(rec: Recorder, group: list[Bench]):
     pct = lambda x: f"{100 * x:.0f}%" if x else "-"  # noqa: E731
     out, fp8_legend = [], {}
     for seq in sorted(set().union(*(b.results for b in group))):
-        base = None  # the plain XLA baseline at this length: the full-sequence one if it ran, else the capacity MoE's
-        for vkey in BASELINES:
-            for b in group:
-                r = b.results.get(seq, {}).get(vkey)
-                if r and r.get("status") == "ok" and base is None:
-                    base = dict(variant=vkey, ttft_s=r["ttft_s"])
+        # the plain XLA baseline at this length: the full-sequence one if it ran, else the capacity MoE's
+        base = next((dict(variant=v, ttft_s=r["ttft_s"]) for v in BASELINES for b in group
+                     if (r := b.results.get(seq, {}).get(v)) and r.get("status") == "ok"), None)  # fmt: skip
         for vkey in TABLE_ORDER:
             rows = [b.results.get(seq, {}).get(vkey) for b in group]
             if not any(rows):
