@@ -210,6 +210,11 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(consumed_bar.at[slot])
 
+            def scaled(part, xs, w_scale):
+                """A K step's partial product [64, n] promoted: times this step's x scale of each row [64] and the
+                weight block's scale (DeepGEMM's promotion per 128 of K)."""
+                return part * lax.broadcast_in_dim(xs * w_scale, part.shape, [0])
+
             def fresh(slot, smem):
                 def run(acc_ref):
                     plgpu.wgmma(acc_ref, x_smem.at[slot].at[rows], smem.at[slot].transpose((1, 0)))
@@ -240,8 +245,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                         xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)  # [64] this step's x scales
 
                         def promote(total, part, w_row0):
-                            row_scale = xs * ws_ref[e, lax.div(w_row0, QUANT_BLOCK), ks]  # [64]
-                            return total + part * lax.broadcast_in_dim(row_scale, (half_rows, PART_N), [0])
+                            return total + scaled(part, xs, ws_ref[e, lax.div(w_row0, QUANT_BLOCK), ks])
 
                         tot_a = promote(tot_a, part_a, a0)
                     else:
@@ -268,10 +272,8 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                     xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)
 
                     def fold(totals, j, acc, wait_n):
-                        part = plgpu.wgmma_accumulator_load(acc, wait_n=wait_n)
-                        row_scale = xs * scales[j]
                         out = list(totals)
-                        out[j] = out[j] + part * lax.broadcast_in_dim(row_scale, part.shape, [0])
+                        out[j] = out[j] + scaled(plgpu.wgmma_accumulator_load(acc, wait_n=wait_n), xs, scales[j])
                         return tuple(out)
 
                     def chain(j, prev, totals):
