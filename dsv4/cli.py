@@ -264,7 +264,8 @@ def _model_config(args):
     return cfg
 
 
-KERNEL_PARTS = ("attention", "decode", "indexer", "paged_indexer", "topk_refine", "moe", "kv_write", "sinkhorn")
+KERNEL_PARTS = ("attention", "decode", "indexer", "paged_indexer", "topk_refine", "moe", "dense", "kv_write",
+                "sinkhorn")
 
 
 def _parse_kernels(text: str):

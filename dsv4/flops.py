@@ -11,13 +11,15 @@ expert of width I, hc residual copies, W window, H_i × hd_i indexer heads, K in
 the compressed entries query p sees (rate 4 for CSA, 128 for HCA):
 
     attn-qkv        2·(D·r_q + r_q·H·hd + D·hd)           q_a, q_b, the shared K=V projection
-    attn-out        2·(H·hd·r_o + G·r_o·D)                grouped o_a, o_b
+    attn-out-a      2·H·hd·r_o                            the grouped o_a
+    attn-out-b      2·G·r_o·D                             o_b
     window-core     4·H·hd·min(p + 1, W)                  QKᵀ and PV (V = K) over the window, every layer
     csa-core        4·H·hd·min(n(p), K)                   the entries the indexer picked
     hca-core        4·H·hd·n(p)                           every compressed entry
     compressor      2·2·D·w (w = 2·hd CSA, hd HCA)        the compressor's kv and gate projections
     indexer-keys    2·2·D·2·hd_i                          the indexer's own compressor (CSA)
-    indexer-proj    2·(r_q·H_i·hd_i + D·H_i)              its q projection and head weights (CSA)
+    indexer-q       2·r_q·H_i·hd_i                        its q projection (CSA)
+    indexer-weights 2·D·H_i                               its head weights (CSA)
     indexer-scores  2·H_i·hd_i·n(p)                       q·k over every visible key (CSA)
     router          2·D·E
     moe-routed      k·(2·D·2I + 2·I·D)                    gate_up and down of the k picked experts
@@ -34,8 +36,10 @@ Precision: `part_precisions` says which matmul precision each part runs in for a
 weights as stored (the formats of `dsv4 plan` and `scripts/bench_ttft.py --weights`), following what the model does
 with them (`dsv4.moe.MoE.expert_weights`, `dsv4.attention.Indexer.select`, `dsv4.quantization.BlockQuantized`):
 
-- every dense matrix, FP8-stored or not, runs in the compute dtype: a kept-quantized dense weight is dequantized
-  where it is read;
+- the dense matrices a release stores in FP8 (`RELEASED_FP8_PARTS`: q_a, q_b, the K=V projection, o_b, the
+  indexer's q, the shared expert) run in FP8 (W8A8) under `Kernels.dense="pallas"` with FP8-stored weights
+  (`dsv4.layers.project`); every other dense matrix, and these under `dense="jnp"`, run in the compute dtype (a
+  kept-quantized weight is dequantized where it is read);
 - the routed experts run in FP8 (W8A8) with FP8 weights in 128 × 128 blocks, or FP4 ones re-blocked as such, on
   the Pallas MoE (`Kernels.moe="pallas"`) with FP8 activations; the jnp MoE reads them dequantized;
 - the indexer scores run in FP8 under `Kernels.indexer="pallas-fp8"`;
@@ -52,15 +56,19 @@ from collections.abc import Mapping
 from dsv4.config import CSA, HCA, LAYER_TYPES, Config
 from dsv4.memory_plan import fp8_expert_kernels
 
-PARTS = ("attn-qkv", "attn-out", "window-core", "csa-core", "hca-core", "compressor", "indexer-keys", "indexer-proj",
-         "indexer-scores", "router", "moe-routed", "moe-shared", "mhc", "head")  # fmt: skip
+PARTS = ("attn-qkv", "attn-out-a", "attn-out-b", "window-core", "csa-core", "hca-core", "compressor", "indexer-keys",
+         "indexer-q", "indexer-weights", "indexer-scores", "router", "moe-routed", "moe-shared", "mhc",
+         "head")  # fmt: skip
+# The dense parts whose matrices V4 releases store in FP8 (`dsv4.weights.RELEASED_FP8`): their W8A8 route is
+# `Kernels.dense`. Not o_a, the compressors, the indexer's keys and head weights, the router.
+RELEASED_FP8_PARTS = ("attn-qkv", "attn-out-b", "indexer-q", "moe-shared")
 # The rows of the usual per-token table, as sums of parts.
 GROUPS = {
-    "attention projections": ("attn-qkv", "attn-out"),
+    "attention projections": ("attn-qkv", "attn-out-a", "attn-out-b"),
     "window core": ("window-core",),
     "CSA core": ("csa-core",),
     "HCA core": ("hca-core",),
-    "compressor + indexer projections": ("compressor", "indexer-keys", "indexer-proj"),
+    "compressor + indexer projections": ("compressor", "indexer-keys", "indexer-q", "indexer-weights"),
     "indexer scores": ("indexer-scores",),
     "MoE + router": ("router", "moe-routed", "moe-shared"),
     "mHC": ("mhc",),
@@ -112,7 +120,8 @@ def layer_flops(config: Config, layer_type: str, seq: int) -> dict[str, float]:
     expert = 2.0 * d * 2 * inter + 2.0 * inter * d  # gate_up, then down
     out = {
         "attn-qkv": 2.0 * (d * c.q_lora_rank + c.q_lora_rank * h * hd + d * hd) * seq,
-        "attn-out": 2.0 * (h * hd * c.o_lora_rank + c.o_groups * c.o_lora_rank * d) * seq,
+        "attn-out-a": 2.0 * h * hd * c.o_lora_rank * seq,
+        "attn-out-b": 2.0 * c.o_groups * c.o_lora_rank * d * seq,
         "window-core": 4.0 * h * hd * _window_keys(seq, c.sliding_window),
         "router": 2.0 * d * c.n_routed_experts * seq,
         "moe-routed": c.num_experts_per_tok * expert * seq,
@@ -124,7 +133,8 @@ def layer_flops(config: Config, layer_type: str, seq: int) -> dict[str, float]:
         out["csa-core"] = 4.0 * h * hd * _entries_capped(seq, rate, c.index_topk)
         out["compressor"] = 2 * 2.0 * d * (2 * hd) * seq
         out["indexer-keys"] = 2 * 2.0 * d * (2 * ihd) * seq
-        out["indexer-proj"] = 2.0 * (c.q_lora_rank * ih * ihd + d * ih) * seq
+        out["indexer-q"] = 2.0 * c.q_lora_rank * ih * ihd * seq
+        out["indexer-weights"] = 2.0 * d * ih * seq
         out["indexer-scores"] = 2.0 * ih * ihd * _entries(seq, rate)
     elif layer_type == HCA:
         out["hca-core"] = 4.0 * h * hd * _entries(seq, c.compress_rate(HCA))
@@ -172,7 +182,8 @@ def part_precisions(kernels, weights: str = "bf16", *, config: Config | None = N
     """The matmul precision ("fp8", "bf16", "f32") of each part of `PARTS` in a model computing in bf16 (float32 for
     weights "fp32").
 
-    kernels: a resolved `dsv4.Kernels`, or a mapping with its "indexer" and "moe" choices. weights: one of `WEIGHTS`.
+    kernels: a resolved `dsv4.Kernels`, or a mapping with its "indexer" and "moe" choices (and "dense": absent is
+    "jnp"). weights: one of `WEIGHTS`.
     config: checks that the expert widths fit the FP8 kernels' 128 × 128 blocks (None: assumed, as V4's do).
     fp8_activations: `MoE.fp8_activations` (False: FP8 experts run W8A16, in bf16).
     """
@@ -185,6 +196,9 @@ def part_precisions(kernels, weights: str = "bf16", *, config: Config | None = N
         out["indexer-scores"] = "fp8"
     fits = config is None or fp8_expert_kernels(config, "fp8")
     quantized_experts = weights in ("fp8", "fp8-fp4-experts", "fp4-experts")  # FP4 ones re-blocked as FP8 (dsv4.moe)
+    dense_impl = kernels.get("dense", "jnp") if isinstance(kernels, Mapping) else _choice(kernels, "dense")
+    if quantized_experts and dense_impl == "pallas":  # every release keeps these dense matrices FP8
+        out.update(dict.fromkeys(RELEASED_FP8_PARTS, "fp8"))
     if quantized_experts and _choice(kernels, "moe") == "pallas" and fp8_activations and fits:
         out["moe-routed"] = "fp8"
     return out

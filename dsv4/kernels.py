@@ -27,6 +27,10 @@ CHOICES = {
     # each refinement level of the exact grouped top-k: XLA's sort and gather, or one Pallas select kernel
     "topk_refine": ("jnp", "pallas"),
     "moe": ("jnp", "pallas"),
+    # linear layers whose weights are kept FP8 in 128 × 128 blocks: read dequantized ("jnp"), or W8A8 on the stored
+    # values (`dsv4.layers.project`: the grouped-GEMM kernels with one group); weights in the compute dtype take
+    # the dot either way
+    "dense": ("jnp", "pallas"),
     # cache writes: XLA's quantize + scatter, or the quantize-and-write kernel
     "kv_write": ("jnp", "pallas"),
     # "pallas": Triton, or on Hopper the Mosaic GPU form for prefill-sized inputs (faster there, slower for a decode
@@ -45,6 +49,7 @@ class Kernels:
     paged_indexer: str = "auto"
     topk_refine: str = "auto"
     moe: str = "auto"
+    dense: str = "auto"
     kv_write: str = "auto"
     sinkhorn: str = "auto"
 
@@ -96,6 +101,7 @@ class Kernels:
             paged_indexer="pallas" if indexer == "pallas" else "jnp",
             topk_refine="pallas" if hopper else "jnp",  # measured on Hopper only
             moe="pallas" if gpu else "jnp",
+            dense="jnp",  # opt-in until timed end to end (docs/BENCHMARKS.md, "Dense projections in FP8")
             kv_write="jnp",
             sinkhorn="pallas" if gpu else "jnp",
         )

@@ -18,6 +18,8 @@ from flax import nnx
 from dsv4.config import Config, RopeConfig
 from dsv4.pallas import sinkhorn as sk
 from dsv4.pallas._device import is_hopper, on_gpu
+from dsv4.pallas.linear_fp8 import linear_w8a8, w8a8_unsupported
+from dsv4.quantization import BlockQuantized
 from dsv4.sharding.sequence import per_sequence_shard
 
 F32 = jnp.float32
@@ -50,6 +52,21 @@ def param(rngs: nnx.Rngs | np.random.Generator, shape, axes, *, dtype, init: str
 def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     """`x @ weight.T` for a [out, in] weight, accumulating in float32, rounded once to x's dtype."""
     return matmul_in_dtype("...i,oi->...o", x, weight)
+
+
+def project(x: jax.Array, weight: nnx.Variable, impl: str = "jnp") -> jax.Array:
+    """`linear(x, weight[...])` for a weight variable, x [B, S, in].
+
+    impl="pallas" (`Kernels.dense`) with the weight kept FP8 in 128 × 128 blocks (`dsv4.load(keep_quantized=True)`):
+    W8A8, x quantized per token and 128-group and the FP8 GEMM run on the stored values (`linear_w8a8`), as
+    DeepSeek's FP8 linear layers do, on each sequence shard. Any other weight is read dequantized.
+    """
+    value = weight.get_value()
+    if impl == "pallas" and isinstance(value, BlockQuantized) and value.fmt == "fp8" and tuple(value.block) == (
+            128, 128) and not w8a8_unsupported(value.q, value.scale):  # fmt: skip
+        return per_sequence_shard(lambda x_, q_, s_: linear_w8a8(x_, q_, s_), (x,), (value.q, value.scale),
+                                  fill=(0,))  # fmt: skip
+    return linear(x, weight[...])
 
 
 def matmul_in_dtype(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:

@@ -44,7 +44,8 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(config, config.layer_types[layer_idx], rngs=rngs, dtype=dtype, kernels=kernels)
         self.ffn_hc = HyperConnection(config, rngs=rngs, sinkhorn=kernels.sinkhorn)
         self.post_attention_layernorm = RMSNorm(d, eps, axis_name="embed", rngs=rngs)
-        self.mlp = MoE(config, config.mlp_layer_types[layer_idx], rngs=rngs, dtype=dtype, moe_impl=kernels.moe)
+        self.mlp = MoE(config, config.mlp_layer_types[layer_idx], rngs=rngs, dtype=dtype, moe_impl=kernels.moe,
+                       dense_impl=kernels.dense)
 
     def __call__(self, streams: jax.Array, positions: jax.Array, token_ids: jax.Array) -> jax.Array:
         """streams: [B, S, hc, D] → [B, S, hc, D]."""

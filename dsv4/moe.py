@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv4.config import Config
-from dsv4.layers import F32, Buffer, linear, param
+from dsv4.layers import F32, Buffer, param, project
 from dsv4.pallas._device import on_gpu
 from dsv4.pallas.moe import quantize_per_token_group, routed_experts
 from dsv4.quantization import BlockQuantized, fp4_fits_fp8_blocks, fp4_to_fp8_blocks
@@ -83,10 +83,11 @@ def kernel_ready_fp8(w) -> bool:
 class MoE(nnx.Module):
     """Router (top-k over scores + a selection-only bias, or a fixed `tid2eid[token]` table) → experts."""
 
-    def __init__(self, config: Config, mlp_type: str, *, rngs: nnx.Rngs, dtype, moe_impl: str = "jnp"):
+    def __init__(self, config: Config, mlp_type: str, *, rngs: nnx.Rngs, dtype, moe_impl: str = "jnp",
+                 dense_impl: str = "jnp"):  # fmt: skip
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl={moe_impl!r}; available: {sorted(MOE_IMPLS)}")
-        self.moe_impl = moe_impl
+        self.moe_impl, self.dense_impl = moe_impl, dense_impl  # `Kernels.moe`, `Kernels.dense` (the shared expert)
         d, i, e = config.hidden_size, config.moe_intermediate_size, config.n_routed_experts
         self.is_hash = mlp_type == "hash_moe"
         gate = {"weight": param(rngs, (e, d), ("experts", "embed"), dtype=dtype)}
@@ -185,7 +186,7 @@ class MoE(nnx.Module):
             routed = routed.reshape(b * s, d)
         else:
             routed = impl(flat, ids, weights, gate_up, down, self.limit)  # the jnp path: FP8 experts read dequantized
-        sh = self.shared_experts
-        shared = linear(swiglu(linear(flat, sh["gate_proj"]["weight"][...]), linear(flat, sh["up_proj"]["weight"][...]),
-                               self.limit), sh["down_proj"]["weight"][...])  # fmt: skip
-        return (routed + shared).reshape(b, s, d)
+        sh, dense = self.shared_experts, self.dense_impl
+        h = swiglu(project(x, sh["gate_proj"]["weight"], dense), project(x, sh["up_proj"]["weight"], dense), self.limit)
+        shared = project(h, sh["down_proj"]["weight"], dense)  # [B, S, D]: the sequence axis kept for its shards
+        return (routed + shared.reshape(b * s, d)).reshape(b, s, d)

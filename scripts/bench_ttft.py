@@ -35,6 +35,8 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
                           holding pages 1..n)
     chunked-fp8idx   (4f) as (4) with Kernels.indexer="pallas-fp8": q and keys of the lightning indexer in e4m3, the
                           scores by the Mosaic FP8 kernel (`dsv4.pallas.indexer_mgpu`) on Hopper
+    chunked-w8a8     (4w) as (4f) with Kernels.dense="pallas": the dense matrices a release stores in FP8 run W8A8 on
+                          the stored values (`dsv4.layers.project`); the same as (4f) with bf16 weights
     chunked-loop     (4l) as (4) with the mHC Sinkhorn normalization as XLA's while loop (Kernels.sinkhorn="jnp")
     engine           (4e) the prompt through `dsv4.LLM(model)` with default arguments (kernels "auto", the paged cache)
                           but ``--chunk``; TTFT = the request's own, arrival to first sampled token
@@ -193,10 +195,12 @@ class Variant:
     moe: str  # "jnp" | "pallas" | "xla_cap" (this script's capacity MoE)
     kv: str | None = None  # chunked only: the cache's storage format, paged (None: dense, the model's dtype)
     indexer: str | None = None  # Kernels.indexer (None: "jnp" under the jnp attention, "pallas" otherwise)
+    dense: str | None = None  # Kernels.dense (None: "jnp")
     sinkhorn_loop: bool = False  # the mHC Sinkhorn as XLA's while loop (Kernels.sinkhorn="jnp")
 
 
-def variant_kernels(attention: str, moe: str, indexer: str | None = None, sinkhorn_loop: bool = False) -> Kernels:
+def variant_kernels(attention: str, moe: str, indexer: str | None = None, sinkhorn_loop: bool = False,
+                    dense: str | None = None) -> Kernels:  # fmt: skip
     """The Kernels value a variant builds its model with. "jnp" attention: XLA everywhere (`Kernels.all("jnp")`);
     "pallas": the Pallas attention core, the paged decode kernel and the kv_write kernel, the indexer's `indexer`
     path (default the two-pass Pallas one). moe "xla_cap" builds the jnp MoE, swapped for `CapacityMoE` after."""
@@ -212,6 +216,8 @@ def variant_kernels(attention: str, moe: str, indexer: str | None = None, sinkho
         changes["indexer"] = indexer
     if sinkhorn_loop:
         changes["sinkhorn"] = "jnp"
+    if dense:
+        changes["dense"] = dense
     return dataclasses.replace(base, **changes)
 
 
@@ -223,6 +229,8 @@ VARIANTS = {v.key: v for v in [
     Variant("chunked-fp8", "(5)", "+ FP8 paged KV cache (fp8-channel)", "chunked", "pallas", "pallas", "fp8-channel"),
     Variant("chunked-fp8idx", "(4f)", "(4) + FP8 indexer (Mosaic scores)", "chunked", "pallas", "pallas",
             indexer="pallas-fp8"),
+    Variant("chunked-w8a8", "(4w)", "(4f) + W8A8 dense layers (FP8 weights)", "chunked", "pallas", "pallas",
+            indexer="pallas-fp8", dense="pallas"),
     Variant("chunked-loop", "(4l)", "(4) with the mHC Sinkhorn as XLA's loop", "chunked", "pallas", "pallas",
             sinkhorn_loop=True),
     Variant("engine", "(4e)", "(4) through dsv4.LLM, default arguments", "engine", "auto", "auto"),
@@ -230,9 +238,9 @@ VARIANTS = {v.key: v for v in [
     Variant("pallas-attn-cap", "(2c)", "+ Pallas attn + idx, capacity MoE", "full", "pallas", "xla_cap"),
 ]}  # fmt: skip
 PRIORITY = ["pallas", "chunked", "engine", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn",
-            "chunked-fp8idx", "chunked-loop"]  # fmt: skip
+            "chunked-fp8idx", "chunked-w8a8", "chunked-loop"]  # fmt: skip
 TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-loop", "chunked", "engine",
-               "chunked-fp8idx", "chunked-fp8"]  # fmt: skip
+               "chunked-fp8idx", "chunked-w8a8", "chunked-fp8"]  # fmt: skip
 BASELINES = ("xla", "xla-cap")  # plain XLA: the speed-ups' denominators
 PAGE_TOKENS = 256  # (5)'s page size: a multiple of both compress rates
 
@@ -871,12 +879,12 @@ class Bench:
             return 2.0 * max(same)
         return work / (1e10 if self.smoke else 50e12)
 
-    def use_impls(self, attention: str, moe: str, indexer: str | None = None, sinkhorn_loop: bool = False
-                  ) -> DeepseekV4:  # fmt: skip
+    def use_impls(self, attention: str, moe: str, indexer: str | None = None, sinkhorn_loop: bool = False,
+                  dense: str | None = None) -> DeepseekV4:  # fmt: skip
         """self.model ← the model built with `variant_kernels(...)` (abstractly, so whatever the constructor derives
         from the Kernels value is as in dsv4; moe "xla_cap": its MoE layers swapped for `CapacityMoE`), on the same
         weights (no copy). indexer None: XLA's for the jnp baseline, the two-pass Pallas path otherwise."""
-        kernels = variant_kernels(attention, moe, indexer, sinkhorn_loop)
+        kernels = variant_kernels(attention, moe, indexer, sinkhorn_loop, dense)
         key = (kernels, moe == "xla_cap")
         if key not in self.graphdefs:
             make = lambda: DeepseekV4(self.cfg, rngs=nnx.Rngs(0), dtype=BF16, kernels=kernels)  # noqa: E731
@@ -969,7 +977,7 @@ class Bench:
         if not self.budget.fits(where, n_compiles * self.budget.compile_est(kind) + 2 * t_pred):
             self.record(seq, vkey, status="skip", note="budget")
             return
-        model = self.use_impls(v.attention, v.moe, v.indexer, v.sinkhorn_loop)
+        model = self.use_impls(v.attention, v.moe, v.indexer, v.sinkhorn_loop, v.dense)
         kernels = model.kernels  # resolved: what this row runs, for its floor
         fp8_act = all(getattr(layer.mlp, "fp8_activations", True) for layer in model.layers)
         peak_before = peak_in_use()
@@ -1299,7 +1307,8 @@ class Bench:
         """FLOPs-like work of a breakdown piece (time-scaling proxy; XLA's dense indexer and HCA core counted dense)."""
         cfg = self.cfg
         f = {t: layer_flops(cfg, t, seq) for t in (SLIDING, CSA, HCA)}
-        parts = {"qkv": ("attn-qkv",), "out-proj": ("attn-out",), "mhc": ("mhc",), "idx-keys": ("indexer-keys",)}
+        parts = {"qkv": ("attn-qkv",), "out-proj": ("attn-out-a", "attn-out-b"), "mhc": ("mhc",),
+                 "idx-keys": ("indexer-keys",)}
         if name in parts or name.startswith("moe-"):
             return sum(f[CSA][p] for p in parts.get(name, ("router", "moe-routed", "moe-shared")))
         if name == "compressor-csa":
@@ -1308,7 +1317,7 @@ class Bench:
             return f[HCA]["compressor"]
         if name.startswith("idx-topk"):
             dense = 2.0 if name.endswith("jnp") else 1.0
-            return f[CSA]["indexer-proj"] + dense * f[CSA]["indexer-scores"]
+            return f[CSA]["indexer-q"] + f[CSA]["indexer-weights"] + dense * f[CSA]["indexer-scores"]
         if name.startswith("core-"):
             _, t, impl = name.split("-")
             ff = f[LONG[t]]

@@ -31,7 +31,8 @@ def per_position_reference(cfg: Config, layer_type: str, seq: int) -> dict[str, 
     out = dict.fromkeys(PARTS, 0)
     for p in range(seq):
         out["attn-qkv"] += d * ql + ql * h * hd + d * hd
-        out["attn-out"] += g * r * (h * hd // g) + g * r * d  # each group's o_a, then o_b
+        out["attn-out-a"] += g * r * (h * hd // g)  # each group's o_a
+        out["attn-out-b"] += g * r * d
         out["window-core"] += 2 * h * hd * len(range(max(0, p + 1 - cfg.sliding_window), p + 1))
         out["router"] += d * cfg.n_routed_experts
         one_expert = d * 2 * cfg.moe_intermediate_size + cfg.moe_intermediate_size * d
@@ -43,15 +44,17 @@ def per_position_reference(cfg: Config, layer_type: str, seq: int) -> dict[str, 
             out["csa-core"] += 2 * h * hd * min(visible, cfg.index_topk)
             out["compressor"] += 2 * d * 2 * hd
             out["indexer-keys"] += 2 * d * 2 * cfg.index_head_dim
-            out["indexer-proj"] += ql * cfg.index_n_heads * cfg.index_head_dim + d * cfg.index_n_heads
+            out["indexer-q"] += ql * cfg.index_n_heads * cfg.index_head_dim
+            out["indexer-weights"] += d * cfg.index_n_heads
             out["indexer-scores"] += cfg.index_n_heads * cfg.index_head_dim * visible
         elif layer_type == HCA:
             visible = len([c for c in range(seq) if c < (p + 1) // cfg.compress_rate(HCA)])
             out["hca-core"] += 2 * h * hd * visible
             out["compressor"] += 2 * d * hd
-    kept = {SLIDING: (), CSA: ("csa-core", "compressor", "indexer-keys", "indexer-proj", "indexer-scores"),
+    kept = {SLIDING: (), CSA: ("csa-core", "compressor", "indexer-keys", "indexer-q", "indexer-weights",
+                               "indexer-scores"),
             HCA: ("hca-core", "compressor")}[layer_type]  # fmt: skip
-    common = ("attn-qkv", "attn-out", "window-core", "router", "moe-routed", "moe-shared", "mhc")
+    common = ("attn-qkv", "attn-out-a", "attn-out-b", "window-core", "router", "moe-routed", "moe-shared", "mhc")
     return {k: 2.0 * v for k, v in out.items() if k in common + kept}
 
 
@@ -107,6 +110,7 @@ def test_whole_models_at_512k():
 class Choices:  # what part_precisions reads of a resolved dsv4.Kernels
     indexer: str = "pallas"
     moe: str = "pallas"
+    dense: str = "jnp"
 
 
 def test_precisions_follow_kernels_and_weights():
@@ -116,6 +120,11 @@ def test_precisions_follow_kernels_and_weights():
     assert {p for p, v in fp8_idx.items() if v == "fp8"} == {"indexer-scores"}
     fp8 = part_precisions({"indexer": "pallas-fp8", "moe": "pallas"}, "fp8", config=FLASH)
     assert {p for p, v in fp8.items() if v == "fp8"} == {"indexer-scores", "moe-routed"}
+    # W8A8 dense layers: the matrices releases store in FP8 (q_a, q_b, K=V, o_b, the indexer's q, the shared expert)
+    dense = part_precisions(Choices(indexer="pallas-fp8", dense="pallas"), "fp8", config=FLASH)
+    assert {p for p, v in dense.items() if v == "fp8"} == {"indexer-scores", "moe-routed", "attn-qkv", "attn-out-b",
+                                                            "indexer-q", "moe-shared"}  # fmt: skip
+    assert part_precisions(Choices(dense="pallas"), "bf16") == everything_bf16  # nothing stored in FP8
     # FP4 experts are re-blocked as FP8 for the same kernels
     for weights in ("fp8-fp4-experts", "fp4-experts"):
         assert part_precisions(Choices(), weights, config=FLASH)["moe-routed"] == "fp8"
@@ -178,6 +187,13 @@ def test_by_precision_and_the_floor():
     # FP8 experts move the routed experts' 302 M a token to the FP8 rate as well
     fp8 = by_precision(prefill_flops(FLASH, S512K, (SLIDING, CSA, HCA)), kernels, "fp8", config=FLASH)
     assert fp8["fp8"] - three["fp8"] == 3 * 6 * 2 * (16777216 + 8388608) * S512K
+    # ... and W8A8 dense layers a token's q_a 4096·1024 + q_b 1024·32768 + K=V 4096·512 + o_b 8192·4096 + the shared
+    # expert's 4096·4096 + 2048·4096 in every layer, and the indexer's q 1024·8192 in the CSA one
+    dense = by_precision(prefill_flops(FLASH, S512K, (SLIDING, CSA, HCA)), Choices(indexer="pallas-fp8",
+                         dense="pallas"), "fp8", config=FLASH)  # fmt: skip
+    per_layer = 4194304 + 33554432 + 2097152 + 33554432 + 16777216 + 8388608
+    assert dense["fp8"] - fp8["fp8"] == 2 * (3 * per_layer + 8388608) * S512K
+    assert dense["bf16"] == fp8["bf16"] - (dense["fp8"] - fp8["fp8"])
     assert floor_seconds(fp8, h200) < floor_seconds(three, h200)
     with pytest.raises(ValueError, match="no rate for fp8"):
         floor_seconds(three, {"bf16": 670e12, "f32": 670e12})

@@ -22,7 +22,7 @@ from dsv4.cache.state import LayerCache
 from dsv4.cache.store import KVStore, resolve_format
 from dsv4.config import CSA, HCA, SLIDING, Config
 from dsv4.kernels import Kernels
-from dsv4.layers import F32, RMSNorm, Rope, apply_rope, linear, matmul_in_dtype, normalize_and_rope, param
+from dsv4.layers import F32, RMSNorm, Rope, apply_rope, matmul_in_dtype, normalize_and_rope, param, project
 from dsv4.pallas._device import on_gpu
 from dsv4.pallas.attention import SCALE_TILE
 from dsv4.pallas.decode import paged_decode_attention, unsupported_shape
@@ -67,10 +67,11 @@ class Attention(nnx.Module):
         b, s, _ = x.shape
         cos, sin = self.rope.cos_sin(positions)
         cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
-        q_residual = self.q_a_norm(linear(x, self.q_a_proj["weight"][...]))
-        q = linear(q_residual, self.q_b_proj["weight"][...]).reshape(b, s, self.n_heads, self.head_dim)
+        dense = self.kernels.dense
+        q_residual = self.q_a_norm(project(x, self.q_a_proj["weight"], dense))
+        q = project(q_residual, self.q_b_proj["weight"], dense).reshape(b, s, self.n_heads, self.head_dim)
         q = normalize_and_rope(q, cos, sin, self.eps)
-        kv = apply_rope(self.kv_norm(linear(x, self.kv_proj["weight"][...])), cos, sin)
+        kv = apply_rope(self.kv_norm(project(x, self.kv_proj["weight"], dense)), cos, sin)
         return q, kv, q_residual, cos, sin
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -236,4 +237,4 @@ class Attention(nnx.Module):
         w_a = self.o_a_proj["weight"][...]
         w_a = w_a.reshape(self.o_groups, -1, w_a.shape[-1])  # [G, R, H·D/G]
         grouped = matmul_in_dtype("bsgi,gri->bsgr", out, w_a)
-        return linear(grouped.reshape(b, s, -1), self.o_b_proj["weight"][...])
+        return project(grouped.reshape(b, s, -1), self.o_b_proj["weight"], self.kernels.dense)

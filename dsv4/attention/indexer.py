@@ -14,7 +14,7 @@ from dsv4.attention.core import NEG_INF
 from dsv4.cache.store import KVStore
 from dsv4.config import CSA, Config
 from dsv4.kernels import Kernels
-from dsv4.layers import F32, Rope, apply_rope, linear, param
+from dsv4.layers import F32, Rope, apply_rope, linear, param, project
 from dsv4.pallas._device import is_hopper, on_gpu
 from dsv4.pallas.attention import SCALE_TILE
 from dsv4.pallas.indexer import index_topk, index_topk_two_pass, one_band_per_call
@@ -42,6 +42,7 @@ class Indexer(Compressor):
         self.n_heads, self.topk = config.index_n_heads, config.index_topk
         # static choices (`Kernels`): the scores and top-k path, the one-token steps' route, the top-k refinement
         self.impl, self.paged, self.selection = kernels.indexer, kernels.paged_indexer, _SELECTION[kernels.topk_refine]
+        self.dense = kernels.dense
 
     def keys(self, x: jax.Array, rope: Rope) -> jax.Array:
         return self(x, rope)
@@ -49,7 +50,7 @@ class Indexer(Compressor):
     def _queries(self, x: jax.Array, q_residual: jax.Array, positions: jax.Array, rope: Rope):
         """→ (q [B, S, Hi, Di] with RoPE, head weights [B, S, Hi] float32)."""
         b, s, _ = x.shape
-        q = linear(q_residual, self.q_b_proj["weight"][...]).reshape(b, s, self.n_heads, self.head_dim)
+        q = project(q_residual, self.q_b_proj["weight"], self.dense).reshape(b, s, self.n_heads, self.head_dim)
         cos, sin = rope.cos_sin(positions)
         q = apply_rope(q, cos.astype(q.dtype), sin.astype(q.dtype))
         return q, linear(x, self.scorer["weights_proj"]["weight"][...]).astype(F32) * self.n_heads**-0.5

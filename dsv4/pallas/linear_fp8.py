@@ -1,0 +1,90 @@
+"""W8A8 linear layers: `x · Wᵀ` with W kept FP8 in DeepSeek's 128 × 128 blocks and x quantized per token and
+128-channel group on the way in, as DeepSeek's own FP8 linear layers run (`act_quant`, then a block-scaled FP8
+GEMM). It reads the stored e4m3 values: no dequantized copy of the weight is written in each step.
+
+No kernel of its own: the grouped expert GEMMs with a single group (docs/kernels/moe.md). On Hopper the Mosaic GPU
+`down` kernel (rows padded to its 128-row tiles, N a multiple of 256), elsewhere the Triton one (interpreted off a
+GPU). `linear_w8a8_reference` is the jnp form both are tested against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv4.pallas._device import is_hopper, on_gpu
+from dsv4.pallas.moe import grouped_down
+from dsv4.pallas.moe_common import FP8, QUANT_BLOCK, dequantize_blocks, quantize_per_token_group
+from dsv4.pallas.moe_mgpu import TILE_M, grouped_down_mgpu, mgpu_moe_unsupported
+
+F32 = jnp.float32
+IMPLS = ("auto", "mgpu", "triton")
+
+
+def w8a8_unsupported(q: jax.Array, scale: jax.Array) -> str:
+    """Why a weight cannot run W8A8 ("" when it can): e4m3 values [N, K] with float32 scales in 128 × 128 blocks."""
+    if q.ndim != 2 or q.dtype != FP8:
+        return f"weight {q.dtype} {q.shape}: the W8A8 linear takes a 2-D float8_e4m3fn weight [N, K]"
+    n, k = q.shape
+    if n % QUANT_BLOCK or k % QUANT_BLOCK:
+        return f"weight [N, K] = {list(q.shape)}: N and K must be multiples of {QUANT_BLOCK}"
+    want = (n // QUANT_BLOCK, k // QUANT_BLOCK)
+    if scale.shape != want or scale.dtype != F32:
+        return f"scales {scale.dtype} {scale.shape}: float32 {want} (one per 128 × 128 block)"
+    return ""
+
+
+def linear_w8a8(x: jax.Array, q: jax.Array, scale: jax.Array, *, impl: str = "auto", interpret=None) -> jax.Array:
+    """x [..., K] (bf16 / f16) · dequantize(q, scale)ᵀ, q [N, K] e4m3 with scale [N / 128, K / 128] float32, x
+    quantized per token and 128-group (`quantize_per_token_group`). Accumulates in float32; → [..., N] in x's dtype.
+
+    impl: "mgpu" (the Mosaic GPU kernel; N a multiple of 256), "triton", or "auto": Mosaic on Hopper where the shape
+    fits, else Triton. interpret: run the kernel in its interpreter (None: off a GPU).
+    """
+    why = w8a8_unsupported(q, scale)
+    if why:
+        raise ValueError(f"linear_w8a8: {why}")
+    if impl not in IMPLS:
+        raise ValueError(f"linear_w8a8: impl={impl!r}; choose one of {list(IMPLS)}")
+    *lead, k = x.shape
+    n = q.shape[0]
+    if k != q.shape[1]:
+        raise ValueError(f"linear_w8a8: x [..., {k}] does not fit the weight [N, K] = {list(q.shape)}")
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"linear_w8a8: x.dtype={x.dtype}; bfloat16 or float16")
+    gpu = on_gpu()
+    interpret = (not gpu) if interpret is None else interpret
+    mgpu_fits = not mgpu_moe_unsupported(n, k, w_dtype=FP8, x_dtype=FP8)
+    if impl == "auto":
+        impl = "mgpu" if gpu and not interpret and is_hopper() and mgpu_fits else "triton"
+    if impl == "mgpu" and not mgpu_fits:
+        raise ValueError(f"linear_w8a8: impl='mgpu' needs N a multiple of 256, got the weight {list(q.shape)}")
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    xq, xs = quantize_per_token_group(rows)
+    if impl == "mgpu":
+        pad = -m % TILE_M  # whole 128-row tiles: the kernel's TMA stores write whole boxes
+        if pad:
+            xq, xs = jnp.pad(xq, ((0, pad), (0, 0))), jnp.pad(xs, ((0, pad), (0, 0)), constant_values=1.0)
+        tiles = jnp.zeros(((m + pad) // TILE_M,), jnp.int32)  # every row tile is "expert" 0
+        mgpu_interpret = None
+        if interpret:
+            from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+
+            mgpu_interpret = InterpretGPUParams()
+        y = grouped_down_mgpu(xq, q[None], tiles, h_scales=xs, down_scales=scale[None], out_dtype=x.dtype,
+                              interpret=mgpu_interpret)[:m]  # fmt: skip
+    else:
+        y = grouped_down(xq, q[None], jnp.array([m], jnp.int32), h_scales=xs, down_scales=scale[None],
+                         out_dtype=x.dtype, interpret=interpret)  # fmt: skip
+    return y.reshape(*lead, n)
+
+
+def linear_w8a8_reference(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """The jnp form of `linear_w8a8`: the same quantized x times the dequantized weight, float32 dot."""
+    *lead, k = x.shape
+    xq, xs = quantize_per_token_group(x.reshape(-1, k))
+    xf = dequantize_blocks(xq, xs, (1, QUANT_BLOCK))
+    wf = dequantize_blocks(q, scale, (QUANT_BLOCK, QUANT_BLOCK))
+    y = jnp.einsum("mk,nk->mn", xf, wf, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
+    return y.astype(x.dtype).reshape(*lead, q.shape[0])
