@@ -18,8 +18,8 @@ Useful FLOPs = 2 · 3 · D · I · N · top-k for e2e (gate_up: 2/3 of it, down:
 Medians of `--reps` synchronized calls after a warm-up call. The first call of each Mosaic e2e row is compared
 with the Triton e2e output of the same mode (relative L2; both dropless, independent code paths).
 
-Mosaic variants (`--variants`, applied to every mode): `name:sl=3,form=per_step,ctas=132,sb=2` (num_slots, acc_form,
-num_ctas, store_buffers of `MgpuMoeConfig`). The first variant is the default config.
+Mosaic variants (`--variants`, applied to every mode): `name:sl=3,form=per_step,ctas=132` (num_slots, acc_form,
+num_ctas of `MgpuMoeConfig`). The first variant is the default config.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import dsv4.pallas.moe as pm  # noqa: E402
 import dsv4.pallas.moe_mgpu as mm  # noqa: E402
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
-KEYS = {"sl": ("num_slots", int), "form": ("acc_form", str), "ctas": ("num_ctas", int), "sb": ("store_buffers", int)}
+KEYS = {"sl": ("num_slots", int), "form": ("acc_form", str), "ctas": ("num_ctas", int)}
 
 
 def parse_args():

@@ -60,7 +60,7 @@ __all__ = [
 F32 = jnp.float32
 TILE_M = 128  # rows per CTA tile: two consumer warpgroups × 64 (one wgmma M)
 PART_N = 128  # weight rows per part; a CTA tile reads two parts
-_ACC_FORMS = ("in_place", "per_step", "pipelined")
+_ACC_FORMS = ("in_place", "per_step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +74,7 @@ class MgpuMoeConfig:
     acc_form:  bf16: "in_place" (the default): the wgmma accumulates over all K steps in its accumulator;
                "per_step": a fresh accumulator per step, added in registers: the form the fp8 path always uses
                (it scales each step), kept for bf16 as the slower alternative measured (docs/kernels/moe.md).
-               fp8: "pipelined" splits each part into two 64-column wgmmas and keeps the next one in flight while
-               the last one's result is scaled into its total (two 32-register accumulators beside the 128 of the
-               totals), where the default waits on each 128-column wgmma before scaling it. Opt-in until measured
-               on a GPU. All forms run in the CPU Mosaic interpreter.
-    store_buffers: down with a 2-byte y only: 2 gives each of an item's two parts its own staging buffer (64 KiB
-               in all, as float32 y takes with 1), so part B's store does not wait for part A's TMA to read the
-               shared one. Opt-in until measured on a GPU (docs/BENCHMARKS.md, "MoE").
+               Both run in the CPU Mosaic interpreter.
     profile_dir: measurement switch, off ("") in use: a folder for Mosaic GPU's trace of each warpgroup's phases,
                one JSON a launch (`*-trace.json`; `scripts/bench_moe.py --mosaic-trace` writes and reads them).
                The consumers record each item's "k_loop" and "epilogue", the producer each item's "loads" (issuing
@@ -91,7 +85,6 @@ class MgpuMoeConfig:
     num_slots: int | None = None
     num_ctas: int | None = None
     acc_form: str = "in_place"
-    store_buffers: int = 1
     profile_dir: str = ""
     profile_ranges: int = 256
 
@@ -102,8 +95,6 @@ class MgpuMoeConfig:
             raise ValueError(f"MgpuMoeConfig.num_ctas={self.num_ctas} must be >= 1")
         if self.acc_form not in _ACC_FORMS:
             raise ValueError(f"MgpuMoeConfig.acc_form={self.acc_form!r} must be one of {_ACC_FORMS}")
-        if self.store_buffers not in (1, 2):
-            raise ValueError(f"MgpuMoeConfig.store_buffers={self.store_buffers} must be 1 or 2")
         if self.profile_ranges < 1:
             raise ValueError(f"MgpuMoeConfig.profile_ranges={self.profile_ranges} must be >= 1")
 
@@ -167,13 +158,8 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
     num_ctas = max(1, min(config.num_ctas or sm_count(), items))
     slots = config.num_slots or (4 if gate_up else 3)
     per_step = fp8 or config.acc_form == "per_step"
-    pipelined = fp8 and config.acc_form == "pipelined"
-    if config.acc_form == "pipelined" and not fp8:
-        raise ValueError("MgpuMoeConfig.acc_form='pipelined' applies to W8A8 (fp8) weights only")
     store_dtype = FP8 if quantize_out else out_dtype
     out_itemsize = jnp.dtype(store_dtype).itemsize
-    # down's parts A and B in their own staging buffers (2), or one after the other through one (1)
-    bufs = 2 if not gate_up and config.store_buffers == 2 and out_itemsize == 2 else 1
     half_rows = TILE_M // 2
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = wgmma_layout.reduce(1)
@@ -259,58 +245,21 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                     return tot_a, tot_b
 
                 zero = plgpu.layout_cast(jnp.zeros((half_rows, PART_N), F32), wgmma_layout)
-                if not pipelined:
-                    return lax.fori_loop(0, k_steps, k_body, (zero, zero))
-                sub = PART_N // 2
-                # a K step's four 64-column wgmmas: part A's halves, then part B's (a part is one weight block)
-                subs = [(a_smem, 0), (a_smem, sub), (b_smem, 0), (b_smem, sub)]
+                return lax.fori_loop(0, k_steps, k_body, (zero, zero))
 
-                def k_body_pipelined(ks, totals):
-                    ws_a, ws_b = (ws_ref[e, lax.div(w0, QUANT_BLOCK), ks] for w0 in (a0, b0))
-                    scales = (ws_a, ws_a, ws_b, ws_b)
-                    slot = wait_step(step + ks)
-                    xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)
-
-                    def fold(totals, j, acc, wait_n):
-                        out = list(totals)
-                        out[j] = out[j] + scaled(plgpu.wgmma_accumulator_load(acc, wait_n=wait_n), xs, scales[j])
-                        return tuple(out)
-
-                    def chain(j, prev, totals):
-                        """Sub-step j into a fresh accumulator (nested scopes keep sub-step j - 1's alive), then
-                        sub-step j - 1's result scaled into its total while j runs."""
-
-                        def scoped(acc):
-                            smem, r0 = subs[j]
-                            w_half = smem.at[slot].at[pl.ds(r0, sub)]  # [64, bk]: 64 of the part's rows
-                            plgpu.wgmma(acc, x_smem.at[slot].at[rows], w_half.transpose((1, 0)))
-                            t = totals if prev is None else fold(totals, j - 1, prev, wait_n=1)
-                            return chain(j + 1, acc, t) if j + 1 < len(subs) else fold(t, j, acc, wait_n=0)
-
-                        return pl.run_scoped(scoped, plgpu.ACC((half_rows, sub), F32))
-
-                    totals = chain(0, None, totals)
-                    plgpu.barrier_arrive(consumed_bar.at[slot])
-                    return totals
-
-                zero_sub = plgpu.layout_cast(jnp.zeros((half_rows, sub), F32), wgmma_layout)
-                t = lax.fori_loop(0, k_steps, k_body_pipelined, (zero_sub,) * len(subs))
-                return jnp.concatenate(t[:2], axis=1), jnp.concatenate(t[2:], axis=1)
-
-            def store(value, mt, col, buf=0):
+            def store(value, mt, col):
                 """value [64, 128] f32 → out rows of this warpgroup, columns col.. (fp8 + scales if quantize_out),
-                through staging buffer buf."""
+                through this warpgroup's staging buffer, once the last store has read it."""
                 out_rows = pl.ds(mt * TILE_M + wi * half_rows, half_rows)
-                # one copy (group) a store and buffers used in turn: all but the other buffer's last store have read
-                plgpu.wait_smem_to_gmem(bufs - 1, wait_read_only=True)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 if quantize_out:  # quantize_per_token_group of the out_dtype-rounded row group
                     value = value.astype(out_dtype).astype(F32)
                     scale = jnp.maximum(jnp.abs(value).max(axis=1), AMAX_FLOOR) / FP8_MAX  # [64]
                     value = value / lax.broadcast_in_dim(scale, value.shape, [0])
                     os_smem[wi] = scale
-                o_smem[wi, buf] = value.astype(store_dtype)
+                o_smem[wi] = value.astype(store_dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wi, buf], out_ref.at[out_rows, pl.ds(col, PART_N)])
+                plgpu.copy_smem_to_gmem(o_smem.at[wi], out_ref.at[out_rows, pl.ds(col, PART_N)])
                 if quantize_out:
                     plgpu.copy_smem_to_gmem(os_smem.at[wi], os_ref.at[lax.div(col, PART_N), out_rows])
 
@@ -327,7 +276,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                             store(g / (1.0 + jnp.exp(-g)) * jnp.clip(part_b, -limit, limit), mt, nt * PART_N)
                         else:
                             store(part_a, mt, nt * 2 * PART_N)
-                            store(part_b, mt, nt * 2 * PART_N + PART_N, bufs - 1)
+                            store(part_b, mt, nt * 2 * PART_N + PART_N)
 
                 return step + jnp.where(e >= 0, k_steps, 0)
 
@@ -385,7 +334,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
         plgpu.SMEM((slots, TILE_M, bk), x.dtype, transforms=tiled_in),
         plgpu.SMEM((slots, PART_N, bk), w.dtype, transforms=tiled_in),
         plgpu.SMEM((slots, PART_N, bk), w.dtype, transforms=tiled_in),
-        plgpu.SMEM((2, bufs, half_rows, PART_N), store_dtype, transforms=_tiled(out_minor, out_itemsize)),
+        plgpu.SMEM((2, half_rows, PART_N), store_dtype, transforms=_tiled(out_minor, out_itemsize)),
         plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # slot full: every TMA of the step has landed
         plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # slot consumed by both consumer warpgroups
     ]
