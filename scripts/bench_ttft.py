@@ -9,7 +9,7 @@ each layer type, and the ceilings they are compared with:
     python3 scripts/bench_ttft.py --lengths 512k --chunk 16384 --variants chunked,chunked-fp8idx \
         --weights bf16,fp8,fp8-fp4-experts --no-breakdown --no-chunk-split --no-whole-check --budget 560 --out $OUT
                                                                           # H200: the weights formats side by side
-    python3 scripts/bench_ttft.py --lengths 512k --chunk 16384 --variants xla-cap,chunked-fp8idx --weights bf16,fp8 \
+    python3 scripts/bench_ttft.py --lengths 512k --chunk 16384 --variants xla-cap,chunked-fp8idx --weights fp8,bf16 \
         --no-breakdown --no-chunk-split --no-whole-check --ceiling-sizes 8192 --budget 400 --out $OUT
                                                                           # H200: released weights against the baseline
     python3 scripts/bench_ttft.py --smoke --out /tmp/ttft_smoke           # CPU: tiny + small flash-like configs
