@@ -101,7 +101,7 @@ class Kernels:
             paged_indexer="pallas" if indexer == "pallas" else "jnp",
             topk_refine="pallas" if hopper else "jnp",  # measured on Hopper only
             moe="pallas" if gpu else "jnp",
-            dense="jnp",  # opt-in until timed end to end (docs/BENCHMARKS.md, "Dense projections in FP8")
+            dense="jnp",  # W8A8 measured no faster end to end (docs/BENCHMARKS.md, "Dense layers in FP8")
             kv_write="jnp",
             sinkhorn="pallas" if gpu else "jnp",
         )

@@ -62,8 +62,8 @@ def project(x: jax.Array, weight: nnx.Variable, impl: str = "jnp") -> jax.Array:
     DeepSeek's FP8 linear layers do, on each sequence shard. Any other weight is read dequantized.
     """
     value = weight.get_value()
-    if impl == "pallas" and isinstance(value, BlockQuantized) and value.fmt == "fp8" and tuple(value.block) == (
-            128, 128) and not w8a8_unsupported(value.q, value.scale):  # fmt: skip
+    fp8_blocks = isinstance(value, BlockQuantized) and value.fmt == "fp8" and tuple(value.block) == (128, 128)
+    if impl == "pallas" and fp8_blocks and not w8a8_unsupported(value.q, value.scale):
         return per_sequence_shard(lambda x_, q_, s_: linear_w8a8(x_, q_, s_), (x,), (value.q, value.scale),
                                   fill=(0,))  # fmt: skip
     return linear(x, weight[...])
