@@ -91,13 +91,14 @@ hyper-connection mixes run in). Each build's GEMM kernels are read from its comp
 build must be a ``__cublas$lt$matmul$f8`` custom call (recorded as ``fp8_cublaslt_verified``). A precision's rate is its
 faster build at its best size.
 MFU, two ways: "MFU" = useful FLOPs / time / the bf16 rate (every FLOP at the bf16 rate, as before); "MFUx" = the
-mixed-precision floor / time, where the floor puts each part's FLOPs at the rate of the precision that row runs it
-in (`dsv4.flops.by_precision` of the variant's resolved kernels and the weights format: FP8 indexer scores under
-Kernels.indexer="pallas-fp8", FP8 routed experts with FP8 weights on the Pallas MoE, float32 mHC mixes, the rest
-bf16). ``--weights bf16,fp8,fp8-fp4-experts`` runs every format in turn in the same process (the model rebuilt from
-the same seed, then quantized) and ends with one table of the formats side by side, with each format's speed-up over
-the XLA baseline of the same run. The baselines (xla, xla-cap) keep their plain form, bf16 weights: with quantized
-weights they would dequantize them in every call, a slower baseline and a flattering ratio.
+mixed-precision floor / time, where the floor puts each part's FLOPs at the rate of the precision that row runs it in
+(`dsv4.flops.by_precision` of the variant's resolved kernels and the weights format: FP8 indexer scores under
+Kernels.indexer="pallas-fp8", FP8 routed experts with FP8 weights on the Pallas MoE, the FP8-stored dense layers under
+Kernels.dense="pallas", float32 mHC mixes, the rest bf16). ``--weights bf16,fp8,fp8-fp4-experts`` runs every format in
+turn in the same process (the model rebuilt from the same seed, then quantized) and ends with one table of the formats
+side by side, with each format's speed-up over the XLA baseline of the same run. The baselines (xla, xla-cap) keep their
+plain form, bf16 weights: with quantized weights they would dequantize them in every call, a slower baseline and a
+flattering ratio.
 
 Projection to full depth (labelled PROJECTION everywhere): T_43 = T_measured + Σ_type (n43_type − n_measured_type) ·
 t_type, with n43 from `Config.preset("v4-flash")` (2 sliding + 21 CSA + 20 HCA) and t_type the mean measured time of

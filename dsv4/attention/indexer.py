@@ -23,6 +23,8 @@ from dsv4.sharding.sequence import per_sequence_shard
 
 # Kernels.topk_refine → the kernels' `selection` argument
 _SELECTION = {"jnp": "xla", "pallas": "kernel"}
+# The FP8 indexer's width bands on the Mosaic path (`index_topk_two_pass(width_bands=...)`, docs/kernels/indexer.md)
+FP8_WIDTH_BANDS = 4
 
 
 class Indexer(Compressor):
@@ -67,7 +69,7 @@ class Indexer(Compressor):
             interpret = not on_gpu()
             # One width band for the call when the whole call's positions fit one band (a prefill chunk): judged
             # on the global S, since a sequence shard of a zigzag layout holds two blocks far apart.
-            one_band = one_band_per_call(q.shape[1], self.rate, n_keys, 4)
+            one_band = one_band_per_call(q.shape[1], self.rate, n_keys, FP8_WIDTH_BANDS)
 
             def local(q_, weights_, positions_, keys_):  # this shard's queries against all keys
                 return index_topk_two_pass(q_, keys_, weights_, positions_, **kw, interpret=interpret,
@@ -129,14 +131,14 @@ def index_topk_fp8(q, weights, positions, keys, *, rate: int, k: int, softmax_sc
     q quantized per (token, head), keys per entry (e4m3, amax scales), scores by the Mosaic FP8 kernel on a Hopper
     GPU (`index_scores_mgpu`) or the Triton kernel elsewhere, then the exact grouped top-k. Arguments as
     `index_topk_jnp` (q, weights, positions first: the per-shard function of `per_sequence_shard`).
-    On the Mosaic path each query chunk is scored over one of 4 width bands (`index_topk_two_pass(width_bands=4)`,
+    On the Mosaic path each query chunk is scored over one of `FP8_WIDTH_BANDS` width bands (`index_topk_two_pass`,
     docs/kernels/indexer.md; `call_band` as there). → [B, S, k] int32."""
     q8, q_scale = quantize_rows_e4m3(q)
     k8, k_scale = quantize_rows_e4m3(keys)
     mgpu = not interpret and is_hopper() and q.shape[2] == 64
     return index_topk_two_pass(q8, k8, weights, positions, rate=rate, k=k, softmax_scale=softmax_scale,
                                q_scale=q_scale, k_scale=k_scale, interpret=interpret, selection=selection,
-                               scores_impl="mgpu" if mgpu else "triton", width_bands=4 if mgpu else 1,
+                               scores_impl="mgpu" if mgpu else "triton", width_bands=FP8_WIDTH_BANDS if mgpu else 1,
                                call_band=call_band)  # fmt: skip
 
 

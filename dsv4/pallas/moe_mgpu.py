@@ -69,9 +69,9 @@ class MgpuMoeConfig:
 
     num_slots: ring stages (each holds x [128, bk] and two weight parts [128, bk]: 48 KiB for bf16 at bk = 64 and
                for fp8 at bk = 128). None: 4 for gate_up (bf16 h staging 32 KiB), 3 for down (y staging up to 64 KiB;
-               with bf16 y and one staging buffer, 4 fit too).
+               with bf16 y, 4 fit too, and measured slower: docs/kernels/moe.md).
     num_ctas:  persistent CTAs (None: the device's SM count).
-    acc_form:  bf16: "in_place" (the default): the wgmma accumulates over all K steps in its accumulator;
+    acc_form:  bf16 only. "in_place" (the default): the wgmma accumulates over all K steps in its accumulator;
                "per_step": a fresh accumulator per step, added in registers: the form the fp8 path always uses
                (it scales each step), kept for bf16 as the slower alternative measured (docs/kernels/moe.md).
                Both run in the CPU Mosaic interpreter.
@@ -196,11 +196,6 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(consumed_bar.at[slot])
 
-            def scaled(part, xs, w_scale):
-                """A K step's partial product [64, n] promoted: times this step's x scale of each row [64] and the
-                weight block's scale (DeepGEMM's promotion per 128 of K)."""
-                return part * lax.broadcast_in_dim(xs * w_scale, part.shape, [0])
-
             def fresh(slot, smem):
                 def run(acc_ref):
                     plgpu.wgmma(acc_ref, x_smem.at[slot].at[rows], smem.at[slot].transpose((1, 0)))
@@ -231,7 +226,8 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                         xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)  # [64] this step's x scales
 
                         def promote(total, part, w_row0):
-                            return total + scaled(part, xs, ws_ref[e, lax.div(w_row0, QUANT_BLOCK), ks])
+                            row_scale = xs * ws_ref[e, lax.div(w_row0, QUANT_BLOCK), ks]  # [64]
+                            return total + part * lax.broadcast_in_dim(row_scale, (half_rows, PART_N), [0])
 
                         tot_a = promote(tot_a, part_a, a0)
                     else:
