@@ -166,8 +166,9 @@ def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
     e.add_argument(
         "--chunk-size",
         type=parse_count,
-        default=8192,
-        help="prefill at most this many tokens of one prompt per step (default 8192)",
+        default=None,
+        help="prefill at most this many tokens of one prompt per step (default 16384 a device, at most "
+        "--max-model-len)",
     )
     e.add_argument(
         "--mixed-chunk-size",
@@ -278,7 +279,10 @@ def _parse_kernels(text: str):
 
 
 def _make_llm(args, *, max_slots: int, max_model_len: int):
+    from dsv4.memory_plan import default_chunk_size
 
+    if args.chunk_size is None:
+        args.chunk_size = default_chunk_size(args.max_model_len or max_model_len, args.devices)
     mesh = None
     if args.devices != 1:
         import jax
@@ -700,7 +704,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device-memory-gib", type=float, default=None, help="memory of one device in GiB (overrides --device)"
     )
-    p.add_argument("--chunk-size", type=parse_count, default=8192, help="prefill chunk (default 8192)")
+    p.add_argument("--chunk-size", type=parse_count, default=8192,
+                   help="prefill chunk (default 8192, the seed article's; the engine's own default is 16384 a device)")
     p.add_argument("--headroom", type=float, default=1.2, help="plan for this multiple of the peak (default 1.2)")
     p.add_argument("--json", action="store_true", help="print the ledger as one JSON object")
     p.set_defaults(func=cmd_plan)  # fmt: skip

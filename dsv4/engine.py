@@ -64,7 +64,7 @@ from dsv4.generate import (
     sample_rows,
 )
 from dsv4.kernels import Kernels
-from dsv4.memory_plan import GIB, KV_FORMATS, MemoryPlan, plan_memory
+from dsv4.memory_plan import GIB, KV_FORMATS, MemoryPlan, default_chunk_size, plan_memory
 from dsv4.model import DeepseekV4, check_token_ids
 from dsv4.quantization import fp4_reblock_extra_bytes, reblock_fp4_experts
 from dsv4.runner import BurstTokens, ModelRunner, power_of_two_buckets
@@ -244,7 +244,9 @@ class LLM:
         compressor windows and block table row; its compressed entries live in the shared page pool).
     max_model_len: prompt + max_new_tokens limit of one request, and the longest block table (default:
         min(max_position_embeddings, 32768)).
-    chunk_size: at most this many tokens of one request per step (chunked prefill).
+    chunk_size: at most this many tokens of one request per step (chunked prefill). Default: 16384 a device of the
+        mesh, at most max_model_len (`dsv4.memory_plan.default_chunk_size`; 16K chunks measured 1.057× faster than
+        8K at 512K on one GPU).
     mixed_chunk_size: in a step that also runs decodes, prefills get at most this many tokens (default: no limit
         beyond chunk_size). Every running request waits for the whole step, so this bounds their inter-token
         latency while a long prompt prefills; a prompt alone still gets whole chunks.
@@ -305,7 +307,7 @@ class LLM:
         *,
         max_slots: int = 8,
         max_model_len: int | None = None,
-        chunk_size: int = 8192,
+        chunk_size: int | None = None,
         mixed_chunk_size: int | None = None,
         max_num_batched_tokens: int | None = None,
         policy: str = "prefill_priority",
@@ -338,6 +340,8 @@ class LLM:
         if not 2 <= max_model_len <= config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} must be in [2, max_position_embeddings="
                              f"{config.max_position_embeddings}]")  # fmt: skip
+        if chunk_size is None and is_int(max_model_len):
+            chunk_size = default_chunk_size(max_model_len, mesh.size if mesh is not None else 1)
         for name, value in (("max_slots", max_slots), ("max_model_len", max_model_len), ("chunk_size", chunk_size),
                             ("max_packed_width", max_packed_width), ("decode_steps", decode_steps)):  # fmt: skip
             if not is_int(value) or value < 1:

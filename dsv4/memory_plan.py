@@ -353,6 +353,18 @@ def _kv_lines(config: Config, layout: CacheLayout, context: int) -> list[LedgerL
     return lines
 
 
+# Prefill chunk tokens a device, the engine's default: at 512K on one H200, 16K-token chunks took 5593 ms against
+# 5912 ms for 8K (the MoE's grouped GEMMs run faster on more tokens) and 5460 ms for 32K at 4 GiB more peak memory
+# (docs/BENCHMARKS.md, the ablation's step table).
+CHUNK_TOKENS_PER_DEVICE = 16384
+
+
+def default_chunk_size(context: int, devices: int = 1) -> int:
+    """The default prefill chunk: `CHUNK_TOKENS_PER_DEVICE` tokens a device (a chunk's tokens are split over the
+    devices), at most `context` (a longer chunk would only compile a wider call that no prompt fills)."""
+    return max(1, min(CHUNK_TOKENS_PER_DEVICE * devices, context))
+
+
 def plan_memory(
     config: Config,
     *,
@@ -367,7 +379,8 @@ def plan_memory(
 ) -> MemoryPlan:
     """The per-device ledger for one request of `context` tokens on `devices` devices.
 
-    Device memory: `device_memory_gib` if given, else the `device` preset's (`DEVICE_MIB`)."""
+    Device memory: `device_memory_gib` if given, else the `device` preset's (`DEVICE_MIB`). The defaults (chunk
+    8192, `device` h20) are the seed article's deployment; the engine's own chunk is `default_chunk_size`."""
     if kv_format not in KV_FORMATS:
         raise ValueError(f"kv_format={kv_format!r}: choose one of {list(KV_FORMATS)}")
     kv_format = DEFAULT_FP8_FORMAT if kv_format == "fp8" else kv_format
@@ -560,6 +573,7 @@ def plan_to_dict(plan: MemoryPlan) -> dict:
     }  # fmt: skip
 
 
-__all__ = ["DEVICE_MIB", "GIB", "KV_FORMATS", "WEIGHT_FORMATS", "LedgerLine", "MemoryPlan", "ParamCounts",
-           "cache_layout", "count_params", "device_gib", "format_plan", "kv_format", "plan_memory",
+__all__ = ["CHUNK_TOKENS_PER_DEVICE", "DEVICE_MIB", "GIB", "KV_FORMATS", "WEIGHT_FORMATS", "LedgerLine", "MemoryPlan",
+           "ParamCounts", "cache_layout", "count_params", "default_chunk_size", "device_gib", "format_plan",
+           "kv_format", "plan_memory",
            "plan_to_dict", "suggestions"]  # fmt: skip

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=4096, help="random prompt of this length (default 4096)")
     p.add_argument("--token-ids-file", help=".npy or .json of prompt ids: one prompt [S] or several [[...], ...]")
     p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--chunk-size", type=int, default=8192)
+    p.add_argument("--chunk-size", type=int, default=None, help="prefill chunk (default the engine's: 16384 a device)")
     p.add_argument("--kv-format", default=None, help="cache storage: a dtype or a dsv4.cache.layout format")
     p.add_argument("--kernels", default=None, help="dsv4.Kernels spec (default: auto)")
     p.add_argument("--keep-quantized", action="store_true", help="keep a checkpoint's FP8 / FP4 weights quantized")

@@ -35,6 +35,7 @@ from dsv4.generate import (
     logprobs_on_device,
     sample_on_device,
 )
+from dsv4.memory_plan import default_chunk_size
 from dsv4.runner import BurstTokens
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -96,6 +97,13 @@ def test_paged_cache_layout(llm):
     assert default.runner.cache.block_table.shape == (1, 1)
     with pytest.raises(ValueError, match="page_size=24"):
         LLM(llm.model, max_slots=1, max_model_len=64, page_size=24)
+
+
+def test_default_chunk_is_16k_tokens_a_device_at_most_max_model_len(llm):
+    """By hand: 16384 tokens a device (the measured faster chunk), never past max_model_len."""
+    assert LLM(llm.model, max_slots=1, max_model_len=64, warmup=False).chunk_size == 64
+    assert default_chunk_size(100_000) == 16384 and default_chunk_size(100_000, devices=8) == 100_000
+    assert default_chunk_size(1 << 20, devices=8) == 131072 and default_chunk_size(1 << 20, devices=3) == 49152
 
 
 def test_concurrent_requests_reproduce_the_reference(llm):

@@ -21,6 +21,7 @@ import time
 
 from aiohttp import web
 
+from dsv4.memory_plan import default_chunk_size
 from dsv4.serve import protocol
 from dsv4.serve.metrics import ServerMetrics
 from dsv4.serve.protocol import OutputBuilder, RequestError, ServeContext
@@ -293,11 +294,14 @@ def build_llm(args):
     from dsv4.config import Config
 
     config = Config.from_hf(args.model) if os.path.isdir(args.model) else Config.preset(args.model)
+    max_model_len = min(config.max_position_embeddings, 32768)  # LLM's default
+    if args.chunk_size is None:
+        args.chunk_size = default_chunk_size(args.max_model_len or max_model_len, args.devices)
     if args.mixed_chunk_size is None:
         # Clients stream tokens: while one of them decodes, a long prompt prefills in quarter chunks, so the others'
         # inter-token latency stays near a quarter chunk's step (docs/BENCHMARKS.md, "Serving").
         args.mixed_chunk_size = max(1, args.chunk_size // MIXED_CHUNK_DIVISOR)
-    return args.make_llm(args, max_slots=8, max_model_len=min(config.max_position_embeddings, 32768))  # LLM's default
+    return args.make_llm(args, max_slots=8, max_model_len=max_model_len)
 
 
 def cmd_serve(args) -> int:
