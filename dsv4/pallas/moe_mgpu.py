@@ -61,6 +61,10 @@ F32 = jnp.float32
 TILE_M = 128  # rows per CTA tile: two consumer warpgroups × 64 (one wgmma M)
 PART_N = 128  # weight rows per part; a CTA tile reads two parts
 _ACC_FORMS = ("in_place", "per_step")
+# The FP8 down kernel's ring is 2 slots deep below this many row tiles an expert, 3 above: on an H100, with 256
+# experts at 3.4 tiles each (a 16K-token chunk, top-6) 2 slots ran 1.56x faster than 3; with 32 experts at 27 tiles
+# each, 3 ran 1.05x faster than 2 (docs/kernels/moe.md, "Ring depth of down"). The threshold lies between them.
+FEW_TILES_PER_EXPERT = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +72,9 @@ class MgpuMoeConfig:
     """Launch parameters of the Mosaic grouped GEMMs.
 
     num_slots: ring stages (each holds x [128, bk] and two weight parts [128, bk]: 48 KiB for bf16 at bk = 64 and
-               for fp8 at bk = 128). None: 4 for gate_up (bf16 h staging 32 KiB), 3 for down (y staging up to 64 KiB;
-               with bf16 y, 4 fit too, and measured slower: docs/kernels/moe.md).
+               for fp8 at bk = 128). None: 4 for gate_up (bf16 h staging 32 KiB); 3 for down (y staging up to 64 KiB;
+               with bf16 y, 4 fit too, and measured slower), but 2 for an FP8 down whose rows give each expert
+               fewer than `FEW_TILES_PER_EXPERT` row tiles (docs/kernels/moe.md, "Ring depth of down").
     num_ctas:  persistent CTAs (None: the device's SM count).
     acc_form:  bf16 only. "in_place" (the default): the wgmma accumulates over all K steps in its accumulator;
                "per_step": a fresh accumulator per step, added in registers: the form the fp8 path always uses
@@ -156,7 +161,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
     m_tiles = mp // TILE_M
     items = m_tiles * n_tiles
     num_ctas = max(1, min(config.num_ctas or sm_count(), items))
-    slots = config.num_slots or (4 if gate_up else 3)
+    slots = config.num_slots or (4 if gate_up else 2 if fp8 and m_tiles < FEW_TILES_PER_EXPERT * w.shape[0] else 3)
     per_step = fp8 or config.acc_form == "per_step"
     store_dtype = FP8 if quantize_out else out_dtype
     out_itemsize = jnp.dtype(store_dtype).itemsize
