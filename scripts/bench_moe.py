@@ -5,9 +5,9 @@
     PYTHONPATH=. python3 scripts/bench_moe.py --tokens 16k --modes w8a8 --no-triton --mosaic-trace $OUT/trace
                                                           # + each kernel's phases per item (Mosaic's trace)
 
-Shapes and routing are scripts/bench_kernels.py's MoE section's: D = 4096, I = 2048, E = 256, top-6, the shared
-expert excluded; random weights (bf16, and DeepSeek's fp8 with 128 × 128 block scales for w8a8); expert popularity
-∝ (rank + 1)^-0.3 (`--zipf`). Per token count (`--tokens`, default 8k,64k) and mode (`--modes` bf16,w8a8):
+Shapes and routing are scripts/bench_kernels.py's MoE section's: D = 4096, I = 2048, E = 256 (`--experts`), top-6,
+the shared expert excluded; random weights (bf16, and DeepSeek's fp8 with 128 × 128 block scales for w8a8); expert
+popularity ∝ (rank + 1)^-0.3 (`--zipf`). Per token count (`--tokens`, default 8k,64k) and mode (`--modes` bf16,w8a8):
 
     e2e      `moe.routed_experts(impl=...)` end to end: sort / layout, gather, both GEMMs, quantize (w8a8), combine
     gate_up  the gate_up kernel alone, on inputs already in its layout (Triton: sorted rows; Mosaic: padded rows)
@@ -59,6 +59,9 @@ def parse_args():
     p.add_argument("--tokens", default=None, help="token counts (default 8k,64k; smoke 40)")
     p.add_argument("--modes", default="bf16,w8a8")
     p.add_argument("--variants", default="default", help="Mosaic variants, ';'-separated name:key=value,...")
+    p.add_argument("--experts", type=int, default=256,
+                   help="routed experts E (default V4-Flash's 256; E / n is what one of n expert-parallel devices "
+                        "holds); tokens pick top-6 of them")  # fmt: skip
     p.add_argument("--zipf", type=float, default=0.3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--no-triton", action="store_true", help="skip the Triton rows")
@@ -113,7 +116,7 @@ def rel_l2(a, b) -> float:
 def main():
     args = parse_args()
     smoke = args.smoke
-    d, i, e, k = (256, 128, 4, 2) if smoke else (4096, 2048, 256, 6)
+    d, i, e, k = (256, 128, 4, 2) if smoke else (4096, 2048, args.experts, 6)
     limit = 10.0
     interp_t = True if smoke else False
     interp_m = None
