@@ -354,8 +354,8 @@ def _kv_lines(config: Config, layout: CacheLayout, context: int) -> list[LedgerL
 
 
 # Prefill chunk tokens a device, the engine's default: at 512K on one H200, 16K-token chunks took 5593 ms against
-# 5912 ms for 8K (the MoE's grouped GEMMs run faster on more tokens) and 5460 ms for 32K at 4 GiB more peak memory
-# (docs/BENCHMARKS.md, the ablation's step table).
+# 5912 ms for 8K (the MoE's grouped GEMMs run faster on more tokens); 32K took 2.4% less again for 4 GiB more peak
+# memory (docs/BENCHMARKS.md, the ablation's step table), and 16K is the size the current code is measured at.
 CHUNK_TOKENS_PER_DEVICE = 16384
 
 
