@@ -11,7 +11,8 @@ popularity ∝ (rank + 1)^-0.3 (`--zipf`). Per token count (`--tokens`, default 
 
     e2e      `moe.routed_experts(impl=...)` end to end: sort / layout, gather, both GEMMs, quantize (w8a8), combine
     gate_up  the gate_up kernel alone, on inputs already in its layout (Triton: sorted rows; Mosaic: padded rows)
-    down     the down kernel alone, likewise (Mosaic: y stored in bf16, as `routed_experts` has it)
+    down     the down kernel alone, likewise (Mosaic: y stored in bf16, as `routed_experts` has it); the Mosaic
+             rows also give the time of a K step of a CTA, the same work in both kernels
 
 Useful FLOPs = 2 · 3 · D · I · N · top-k for e2e (gate_up: 2/3 of it, down: 1/3), the same for every row.
 "% mm" is against the same run's matmul of that precision (bf16: `a @ b`; w8a8: e4m3 × e4m3 → f32), at 16384³.
@@ -49,6 +50,7 @@ from bench_kernels import make_routing, parse_lengths, quantize_weight_blocks, r
 
 import dsv4.pallas.moe as pm  # noqa: E402
 import dsv4.pallas.moe_mgpu as mm  # noqa: E402
+from dsv4.pallas._device import sm_count  # noqa: E402
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 KEYS = {"sl": ("num_slots", int), "form": ("acc_form", str), "ctas": ("num_ctas", int)}
@@ -236,13 +238,23 @@ def mgpu_parts(n, mode, x, ids, wts, limit, config, interpret, reps, flops, reco
         return mm.grouped_down_mgpu(h, wts["down"], tiles, config=cfg, interpret=interpret, out_dtype=jnp.bfloat16,
                                     **hkw)  # fmt: skip
 
+    # A K step of a CTA: the kernel's time over each CTA's share of (used tiles' items × K steps). Both kernels do
+    # the same work a step (128 rows × 256 weight rows × 128 bytes of K), so the two are directly comparable.
+    used, d, i = int((tiles >= 0).sum()), xp.shape[1], wts["down"].shape[2]
+    bk = 128 // jnp.dtype(xp.dtype).itemsize
+
+    def per_step(ms, n_tiles, k):
+        items = used * n_tiles
+        ctas = min(config.num_ctas or sm_count(), items)
+        return f"K step {ms * 1e3 * ctas / items / (k // bk):.2f} µs a CTA"
+
     h, ms = timed(lambda: gate_up(config), reps)
-    record(n, mode, "mgpu", vname, "gate_up", ms, flops * 2 / 3)
+    record(n, mode, "mgpu", vname, "gate_up", ms, flops * 2 / 3, per_step(ms, i // mm.PART_N, d))
     if mode == "w8a8":
         h, hs = h
         hkw = dict(h_scales=hs, down_scales=wts["down_scales"])
     _, ms = timed(lambda: down(config), reps)
-    record(n, mode, "mgpu", vname, "down", ms, flops / 3)
+    record(n, mode, "mgpu", vname, "down", ms, flops / 3, per_step(ms, d // (2 * mm.PART_N), i))
     if not trace:
         return
     for part, run in (("gate_up", gate_up), ("down", down)):
