@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from host_devices import host_devices_env
+from opt_in import slow_opt_in
 
 from dsv4.config import CSA, HCA, SLIDING, Config
 from dsv4.memory_plan import GIB, plan_memory
@@ -96,9 +97,7 @@ def test_smoke_full_model_profile_scaling_and_ledger(tmp_path):
     assert data["runs"][-1]["summary"] == {"1": "ok", "3": "ok", "2": "ok", "5": "ok"}
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("DSV4_SLOW_TESTS"), reason="every step, ~80-95 s on 2 cores: set "
-                    "DSV4_SLOW_TESTS=1")  # fmt: skip
+@slow_opt_in("every step, ~80-95 s on 2 cores")
 def test_smoke_every_step(tmp_path):
     """All five steps, scaling over meshes of 1 and 8 devices, two processes × 4 devices under jax.distributed."""
     data = _run(tmp_path)

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 import pytest
 from host_devices import ROOT, host_devices_env
+from opt_in import slow_opt_in
 
 import dsv4
 from dsv4.engine import LLM
@@ -522,9 +523,7 @@ def test_device_logprobs_are_the_hosts():
         assert values[row] == pytest.approx([v for _, v in top], abs=1e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("DSV4_SLOW_TESTS"), reason="one more compiled burst (with logprobs), "
-                    "~6 s on 2 cores: set DSV4_SLOW_TESTS=1")  # fmt: skip
+@slow_opt_in("one more compiled burst (with logprobs), ~6 s on 2 cores")
 def test_burst_logprobs_equal_the_single_steps(llm, bursts):
     """A request asking for logprobs in bursts: its tokens, log-probabilities (device float32 against host
     float64) and top alternatives equal the single-step engine's."""
@@ -555,9 +554,7 @@ MESH_BURSTS = """
 """
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("DSV4_SLOW_TESTS"), reason="a 2-device mesh engine compiled in a "
-                    "subprocess, 17-23 s on 2 cores: set DSV4_SLOW_TESTS=1")  # fmt: skip
+@slow_opt_in("a 2-device mesh engine compiled in a subprocess, 17-23 s on 2 cores")
 def test_decode_bursts_on_a_mesh_reproduce_the_reference():
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(MESH_BURSTS)], env=host_devices_env(2), cwd=ROOT,
                          capture_output=True, text=True, timeout=900)  # fmt: skip

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gpu_mesh import abstract_gpu_mesh
+from opt_in import slow_opt_in
 
 from dsv4.cache import quant
 from dsv4.cache.layout import KVFormat
@@ -167,8 +168,8 @@ def test_store_write_through_the_kernel_equals_the_jnp_write(name, paged):
             assert float(store.scale["scale"][5]) > 0  # set by the second write
 
 
-@pytest.mark.skipif(not os.environ.get("DSV4_SLOW_TESTS"), reason="two models compiled in interpret mode, ~80 s on 2 "
-                    "cores, for an opt-in kernel (kv_write defaults to jnp): set DSV4_SLOW_TESTS=1")  # fmt: skip
+@slow_opt_in("two models compiled in interpret mode, ~80 s on 2 cores, for an opt-in kernel (kv_write defaults "
+             "to jnp)")
 def test_model_cache_written_by_the_kernel_is_the_jnp_cache():
     """The model's chunked prefill and decode steps with every cache write on the kernel (window ring, compressed
     entries, indexer keys; paged FP8 with per-channel scales): the same cache bytes and the same logits as XLA's

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from host_devices import host_devices_env
+from opt_in import slow_opt_in
 
 import dsv4
 from dsv4 import random_weights as rw
@@ -163,9 +164,7 @@ def test_on_a_mesh_of_8_host_devices_each_device_makes_its_slice_of_the_same_val
     assert split["embed_tokens.weight"] == [((None, None), (256, 64))]  # replicated
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("DSV4_SLOW_TESTS"), reason="two engines, ~25 s on 2 cores: set "
-                    "DSV4_SLOW_TESTS=1")  # fmt: skip
+@slow_opt_in("two engines, ~25 s on 2 cores")
 def test_the_engine_on_the_mesh_gives_the_unsharded_models_tokens():
     """`dsv4.LLM(model, mesh=)` takes the model as made (already on the mesh: nothing moves, the weights stay
     quantized) and generates the greedy tokens of the same model on one device."""
