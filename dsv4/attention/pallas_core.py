@@ -20,9 +20,9 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
 
     kv_prefix: the layout of a cached chunk (`Attention.forward_chunk`): kv rows [0, kv_prefix) hold the
     kv_prefix positions just before q's first one, in order (-1 where there is none yet), and row kv_prefix + j
-    holds query j's own token. On Hopper the Mosaic kernel then takes window and HCA chunks, one-token ones too,
-    whose prefix rows are all real (a run-time check; the Triton kernel otherwise, e.g. for a prompt's first
-    chunk)."""
+    holds query j's own token. On Hopper the Mosaic kernel then takes window and HCA chunks, one-token ones too
+    (a run-time choice, `prefix_branch`): by row offset when the prefix rows are all real, by per-token window
+    rows when only the positions that exist are (a prompt's first chunk), the Triton kernel otherwise."""
     del query_chunk  # the kernels find each query block's window band themselves
     sinks = sinks.astype(F32)
     entries = {} if compressed is None else dict(compressed=compressed.entries, compress_rate=compressed.rate)
@@ -32,28 +32,50 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
             # are contiguous and takes the Triton kernel otherwise.
             return v4_attention_mgpu(q, kv[:, : q.shape[1]], q_pos, sinks, sliding_window=sliding_window,
                                      scale=scale, **entries)  # fmt: skip
-        whole = prefix_is_whole(q_pos, kv_pos, kv_prefix) & positions_are_aligned(q_pos)
-
+        # Rows are placed by index: the prefix, then q's own tokens (padding rows only reach padding).
         def mosaic(q, kv, q_pos, kv_pos):
-            del kv_pos  # rows are placed by index: the prefix, then q's own tokens (padding rows only reach padding)
+            del kv_pos
             return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=sliding_window, scale=scale,
                                      kv_offset=kv_prefix, check_positions=False, **entries)  # fmt: skip
+
+        def mosaic_rows(q, kv, q_pos, kv_pos):
+            del kv_pos
+            rows = prefix_window_rows(q_pos, kv_prefix, sliding_window)
+            return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=sliding_window, scale=scale,
+                                     check_positions=False, window_rows=rows, **entries)  # fmt: skip
 
         def triton(q, kv, q_pos, kv_pos):
             return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale, **entries)
 
-        return jax.lax.cond(whole, mosaic, triton, q, kv, q_pos, kv_pos)
+        return jax.lax.switch(prefix_branch(q_pos, kv_pos, kv_prefix), [mosaic, mosaic_rows, triton],
+                              q, kv, q_pos, kv_pos)  # fmt: skip
     if compressed is not None:
         entries["topk_indices"] = compressed.topk_indices
     return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
                         interpret=not on_gpu(), **entries)  # fmt: skip
 
 
-def prefix_is_whole(q_pos: jax.Array, kv_pos: jax.Array, kv_prefix: int) -> jax.Array:
-    """Whether every batch row's kv rows [0, kv_prefix) hold exactly the kv_prefix positions before its first
-    query, in order (none missing: a prompt's first chunk has none yet). → bool scalar."""
+def prefix_branch(q_pos: jax.Array, kv_pos: jax.Array, kv_prefix: int) -> jax.Array:
+    """Which kernel form takes a cached chunk (`core_attention_pallas`'s switch). → int32 scalar:
+
+    0  every batch row's kv rows [0, kv_prefix) hold exactly the kv_prefix positions before its first query, in
+       order: the Mosaic kernel places the window by row offset (every chunk after a prompt's first);
+    1  they hold those of the positions that exist (>= 0), -1 in the rows before the prompt's start: the Mosaic
+       kernel with each token's window rows (`prefix_window_rows`; a prompt's first chunk, which has no prefix yet);
+    2  anything else, or q's positions not one run per row: the Triton kernel, which places rows by position.
+    """
     before = q_pos[:, :1] - kv_prefix + jnp.arange(kv_prefix, dtype=q_pos.dtype)[None]  # [B, prefix]
-    return jnp.all(kv_pos[:, :kv_prefix] == before) & jnp.all(before >= 0)
+    held = jnp.all((kv_pos[:, :kv_prefix] == before) | (before < 0)) & positions_are_aligned(q_pos)
+    return jnp.where(held, jnp.where(jnp.all(before >= 0), 0, 1), 2).astype(jnp.int32)
+
+
+def prefix_window_rows(q_pos: jax.Array, kv_prefix: int, sliding_window: int) -> tuple[jax.Array, jax.Array]:
+    """Token j's window in a cached chunk's kv rows, (lo, hi) int32 [B, S]: rows [lo, hi) hold positions
+    max(0, p - W + 1) .. p (p = q_pos[b, j], row kv_prefix + j its own), so rows of positions before the prompt's
+    start are never reached."""
+    own = kv_prefix + jnp.arange(q_pos.shape[1], dtype=jnp.int32)[None]  # [1, S]
+    hi = jnp.broadcast_to(own + 1, q_pos.shape)
+    return hi - 1 - jnp.minimum(q_pos.astype(jnp.int32), sliding_window - 1), hi
 
 
 def mosaic_applies(q, kv, compressed, layout_ok) -> bool:
