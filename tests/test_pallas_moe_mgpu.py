@@ -36,6 +36,7 @@ from dsv4.pallas.moe import (
 from dsv4.pallas.moe_mgpu import (
     TILE_M,
     MgpuMoeConfig,
+    default_num_slots,
     grouped_down_mgpu,
     grouped_gate_up_mgpu,
     padded_layout,
@@ -105,6 +106,18 @@ def test_lowers_for_h200(w8a8):
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         lower_down(num_slots=5)
 
+
+
+def test_default_ring_depth_by_regime():
+    """The measured depths (docs/kernels/moe.md, "Ring depth"): a 16K-token chunk, top-6, is 864 row tiles; over 256
+    experts that is 3.4 tiles each (FP8 down: 2 slots), over 32 experts 27 each (3). gate_up: 4 in FP8, 3 in bf16."""
+    few, many = dict(m_tiles=864, experts=256), dict(m_tiles=864, experts=32)
+    assert default_num_slots(gate_up=False, fp8=True, **few) == 2
+    assert default_num_slots(gate_up=False, fp8=True, **many) == 3
+    assert default_num_slots(gate_up=False, fp8=True, m_tiles=8 * 256, experts=256) == 3  # the threshold: 8 each
+    assert default_num_slots(gate_up=False, fp8=False, **few) == 3
+    assert [default_num_slots(gate_up=True, fp8=fp8, **regime) for fp8 in (True, False) for regime in (few, many)] \
+        == [4, 4, 3, 3]
 
 def _skewed_layout(experts, top_k=2):
     """Routing with empty experts, one expert over several 128-row tiles and one expert with a single pair."""

@@ -50,6 +50,7 @@ __all__ = [
     "PART_N",
     "TILE_M",
     "MgpuMoeConfig",
+    "default_num_slots",
     "grouped_down_mgpu",
     "grouped_gate_up_mgpu",
     "mgpu_moe_unsupported",
@@ -63,8 +64,17 @@ PART_N = 128  # weight rows per part; a CTA tile reads two parts
 _ACC_FORMS = ("in_place", "per_step")
 # The FP8 down kernel's ring is 2 slots deep below this many row tiles an expert, 3 above: on an H100, with 256
 # experts at 3.4 tiles each (a 16K-token chunk, top-6) 2 slots ran 1.56x faster than 3; with 32 experts at 27 tiles
-# each, 3 ran 1.05x faster than 2 (docs/kernels/moe.md, "Ring depth of down"). The threshold lies between them.
+# each, 3 ran 1.05x faster than 2 (docs/kernels/moe.md, "Ring depth"). The threshold lies between them.
 FEW_TILES_PER_EXPERT = 8
+
+
+def default_num_slots(*, gate_up: bool, fp8: bool, m_tiles: int, experts: int) -> int:
+    """The ring depth `MgpuMoeConfig(num_slots=None)` takes (docs/kernels/moe.md, "Ring depth"): gate_up 4 in FP8,
+    3 in bf16 (1.06-1.13x faster than 4 on an H200 at 8K-64K tokens, 1.63x on an H100 at 16K); down 3, but 2 in FP8
+    when its m_tiles row tiles give each of the experts fewer than `FEW_TILES_PER_EXPERT`."""
+    if gate_up:
+        return 4 if fp8 else 3
+    return 2 if fp8 and m_tiles < FEW_TILES_PER_EXPERT * experts else 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +82,9 @@ class MgpuMoeConfig:
     """Launch parameters of the Mosaic grouped GEMMs.
 
     num_slots: ring stages (each holds x [128, bk] and two weight parts [128, bk]: 48 KiB for bf16 at bk = 64 and
-               for fp8 at bk = 128). None: 4 for gate_up (bf16 h staging 32 KiB); 3 for down (y staging up to 64 KiB;
-               with bf16 y, 4 fit too, and measured slower), but 2 for an FP8 down whose rows give each expert
-               fewer than `FEW_TILES_PER_EXPERT` row tiles (docs/kernels/moe.md, "Ring depth of down").
+               for fp8 at bk = 128). None: `default_num_slots`, the depths measured fastest: gate_up 4 in FP8, 3 in
+               bf16; down 3 (y staging up to 64 KiB; with bf16 y, 4 fit too, and measured slower), but 2 for an
+               FP8 down whose rows give each expert fewer than `FEW_TILES_PER_EXPERT` row tiles.
     num_ctas:  persistent CTAs (None: the device's SM count).
     acc_form:  bf16 only. "in_place" (the default): the wgmma accumulates over all K steps in its accumulator;
                "per_step": a fresh accumulator per step, added in registers: the form the fp8 path always uses
@@ -161,7 +171,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
     m_tiles = mp // TILE_M
     items = m_tiles * n_tiles
     num_ctas = max(1, min(config.num_ctas or sm_count(), items))
-    slots = config.num_slots or (4 if gate_up else 2 if fp8 and m_tiles < FEW_TILES_PER_EXPERT * w.shape[0] else 3)
+    slots = config.num_slots or default_num_slots(gate_up=gate_up, fp8=fp8, m_tiles=m_tiles, experts=w.shape[0])
     per_step = fp8 or config.acc_form == "per_step"
     store_dtype = FP8 if quantize_out else out_dtype
     out_itemsize = jnp.dtype(store_dtype).itemsize
