@@ -1,7 +1,9 @@
-"""The mHC Sinkhorn normalization on a GPU: XLA's loop, the same loop unrolled, and the Pallas kernels, side by side.
+"""The mHC Sinkhorn normalization on a GPU: XLA's loop, the same loop unrolled, and the Pallas kernels, side by side;
+then the mHC merge in the forms XLA can run it, against the same run's copy bandwidth.
 
     PYTHONPATH=. python3 scripts/bench_mhc.py                 # one H200 (~1 min)
     PYTHONPATH=. python3 scripts/bench_mhc.py --variants loop,kernel,mgpu,mgpu-approx --reps 50   # Triton, Mosaic
+    PYTHONPATH=. python3 scripts/bench_mhc.py --parts merge    # the merge forms alone
 
 What one item times: a jitted function that runs `--calls` (default 6, a 3-layer model's hyper-connections)
 normalizations one after another on [B, S, 4, 4] float32 matrices (each feeding the next, so none is dropped), V4's
@@ -17,6 +19,19 @@ requests (B = 32, S = 1) and a 16K-token prefill chunk (B = 1, S = 16384).
     mgpu-approx  the same with Mosaic's approx_math (approximate divisions, as the Triton lowering's)
 
 Each variant's result is compared with the loop's (max abs difference).
+
+The merge (`dsv4.layers.hc_merge`, twice a layer) makes the hc = 4 new residual copies of a 16K-token chunk (D =
+4096, bf16): new_k = post_k · output + Σ_j comb[j, k] · copy_j. It moves 1.15 GiB (the copies and the block output
+read once, the new copies written), so its floor is the copy bandwidth: the `copy` row times `x * 1` over the same
+copies (read and write), in the same rounds. A chain of `--calls` merges, each feeding the next; time per merge.
+
+    elementwise  `hc_merge` as the model runs it: 4 products summed in float32, one fusion
+    einsum       the Σ_j as a batched dot (k = 4), the form `hc_merge` replaced
+    d-major      the copies stored [B, S, D, hc] (hc innermost): the same sums, each output element's 4 copy values
+                 next to each other (the layout the model would have to keep between layers; timed here without
+                 the transposes)
+
+Each form's result is compared with `elementwise`'s (max abs difference, d-major transposed back).
 """
 
 from __future__ import annotations
@@ -33,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from dsv4.layers import hc_merge  # noqa: E402
 from dsv4.pallas._device import is_hopper  # noqa: E402
 from dsv4.pallas.sinkhorn import MgpuSinkhornConfig, sinkhorn, sinkhorn_mgpu, sinkhorn_reference  # noqa: E402
 
@@ -49,6 +65,76 @@ def mgpu_approx(comb, iters, eps):
 
 VARIANTS = {"loop": sinkhorn_reference, "unroll": unrolled, "kernel": sinkhorn, "mgpu": sinkhorn_mgpu,
             "mgpu-approx": mgpu_approx}  # fmt: skip
+
+
+F32 = jnp.float32
+
+
+def merge_einsum(block_output, streams, post, comb):
+    """hc_merge with the Σ_j as a batched dot."""
+    mixed = jnp.einsum("bsjk,bsjd->bskd", comb.astype(F32), streams.astype(F32))
+    return (post.astype(F32)[..., None] * block_output.astype(F32)[:, :, None, :] + mixed).astype(streams.dtype)
+
+
+def merge_d_major(block_output, streams_t, post, comb):
+    """hc_merge on copies stored [B, S, D, hc] → [B, S, D, hc]."""
+    out = block_output.astype(F32)[..., None] * post.astype(F32)[:, :, None, :]
+    for j in range(streams_t.shape[-1]):
+        out = out + streams_t[..., j, None].astype(F32) * comb.astype(F32)[:, :, None, j, :]
+    return out.astype(streams_t.dtype)
+
+
+MERGES = {"elementwise": hc_merge, "einsum": merge_einsum, "d-major": merge_d_major}
+
+
+def merge_inputs(b, s, hc, d, dtype=jnp.bfloat16):
+    """(block output [B, S, D], copies [B, S, hc, D], post [B, S, hc], comb [B, S, hc, hc] doubly stochastic)."""
+    k = jax.random.split(jax.random.key(1), 4)
+    comb = sinkhorn_reference(jax.nn.softmax(jax.random.normal(k[0], (b, s, hc, hc)), axis=-1) + EPS, ITERS, EPS)
+    return (jax.random.normal(k[1], (b, s, d), dtype), jax.random.normal(k[2], (b, s, hc, d), dtype),
+            2 * jax.nn.sigmoid(jax.random.normal(k[3], (b, s, hc))), comb)  # fmt: skip
+
+
+def chained(fn, calls):
+    """`calls` applications of fn(x, *rest) → x, each feeding the next; a barrier between them keeps XLA from
+    fusing one into the next (an elementwise chain would otherwise become one pass)."""
+
+    @jax.jit
+    def run(x, *rest):
+        for _ in range(calls):
+            x = jax.lax.optimization_barrier(fn(x, *rest))
+        return x
+
+    return run
+
+
+def bench_merge(calls, reps, b=1, s=16384, hc=4, d=4096):
+    """The merge forms and the copy ceiling at a 16K-token chunk; prints a table."""
+    block_output, copies, post, comb = merge_inputs(b, s, hc, d)
+    moved = 2 * copies.nbytes + block_output.nbytes  # the copies read and written, the block output read
+    want = hc_merge(block_output, copies, post, comb).astype(F32)
+    rows = []
+    for name in ["copy", *MERGES]:
+        if name == "copy":
+            t = median_s(chained(lambda x: x * 1.5, calls), copies, reps) / calls
+            rate, diff = 2 * copies.nbytes / t, 0.0
+        else:
+            x = jnp.swapaxes(copies, 2, 3) if name == "d-major" else copies  # stored so before the clock
+            fn = MERGES[name]
+            run = chained(lambda y, bo, pst, cmb, fn=fn: fn(bo, y, pst, cmb), calls)
+            t = median_s(lambda x, run=run: run(x, block_output, post, comb), x, reps) / calls
+            rate = moved / t
+            got = fn(block_output, x, post, comb)
+            got = jnp.swapaxes(got, 2, 3) if name == "d-major" else got
+            diff = float(jnp.max(jnp.abs(got.astype(F32) - want)))
+        rows.append((name, t, rate, diff))
+        print(f"  merge B={b} S={s} {name:12s} {t * 1e3:8.3f} ms  {rate / 1e9:7.0f} GB/s  max |diff| {diff:.1e}",
+              flush=True)  # fmt: skip
+    copy_rate = rows[0][2]
+    print(f"\n| form | ms a merge | GB/s | % of copy |   ({moved / 2**30:.2f} GiB a merge)")
+    print("| --- | --- | --- | --- |")
+    for name, t, rate, _ in rows:
+        print(f"| {name} | {t * 1e3:.3f} | {rate / 1e9:.0f} | {100 * rate / copy_rate:.0f}% |")
 
 
 def chain(fn, calls):
@@ -76,7 +162,18 @@ def main():
     p.add_argument("--calls", type=int, default=6)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
+    p.add_argument("--parts", default="sinkhorn,merge", help="sinkhorn, merge or both (default)")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"sinkhorn", "merge"}:
+        p.error(f"--parts {args.parts!r}: sinkhorn, merge or both")
+    if "sinkhorn" in parts:
+        bench_sinkhorn(p, args)
+    if "merge" in parts:
+        bench_merge(args.calls, args.reps)
+
+
+def bench_sinkhorn(p, args):
     wanted = [v for v in args.variants.split(",") if v]
     if "loop" not in wanted or any(v not in VARIANTS for v in wanted):
         p.error(f"--variants {args.variants!r}: 'loop' (the baseline) and any of {list(VARIANTS)}")
