@@ -16,8 +16,11 @@ popularity ∝ (rank + 1)^-0.3 (`--zipf`). Per token count (`--tokens`, default 
 
 Useful FLOPs = 2 · 3 · D · I · N · top-k for e2e (gate_up: 2/3 of it, down: 1/3), the same for every row.
 "% mm" is against the same run's matmul of that precision (bf16: `a @ b`; w8a8: e4m3 × e4m3 → f32), at 16384³.
-Medians of `--reps` synchronized calls after a warm-up call. The first call of each Mosaic e2e row is compared
-with the Triton e2e output of the same mode (relative L2; both dropless, independent code paths).
+Per token count and mode, every row's function is called once (compile, warm-up, the outputs compared below), then
+timed in `--reps` interleaved rounds (each round calls every row once, synchronized, in the rows' order), so no
+variant is favoured by when it ran (run one after another, the first variant ran up to 11% slower than the same
+configuration timed later); each row gives its median. The first call of each Mosaic e2e row is compared with the
+Triton e2e output of the same mode (relative L2; both dropless, independent code paths).
 
 Mosaic variants (`--variants`, applied to every mode): `name:sl=3,form=per_step,ctas=132` (num_slots, acc_form,
 num_ctas of `MgpuMoeConfig`). The first variant is the default config.
@@ -89,6 +92,29 @@ def parse_variant(text: str):
         field, cast = KEYS[key]
         kw[field] = cast(value)
     return name, kw
+
+
+class Rounds:
+    """Rows timed in interleaved rounds: `add` calls fn once (compile and warm-up) and returns that output; `run`
+    then calls every added fn once a round, synchronized, `reps` rounds, and hands each its median ms, in order."""
+
+    def __init__(self):
+        self.items = []
+
+    def add(self, fn, done):
+        out = jax.block_until_ready(fn())
+        self.items.append((fn, done, []))
+        return out
+
+    def run(self, reps: int):
+        for _ in range(reps):
+            for fn, _, times in self.items:
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn())
+                times.append((time.perf_counter() - t0) * 1e3)
+        for _, done, times in self.items:
+            done(statistics.median(times))
+        self.items = []
 
 
 def timed(fn, reps: int):
@@ -164,14 +190,15 @@ def main():
         for mode in args.modes:
             wts = weights[mode]
             base = None
+            rounds = Rounds()
             if not args.no_triton:
                 try:
                     fn = jax.jit(lambda x, ids, w, wts: pm.routed_experts(x, ids, w, **wts, limit=limit, impl="triton",
                                                                           interpret=interp_t))  # fmt: skip
-                    base, ms = timed(lambda: fn(x, ids, w, wts), args.reps)
-                    record(n, mode, "triton", "default", "e2e", ms, flops)
+                    base = rounds.add(lambda fn=fn: fn(x, ids, w, wts),
+                                      lambda ms: record(n, mode, "triton", "default", "e2e", ms, flops))
                     if not args.no_parts:
-                        triton_parts(n, mode, x, ids, wts, limit, interp_t, args.reps, flops, record)
+                        triton_parts(n, mode, x, ids, wts, limit, interp_t, rounds, flops, record)
                 except Exception:
                     say(f"ERROR triton {mode} N={n}:\n{traceback.format_exc()}")
             for vname, vkw in args.variants:
@@ -180,16 +207,22 @@ def main():
                     fn = jax.jit(lambda x, ids, w, wts, config=config: mm.routed_experts_mgpu(
                         x, ids, w, wts["gate_up"], wts["down"], limit, gate_up_scales=wts.get("gate_up_scales"),
                         down_scales=wts.get("down_scales"), config=config, interpret=interp_m))  # fmt: skip
-                    out, ms = timed(lambda: fn(x, ids, w, wts), args.reps)
+                    notes = []
+                    out = rounds.add(lambda fn=fn: fn(x, ids, w, wts),
+                                     lambda ms, vname=vname, notes=notes: record(n, mode, "mgpu", vname, "e2e", ms,
+                                                                                 flops, notes[0]))  # fmt: skip
                     note = "" if base is None else f"rel L2 vs triton {rel_l2(out, base):.2e}"
-                    note += " NaN!" if bool(jnp.isnan(out).any()) else ""
-                    record(n, mode, "mgpu", vname, "e2e", ms, flops, note)
+                    notes.append(note + (" NaN!" if bool(jnp.isnan(out).any()) else ""))
                     if not args.no_parts:
                         trace = args.mosaic_trace and not smoke and Path(args.mosaic_trace) / f"{n}_{mode}_{vname}"
-                        mgpu_parts(n, mode, x, ids, wts, limit, config, interp_m, args.reps, flops, record, vname,
+                        mgpu_parts(n, mode, x, ids, wts, limit, config, interp_m, rounds, flops, record, vname,
                                    trace=trace, say=say)  # fmt: skip
                 except Exception:
                     say(f"ERROR mgpu {vname} {mode} N={n}:\n{traceback.format_exc()}")
+            try:
+                rounds.run(args.reps)
+            except Exception:
+                say(f"ERROR timing {mode} N={n}:\n{traceback.format_exc()}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -197,7 +230,7 @@ def main():
                                                       rows=rows, log=log), indent=1))  # fmt: skip
 
 
-def triton_parts(n, mode, x, ids, wts, limit, interpret, reps, flops, record):
+def triton_parts(n, mode, x, ids, wts, limit, interpret, rounds, flops, record):
     """The Triton kernels alone on sorted rows (W8A8: quantized x and h, as routed_experts passes them)."""
     e = wts["gate_up"].shape[0]
     flat = ids.reshape(-1)
@@ -209,17 +242,18 @@ def triton_parts(n, mode, x, ids, wts, limit, interpret, reps, flops, record):
         xs, sc = pm.quantize_per_token_group(xs)
         kw = dict(x_scales=sc, gate_up_scales=wts["gate_up_scales"])
     gu = jax.jit(lambda xs, g, sizes, kw: pm.grouped_gate_up(xs, g, sizes, limit=limit, interpret=interpret, **kw))
-    h, ms = timed(lambda: gu(xs, wts["gate_up"], sizes, kw), reps)
-    record(n, mode, "triton", "default", "gate_up", ms, flops * 2 / 3)
+    h = rounds.add(lambda: gu(xs, wts["gate_up"], sizes, kw),
+                   lambda ms: record(n, mode, "triton", "default", "gate_up", ms, flops * 2 / 3))
     if mode == "w8a8":
         h, hs = pm.quantize_per_token_group(h)
         hkw = dict(h_scales=hs, down_scales=wts["down_scales"])
     dn = jax.jit(lambda h, dw, sizes, kw: pm.grouped_down(h, dw, sizes, out_dtype=F32, interpret=interpret, **kw))
-    _, ms = timed(lambda: dn(h, wts["down"], sizes, hkw), reps)
-    record(n, mode, "triton", "default", "down", ms, flops / 3)
+    rounds.add(lambda: dn(h, wts["down"], sizes, hkw), lambda ms: record(n, mode, "triton", "default", "down", ms,
+                                                                          flops / 3))  # fmt: skip
 
 
-def mgpu_parts(n, mode, x, ids, wts, limit, config, interpret, reps, flops, record, vname, trace=None, say=print):
+def mgpu_parts(n, mode, x, ids, wts, limit, config, interpret, rounds, flops, record, vname, trace=None,
+               say=print):  # fmt: skip
     """The Mosaic kernels alone on padded rows; with `trace` (a folder prefix), each once more with Mosaic's trace
     on, summarized by `trace_phases`."""
     e = wts["gate_up"].shape[0]
@@ -248,13 +282,13 @@ def mgpu_parts(n, mode, x, ids, wts, limit, config, interpret, reps, flops, reco
         ctas = min(config.num_ctas or sm_count(), items)
         return f"K step {ms * 1e3 * ctas / items / (k // bk):.2f} µs a CTA"
 
-    h, ms = timed(lambda: gate_up(config), reps)
-    record(n, mode, "mgpu", vname, "gate_up", ms, flops * 2 / 3, per_step(ms, i // mm.PART_N, d))
+    h = rounds.add(lambda: gate_up(config), lambda ms: record(n, mode, "mgpu", vname, "gate_up", ms, flops * 2 / 3,
+                                                               per_step(ms, i // mm.PART_N, d)))  # fmt: skip
     if mode == "w8a8":
         h, hs = h
         hkw = dict(h_scales=hs, down_scales=wts["down_scales"])
-    _, ms = timed(lambda: down(config), reps)
-    record(n, mode, "mgpu", vname, "down", ms, flops / 3, per_step(ms, d // (2 * mm.PART_N), i))
+    rounds.add(lambda: down(config), lambda ms: record(n, mode, "mgpu", vname, "down", ms, flops / 3,
+                                                       per_step(ms, d // (2 * mm.PART_N), i)))  # fmt: skip
     if not trace:
         return
     for part, run in (("gate_up", gate_up), ("down", down)):
