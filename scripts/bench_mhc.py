@@ -23,7 +23,8 @@ Each variant's result is compared with the loop's (max abs difference).
 The merge (`dsv4.layers.hc_merge`, twice a layer) makes the hc = 4 new residual copies of a 16K-token chunk (D =
 4096, bf16): new_k = post_k · output + Σ_j comb[j, k] · copy_j. It moves 1.15 GiB (the copies and the block output
 read once, the new copies written), so its floor is the copy bandwidth: the `copy` row times `x * 1` over the same
-copies (read and write), in the same rounds. A chain of `--calls` merges, each feeding the next; time per merge.
+copies (read and write), in the same interleaved rounds. A chain of `--calls` merges, each feeding the next; time
+per merge.
 
     elementwise  `hc_merge` as the model runs it: 4 products summed in float32, one fusion
     einsum       the Σ_j as a batched dot (k = 4), the form `hc_merge` replaced
@@ -109,31 +110,39 @@ def chained(fn, calls):
 
 
 def bench_merge(calls, reps, b=1, s=16384, hc=4, d=4096):
-    """The merge forms and the copy ceiling at a 16K-token chunk; prints a table."""
+    """The merge forms and the copy ceiling at a 16K-token chunk, timed in `reps` interleaved rounds (each round
+    calls every form once); prints a table of medians."""
     block_output, copies, post, comb = merge_inputs(b, s, hc, d)
     moved = 2 * copies.nbytes + block_output.nbytes  # the copies read and written, the block output read
     want = hc_merge(block_output, copies, post, comb).astype(F32)
+    calls_of = {"copy": (lambda run=chained(lambda x: x * 1.5, calls): run(copies))}
+    diffs = {"copy": 0.0}
+    for name, fn in MERGES.items():
+        x = jnp.swapaxes(copies, 2, 3) if name == "d-major" else copies  # stored so before the clock
+        run = chained(lambda y, bo, pst, cmb, fn=fn: fn(bo, y, pst, cmb), calls)
+        calls_of[name] = lambda run=run, x=x: run(x, block_output, post, comb)
+        got = fn(block_output, x, post, comb)
+        got = jnp.swapaxes(got, 2, 3) if name == "d-major" else got
+        diffs[name] = float(jnp.max(jnp.abs(got.astype(F32) - want)))
+    times = {name: [] for name in calls_of}
+    for fn in calls_of.values():
+        jax.block_until_ready(fn())  # compile and warm up
+    for _ in range(reps):
+        for name, fn in calls_of.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append((time.perf_counter() - t) / calls)
     rows = []
-    for name in ["copy", *MERGES]:
-        if name == "copy":
-            t = median_s(chained(lambda x: x * 1.5, calls), copies, reps) / calls
-            rate, diff = 2 * copies.nbytes / t, 0.0
-        else:
-            x = jnp.swapaxes(copies, 2, 3) if name == "d-major" else copies  # stored so before the clock
-            fn = MERGES[name]
-            run = chained(lambda y, bo, pst, cmb, fn=fn: fn(bo, y, pst, cmb), calls)
-            t = median_s(lambda x, run=run: run(x, block_output, post, comb), x, reps) / calls
-            rate = moved / t
-            got = fn(block_output, x, post, comb)
-            got = jnp.swapaxes(got, 2, 3) if name == "d-major" else got
-            diff = float(jnp.max(jnp.abs(got.astype(F32) - want)))
-        rows.append((name, t, rate, diff))
-        print(f"  merge B={b} S={s} {name:12s} {t * 1e3:8.3f} ms  {rate / 1e9:7.0f} GB/s  max |diff| {diff:.1e}",
-              flush=True)  # fmt: skip
+    for name in calls_of:
+        t = statistics.median(times[name])
+        rate = (2 * copies.nbytes if name == "copy" else moved) / t
+        rows.append((name, t, rate))
+        print(f"  merge B={b} S={s} {name:12s} {t * 1e3:8.3f} ms  {rate / 1e9:7.0f} GB/s  max |diff| "
+              f"{diffs[name]:.1e}", flush=True)  # fmt: skip
     copy_rate = rows[0][2]
-    print(f"\n| form | ms a merge | GB/s | % of copy |   ({moved / 2**30:.2f} GiB a merge)")
+    print(f"\n| form | ms a merge | GB/s | % of copy |   ({moved / 2**30:.2f} GiB a merge; medians of {reps} rounds)")
     print("| --- | --- | --- | --- |")
-    for name, t, rate, _ in rows:
+    for name, t, rate in rows:
         print(f"| {name} | {t * 1e3:.3f} | {rate / 1e9:.0f} | {100 * rate / copy_rate:.0f}% |")
 
 
