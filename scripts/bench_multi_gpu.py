@@ -104,6 +104,7 @@ from dsv4.engine import LLM  # noqa: E402
 from dsv4.flops import by_precision, floor_seconds, prefill_flops  # noqa: E402
 from dsv4.kernels import Kernels  # noqa: E402
 from dsv4.memory_plan import (  # noqa: E402
+    CHUNK_TOKENS_PER_DEVICE,
     GIB,
     SCHEDULES,
     device_gib,
@@ -1009,7 +1010,8 @@ def parse_args(argv=None):
     p.add_argument("--profile-length", default=None, help="step 3 prompt (default 512k; smoke 128)")
     p.add_argument("--process-length", default=None, help="step 4 context (default 512k; smoke 128)")
     p.add_argument("--new-tokens", type=int, default=None, help="generated tokens after the first (default 32)")
-    p.add_argument("--chunk-per-device", type=int, default=8192, help="prefill chunk per device (default 8192)")
+    p.add_argument("--chunk-per-device", type=int, default=CHUNK_TOKENS_PER_DEVICE,
+                   help=f"prefill chunk per device (default {CHUNK_TOKENS_PER_DEVICE}, the engine's)")  # fmt: skip
     p.add_argument("--chunk", type=int, default=None, help="a fixed chunk for every mesh (smoke 32)")
     p.add_argument("--device", default="h200", help="memory preset where the allocator reports none (default h200)")
     p.add_argument("--device-memory-gib", type=float, default=None, help="memory of one device (overrides)")
