@@ -16,7 +16,7 @@ from host_devices import host_devices_env
 from opt_in import slow_opt_in
 
 from dsv4.config import CSA, HCA, SLIDING, Config
-from dsv4.memory_plan import GIB, plan_memory
+from dsv4.memory_plan import CHUNK_TOKENS_PER_DEVICE, GIB, plan_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "bench_multi_gpu.py")
@@ -69,7 +69,7 @@ def _check_ledger(step5) -> None:
         if device == "this device":
             continue
         want = plan_memory(flash, context=context, devices=8, kv_format="fp8-channel", weights=names[weights],
-                           chunk_size=8 * 8192, device=device)  # fmt: skip
+                           chunk_size=8 * CHUNK_TOKENS_PER_DEVICE, device=device)  # fmt: skip
         assert r["fits"] == want.fits and r["required_gib"] == pytest.approx(want.required_bytes / GIB)
     h20 = step5["h20_512k"]
     assert h20["weights"] == "fp8" and h20["fits"] == rows[("h20", "fp8", 512 << 10)]["fits"]
