@@ -6,10 +6,10 @@
     python3 scripts/ab_ttft.py run --base .ab/35ff56f --rounds 2 --out $OUT -- \\
         --lengths 512k --chunk 16384 --variants chunked-fp8idx --weights fp8 --no-breakdown --no-chunk-split \\
         --no-whole-check --ceiling-sizes 8192 --target-s 4 --budget 245
-                                                          # on the GPU (carry .ab): the base against this tree
+                                                          # on the GPU (with .ab/): the base against this tree
 
-`prepare` needs git (the GPU machine gets the working tree without it), so it runs here, and `.ab/` (git-ignored)
-travels with the tree. `run` starts one bench_ttft.py process per version and round, the base first in odd rounds
+`prepare` needs the repository's history, so it runs in a checkout; a GPU machine that gets only a copy of the working
+tree needs `.ab/` (git-ignored) copied along with it. `run` starts one bench_ttft.py process per version and round, the base first in odd rounds
 and this tree first in even ones (the first process on a fresh machine can run a little slower), each from its own
 tree (`PYTHONPATH` and working directory), each with the same arguments and its own `--out`. Machine state between
 processes is the same for both (nothing is cached across them unless the arguments say `--compile-cache`).
