@@ -12,8 +12,7 @@
 tree needs `.ab/` (git-ignored) copied along with it. `run` starts one bench_ttft.py process per version and round,
 the base first in odd rounds and this tree first in even ones (the first process on a fresh machine can run a little
 slower), each from its own tree (`PYTHONPATH` and working directory), each with the same arguments and its own
-`--out`. Machine state between
-processes is the same for both (nothing is cached across them unless the arguments say `--compile-cache`).
+`--out`. Nothing carries over from one process to the next unless the arguments say `--compile-cache`.
 
 It prints, per variant and length, each process's TTFT, the medians and the ratio base / this tree (> 1: this tree is
 faster), with compile times and MFUx beside; and writes OUT/ab_ttft.json with every process's own bench_ttft.json.
