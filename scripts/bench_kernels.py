@@ -481,6 +481,29 @@ class Budget:
 # ---------------------------------------------------------------------------------------------
 # Timing.
 # ---------------------------------------------------------------------------------------------
+class Rounds:
+    """Rows timed in interleaved rounds: `add` calls fn once (compile and warm-up) and returns that output; `run`
+    then calls every added fn once a round, synchronized, `reps` rounds, and hands each its median ms, in order."""
+
+    def __init__(self):
+        self.items = []
+
+    def add(self, fn, done):
+        out = jax.block_until_ready(fn())
+        self.items.append((fn, done, []))
+        return out
+
+    def run(self, reps: int):
+        for _ in range(reps):
+            for fn, _, times in self.items:
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn())
+                times.append((time.perf_counter() - t0) * 1e3)
+        for _, done, times in self.items:
+            done(statistics.median(times))
+        self.items = []
+
+
 def planned_reps(t_call: float, target_s: float) -> int:
     if _SMOKE:  # the CPU check proves the code paths; interpreted kernels are slow and their times mean nothing
         return 2

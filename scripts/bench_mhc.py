@@ -45,9 +45,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from bench_kernels import Rounds  # noqa: E402
 
 from dsv4.layers import hc_merge  # noqa: E402
 from dsv4.pallas._device import is_hopper  # noqa: E402
@@ -124,17 +126,12 @@ def bench_merge(calls, reps, b=1, s=16384, hc=4, d=4096):
         got = fn(block_output, x, post, comb)
         got = jnp.swapaxes(got, 2, 3) if name == "d-major" else got
         diffs[name] = float(jnp.max(jnp.abs(got.astype(F32) - want)))
-    times = {name: [] for name in calls_of}
-    for fn in calls_of.values():
-        jax.block_until_ready(fn())  # compile and warm up
-    for _ in range(reps):
-        for name, fn in calls_of.items():
-            t = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append((time.perf_counter() - t) / calls)
+    rounds, medians = Rounds(), {}
+    for name, fn in calls_of.items():
+        rounds.add(fn, lambda ms, name=name: medians.__setitem__(name, ms / 1e3 / calls))
+    rounds.run(reps)
     rows = []
-    for name in calls_of:
-        t = statistics.median(times[name])
+    for name, t in medians.items():
         rate = (2 * copies.nbytes if name == "copy" else moved) / t
         rows.append((name, t, rate))
         print(f"  merge B={b} S={s} {name:12s} {t * 1e3:8.3f} ms  {rate / 1e9:7.0f} GB/s  max |diff| "

@@ -49,7 +49,7 @@ if "--smoke" in sys.argv:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_kernels import make_routing, parse_lengths, quantize_weight_blocks, randn  # noqa: E402
+from bench_kernels import Rounds, make_routing, parse_lengths, quantize_weight_blocks, randn  # noqa: E402
 
 import dsv4.pallas.moe as pm  # noqa: E402
 import dsv4.pallas.moe_mgpu as mm  # noqa: E402
@@ -92,29 +92,6 @@ def parse_variant(text: str):
         field, cast = KEYS[key]
         kw[field] = cast(value)
     return name, kw
-
-
-class Rounds:
-    """Rows timed in interleaved rounds: `add` calls fn once (compile and warm-up) and returns that output; `run`
-    then calls every added fn once a round, synchronized, `reps` rounds, and hands each its median ms, in order."""
-
-    def __init__(self):
-        self.items = []
-
-    def add(self, fn, done):
-        out = jax.block_until_ready(fn())
-        self.items.append((fn, done, []))
-        return out
-
-    def run(self, reps: int):
-        for _ in range(reps):
-            for fn, _, times in self.items:
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn())
-                times.append((time.perf_counter() - t0) * 1e3)
-        for _, done, times in self.items:
-            done(statistics.median(times))
-        self.items = []
 
 
 def timed(fn, reps: int):
