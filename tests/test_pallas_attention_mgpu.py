@@ -215,7 +215,6 @@ def test_interpreter_with_window_rows_for_two_blocks(first_halo_empty, bk, num_c
     np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=TOL, rtol=0)
 
 
-
 def test_prefix_branch_by_hand():
     """Which form takes a cached chunk (kv_prefix = W = 9 rows before q's 4): 0 by row offset, 1 by window rows,
     2 the Triton kernel."""
