@@ -24,7 +24,7 @@ import pytest
 from gpu_mesh import abstract_gpu_mesh
 
 from dsv4.attention.core import CompressedKeys
-from dsv4.attention.pallas_core import core_attention_pallas, prefix_branch, prefix_window_rows
+from dsv4.attention.pallas_core import core_attention_pallas, mosaic_takes_prefix, prefix_window_rows
 from dsv4.pallas.attention import v4_attention_reference
 from dsv4.pallas.attention_mgpu import MgpuConfig, csa_operands, v4_attention_mgpu, window_tiles
 
@@ -215,28 +215,27 @@ def test_interpreter_with_window_rows_for_two_blocks(first_halo_empty, bk, num_c
     np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=TOL, rtol=0)
 
 
-def test_prefix_branch_by_hand():
-    """Which form takes a cached chunk (kv_prefix = W = 9 rows before q's 4): 0 by row offset, 1 by window rows,
-    2 the Triton kernel."""
+def test_mosaic_takes_prefix_by_hand():
+    """Whether the Mosaic kernel takes a cached chunk (kv_prefix = W = 9 rows before q's 4) or the Triton one."""
     w = 9
 
-    def branch(starts, prefixes, gap=False):
+    def takes(starts, prefixes, gap=False):
         q_pos = np.asarray([s + np.arange(4) for s in starts], np.int32)
         if gap:
             q_pos[:, 2:] += 1
         kv_pos = np.concatenate([np.asarray(prefixes, np.int32), q_pos], axis=1)
-        return int(prefix_branch(jnp.asarray(q_pos), jnp.asarray(kv_pos), w))
+        return bool(mosaic_takes_prefix(jnp.asarray(q_pos), jnp.asarray(kv_pos), w))
 
     whole = list(range(11, 20))  # the 9 positions before 20
     first = [-1] * 9  # a prompt's first chunk: nothing before position 0
     partial = [-1] * 4 + list(range(5))  # q at 5: positions 0..4, rows before them empty
-    assert branch([20], [whole]) == 0
-    assert branch([0], [first]) == 1
-    assert branch([5], [partial]) == 1
-    assert branch([20, 0], [whole, first]) == 1  # a batch mixing both takes the general form
-    assert branch([20], [whole[:4] + [-1] + whole[5:]]) == 2  # a position that exists is missing
-    assert branch([5], [partial[:-1] + [7]]) == 2  # a row holding the wrong position
-    assert branch([20], [whole], gap=True) == 2  # q's positions not one run
+    assert takes([20], [whole])
+    assert takes([0], [first])
+    assert takes([5], [partial])
+    assert takes([20, 0], [whole, first])
+    assert not takes([20], [whole[:4] + [-1] + whole[5:]])  # a position that exists is missing
+    assert not takes([5], [partial[:-1] + [7]])  # a row holding the wrong position
+    assert not takes([20], [whole], gap=True)  # q's positions not one run
     # rows [lo, hi) = positions max(0, p - 8) .. p, row 9 + j holding position p = q_pos[j]
     lo, hi = prefix_window_rows(jnp.asarray([[0, 1, 2, 3], [5, 6, 7, 8], [20, 21, 22, 23]], jnp.int32), w, w)
     np.testing.assert_array_equal(hi, [[10, 11, 12, 13]] * 3)
@@ -245,7 +244,7 @@ def test_prefix_branch_by_hand():
 
 @pytest.mark.parametrize("bk, num_ctas", [(32, 0), (64, 3)])
 def test_interpreter_takes_a_first_chunk_by_window_rows(bk, num_ctas):
-    """A cached chunk whose prefix is not all real (`prefix_branch` 1): row 0 a prompt's first chunk (all 9 prefix
+    """A cached chunk whose prefix is not all real: row 0 a prompt's first chunk (all 9 prefix
     rows empty), row 1 a chunk at position 5 (4 empty rows, then positions 0..4); 13 queries each, HCA entries.
     The kernel with `prefix_window_rows` equals the reference, which places rows by position (the empty rows
     hold large values: any of them in a window would show)."""
@@ -264,7 +263,7 @@ def test_interpreter_takes_a_first_chunk_by_window_rows(bk, num_ctas):
     sinks = jnp.asarray(rng.standard_normal(64) * 2.0, jnp.float32)
     compressed = jnp.asarray(rng.standard_normal((2, (5 + seq) // rate + 1, 128)), jnp.bfloat16)
     q_pos, kv_pos = jnp.asarray(q_pos), jnp.asarray(kv_pos)
-    assert int(prefix_branch(q_pos, kv_pos, window)) == 1
+    assert bool(mosaic_takes_prefix(q_pos, kv_pos, window))
     config = MgpuConfig(variant="ws", block_kv=bk, pv_form="interpret", num_ctas=num_ctas)
     with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
         out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
@@ -477,14 +476,14 @@ def test_gpu_falls_back_when_positions_not_contiguous():
 @pytest.mark.parametrize("start", [0, 60, 300])
 def test_gpu_core_takes_cached_chunks_of_every_prefix(start):
     """`core_attention_pallas` on a cached chunk's layout (kv_prefix = W = 128 rows, then 301 queries; HCA): a
-    prompt's first chunk (start 0, `prefix_branch` 1: window rows), one whose prefix is partly before the prompt
-    (60: 1) and a whole prefix (300: 0, by row offset), each against the reference placing rows by position."""
+    prompt's first chunk (start 0), one whose prefix is partly before the prompt (60) and a whole prefix (300), all
+    on the Mosaic kernel with each token's window rows, each against the reference placing rows by position."""
     window, rate, seq, d = 128, 4, 301, 512
     q, _, q_pos, sinks, compressed = make_inputs(12, seq=seq, rate=rate, offset=start)
     before = start - window + np.arange(window, dtype=np.int32)
     kv_pos = jnp.asarray(np.concatenate([np.where(before >= 0, before, -1), start + np.arange(seq)]))[None]
     kv = jnp.asarray(np.random.default_rng(13).standard_normal((1, window + seq, d)), jnp.bfloat16)
-    assert int(prefix_branch(q_pos, kv_pos, window)) == (0 if start >= window else 1)
+    assert bool(mosaic_takes_prefix(q_pos, kv_pos, window))
     kwargs = dict(sliding_window=window, scale=d**-0.5, compressed=CompressedKeys(compressed, rate, None),
                   kv_prefix=window)
     jax.block_until_ready(core_attention_pallas(jnp.full_like(q, jnp.nan), kv, q_pos, kv_pos, sinks, **kwargs))

@@ -370,20 +370,19 @@ def test_cached_chunks_hand_the_pallas_core_the_prefix_layout(monkeypatch):
     `Attention.forward_chunk` gives the "pallas" core the ring in position order, kv row i holding position
     start - W + i (-1 before the prompt's start), then the chunk's own rows, and says so with kv_prefix = W. A
     recording core (the jnp one underneath) checks every call of a ragged batch's chunked prefill, and the
-    logits still equal the reference's. `prefix_branch` (the run-time switch between the Mosaic kernel's two forms
-    and the Triton kernel) picks the row-offset form exactly for the calls whose prefix holds W real positions, and
-    the window-rows form for the rest (a prompt's first chunk), worked out by hand here."""
+    logits still equal the reference's, and `mosaic_takes_prefix` (the run-time choice between the Mosaic and the
+    Triton kernel) sends every one of those calls to the Mosaic kernel, a prompt's first chunk included."""
     import dsv4.attention.dispatch as dispatch
     from dsv4.attention.core import core_attention_jnp
-    from dsv4.attention.pallas_core import prefix_branch
+    from dsv4.attention.pallas_core import mosaic_takes_prefix
 
     model, ref = fixture("tiny_long")
     w = model.config.sliding_window
     calls = []
 
     def recording_core(q, kv, q_pos, kv_pos, sinks, *, kv_prefix=0, **kw):
-        record = lambda *a: calls.append((*map(np.asarray, a[:2]), kv_prefix, int(a[2])))  # noqa: E731
-        jax.debug.callback(record, q_pos, kv_pos, prefix_branch(q_pos, kv_pos, kv_prefix))
+        record = lambda *a: calls.append((*map(np.asarray, a[:2]), kv_prefix, bool(a[2])))  # noqa: E731
+        jax.debug.callback(record, q_pos, kv_pos, mosaic_takes_prefix(q_pos, kv_pos, kv_prefix))
         return core_attention_jnp(q, kv, q_pos, kv_pos, sinks, **kw)
 
     monkeypatch.setitem(dispatch.ATTENTION_CORES, "pallas", recording_core)
@@ -406,7 +405,7 @@ def test_cached_chunks_hand_the_pallas_core_the_prefix_layout(monkeypatch):
         jax.effects_barrier()
         last = start + valid[0] - 1
         assert rel_err(logits[0], ref["logits"][0, last]) < TOL, f"chunk at {start}"
-        for q_pos, kv_pos, prefix, branch in calls:
+        for q_pos, kv_pos, prefix, mosaic in calls:
             assert prefix == w and kv_pos.shape[1] == w + chunk
             np.testing.assert_array_equal(q_pos, start + np.arange(chunk)[None].repeat(2, 0))
             for b in range(2):
@@ -414,6 +413,6 @@ def test_cached_chunks_hand_the_pallas_core_the_prefix_layout(monkeypatch):
                 np.testing.assert_array_equal(kv_pos[b, :w], want)
                 real = np.arange(chunk) < valid[b]
                 np.testing.assert_array_equal(kv_pos[b, w:], np.where(real, start + np.arange(chunk), -1))
-            assert branch == (0 if start >= w else 1)
+            assert mosaic
         assert len(calls) == len(model.layers)
         calls.clear()

@@ -20,9 +20,9 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
 
     kv_prefix: the layout of a cached chunk (`Attention.forward_chunk`): kv rows [0, kv_prefix) hold the
     kv_prefix positions just before q's first one, in order (-1 where there is none yet), and row kv_prefix + j
-    holds query j's own token. On Hopper the Mosaic kernel then takes window and HCA chunks, one-token ones too
-    (a run-time choice, `prefix_branch`): by row offset when the prefix rows are all real, by per-token window
-    rows when only the positions that exist are (a prompt's first chunk), the Triton kernel otherwise."""
+    holds query j's own token. On Hopper the Mosaic kernel then takes window and HCA chunks, one-token ones too,
+    with each token's window rows given (`prefix_window_rows`), whenever the prefix holds what it should
+    (`mosaic_takes_prefix`, a run-time choice); the Triton kernel, which places rows by position, otherwise."""
     del query_chunk  # the kernels find each query block's window band themselves
     sinks = sinks.astype(F32)
     entries = {} if compressed is None else dict(compressed=compressed.entries, compress_rate=compressed.rate)
@@ -32,13 +32,10 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
             # are contiguous and takes the Triton kernel otherwise.
             return v4_attention_mgpu(q, kv[:, : q.shape[1]], q_pos, sinks, sliding_window=sliding_window,
                                      scale=scale, **entries)  # fmt: skip
-        # Rows are placed by index: the prefix, then q's own tokens (padding rows only reach padding).
+        # Rows are placed by index: each token's window rows, then the entries (padding rows only reach padding).
+        # NOTE: one Mosaic form for every cached chunk: a second one (the window by row offset, for chunks whose
+        # prefix is all real) ran no faster and added its compile time to every layer.
         def mosaic(q, kv, q_pos, kv_pos):
-            del kv_pos
-            return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=sliding_window, scale=scale,
-                                     kv_offset=kv_prefix, check_positions=False, **entries)  # fmt: skip
-
-        def mosaic_rows(q, kv, q_pos, kv_pos):
             del kv_pos
             rows = prefix_window_rows(q_pos, kv_prefix, sliding_window)
             return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=sliding_window, scale=scale,
@@ -47,26 +44,20 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
         def triton(q, kv, q_pos, kv_pos):
             return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale, **entries)
 
-        return jax.lax.switch(prefix_branch(q_pos, kv_pos, kv_prefix), [mosaic, mosaic_rows, triton],
-                              q, kv, q_pos, kv_pos)  # fmt: skip
+        return jax.lax.cond(mosaic_takes_prefix(q_pos, kv_pos, kv_prefix), mosaic, triton, q, kv, q_pos, kv_pos)
     if compressed is not None:
         entries["topk_indices"] = compressed.topk_indices
     return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
                         interpret=not on_gpu(), **entries)  # fmt: skip
 
 
-def prefix_branch(q_pos: jax.Array, kv_pos: jax.Array, kv_prefix: int) -> jax.Array:
-    """Which kernel form takes a cached chunk (`core_attention_pallas`'s switch). → int32 scalar:
-
-    0  every batch row's kv rows [0, kv_prefix) hold exactly the kv_prefix positions before its first query, in
-       order: the Mosaic kernel places the window by row offset (every chunk after a prompt's first);
-    1  they hold those of the positions that exist (>= 0), -1 in the rows before the prompt's start: the Mosaic
-       kernel with each token's window rows (`prefix_window_rows`; a prompt's first chunk, which has no prefix yet);
-    2  anything else, or q's positions not one run per row: the Triton kernel, which places rows by position.
-    """
+def mosaic_takes_prefix(q_pos: jax.Array, kv_pos: jax.Array, kv_prefix: int) -> jax.Array:
+    """Whether the Mosaic kernel can take a cached chunk (`core_attention_pallas`'s run-time choice), bool scalar:
+    every batch row's kv rows [0, kv_prefix) hold the kv_prefix positions before its first query, in order, with -1
+    in the rows before the prompt's start (a prompt's first chunk has no prefix yet), and q's positions are one run
+    per row. Otherwise the Triton kernel takes it: it places rows by position."""
     before = q_pos[:, :1] - kv_prefix + jnp.arange(kv_prefix, dtype=q_pos.dtype)[None]  # [B, prefix]
-    held = jnp.all((kv_pos[:, :kv_prefix] == before) | (before < 0)) & positions_are_aligned(q_pos)
-    return jnp.where(held, jnp.where(jnp.all(before >= 0), 0, 1), 2).astype(jnp.int32)
+    return jnp.all((kv_pos[:, :kv_prefix] == before) | (before < 0)) & positions_are_aligned(q_pos)
 
 
 def prefix_window_rows(q_pos: jax.Array, kv_prefix: int, sliding_window: int) -> tuple[jax.Array, jax.Array]:
