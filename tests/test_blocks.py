@@ -15,6 +15,7 @@ from dsv4.layers import (
     RMSNorm,
     Rope,
     apply_rope,
+    apply_rope_in_place,
     hc_merge,
     linear,
     normalize_and_rope,
@@ -53,6 +54,32 @@ def test_rope_relative_property_and_head_broadcast():
         ck, sk = rope.cos_sin(jnp.array([[p]]))
         dots.append(jnp.einsum("bshd,bsd->h", apply_rope(q, cq, sq), apply_rope(k, ck, sk)))
     np.testing.assert_allclose(dots[0], dots[1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_rope_in_place_equals_rope(dtype):
+    """The in-place form (pairs as uint32 words, updated where they lie) gives apply_rope's values bit for bit, as
+    the block's output does: x made in the same jit (so XLA may update its buffer in place), undone with -sin,
+    read by a matmul; and by hand, a pair turned by 90°."""
+    x = jax.random.normal(jax.random.key(5), (2, 7, 3, 24)) * 4.0  # [B, S, H, D], rope on the last 8 channels
+    angles = jax.random.uniform(jax.random.key(6), (2, 7, 4), maxval=6.0)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    w = jax.random.normal(jax.random.key(7), (3 * 24, 5)).astype(dtype)
+
+    def out(rope):
+        def f(x, cos, sin, w):
+            o = jnp.tanh(x).astype(dtype)  # a fresh buffer, as the attention kernel's output is
+            o = rope(o, cos, -sin)
+            return o, o.reshape(2, 7, -1) @ w
+
+        return [np.asarray(a, np.float32) for a in jax.jit(f)(x, cos, sin, w)]
+
+    (got, got_y), (want, want_y) = out(apply_rope_in_place), out(apply_rope)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_y, want_y)
+    row = jnp.array([[[3.0, -2.0, 1.5, 0.25, -7.0, 6.0]]], dtype)  # [B=1, S=1, D=6]: 2 channels kept, 2 pairs
+    turned = apply_rope_in_place(row, jnp.array([[[0.0, 1.0]]]), jnp.array([[[1.0, 0.0]]]))
+    np.testing.assert_array_equal(np.asarray(turned, np.float32), [[[3.0, -2.0, -0.25, 1.5, -7.0, 6.0]]])
 
 
 def test_normalize_and_rope_is_rope_of_the_normalized_rows():

@@ -22,7 +22,17 @@ from dsv4.cache.state import LayerCache
 from dsv4.cache.store import KVStore, resolve_format
 from dsv4.config import CSA, HCA, SLIDING, Config
 from dsv4.kernels import Kernels
-from dsv4.layers import F32, RMSNorm, Rope, apply_rope, matmul_in_dtype, normalize_and_rope, param, project
+from dsv4.layers import (
+    F32,
+    RMSNorm,
+    Rope,
+    apply_rope,
+    apply_rope_in_place,
+    matmul_in_dtype,
+    normalize_and_rope,
+    param,
+    project,
+)
 from dsv4.pallas._device import on_gpu
 from dsv4.pallas.attention import SCALE_TILE
 from dsv4.pallas.decode import paged_decode_attention, unsupported_shape
@@ -233,7 +243,7 @@ class Attention(nnx.Module):
     def project_out(self, out: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """Undo RoPE on the output's rope channels (V = K carried it), then the grouped low-rank projection."""
         b, s = out.shape[:2]
-        out = apply_rope(out, cos, -sin).reshape(b, s, self.o_groups, -1)  # [B, S, G, H·D/G]
+        out = apply_rope_in_place(out, cos, -sin).reshape(b, s, self.o_groups, -1)  # [B, S, G, H·D/G]
         w_a = self.o_a_proj["weight"][...]
         w_a = w_a.reshape(self.o_groups, -1, w_a.shape[-1])  # [G, R, H·D/G]
         grouped = matmul_in_dtype("bsgi,gri->bsgr", out, w_a)
