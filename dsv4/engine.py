@@ -29,6 +29,9 @@ which are already a consistent state (they recompute from scratch). The device c
 call, so a failed call may have consumed it: then the runner rebuilds an empty cache (`ModelRunner.rebuild_cache`)
 and every other request that had state in it is preempted, i.e. recomputes its prompt and outputs from position 0
 (the scheduler's preemption), so its tokens are the same as if nothing had happened. Either way the next step runs.
+A step whose chunks return no logits (a long prompt's chunks before its last) is left running on the device while
+the host plans and dispatches the next (`ModelRunner.execute`), so a device fault in it surfaces in the next step,
+which fails as above.
 A failure that belongs to one request fails only that request: its logits are not finite, its sampling raises, or
 decoding its text raises. Requests are validated at the door (`add_request`, `SamplingParams`): a bad one raises
 ValueError naming the field and the value and never reaches a step.

@@ -283,6 +283,7 @@ class ModelRunner:
         self._free_slots = list(range(max_slots))  # kept sorted: lowest slot first
         self._num_tokens = [0] * max_slots  # host mirror of cache.num_tokens: checked against each chunk
         self._seen_shapes: set[tuple] = set()
+        self._queued: jax.Array | None = None  # an output of the step left running on the device (`execute`)
         self.burst_form = "loop"
         """How a decode burst's steps run (`BURST_FORMS`); "loop" until a GPU measurement picks the fastest."""
         self.compile_s = 0.0
@@ -348,6 +349,7 @@ class ModelRunner:
         """Replaces the cache with an empty one (the init program, already compiled) and frees every slot.
         Returns the requests that held a slot: their cached state is gone (the engine preempts or fails them)."""
         lost = list(self._slot_of)
+        self._queued = None
         self.cache = self._new_cache()
         self._slot_of.clear()
         self._free_slots = list(range(self.max_slots))
@@ -456,6 +458,7 @@ class ModelRunner:
             (packed if self.is_packed(chunk.num_tokens) else single).append((chunk, slot))
 
         pending: list[tuple[jax.Array, int, str]] = []  # (logits on device, row, request id)
+        last = None  # the last call's logits: done once the device has run every call of this step
         if packed:
             width = self.bucket(max(chunk.num_tokens for chunk, _ in packed))
             tokens = np.zeros((self.max_slots, width), np.int32)
@@ -466,6 +469,7 @@ class ModelRunner:
             logits, self.cache = self._timed(("packed", width), self._programs.packed_step, self._weights, self.cache,
                                              tokens, valid, self._tables())  # fmt: skip
             pending += [(logits, slot, chunk.request_id) for chunk, slot in packed if chunk.needs_logits]
+            last = logits
         for chunk, slot in single:
             width = self.bucket(chunk.num_tokens)
             tokens = np.zeros((1, width), np.int32)
@@ -475,12 +479,20 @@ class ModelRunner:
                                              jnp.int32(slot), tokens, valid, self._tables())  # fmt: skip
             if chunk.needs_logits:
                 pending.append((logits, 0, chunk.request_id))
+            last = logits
         for chunk, slot in packed + single:
             self._num_tokens[slot] += chunk.num_tokens
-        # NOTE: wait for the device even when no logits come back (a prefill chunk that is not the last): a step
-        # is then a device step in wall time, so requests arriving meanwhile join at the next step, prefill
-        # progress is real progress, and TTFT / ITL measure the device. Letting the host run ahead would queue
-        # a whole long prefill's chunks on the device before any later arrival could be scheduled among them.
+        # NOTE: a step that returns no logits (prefill chunks short of a prompt's last) stays queued on the device
+        # while the host plans and dispatches the next: the call waits for the step before it instead. Waiting for
+        # each step left the GPU idle through the host's work between chunks (a long prompt's TTFT through the
+        # engine was 1.045x the bare chunked prefill's). One step ahead at most: an arrival still joins within a
+        # chunk, and a step that returns logits (the prompt's last chunk, every decode) waits for itself.
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            jax.block_until_ready(queued)
+        if not pending:
+            self._queued = last
+            return {}
         jax.block_until_ready(self.cache)
         host: dict[int, np.ndarray] = {}  # id(device array) → host copy, so a packed call is fetched once
         out = {}

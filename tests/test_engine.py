@@ -170,6 +170,42 @@ def test_mixed_chunk_size_splits_prefills_only_while_others_decode(llm, monkeypa
     assert_idle(llm)
 
 
+def test_prefill_steps_without_logits_run_one_step_ahead(llm, monkeypatch):
+    """A step that returns no logits (a prompt's chunks before its last) is left running on the device: the next
+    step dispatches its own call first, then waits for it; a step with logits waits for itself. The tokens are the
+    reference's (greedy, exact)."""
+    (prompt, want), *_ = reference_cases()  # 37 tokens: a 32-token chunk without logits, then 5 with them
+    runner, events = llm.runner, []
+    for name in ("slot_step", "packed_step"):
+        def call(*args, _fn=getattr(runner._programs, name)):
+            logits, cache = _fn(*args)
+            events.append(("dispatch", id(logits)))
+            return logits, cache
+
+        monkeypatch.setattr(runner._programs, name, call)
+    block = jax.block_until_ready
+
+    def wait(x):
+        events.append(("wait", {id(leaf) for leaf in jax.tree.leaves(x)}))
+        return block(x)
+
+    monkeypatch.setattr(jax, "block_until_ready", wait)
+    rid = llm.add_request(prompt, max_new_tokens=3)
+    steps = [llm.step()]
+    after_first = list(events)
+    steps.append(llm.step())
+    after_second = list(events)
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert steps[0] == [] and after_first[-1][0] == "dispatch"  # the first chunk's call returned unwaited
+    first = after_first[-1][1]
+    dispatches = [i for i, (kind, _) in enumerate(after_second) if kind == "dispatch"]
+    waits_first = [i for i, (kind, ids) in enumerate(after_second) if kind == "wait" and first in ids]
+    assert len(dispatches) == 2 and waits_first and dispatches[1] < waits_first[0]
+    assert [e.request_id for e in steps[1]] == [rid] and llm.pop_output(rid).token_ids == want[:3]
+    assert_idle(llm)
+
+
 def test_cancel_frees_pages_and_slot(llm):
     running = llm.add_request(random_prompt(90, 1), max_new_tokens=4)
     other = llm.add_request(random_prompt(10, 2), max_new_tokens=3)

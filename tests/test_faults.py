@@ -122,6 +122,40 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llm, monkeypatc
     assert list(reasons.values()).count("length") >= 4
 
 
+def test_a_fault_surfacing_from_a_queued_step_fails_the_next_plan(llm, monkeypatch):
+    """A step that returns no logits is left running on the device and waited for in the next step
+    (`Runner.execute`), so a device fault in it surfaces there: that step's request fails with it, and a request
+    added afterwards gives its alone tokens."""
+    long_prompt, short = random_prompt(90, 700), random_prompt(6, 701)  # 90 tokens: two chunks without logits
+    want = alone(llm, short)
+    runner, dispatched = llm.runner, []
+    slot_step, block, armed = runner._programs.slot_step, jax.block_until_ready, [True]
+
+    def call(*args):
+        logits, cache = slot_step(*args)
+        dispatched.append(id(logits))
+        return logits, cache
+
+    def wait(x):
+        if armed[0] and dispatched and dispatched[0] in {id(leaf) for leaf in jax.tree.leaves(x)}:
+            armed[0] = False
+            raise RuntimeError("injected device fault")
+        return block(x)
+
+    monkeypatch.setattr(runner._programs, "slot_step", call)
+    monkeypatch.setattr(jax, "block_until_ready", wait)
+    victim = llm.add_request(long_prompt, max_new_tokens=MAX_NEW)
+    assert llm.step() == []  # the first chunk, queued
+    (event,) = llm.step()  # the second chunk's step waits for the first and meets its fault
+    assert event.request_id == victim and event.finish_reason == "error"
+    assert "injected device fault" in event.output.error and not armed[0]
+    later = llm.add_request(short, max_new_tokens=MAX_NEW)
+    run(llm)
+    assert llm.pop_output(victim).finish_reason == "error"
+    assert llm.pop_output(later).token_ids == want
+    assert_idle(llm)
+
+
 def test_a_fault_granting_one_request_fails_it_alone(llm, monkeypatch):
     """The page pool raises while the scheduler grants one running request more pages (after giving them): that
     request alone fails, with the message and its pages back; the others in its steps give their alone tokens."""
