@@ -67,7 +67,7 @@ from dsv4.generate import (
     sample_rows,
 )
 from dsv4.kernels import Kernels
-from dsv4.memory_plan import GIB, KV_FORMATS, MemoryPlan, default_chunk_size, plan_memory
+from dsv4.memory_plan import GIB, KV_FORMATS, MemoryPlan, default_chunk_size, default_max_model_len, plan_memory
 from dsv4.model import DeepseekV4, check_token_ids
 from dsv4.quantization import fp4_reblock_extra_bytes, reblock_fp4_experts
 from dsv4.runner import BurstTokens, ModelRunner, power_of_two_buckets
@@ -246,7 +246,7 @@ class LLM:
     max_slots: requests running at once; each owns one slot of the device cache (its sliding-window ring,
         compressor windows and block table row; its compressed entries live in the shared page pool).
     max_model_len: prompt + max_new_tokens limit of one request, and the longest block table (default:
-        min(max_position_embeddings, 32768)).
+        min(max_position_embeddings, 32768): `dsv4.memory_plan.default_max_model_len`).
     chunk_size: at most this many tokens of one request per step (chunked prefill). Default: 16384 a device of the
         mesh, at most max_model_len (`dsv4.memory_plan.default_chunk_size`; 16K chunks measured 1.057× faster than
         8K at 512K on one GPU).
@@ -339,7 +339,7 @@ class LLM:
         self.mesh = mesh
         config = self.config = self.model.config
         if max_model_len is None:
-            max_model_len = min(config.max_position_embeddings, 32768)
+            max_model_len = default_max_model_len(config)
         if not 2 <= max_model_len <= config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} must be in [2, max_position_embeddings="
                              f"{config.max_position_embeddings}]")  # fmt: skip

@@ -359,6 +359,15 @@ def _kv_lines(config: Config, layout: CacheLayout, context: int) -> list[LedgerL
 CHUNK_TOKENS_PER_DEVICE = 16384
 
 
+DEFAULT_MAX_MODEL_LEN = 32768
+
+
+def default_max_model_len(config: Config) -> int:
+    """The engine's default request length limit (prompt + new tokens): `DEFAULT_MAX_MODEL_LEN`, or the model's
+    max_position_embeddings if shorter."""
+    return min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+
 def default_chunk_size(context: int, devices: int = 1) -> int:
     """The default prefill chunk: `CHUNK_TOKENS_PER_DEVICE` tokens a device (a chunk's tokens are split over the
     devices), at most `context` (a longer chunk would only compile a wider call that no prompt fills)."""

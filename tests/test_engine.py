@@ -36,7 +36,7 @@ from dsv4.generate import (
     logprobs_on_device,
     sample_on_device,
 )
-from dsv4.memory_plan import default_chunk_size
+from dsv4.memory_plan import default_chunk_size, default_max_model_len
 from dsv4.runner import BurstTokens
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -105,6 +105,14 @@ def test_default_chunk_is_16k_tokens_a_device_at_most_max_model_len(llm):
     assert LLM(llm.model, max_slots=1, max_model_len=64, warmup=False).chunk_size == 64
     assert default_chunk_size(100_000) == 16384 and default_chunk_size(100_000, devices=8) == 100_000
     assert default_chunk_size(1 << 20, devices=8) == 131072 and default_chunk_size(1 << 20, devices=3) == 49152
+
+
+def test_default_max_model_len_is_32k_at_most_the_model_positions(llm):
+    """By hand: 32768, or the model's max_position_embeddings if fewer; the engine takes it when given none."""
+    config = llm.model.config
+    assert default_max_model_len(dataclasses.replace(config, max_position_embeddings=1 << 20)) == 32768
+    assert default_max_model_len(dataclasses.replace(config, max_position_embeddings=100)) == 100
+    assert LLM(llm.model, max_slots=1, warmup=False).max_model_len == min(config.max_position_embeddings, 32768)
 
 
 def test_concurrent_requests_reproduce_the_reference(llm):

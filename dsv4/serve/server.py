@@ -21,7 +21,7 @@ import time
 
 from aiohttp import web
 
-from dsv4.memory_plan import default_chunk_size
+from dsv4.memory_plan import default_chunk_size, default_max_model_len
 from dsv4.serve import protocol
 from dsv4.serve.metrics import ServerMetrics
 from dsv4.serve.protocol import OutputBuilder, RequestError, ServeContext
@@ -294,7 +294,7 @@ def build_llm(args):
     from dsv4.config import Config
 
     config = Config.from_hf(args.model) if os.path.isdir(args.model) else Config.preset(args.model)
-    max_model_len = min(config.max_position_embeddings, 32768)  # LLM's default
+    max_model_len = default_max_model_len(config)
     if args.chunk_size is None:
         args.chunk_size = default_chunk_size(args.max_model_len or max_model_len, args.devices)
     if args.mixed_chunk_size is None:
