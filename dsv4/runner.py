@@ -484,9 +484,9 @@ class ModelRunner:
             self._num_tokens[slot] += chunk.num_tokens
         # NOTE: a step that returns no logits (prefill chunks short of a prompt's last) stays queued on the device
         # while the host plans and dispatches the next: the call waits for the step before it instead. Waiting for
-        # each step left the GPU idle through the host's work between chunks (a long prompt's TTFT through the
-        # engine was 1.045x the bare chunked prefill's). One step ahead at most: an arrival still joins within a
-        # chunk, and a step that returns logits (the prompt's last chunk, every decode) waits for itself.
+        # each step left the GPU idle through the host's work between chunks. One step ahead at most: an arrival
+        # still joins within a chunk, and a step that returns logits (a prompt's last chunk, every decode) waits
+        # for itself, so TTFT and ITL still measure the device.
         queued, self._queued = self._queued, None
         if queued is not None:
             jax.block_until_ready(queued)
