@@ -535,6 +535,9 @@ class LLM:
                 metrics = self._live[chunk.request_id].output.metrics
                 if metrics.first_scheduled_time is None:
                     metrics.first_scheduled_time = now
+            plan.greedy = frozenset(chunk.request_id for chunk in plan.chunks
+                                    if self._live[chunk.request_id].sampling.temperature == 0
+                                    and self._live[chunk.request_id].sampling.logprobs is None)  # fmt: skip
             return self.runner.execute(plan)
 
         logits, failure = self._execute(plan, run)

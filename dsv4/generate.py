@@ -13,6 +13,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,8 +106,31 @@ def check_logits(logits: np.ndarray) -> None:
                          f"first at token {first}: {logits[first]})")  # fmt: skip
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token from float32 logits [vocab] on the host. Raises ValueError on NaN / +inf logits."""
+class GreedyPick(NamedTuple):
+    """A row's greedy token picked on the device (`greedy_rows`), in place of its logits on the host."""
+
+    token: int
+    non_finite: int
+    """NaN / +inf entries in the row (nonzero: sampling fails, as `check_logits` makes it)."""
+    vocab: int
+
+
+@jax.jit
+def greedy_rows(logits):
+    """Each row's greedy token of logits [B, vocab] (the first of equal maxima, as `np.argmax`) and its NaN / +inf
+    count → (int32 [B], int32 [B])."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), non_finite_counts(logits)
+
+
+def sample(logits: np.ndarray | GreedyPick, params: SamplingParams, rng: np.random.Generator) -> int:
+    """One token from float32 logits [vocab] on the host, or a greedy request's `GreedyPick`. Raises ValueError on
+    NaN / +inf logits."""
+    if isinstance(logits, GreedyPick):
+        if params.temperature != 0:
+            raise ValueError(f"a greedy pick for temperature={params.temperature}")
+        if logits.non_finite:
+            raise ValueError(f"the model's logits are not finite ({logits.non_finite} of {logits.vocab} NaN or +inf)")
+        return logits.token
     check_logits(logits)
     if params.temperature == 0:
         return int(np.argmax(logits))

@@ -61,8 +61,10 @@ from dsv4.cache.layout import FORMAT_NAMES
 from dsv4.cache.store import per_slot_mask
 from dsv4.generate import (
     MAX_LOGPROBS,
+    GreedyPick,
     SamplingParams,
     device_sampling_arrays,
+    greedy_rows,
     logprobs_on_device,
     non_finite_counts,
     sample_on_device,
@@ -408,12 +410,13 @@ class ModelRunner:
         for width in sorted({self.bucket(w) for w in widths}):
             if self.is_packed(width):
                 tokens, valid = np.zeros((self.max_slots, width), np.int32), np.zeros((self.max_slots,), np.int32)
-                _, self.cache = self._timed(("packed", width), self._programs.packed_step, self._weights, self.cache,
-                                            tokens, valid, self._tables())  # fmt: skip
+                logits, self.cache = self._timed(("packed", width), self._programs.packed_step, self._weights,
+                                                 self.cache, tokens, valid, self._tables())  # fmt: skip
             else:
                 tokens, valid = np.zeros((1, width), np.int32), np.zeros((1,), np.int32)
-                _, self.cache = self._timed(("slot", width), self._programs.slot_step, self._weights, self.cache,
-                                            jnp.int32(0), tokens, valid, self._tables())  # fmt: skip
+                logits, self.cache = self._timed(("slot", width), self._programs.slot_step, self._weights,
+                                                 self.cache, jnp.int32(0), tokens, valid, self._tables())  # fmt: skip
+            self._timed(("greedy", logits.shape[0]), greedy_rows, logits)
         return time.perf_counter() - t0
 
     # ----- one step --------------------------------------------------------------------------------------
@@ -436,8 +439,9 @@ class ModelRunner:
         row[: len(table)] = table
         row[len(table) :] = 0
 
-    def execute(self, plan: SchedulerOutput) -> dict[str, np.ndarray]:
-        """Runs every chunk of the plan. → float32 logits [vocab] for each request whose chunk needs_logits."""
+    def execute(self, plan: SchedulerOutput) -> dict[str, np.ndarray | GreedyPick]:
+        """Runs every chunk of the plan. → float32 logits [vocab] for each request whose chunk needs_logits, or its
+        `GreedyPick` if it is in plan.greedy and every request of its call is."""
         for request_id in plan.preempted_request_ids:
             self.release(request_id)
         packed: list[tuple[ScheduledChunk, int]] = []
@@ -494,12 +498,22 @@ class ModelRunner:
             self._queued = last
             return {}
         jax.block_until_ready(self.cache)
-        host: dict[int, np.ndarray] = {}  # id(device array) → host copy, so a packed call is fetched once
+        # NOTE: a call whose rows all serve greedy tokens returns two ints a row instead of its logits: with V4's
+        # vocabulary a 32-request decode step's logits are 16.5 MB to fetch and scan on the host.
+        whole = {id(logits) for logits, _, request_id in pending if request_id not in plan.greedy}
+        host: dict[int, tuple] = {}  # id(device array) → its host copy or picks, so a packed call is fetched once
         out = {}
         for logits, row, request_id in pending:
-            if id(logits) not in host:
-                host[id(logits)] = _to_host(logits)
-            out[request_id] = host[id(logits)][row]
+            key = id(logits)
+            if key not in host:
+                if key in whole:
+                    host[key] = (_to_host(logits),)
+                else:
+                    picks = self._timed(("greedy", logits.shape[0]), greedy_rows, logits)
+                    host[key] = tuple(_to_host(x) for x in picks)
+            fetched = host[key]
+            out[request_id] = (fetched[0][row] if key in whole else
+                               GreedyPick(int(fetched[0][row]), int(fetched[1][row]), logits.shape[-1]))  # fmt: skip
         return out
 
     def execute_burst(self, plan: SchedulerOutput, sampling: dict[str, SamplingParams], max_steps: int, *,

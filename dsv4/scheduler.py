@@ -155,6 +155,9 @@ class SchedulerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     """Request id → message: granting it raised (a fault in the page pool, say), so this call took it out of the
     scheduler (FINISHED_ERROR) with whatever pages it held freed; the other requests were scheduled as usual."""
+    greedy: frozenset[str] = frozenset()
+    """Requests whose chunk's logits serve only a greedy token (set by the engine): the runner picks it on the
+    device and returns a `GreedyPick`, not the [vocab] row."""
 
     @property
     def num_scheduled_tokens(self) -> int:

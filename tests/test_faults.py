@@ -16,7 +16,7 @@ from test_engine import MODEL_DIR, SHAPES, assert_idle, random_prompt
 
 import dsv4.engine
 from dsv4.engine import LLM
-from dsv4.generate import SamplingParams
+from dsv4.generate import GreedyPick, SamplingParams
 
 MAX_NEW = 4
 
@@ -248,6 +248,11 @@ def test_bad_sampling_parameters_are_refused_at_the_door(llm):
     assert_idle(llm)
 
 
+def poisoned(row):
+    """A request's logits from `ModelRunner.execute` made non-finite: NaN logits, or a greedy pick that saw them."""
+    return row._replace(non_finite=row.vocab) if isinstance(row, GreedyPick) else np.full_like(row, np.nan)
+
+
 def test_nan_logits_and_a_raising_sampler_fail_only_their_request(llm, monkeypatch):
     prompts = {name: random_prompt(n, 200 + n) for name, n in (("nan", 5), ("raise", 7), ("ok", 9), ("ok2", 30))}
     ids = {llm.add_request(p, max_new_tokens=MAX_NEW, request_id=name): p for name, p in prompts.items()}
@@ -257,7 +262,7 @@ def test_nan_logits_and_a_raising_sampler_fail_only_their_request(llm, monkeypat
     def nan_execute(plan):
         out = execute(plan)
         if "nan" in out:
-            out["nan"] = np.full_like(out["nan"], np.nan)
+            out["nan"] = poisoned(out["nan"])
         return out
 
     def raising_sample(logits, params, rng):
@@ -420,7 +425,7 @@ def test_soak_500_requests_with_faults_and_cancellations(llm, monkeypatch):
         for r in ids:
             if poison.get(r) == "nan" and r in out:
                 del poison[r]
-                out[r] = out[r] * np.nan
+                out[r] = poisoned(out[r])
         return out
 
     def faulty_sample(logits, params, rng_):
