@@ -8,7 +8,8 @@
 
 One engine step is: `Scheduler.schedule()` (host, pure Python: who runs, how many tokens, which pages),
 `ModelRunner.execute(plan)` (device: the chunks, padded into a few fixed shapes), sampling on the host
-from the last position's logits of each chunk that needs them, `Scheduler.update(plan, sampled)`. The
+from the last position's logits of each chunk that needs them (a greedy request's token is picked on the device
+when its call serves greedy tokens only: `GreedyPick`), `Scheduler.update(plan, sampled)`. The
 engine adds what neither side knows about: prompts as text, sampling state, per-request metrics, and the
 mapping of errors to the request that caused them.
 
