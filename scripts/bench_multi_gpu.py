@@ -572,6 +572,7 @@ def step_profile(ctx: Context) -> None:
                 break
             llm.step()
         offset = llm.progress(rid)[0]
+        jax.block_until_ready(llm.runner.cache)  # the runner leaves a step without logits running: let it finish
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             t0 = time.perf_counter()
             llm.step()
