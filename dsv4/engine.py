@@ -7,9 +7,10 @@
     rid = llm.add_request(prompt_ids, max_new_tokens=16); llm.step(); llm.cancel(rid)   # online
 
 One engine step is: `Scheduler.schedule()` (host, pure Python: who runs, how many tokens, which pages),
-`ModelRunner.execute(plan)` (device: the chunks, padded into a few fixed shapes), sampling on the host
-from the last position's logits of each chunk that needs them (a greedy request's token is picked on the device
-when its call serves greedy tokens only: `GreedyPick`), `Scheduler.update(plan, sampled)`. The
+`ModelRunner.execute(plan)` (device: the chunks, padded into a few fixed shapes, and each token drawn from the last
+position's logits of each chunk that needs them: `dsv4.generate.sample_on_device`, keyed by the request's seed and
+the token's position; a request that asks for logprobs gets its logits row back for them),
+`Scheduler.update(plan, sampled)`. The
 engine adds what neither side knows about: prompts as text, sampling state, per-request metrics, and the
 mapping of errors to the request that caused them.
 
@@ -58,6 +59,7 @@ from dsv4.api import init_random, load
 from dsv4.cache import BlockPool, KVCacheManager, PageSpec
 from dsv4.config import SLIDING, Config
 from dsv4.generate import (
+    DevicePick,
     SamplingParams,
     check_logits,
     device_sampling_arrays,
@@ -294,14 +296,13 @@ class LLM:
         TTFT.
     decode_steps: k > 1 runs a step that would be decodes only as a decode burst of up to k steps in one device call
         (see the module docstring): one more compilation (k loop iterations over the `[max_slots, 1]` step; a burst
-        holding a request that asks for logprobs compiles another, on first use). Sampling then happens on the
-        device (`dsv4.generate.sample_on_device`): greedy tokens are exactly those of decode_steps = 1; other
-        requests draw with a key of their seed folded with the token's position, in bursts and in single steps
-        alike, so a seeded request's tokens do not depend on how its steps were grouped (but differ from
-        decode_steps = 1's numpy draws). `SamplingParams.seed` defaults to 0, so every request has one: two
-        requests left at the default draw alike, as they do with decode_steps = 1 (`dsv4 serve` gives a request
-        without a seed a random one). Logprobs in a burst are computed on the device too, in float32 (the host's,
-        in single steps, are float64: ~1e-6 apart). `runner.burst_form` picks how a burst's steps run
+        holding a request that asks for logprobs compiles another, on first use). Tokens are drawn on the device
+        in bursts as in single steps (`dsv4.generate.sample_on_device`): greedy tokens are the argmax; other
+        requests draw with a key of their seed folded with the token's position, so a seeded request's tokens do
+        not depend on how its steps were grouped, or on decode_steps. `SamplingParams.seed` defaults to 0, so every
+        request has one: two requests left at the default draw alike (`dsv4 serve` gives a request without a seed a
+        random one). Logprobs in a burst are computed on the device too, in float32 (the host's, in single steps,
+        are float64: ~1e-6 apart). `runner.burst_form` picks how a burst's steps run
         (`dsv4.runner.BURST_FORMS`). Default 1: every step is the ordinary one.
     """
 
@@ -536,9 +537,9 @@ class LLM:
                 metrics = self._live[chunk.request_id].output.metrics
                 if metrics.first_scheduled_time is None:
                     metrics.first_scheduled_time = now
-            plan.greedy = frozenset(chunk.request_id for chunk in plan.chunks
-                                    if self._live[chunk.request_id].sampling.temperature == 0
-                                    and self._live[chunk.request_id].sampling.logprobs is None)  # fmt: skip
+            lives = [self._live[chunk.request_id] for chunk in plan.chunks]
+            plan.draws = {lv.request.request_id: (lv.sampling, lv.request.num_tokens) for lv in lives
+                          if lv.sampling.logprobs is None}  # fmt: skip
             return self.runner.execute(plan)
 
         logits, failure = self._execute(plan, run)
@@ -617,11 +618,9 @@ class LLM:
         for length in prompt_lens:
             wanted.update(min(self.chunk_size, length - start) for start in range(0, length, self.chunk_size))
         seconds = self.runner.warmup(wanted, decode_steps=(self.decode_steps,))
-        if self.decode_steps > 1:  # the single steps' device sampler
-            t0 = time.perf_counter()
-            self._draw_on_device({}, warm=True)
-            seconds += time.perf_counter() - t0
-        return seconds
+        t0 = time.perf_counter()
+        self._draw_on_device({}, warm=True)  # the sampler of logits that come back whole
+        return seconds + time.perf_counter() - t0
 
     # ----- batch API -------------------------------------------------------------------------------------
 
@@ -680,14 +679,13 @@ class LLM:
     # ----- internals -------------------------------------------------------------------------------------
 
     def _draw_on_device(self, logits: dict[str, np.ndarray], warm: bool = False) -> dict[str, int | Exception]:
-        """With decode bursts on, a single step's non-greedy tokens are drawn as a burst draws them
-        (`dsv4.generate.sample_on_device`, keyed by seed and position), one call for the step (padded to max_slots
-        rows: one compilation). → request id → token, or the exception the call raised; {} with decode_steps 1."""
-        if self.decode_steps == 1:
-            return {}
+        """The non-greedy tokens of a step's logits that came back whole (a call holding a request that asks for
+        logprobs), drawn as every other token is (`dsv4.generate.sample_on_device`, keyed by seed and position), one
+        call for the step (padded to max_slots rows: one compilation). → request id → token, or the exception the
+        call raised."""
         live = {rid: self._live[rid] for rid in logits if rid in self._live}
         rows = [rid for rid, lv in live.items() if lv.sampling.temperature > 0 and lv.request.status is
-                RequestStatus.RUNNING]  # fmt: skip
+                RequestStatus.RUNNING and not isinstance(logits[rid], DevicePick)]  # fmt: skip
         if not rows and not warm:
             return {}
         n = self.runner.max_slots

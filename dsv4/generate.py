@@ -106,28 +106,10 @@ def check_logits(logits: np.ndarray) -> None:
                          f"first at token {first}: {logits[first]})")  # fmt: skip
 
 
-class GreedyPick(NamedTuple):
-    """A row's greedy token picked on the device (`greedy_rows`), in place of its logits on the host."""
-
-    token: int
-    non_finite: int
-    """NaN / +inf entries in the row (nonzero: sampling fails, as `check_logits` makes it)."""
-    vocab: int
-
-
-@jax.jit
-def greedy_rows(logits):
-    """Each row's greedy token of logits [B, vocab] (the first of equal maxima, as `np.argmax`) and its NaN / +inf
-    count → (int32 [B], int32 [B])."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), non_finite_counts(logits)
-
-
-def sample(logits: np.ndarray | GreedyPick, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token from float32 logits [vocab] on the host, or a greedy request's `GreedyPick`. Raises ValueError on
-    NaN / +inf logits."""
-    if isinstance(logits, GreedyPick):
-        if params.temperature != 0:
-            raise ValueError(f"a greedy pick for temperature={params.temperature}")
+def sample(logits: np.ndarray | DevicePick, params: SamplingParams, rng: np.random.Generator) -> int:
+    """One token from float32 logits [vocab] on the host, or the token a `DevicePick` holds (drawn on the device by
+    the same params). Raises ValueError on NaN / +inf logits."""
+    if isinstance(logits, DevicePick):
         if logits.non_finite:
             raise ValueError(f"the model's logits are not finite ({logits.non_finite} of {logits.vocab} NaN or +inf)")
         return logits.token
@@ -164,7 +146,7 @@ def logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, tuple[tuple
     return chosen, tuple((int(t), float(z[t] - lse)) for t in top)
 
 
-# ----- sampling on the device (the engine's decode bursts, `LLM(decode_steps=k)` with k > 1) -----------------------
+# ----- sampling on the device (the engine's steps and decode bursts) ------------------------------------------
 
 
 def sampling_key_data(seed: int) -> tuple[int, int]:
@@ -242,6 +224,23 @@ def device_sampling_arrays(params: list[SamplingParams | None]) -> tuple[np.ndar
             temperature[row], top_k[row], top_p[row] = p.temperature, min(p.top_k, 2**31 - 1), p.top_p
             key_data[row] = sampling_key_data(p.seed)
     return temperature, top_k, top_p, key_data
+
+
+class DevicePick(NamedTuple):
+    """A row's token drawn on the device by its request's sampling (`pick_rows`), in place of its logits on the
+    host."""
+
+    token: int
+    non_finite: int
+    """NaN / +inf entries in the row (nonzero: sampling fails, as `check_logits` makes it)."""
+    vocab: int
+
+
+@jax.jit
+def pick_rows(logits, temperature, top_k, top_p, key_data, positions):
+    """`sample_on_device` for each row of logits [B, vocab], and each row's NaN / +inf count → (int32 [B],
+    int32 [B]): what a single engine step fetches instead of the logits."""
+    return sample_on_device(logits, temperature, top_k, top_p, key_data, positions), non_finite_counts(logits)
 
 
 @jax.jit

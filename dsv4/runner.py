@@ -61,12 +61,12 @@ from dsv4.cache.layout import FORMAT_NAMES
 from dsv4.cache.store import per_slot_mask
 from dsv4.generate import (
     MAX_LOGPROBS,
-    GreedyPick,
+    DevicePick,
     SamplingParams,
     device_sampling_arrays,
-    greedy_rows,
     logprobs_on_device,
     non_finite_counts,
+    pick_rows,
     sample_on_device,
 )
 from dsv4.model import DeepseekV4
@@ -416,7 +416,7 @@ class ModelRunner:
                 tokens, valid = np.zeros((1, width), np.int32), np.zeros((1,), np.int32)
                 logits, self.cache = self._timed(("slot", width), self._programs.slot_step, self._weights,
                                                  self.cache, jnp.int32(0), tokens, valid, self._tables())  # fmt: skip
-            self._timed(("greedy", logits.shape[0]), greedy_rows, logits)
+            self._pick(logits, [])
         return time.perf_counter() - t0
 
     # ----- one step --------------------------------------------------------------------------------------
@@ -439,9 +439,9 @@ class ModelRunner:
         row[: len(table)] = table
         row[len(table) :] = 0
 
-    def execute(self, plan: SchedulerOutput) -> dict[str, np.ndarray | GreedyPick]:
+    def execute(self, plan: SchedulerOutput) -> dict[str, np.ndarray | DevicePick]:
         """Runs every chunk of the plan. → float32 logits [vocab] for each request whose chunk needs_logits, or its
-        `GreedyPick` if it is in plan.greedy and every request of its call is."""
+        token drawn on the device (`DevicePick`) if it is in plan.draws and every request of its call is."""
         for request_id in plan.preempted_request_ids:
             self.release(request_id)
         packed: list[tuple[ScheduledChunk, int]] = []
@@ -498,23 +498,32 @@ class ModelRunner:
             self._queued = last
             return {}
         jax.block_until_ready(self.cache)
-        # NOTE: a call whose rows all serve greedy tokens returns two ints a row instead of its logits: with V4's
-        # vocabulary a 32-request decode step's logits are 16.5 MB to fetch and scan on the host.
-        whole = {id(logits) for logits, _, request_id in pending if request_id not in plan.greedy}
+        # NOTE: a call whose rows all serve only their tokens draws them on the device and returns two ints a row:
+        # with V4's vocabulary a 32-request decode step's logits are 16.5 MB to fetch, and the host's sampler sorts
+        # each row for top-p (4.5 ms a request on a 2-core CPU).
+        whole = {id(logits) for logits, _, request_id in pending if request_id not in plan.draws}
         host: dict[int, tuple] = {}  # id(device array) → its host copy or picks, so a packed call is fetched once
         out = {}
         for logits, row, request_id in pending:
             key = id(logits)
             if key not in host:
-                if key in whole:
-                    host[key] = (_to_host(logits),)
-                else:
-                    picks = self._timed(("greedy", logits.shape[0]), greedy_rows, logits)
-                    host[key] = tuple(_to_host(x) for x in picks)
+                host[key] = (_to_host(logits),) if key in whole else self._pick(logits, [
+                    (r, plan.draws[rid]) for other, r, rid in pending if other is logits])  # fmt: skip
             fetched = host[key]
             out[request_id] = (fetched[0][row] if key in whole else
-                               GreedyPick(int(fetched[0][row]), int(fetched[1][row]), logits.shape[-1]))  # fmt: skip
+                               DevicePick(int(fetched[0][row]), int(fetched[1][row]), logits.shape[-1]))  # fmt: skip
         return out
+
+    def _pick(self, logits: jax.Array, draws: list[tuple[int, tuple]]) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's token of logits [R, vocab] drawn on the device (`pick_rows`): draws = (row, (params,
+        position)) for the rows that serve a request; the others draw greedily. → (tokens [R], non-finite [R])."""
+        rows = logits.shape[0]
+        params: list[SamplingParams | None] = [None] * rows
+        positions = np.zeros((rows,), np.int32)
+        for row, (sampling, position) in draws:
+            params[row], positions[row] = sampling, position
+        picks = self._timed(("pick", rows), pick_rows, logits, *device_sampling_arrays(params), positions)
+        return tuple(_to_host(x) for x in picks)
 
     def execute_burst(self, plan: SchedulerOutput, sampling: dict[str, SamplingParams], max_steps: int, *,
                       form: str | None = None) -> dict[str, BurstTokens]:  # fmt: skip

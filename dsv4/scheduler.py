@@ -155,9 +155,10 @@ class SchedulerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     """Request id → message: granting it raised (a fault in the page pool, say), so this call took it out of the
     scheduler (FINISHED_ERROR) with whatever pages it held freed; the other requests were scheduled as usual."""
-    greedy: frozenset[str] = frozenset()
-    """Requests whose chunk's logits serve only a greedy token (set by the engine): the runner picks it on the
-    device and returns a `GreedyPick`, not the [vocab] row."""
+    draws: dict[str, tuple] = field(default_factory=dict)
+    """Request id → (its `dsv4.generate.SamplingParams`, the position its token will take), set by the engine for
+    the requests whose logits serve only their token (no logprobs): the runner draws it on the device and returns a
+    `DevicePick`, not the [vocab] row, when every request of its call is here."""
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -44,10 +44,10 @@ the wall time and the kernels that take the most of it (`trace_overlap.kernel_ta
 `--decode-steps 1,4,8` adds the engine's decode loop per token, k steps a call, on `--burst-route`'s model (default
 auto, the engine's), each k from its own copy of the prefilled cache, through the runner's own jitted calls
 (`dsv4.runner._Programs`): k = 1 is `LLM`'s single step (the packed `[batch, 1]` call, the logits fetched, each row
-sampled on the host by `dsv4.generate.sample`, the tokens fed back; greedy, also row "1:greedy", the engine's
-single step for greedy requests: `dsv4.generate.greedy_rows`, only each row's token and NaN / +inf count fetched),
-k > 1 its decode burst (one call of k steps sampling on the device, `ModelRunner.execute_burst`; only the tokens
-come back). Per token, medians over rounds:
+sampled on the host by `dsv4.generate.sample`, the tokens fed back, as the engine did; row "1 (device)": its single
+step as it is, each token drawn on the device, `dsv4.generate.pick_rows`, only each row's token and NaN / +inf count
+fetched), k > 1 its decode burst (one call of k steps sampling on the device, `ModelRunner.execute_burst`; only the
+tokens come back). Per token, medians over rounds:
 ms / token (the wall time: TPOT at this batch), dispatch ms / token (the host handing the calls to the runtime) and
 host sampling ms / token (fetching the ready logits and sampling them: k = 1 only). `--burst-forms
 loop,fixed,unrolled` times each way a burst's steps can run (`dsv4.runner.BURST_FORMS`: XLA's while loop of max(steps)
@@ -192,7 +192,7 @@ def trace_steps(route, call, cache, feed, trace_dir, top=14):
 def bench_bursts(ctx, batch, kv_format, args, cache, first, state_def, state_leaves, graph):
     """The engine's decode loop, k steps a call, for each k of args.decode_steps (see the module docstring), from
     copies of the prefilled `cache` and the first tokens `first` [batch, 1]. → table rows."""
-    from dsv4.generate import GreedyPick, SamplingParams, device_sampling_arrays, greedy_rows, sample
+    from dsv4.generate import DevicePick, SamplingParams, device_sampling_arrays, pick_rows, sample
     from dsv4.runner import _programs
 
     programs = _programs(graph, state_def, None)
@@ -204,8 +204,7 @@ def bench_bursts(ctx, batch, kv_format, args, cache, first, state_def, state_lea
     valid, first = np.ones((batch,), np.int32), np.asarray(first)[:, 0].astype(np.int32)
     rows, greedy = [], {}
     for k in args.decode_steps:
-        single = ["loop", "greedy"] if args.temperature == 0 else ["loop"]
-        for form in single if k == 1 else args.burst_forms:
+        for form in ["loop", "device"] if k == 1 else args.burst_forms:
             c = jax.tree.map(jnp.copy, cache)
             rngs = [np.random.default_rng(i) for i in range(batch)]
             steps = np.full((batch,), k, np.int32)
@@ -220,9 +219,10 @@ def bench_bursts(ctx, batch, kv_format, args, cache, first, state_def, state_lea
                         t1 = time.perf_counter()
                         jax.block_until_ready(logits)
                         t2 = time.perf_counter()
-                        if form == "greedy":  # the engine's step for greedy requests: their picks come back
-                            picks, bad = (np.asarray(x) for x in greedy_rows(logits))
-                            tokens = np.array([sample(GreedyPick(int(t), int(b), logits.shape[-1]), params, rng)
+                        if form == "device":  # the engine's step: tokens drawn on the device come back
+                            at = np.full((batch,), ctx + len(made), np.int32)  # the tokens' positions
+                            picks, bad = (np.asarray(x) for x in pick_rows(logits, *arrays, at))
+                            tokens = np.array([sample(DevicePick(int(t), int(b), logits.shape[-1]), params, rng)
                                                for t, b, rng in zip(picks, bad, rngs)], np.int32)  # fmt: skip
                         else:
                             host = np.asarray(logits)  # the engine's fetch, then its per-request sampling
@@ -394,8 +394,9 @@ def main():
     p.add_argument("--trace", default=None, help="profile each route's steps once more (jax.profiler) into this "
                    "directory; print where a step's GPU time goes")  # fmt: skip
     p.add_argument("--decode-steps", default="", help="also time the engine's decode loop with k decode steps a "
-                   "call for each k, e.g. 1,4,8 (k = 1: LLM's single step with host sampling, and greedy, with its "
-                   "device pick; k > 1: its decode burst); greedy tokens compared with the smallest k's")  # fmt: skip
+                   "call for each k, e.g. 1,4,8 (k = 1: LLM's single step, with host sampling and as it is, "
+                   "drawing on the device; k > 1: its decode burst); greedy tokens compared with the smallest "
+                   "k's")  # fmt: skip
     p.add_argument("--burst-route", default="auto", help=f"the route of --decode-steps, one of {ROUTES} (default "
                    "auto: the engine's)")  # fmt: skip
     p.add_argument("--burst-forms", default="loop", help="how each burst's steps run, comma-separated, of "

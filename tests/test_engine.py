@@ -31,15 +31,16 @@ from opt_in import slow_opt_in
 import dsv4
 from dsv4.engine import LLM
 from dsv4.generate import (
-    GreedyPick,
+    DevicePick,
     SamplingParams,
     check_logits,
     device_sampling_arrays,
-    greedy_rows,
     logprobs,
     logprobs_on_device,
+    pick_rows,
     sample,
     sample_on_device,
+    sample_rows,
 )
 from dsv4.memory_plan import default_chunk_size, default_max_model_len
 from dsv4.runner import BurstTokens
@@ -556,35 +557,38 @@ def test_device_sampling_draws_the_host_distribution(params):
     assert not np.array_equal(np.asarray(draw(rows, *reseeded, np.arange(n, dtype=np.int32))), tokens)
 
 
-def test_greedy_rows_are_the_hosts_argmax_and_its_check():
-    """`greedy_rows` against `np.argmax` and `check_logits` on random rows with ties (the first wins), a masked
-    token (-inf is fine), NaN and +inf; `sample` takes the pick for a greedy request and fails it as the row would."""
+def test_device_picks_are_the_hosts_argmax_the_device_draws_and_the_check():
+    """`pick_rows` on random rows with ties (the first wins), a masked token (-inf is fine), NaN and +inf: greedy
+    rows give `np.argmax` and count what `check_logits` refuses; a sampled row gives `sample_rows`' draw; `sample`
+    returns a pick's token, or fails it as the row would."""
     rng = np.random.default_rng(6)
     logits = rng.normal(0, 3, (6, 300)).astype(np.float32)
     logits[0, [17, 203]] = logits[0].max() + 1.0  # a tie at the top
     logits[1, 4] = -np.inf
     logits[2, [5, 90]] = np.nan
     logits[3, 11] = np.inf
-    tokens, bad = (np.asarray(x) for x in greedy_rows(jnp.asarray(logits)))
+    params = [SamplingParams()] * 5 + [SamplingParams(temperature=1.0, top_p=0.9, seed=3)]
+    arrays, positions = device_sampling_arrays(params), np.arange(6, dtype=np.int32)
+    tokens, bad = (np.asarray(x) for x in pick_rows(jnp.asarray(logits), *arrays, positions))
     for row in range(6):
-        pick = GreedyPick(int(tokens[row]), int(bad[row]), 300)
+        pick = DevicePick(int(tokens[row]), int(bad[row]), 300)
         if row in (2, 3):
             with pytest.raises(ValueError, match="not finite"):
                 check_logits(logits[row])
             with pytest.raises(ValueError, match=f"not finite \\({2 if row == 2 else 1} of 300"):
-                sample(pick, SamplingParams(), np.random.default_rng(0))
+                sample(pick, params[row], np.random.default_rng(0))
         else:
-            assert bad[row] == 0 and tokens[row] == np.argmax(logits[row])
-            assert sample(pick, SamplingParams(), np.random.default_rng(0)) == np.argmax(logits[row])
+            want = np.asarray(sample_rows(logits, *arrays, positions))[row] if row == 5 else np.argmax(logits[row])
+            assert bad[row] == 0 and tokens[row] == want
+            assert sample(pick, params[row], np.random.default_rng(0)) == want
     assert tokens[0] == 17
-    with pytest.raises(ValueError, match="greedy pick for temperature=1.0"):
-        sample(GreedyPick(3, 0, 300), SamplingParams(temperature=1.0), np.random.default_rng(0))
 
 
-def test_greedy_requests_get_their_token_from_the_device(llm, monkeypatch):
-    """A step whose logits serve only greedy tokens returns `GreedyPick`s (the token and the row's NaN / +inf
-    count), not [vocab] rows; a sampled request's or a logprobs request's call still returns its rows. Tokens
-    equal the reference's (greedy) and the same request run with logprobs (its own call)."""
+def test_steps_draw_tokens_on_the_device(llm, monkeypatch):
+    """A step whose logits serve only tokens returns `DevicePick`s (the token and the row's NaN / +inf count), not
+    [vocab] rows, for greedy and sampled requests alike; a call holding a logprobs request returns its rows. Greedy
+    tokens equal the reference's, with logprobs too; a seeded sampled request gives the same tokens beside the
+    logprobs request (its rows drawn by `_draw_on_device`) as alone."""
     (prompt, want), *_ = reference_cases()
     rows, execute = [], llm.runner.execute
 
@@ -594,17 +598,21 @@ def test_greedy_requests_get_their_token_from_the_device(llm, monkeypatch):
         return out
 
     monkeypatch.setattr(llm.runner, "execute", recording)
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=4)
     greedy = llm.add_request(prompt, max_new_tokens=3)
-    sampled = llm.add_request(random_prompt(5, 3), max_new_tokens=2, sampling=SamplingParams(temperature=1.0))
+    sampled = llm.add_request(random_prompt(5, 3), max_new_tokens=3, sampling=sampling)
     while llm.has_unfinished_requests():
         llm.step()
     assert llm.pop_output(greedy).token_ids == want[:3]
-    llm.pop_output(sampled)
-    kinds = {request_id: {kind for r, kind in rows if r == request_id} for request_id in (greedy, sampled)}
-    assert kinds[sampled] == {"ndarray"} and "GreedyPick" in kinds[greedy]
+    alone = llm.pop_output(sampled).token_ids
+    assert {kind for _, kind in rows} == {"DevicePick"}
     rows.clear()
-    (out,) = llm.generate([prompt], max_new_tokens=3, sampling=SamplingParams(logprobs=2))
-    assert out.token_ids == want[:3] and {kind for _, kind in rows} == {"ndarray"}
+    with_logprobs = llm.add_request(prompt, max_new_tokens=3, sampling=SamplingParams(logprobs=2))
+    beside = llm.add_request(random_prompt(5, 3), max_new_tokens=3, sampling=sampling)
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert llm.pop_output(with_logprobs).token_ids == want[:3] and llm.pop_output(beside).token_ids == alone
+    assert "ndarray" in {kind for _, kind in rows}
     assert_idle(llm)
 
 
