@@ -15,8 +15,9 @@ slower), each from its own tree (`PYTHONPATH` and working directory), each with 
 `--out`. Nothing carries over from one process to the next unless the arguments say `--compile-cache`.
 
 It prints, per variant and length, each process's TTFT, the medians and the ratio base / this tree (> 1: this tree is
-faster), with compile times and MFUx beside; and writes OUT/ab_ttft.json with every process's own bench_ttft.json.
-`--new DIR` times another prepared tree in place of this one.
+faster), with compile times and MFUx beside; and writes OUT/ab_ttft.json with every process's own bench_ttft.json,
+after every process, so a command stopped by its time limit keeps what finished (each process's TTFT is printed as it
+ends, too). `--new DIR` times another prepared tree in place of this one.
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def main(argv=None):
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: at least 1")
     trees = {"base": args.base.resolve(), "new": args.new.resolve()}
-    runs = []
+    runs, table = [], []
+    args.out.mkdir(parents=True, exist_ok=True)
     for rnd, version in order(args.rounds):
         out = args.out / f"{version}{rnd}"
         print(f"round {rnd}: {version} ({trees[version]})", flush=True)
@@ -153,12 +155,18 @@ def main(argv=None):
         if "error" in data:
             print(f"  {data['error']}", flush=True)
             continue
+        for (setup, length, variant), rec in sorted(ttft_rows(data).items()):
+            print(f"  {setup} {length} {variant}: TTFT {rec['ttft_s'] * 1e3:.1f} ms", flush=True)
         runs.append({"version": version, "round": rnd, "tree": str(trees[version]), "bench_ttft": data})
-    table = summarize(runs) if {r["version"] for r in runs} == {"base", "new"} else []
+        # NOTE: written after every process, so a command cut off by its time limit keeps what finished
+        table = summarize(runs) if {r["version"] for r in runs} == {"base", "new"} else []
+        record = {"bench_args": bench_args, "base": str(args.base), "rounds": args.rounds, "summary": table,
+                  "runs": runs}  # fmt: skip
+        (args.out / "ab_ttft.json").write_text(json.dumps(record, indent=1))
     print_table(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    record = {"bench_args": bench_args, "base": str(args.base), "rounds": args.rounds, "summary": table, "runs": runs}
-    (args.out / "ab_ttft.json").write_text(json.dumps(record, indent=1))
+    if not runs:
+        (args.out / "ab_ttft.json").write_text(json.dumps({"bench_args": bench_args, "base": str(args.base),
+                                                           "rounds": args.rounds, "summary": [], "runs": []}))
     return 0 if table else 1
 
 

@@ -69,7 +69,28 @@ def test_run_alternates_and_gives_the_medians_ratio(trees, capsys):
     assert row["base_ttft_s"] == [3.5, 3.6, 3.4] and row["new_ttft_s"] == [3.2, 3.0, 3.1]
     assert row["ratio"] == pytest.approx(3.5 / 3.1)
     assert len(record["runs"]) == 6 and record["bench_args"] == ["--lengths", "512k"]
-    assert "1.129x" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "1.129x" in printed and "chunked-fp8idx: TTFT 3600.0 ms" in printed  # each process's TTFT as it ends
+
+
+def test_a_run_cut_off_keeps_what_finished(trees, monkeypatch):
+    """The record is written after every process: a command stopped by its time limit during the third process
+    leaves the first two, and their ratio."""
+    base, new, tmp = trees
+    run_one, calls = ab_ttft.run_one, []
+
+    def cut_off(*args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as the command's timeout would stop it
+        return run_one(*args)
+
+    monkeypatch.setattr(ab_ttft, "run_one", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        ab_ttft.main(["run", "--base", str(base), "--new", str(new), "--rounds", "2", "--out", str(tmp / "o"), "--"])
+    record = json.loads((tmp / "o" / "ab_ttft.json").read_text())
+    assert [(r["version"], r["round"]) for r in record["runs"]] == [("base", 1), ("new", 1)]
+    assert record["summary"][0]["ratio"] == pytest.approx(3.5 / 3.2)
 
 
 def test_a_failed_process_leaves_no_ratio(trees, capsys):
