@@ -460,13 +460,15 @@ def test_an_arrival_mid_stream_falls_back_to_single_steps(llm, bursts, monkeypat
 
 
 def test_seeded_sampling_with_bursts_is_reproducible(llm, bursts):
-    """temperature / top-k / top-p requests on the 4-step engine: two runs give the same tokens; a request gives
-    the same tokens alone and beside another that arrives mid-stream (its steps grouped differently: the draws
-    depend on seed and position only); another seed gives other tokens, and they are not the greedy ones."""
+    """temperature / top-k / top-p requests on the 4-step engine: two runs give the same tokens, as do single steps
+    (the 1-step engine); a request gives the same tokens alone and beside another that arrives mid-stream (its steps
+    grouped differently: the draws depend on seed and position only); another seed gives other tokens, and they are
+    not the greedy ones."""
     sampling = SamplingParams(temperature=1.5, top_k=40, top_p=0.95, seed=11)
     prompts = [random_prompt(7, 80), random_prompt(12, 81)]
     first = [o.token_ids for o in bursts.generate(prompts, max_new_tokens=10, sampling=sampling)]
     assert [o.token_ids for o in bursts.generate(prompts, max_new_tokens=10, sampling=sampling)] == first
+    assert [o.token_ids for o in llm.generate(prompts, max_new_tokens=10, sampling=sampling)] == first
     assert bursts.generate(prompts[:1], max_new_tokens=10, sampling=sampling)[0].token_ids == first[0]
     lone = bursts.add_request(prompts[0], max_new_tokens=10, sampling=sampling)
     bursts.step(), bursts.step()  # its prefill, then a burst
