@@ -8,9 +8,8 @@
 
 One engine step is: `Scheduler.schedule()` (host, pure Python: who runs, how many tokens, which pages),
 `ModelRunner.execute(plan)` (device: the chunks, padded into a few fixed shapes, and each token drawn from the last
-position's logits of each chunk that needs them: `dsv4.generate.sample_on_device`, keyed by the request's seed and
-the token's position; a request that asks for logprobs gets its logits row back for them),
-`Scheduler.update(plan, sampled)`. The
+position's logits of each chunk that needs them, `dsv4.generate.sample_on_device`, keyed by the request's seed and
+the token's position, with the logprobs asked for), `Scheduler.update(plan, sampled)`. The
 engine adds what neither side knows about: prompts as text, sampling state, per-request metrics, and the
 mapping of errors to the request that caused them.
 
@@ -61,13 +60,10 @@ from dsv4.config import SLIDING, Config
 from dsv4.generate import (
     DevicePick,
     SamplingParams,
-    check_logits,
-    device_sampling_arrays,
     is_int,
     is_real,
     logprobs,
     sample,
-    sample_rows,
 )
 from dsv4.kernels import Kernels
 from dsv4.memory_plan import GIB, KV_FORMATS, MemoryPlan, default_chunk_size, default_max_model_len, plan_memory
@@ -301,8 +297,8 @@ class LLM:
         requests draw with a key of their seed folded with the token's position, so a seeded request's tokens do
         not depend on how its steps were grouped, or on decode_steps. `SamplingParams.seed` defaults to 0, so every
         request has one: two requests left at the default draw alike (`dsv4 serve` gives a request without a seed a
-        random one). Logprobs in a burst are computed on the device too, in float32 (the host's, in single steps,
-        are float64: ~1e-6 apart). `runner.burst_form` picks how a burst's steps run
+        random one). Logprobs are computed on the device too, in float32 (`dsv4.generate.logprobs`, the host's
+        float64 reference, is ~1e-6 away). `runner.burst_form` picks how a burst's steps run
         (`dsv4.runner.BURST_FORMS`). Default 1: every step is the ordinary one.
     """
 
@@ -538,8 +534,7 @@ class LLM:
                 if metrics.first_scheduled_time is None:
                     metrics.first_scheduled_time = now
             lives = [self._live[chunk.request_id] for chunk in plan.chunks]
-            plan.draws = {lv.request.request_id: (lv.sampling, lv.request.num_tokens) for lv in lives
-                          if lv.sampling.logprobs is None}  # fmt: skip
+            plan.draws = {lv.request.request_id: (lv.sampling, lv.request.num_tokens) for lv in lives}
             return self.runner.execute(plan)
 
         logits, failure = self._execute(plan, run)
@@ -549,21 +544,17 @@ class LLM:
         sampled: dict[str, int] = {}
         extra: dict[str, tuple[float, tuple[tuple[int, float], ...]] | None] = {}
         failed: dict[str, str] = {}
-        drawn = self._draw_on_device(logits)
         for request_id, row in logits.items():
             live = self._live.get(request_id)
             if live is None or live.request.status is not RequestStatus.RUNNING:
                 continue  # cancelled while the step ran
             try:
-                if request_id in drawn:
-                    check_logits(row)
-                    if isinstance(drawn[request_id], Exception):
-                        raise drawn[request_id]
-                    token = drawn[request_id]
-                else:
-                    token = sample(row, live.sampling, live.rng)
+                token = sample(row, live.sampling, live.rng)
                 k = live.sampling.logprobs
-                extra[request_id] = None if k is None else logprobs(row, token, k)
+                if k is None or isinstance(row, DevicePick):
+                    extra[request_id] = None if k is None else (row.logprob, row.top)
+                else:
+                    extra[request_id] = logprobs(row, token, k)
             except Exception as e:  # noqa: BLE001 -- this request's fault: it fails alone
                 failed[request_id] = f"sampling failed: {type(e).__name__}: {e}"
                 continue
@@ -617,10 +608,7 @@ class LLM:
         wanted = {1, *widths}
         for length in prompt_lens:
             wanted.update(min(self.chunk_size, length - start) for start in range(0, length, self.chunk_size))
-        seconds = self.runner.warmup(wanted, decode_steps=(self.decode_steps,))
-        t0 = time.perf_counter()
-        self._draw_on_device({}, warm=True)  # the sampler of logits that come back whole
-        return seconds + time.perf_counter() - t0
+        return self.runner.warmup(wanted, decode_steps=(self.decode_steps,))
 
     # ----- batch API -------------------------------------------------------------------------------------
 
@@ -677,28 +665,6 @@ class LLM:
                 self._finished.pop(request_id, None)
 
     # ----- internals -------------------------------------------------------------------------------------
-
-    def _draw_on_device(self, logits: dict[str, np.ndarray], warm: bool = False) -> dict[str, int | Exception]:
-        """The non-greedy tokens of a step's logits that came back whole (a call holding a request that asks for
-        logprobs), drawn as every other token is (`dsv4.generate.sample_on_device`, keyed by seed and position), one
-        call for the step (padded to max_slots rows: one compilation). → request id → token, or the exception the
-        call raised."""
-        live = {rid: self._live[rid] for rid in logits if rid in self._live}
-        rows = [rid for rid, lv in live.items() if lv.sampling.temperature > 0 and lv.request.status is
-                RequestStatus.RUNNING and not isinstance(logits[rid], DevicePick)]  # fmt: skip
-        if not rows and not warm:
-            return {}
-        n = self.runner.max_slots
-        table = np.zeros((n, self.config.vocab_size), np.float32)
-        positions = np.zeros((n,), np.int32)
-        params: list[SamplingParams | None] = [None] * n
-        for i, rid in enumerate(rows):
-            table[i], params[i], positions[i] = logits[rid], live[rid].sampling, live[rid].request.num_tokens
-        try:
-            tokens = np.asarray(sample_rows(table, *device_sampling_arrays(params), positions))
-        except Exception as e:  # noqa: BLE001 -- these requests' sampling failed; the engine goes on
-            return dict.fromkeys(rows, e)
-        return {rid: int(tokens[i]) for i, rid in enumerate(rows)}
 
     def _execute(self, plan, run) -> tuple[object, list[TokenEvent] | None]:
         """The runner's call for `plan` (`run()`), its compile time charged: → (its result, None), or (None, the

@@ -228,26 +228,26 @@ def device_sampling_arrays(params: list[SamplingParams | None]) -> tuple[np.ndar
 
 class DevicePick(NamedTuple):
     """A row's token drawn on the device by its request's sampling (`pick_rows`), in place of its logits on the
-    host."""
+    host, with its logprobs when the request asked for them."""
 
     token: int
     non_finite: int
     """NaN / +inf entries in the row (nonzero: sampling fails, as `check_logits` makes it)."""
     vocab: int
+    logprob: float | None = None
+    """The token's log-probability (`logprobs_on_device`), when the request asked for logprobs."""
+    top: tuple[tuple[int, float], ...] | None = None
+    """The k most likely (token id, log-probability), most likely first, for the request's logprobs = k."""
 
 
-@jax.jit
-def pick_rows(logits, temperature, top_k, top_p, key_data, positions):
-    """`sample_on_device` for each row of logits [B, vocab], and each row's NaN / +inf count → (int32 [B],
-    int32 [B]): what a single engine step fetches instead of the logits."""
-    return sample_on_device(logits, temperature, top_k, top_p, key_data, positions), non_finite_counts(logits)
-
-
-@jax.jit
-def sample_rows(logits, temperature, top_k, top_p, key_data, positions):
-    """`sample_on_device` as its own compiled call, for logits already on the host (an engine with decode bursts
-    samples its single steps' non-greedy tokens this way too, so a request's draws never depend on the grouping)."""
-    return sample_on_device(logits, temperature, top_k, top_p, key_data, positions)
+@functools.partial(jax.jit, static_argnums=6)
+def pick_rows(logits, temperature, top_k, top_p, key_data, positions, num_top: int = 0):
+    """What a single engine step fetches instead of logits [B, vocab]: each row's token (`sample_on_device`) and its
+    NaN / +inf count, int32 [B] each; with num_top > 0 also `logprobs_on_device`'s (log-probability [B], top ids
+    [B, num_top], their log-probabilities [B, num_top])."""
+    tokens = sample_on_device(logits, temperature, top_k, top_p, key_data, positions)
+    picks = (tokens, non_finite_counts(logits))
+    return picks + logprobs_on_device(logits, tokens, num_top) if num_top else picks
 
 
 def generate(model: DeepseekV4, prompt_ids, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),

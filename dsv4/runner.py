@@ -509,21 +509,34 @@ class ModelRunner:
             if key not in host:
                 host[key] = (_to_host(logits),) if key in whole else self._pick(logits, [
                     (r, plan.draws[rid]) for other, r, rid in pending if other is logits])  # fmt: skip
-            fetched = host[key]
-            out[request_id] = (fetched[0][row] if key in whole else
-                               DevicePick(int(fetched[0][row]), int(fetched[1][row]), logits.shape[-1]))  # fmt: skip
+            out[request_id] = host[key][0][row] if key in whole else self._device_pick(
+                host[key], row, plan.draws[request_id][0], logits.shape[-1])  # fmt: skip
         return out
 
-    def _pick(self, logits: jax.Array, draws: list[tuple[int, tuple]]) -> tuple[np.ndarray, np.ndarray]:
+    def _pick(self, logits: jax.Array, draws: list[tuple[int, tuple]]) -> tuple[np.ndarray, ...]:
         """Each row's token of logits [R, vocab] drawn on the device (`pick_rows`): draws = (row, (params,
-        position)) for the rows that serve a request; the others draw greedily. → (tokens [R], non-finite [R])."""
+        position)) for the rows that serve a request; the others draw greedily. → `pick_rows`' arrays on the host,
+        with logprobs if a row asks for them."""
         rows = logits.shape[0]
         params: list[SamplingParams | None] = [None] * rows
         positions = np.zeros((rows,), np.int32)
         for row, (sampling, position) in draws:
             params[row], positions[row] = sampling, position
-        picks = self._timed(("pick", rows), pick_rows, logits, *device_sampling_arrays(params), positions)
+        num_top = min(MAX_LOGPROBS, logits.shape[-1]) if any(p is not None and p.logprobs is not None
+                                                             for p in params) else 0  # fmt: skip
+        picks = self._timed(("pick", rows, num_top), pick_rows, logits, *device_sampling_arrays(params), positions,
+                            num_top)  # fmt: skip
         return tuple(_to_host(x) for x in picks)
+
+    @staticmethod
+    def _device_pick(picks: tuple[np.ndarray, ...], row: int, sampling: SamplingParams, vocab: int) -> DevicePick:
+        """Row `row` of `_pick`'s arrays as the request's `DevicePick` (its k most likely, for logprobs = k)."""
+        token, non_finite = int(picks[0][row]), int(picks[1][row])
+        k = sampling.logprobs
+        if k is None:
+            return DevicePick(token, non_finite, vocab)
+        top = tuple((int(t), float(v)) for t, v in zip(picks[3][row][:k], picks[4][row][:k]))
+        return DevicePick(token, non_finite, vocab, float(picks[2][row]), top)
 
     def execute_burst(self, plan: SchedulerOutput, sampling: dict[str, SamplingParams], max_steps: int, *,
                       form: str | None = None) -> dict[str, BurstTokens]:  # fmt: skip

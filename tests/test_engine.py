@@ -40,7 +40,6 @@ from dsv4.generate import (
     pick_rows,
     sample,
     sample_on_device,
-    sample_rows,
 )
 from dsv4.memory_plan import default_chunk_size, default_max_model_len
 from dsv4.runner import BurstTokens
@@ -561,8 +560,8 @@ def test_device_sampling_draws_the_host_distribution(params):
 
 def test_device_picks_are_the_hosts_argmax_the_device_draws_and_the_check():
     """`pick_rows` on random rows with ties (the first wins), a masked token (-inf is fine), NaN and +inf: greedy
-    rows give `np.argmax` and count what `check_logits` refuses; a sampled row gives `sample_rows`' draw; `sample`
-    returns a pick's token, or fails it as the row would."""
+    rows give `np.argmax` and count what `check_logits` refuses; a sampled row gives `sample_on_device`'s draw; with
+    num_top, the host's logprobs within 1e-5; `sample` returns a pick's token, or fails it as the row would."""
     rng = np.random.default_rng(6)
     logits = rng.normal(0, 3, (6, 300)).astype(np.float32)
     logits[0, [17, 203]] = logits[0].max() + 1.0  # a tie at the top
@@ -572,6 +571,7 @@ def test_device_picks_are_the_hosts_argmax_the_device_draws_and_the_check():
     params = [SamplingParams()] * 5 + [SamplingParams(temperature=1.0, top_p=0.9, seed=3)]
     arrays, positions = device_sampling_arrays(params), np.arange(6, dtype=np.int32)
     tokens, bad = (np.asarray(x) for x in pick_rows(jnp.asarray(logits), *arrays, positions))
+    drawn = np.asarray(jax.jit(sample_on_device)(logits, *arrays, positions))
     for row in range(6):
         pick = DevicePick(int(tokens[row]), int(bad[row]), 300)
         if row in (2, 3):
@@ -580,17 +580,21 @@ def test_device_picks_are_the_hosts_argmax_the_device_draws_and_the_check():
             with pytest.raises(ValueError, match=f"not finite \\({2 if row == 2 else 1} of 300"):
                 sample(pick, params[row], np.random.default_rng(0))
         else:
-            want = np.asarray(sample_rows(logits, *arrays, positions))[row] if row == 5 else np.argmax(logits[row])
+            want = drawn[row] if row == 5 else np.argmax(logits[row])
             assert bad[row] == 0 and tokens[row] == want
             assert sample(pick, params[row], np.random.default_rng(0)) == want
     assert tokens[0] == 17
+    _, _, chosen, ids, values = (np.asarray(x) for x in pick_rows(jnp.asarray(logits), *arrays, positions, 4))
+    for row in (0, 1, 4, 5):
+        want_lp, want_top = logprobs(logits[row], int(tokens[row]), 4)
+        assert chosen[row] == pytest.approx(want_lp, abs=1e-5) and ids[row].tolist() == [t for t, _ in want_top]
+        assert values[row] == pytest.approx([v for _, v in want_top], abs=1e-5)
 
 
 def test_steps_draw_tokens_on_the_device(llm, monkeypatch):
-    """A step whose logits serve only tokens returns `DevicePick`s (the token and the row's NaN / +inf count), not
-    [vocab] rows, for greedy and sampled requests alike; a call holding a logprobs request returns its rows. Greedy
-    tokens equal the reference's, with logprobs too; a seeded sampled request gives the same tokens beside the
-    logprobs request (its rows drawn by `_draw_on_device`) as alone."""
+    """A step returns `DevicePick`s (the token, the row's NaN / +inf count, the logprobs asked for), not [vocab]
+    rows, for greedy, sampled and logprobs requests alike. Greedy tokens equal the reference's, with logprobs too;
+    a seeded sampled request gives the same tokens beside a logprobs request as alone."""
     (prompt, want), *_ = reference_cases()
     rows, execute = [], llm.runner.execute
 
@@ -607,14 +611,14 @@ def test_steps_draw_tokens_on_the_device(llm, monkeypatch):
         llm.step()
     assert llm.pop_output(greedy).token_ids == want[:3]
     alone = llm.pop_output(sampled).token_ids
-    assert {kind for _, kind in rows} == {"DevicePick"}
-    rows.clear()
     with_logprobs = llm.add_request(prompt, max_new_tokens=3, sampling=SamplingParams(logprobs=2))
     beside = llm.add_request(random_prompt(5, 3), max_new_tokens=3, sampling=sampling)
     while llm.has_unfinished_requests():
         llm.step()
-    assert llm.pop_output(with_logprobs).token_ids == want[:3] and llm.pop_output(beside).token_ids == alone
-    assert "ndarray" in {kind for _, kind in rows}
+    out = llm.pop_output(with_logprobs)
+    assert out.token_ids == want[:3] and len(out.logprobs) == 3 and all(len(top) == 2 for top in out.top_logprobs)
+    assert llm.pop_output(beside).token_ids == alone
+    assert {kind for _, kind in rows} == {"DevicePick"}
     assert_idle(llm)
 
 

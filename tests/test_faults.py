@@ -369,24 +369,33 @@ def test_preemption_under_a_tiny_pool_with_a_fault(llm, monkeypatch):
 
 
 def test_logprobs_are_the_log_softmax_of_the_logits(llm, monkeypatch):
-    """The chosen token's log-probability and the k most likely, from the float32 logits the runner returned."""
+    """The chosen token's log-probability and the k most likely, against the float64 log_softmax of the float32
+    logits the step's call made (drawn on the device in float32: within 1e-5)."""
     prompt = random_prompt(9, 600)
     want_tokens = alone(llm, prompt, 3)
-    rows, execute = [], llm.runner.execute
+    rows, programs, rid = [], llm.runner._programs, []
 
-    def recording(plan):
-        out = execute(plan)
-        rows.extend(np.asarray(row, np.float64) for row in out.values())
-        return out
+    def recording(step):
+        def call(*args):
+            logits, cache = step(*args)
+            row = 0 if logits.shape[0] == 1 else llm.runner.slot_of(rid[0])  # a packed call's rows are the slots
+            rows.append(np.asarray(logits, np.float64)[row])
+            return logits, cache
 
-    monkeypatch.setattr(llm.runner, "execute", recording)
-    (out,) = llm.generate([prompt], max_new_tokens=3, sampling=SamplingParams(logprobs=3))
+        return call
+
+    for name in ("slot_step", "packed_step"):
+        monkeypatch.setattr(programs, name, recording(getattr(programs, name)))
+    rid.append(llm.add_request(prompt, max_new_tokens=3, sampling=SamplingParams(logprobs=3)))
+    while llm.has_unfinished_requests():
+        llm.step()
+    out = llm.pop_output(rid[0])
     assert out.token_ids == want_tokens and len(out.logprobs) == len(out.top_logprobs) == len(rows) == 3
     for token, lp, top, row in zip(out.token_ids, out.logprobs, out.top_logprobs, rows):
         want = row - row.max() - np.log(np.exp(row - row.max()).sum())
-        assert lp == pytest.approx(want[token], abs=1e-6)
+        assert lp == pytest.approx(want[token], abs=1e-5)
         assert [t for t, _ in top] == np.argsort(-want)[:3].tolist() and top[0][0] == token  # greedy: the top one
-        assert [v for _, v in top] == pytest.approx(np.sort(want)[::-1][:3], abs=1e-6)
+        assert [v for _, v in top] == pytest.approx(np.sort(want)[::-1][:3], abs=1e-5)
     monkeypatch.undo()
     (none,) = llm.generate([prompt], max_new_tokens=1)
     assert none.logprobs is None and none.top_logprobs is None
