@@ -498,9 +498,10 @@ class ModelRunner:
             self._queued = last
             return {}
         jax.block_until_ready(self.cache)
-        # NOTE: a call whose rows all serve only their tokens draws them on the device and returns two ints a row:
-        # with V4's vocabulary a 32-request decode step's logits are 16.5 MB to fetch, and the host's sampler sorts
-        # each row for top-p (4.5 ms a request on a 2-core CPU).
+        # NOTE: a call whose rows are all in plan.draws draws their tokens (and logprobs) on the device and returns
+        # a few numbers a row: with V4's vocabulary a 32-request decode step's logits are 16.5 MB to fetch, and the
+        # host's sampler sorts each row for top-p (4.5 ms a request on a 2-core CPU). Rows come back whole only to
+        # callers that name no draws.
         whole = {id(logits) for logits, _, request_id in pending if request_id not in plan.draws}
         host: dict[int, tuple] = {}  # id(device array) → its host copy or picks, so a packed call is fetched once
         out = {}
