@@ -58,11 +58,9 @@ from dsv4.api import init_random, load
 from dsv4.cache import BlockPool, KVCacheManager, PageSpec
 from dsv4.config import SLIDING, Config
 from dsv4.generate import (
-    DevicePick,
     SamplingParams,
     is_int,
     is_real,
-    logprobs,
     sample,
 )
 from dsv4.kernels import Kernels
@@ -550,11 +548,7 @@ class LLM:
                 continue  # cancelled while the step ran
             try:
                 token = sample(row, live.sampling, live.rng)
-                k = live.sampling.logprobs
-                if k is None or isinstance(row, DevicePick):
-                    extra[request_id] = None if k is None else (row.logprob, row.top)
-                else:
-                    extra[request_id] = logprobs(row, token, k)
+                extra[request_id] = None if live.sampling.logprobs is None else (row.logprob, row.top)
             except Exception as e:  # noqa: BLE001 -- this request's fault: it fails alone
                 failed[request_id] = f"sampling failed: {type(e).__name__}: {e}"
                 continue

@@ -583,5 +583,5 @@ def plan_to_dict(plan: MemoryPlan) -> dict:
 
 
 __all__ = ["CHUNK_TOKENS_PER_DEVICE", "DEVICE_MIB", "GIB", "KV_FORMATS", "WEIGHT_FORMATS", "LedgerLine", "MemoryPlan",
-           "ParamCounts", "cache_layout", "count_params", "default_chunk_size", "device_gib", "format_plan",
-           "kv_format", "plan_memory", "plan_to_dict", "suggestions"]  # fmt: skip
+           "ParamCounts", "cache_layout", "count_params", "default_chunk_size", "default_max_model_len", "device_gib",
+           "format_plan", "kv_format", "plan_memory", "plan_to_dict", "suggestions"]  # fmt: skip

@@ -120,8 +120,12 @@ class BurstTokens(NamedTuple):
         step's `logprobs` gives them; (None, None) without k."""
         if k is None:
             return None, None
-        top = tuple((int(t), float(v)) for t, v in zip(self.top_ids[step][:k], self.top_logprobs[step][:k]))
-        return float(self.logprobs[step]), top
+        return float(self.logprobs[step]), top_pairs(self.top_ids[step], self.top_logprobs[step], k)
+
+
+def top_pairs(ids: np.ndarray, values: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:
+    """The k most likely (token id, log-probability) of `logprobs_on_device`'s ids and values, most likely first."""
+    return tuple((int(t), float(v)) for t, v in zip(ids[:k], values[:k]))
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -439,9 +443,9 @@ class ModelRunner:
         row[: len(table)] = table
         row[len(table) :] = 0
 
-    def execute(self, plan: SchedulerOutput) -> dict[str, np.ndarray | DevicePick]:
-        """Runs every chunk of the plan. → float32 logits [vocab] for each request whose chunk needs_logits, or its
-        token drawn on the device (`DevicePick`) if it is in plan.draws and every request of its call is."""
+    def execute(self, plan: SchedulerOutput) -> dict[str, DevicePick]:
+        """Runs every chunk of the plan. → for each request whose chunk needs_logits, its token drawn on the device
+        by its plan.draws entry (greedily without one), and the logprobs it asks for (`DevicePick`)."""
         for request_id in plan.preempted_request_ids:
             self.release(request_id)
         packed: list[tuple[ScheduledChunk, int]] = []
@@ -498,31 +502,30 @@ class ModelRunner:
             self._queued = last
             return {}
         jax.block_until_ready(self.cache)
-        # NOTE: a call whose rows are all in plan.draws draws their tokens (and logprobs) on the device and returns
-        # a few numbers a row: with V4's vocabulary a 32-request decode step's logits are 16.5 MB to fetch, and the
-        # host's sampler sorts each row for top-p (4.5 ms a request on a 2-core CPU). Rows come back whole only to
-        # callers that name no draws.
-        whole = {id(logits) for logits, _, request_id in pending if request_id not in plan.draws}
-        host: dict[int, tuple] = {}  # id(device array) → its host copy or picks, so a packed call is fetched once
+        # NOTE: tokens (and logprobs) are drawn on the device; a row comes back as a few numbers: with V4's
+        # vocabulary a 32-request decode step's logits are 16.5 MB to fetch, and the host's sampler sorts each row
+        # for top-p (4.5 ms a request on a 2-core CPU).
+        draws = {}  # id(device array) → [(row, (params, position) or None)]: one pick call per array
+        for logits, row, request_id in pending:
+            draws.setdefault(id(logits), (logits, []))[1].append((row, plan.draws.get(request_id)))
+        picks = {key: self._pick(logits, rows) for key, (logits, rows) in draws.items()}
         out = {}
         for logits, row, request_id in pending:
-            key = id(logits)
-            if key not in host:
-                host[key] = (_to_host(logits),) if key in whole else self._pick(logits, [
-                    (r, plan.draws[rid]) for other, r, rid in pending if other is logits])  # fmt: skip
-            out[request_id] = host[key][0][row] if key in whole else self._device_pick(
-                host[key], row, plan.draws[request_id][0], logits.shape[-1])  # fmt: skip
+            draw = plan.draws.get(request_id)
+            out[request_id] = self._device_pick(picks[id(logits)], row, None if draw is None else draw[0],
+                                                logits.shape[-1])  # fmt: skip
         return out
 
-    def _pick(self, logits: jax.Array, draws: list[tuple[int, tuple]]) -> tuple[np.ndarray, ...]:
+    def _pick(self, logits: jax.Array, draws: list[tuple[int, tuple | None]]) -> tuple[np.ndarray, ...]:
         """Each row's token of logits [R, vocab] drawn on the device (`pick_rows`): draws = (row, (params,
-        position)) for the rows that serve a request; the others draw greedily. → `pick_rows`' arrays on the host,
-        with logprobs if a row asks for them."""
+        position)) for the rows that serve a request (None, or any row not listed: greedy). → `pick_rows`' arrays
+        on the host, with logprobs if a row asks for them."""
         rows = logits.shape[0]
         params: list[SamplingParams | None] = [None] * rows
         positions = np.zeros((rows,), np.int32)
-        for row, (sampling, position) in draws:
-            params[row], positions[row] = sampling, position
+        for row, draw in draws:
+            if draw is not None:
+                params[row], positions[row] = draw
         num_top = min(MAX_LOGPROBS, logits.shape[-1]) if any(p is not None and p.logprobs is not None
                                                              for p in params) else 0  # fmt: skip
         picks = self._timed(("pick", rows, num_top), pick_rows, logits, *device_sampling_arrays(params), positions,
@@ -530,14 +533,14 @@ class ModelRunner:
         return tuple(_to_host(x) for x in picks)
 
     @staticmethod
-    def _device_pick(picks: tuple[np.ndarray, ...], row: int, sampling: SamplingParams, vocab: int) -> DevicePick:
+    def _device_pick(picks: tuple[np.ndarray, ...], row: int, sampling: SamplingParams | None,
+                     vocab: int) -> DevicePick:  # fmt: skip
         """Row `row` of `_pick`'s arrays as the request's `DevicePick` (its k most likely, for logprobs = k)."""
         token, non_finite = int(picks[0][row]), int(picks[1][row])
-        k = sampling.logprobs
+        k = None if sampling is None else sampling.logprobs
         if k is None:
             return DevicePick(token, non_finite, vocab)
-        top = tuple((int(t), float(v)) for t, v in zip(picks[3][row][:k], picks[4][row][:k]))
-        return DevicePick(token, non_finite, vocab, float(picks[2][row]), top)
+        return DevicePick(token, non_finite, vocab, float(picks[2][row]), top_pairs(picks[3][row], picks[4][row], k))
 
     def execute_burst(self, plan: SchedulerOutput, sampling: dict[str, SamplingParams], max_steps: int, *,
                       form: str | None = None) -> dict[str, BurstTokens]:  # fmt: skip

@@ -156,9 +156,8 @@ class SchedulerOutput:
     """Request id → message: granting it raised (a fault in the page pool, say), so this call took it out of the
     scheduler (FINISHED_ERROR) with whatever pages it held freed; the other requests were scheduled as usual."""
     draws: dict[str, tuple] = field(default_factory=dict)
-    """Request id → (its `dsv4.generate.SamplingParams`, the position its token will take), set by the engine: the
-    runner draws the token (and the logprobs asked for) on the device and returns a `DevicePick`, not the [vocab]
-    row, when every request of its call is here."""
+    """Request id → (its `dsv4.generate.SamplingParams`, the position its token will take), set by the engine: how
+    the runner draws the token (and the logprobs asked for) on the device; a request not here draws greedily."""
 
     @property
     def num_scheduled_tokens(self) -> int:
