@@ -504,7 +504,7 @@ class ModelRunner:
         jax.block_until_ready(self.cache)
         # NOTE: tokens (and logprobs) are drawn on the device; a row comes back as a few numbers: with V4's
         # vocabulary a 32-request decode step's logits are 16.5 MB to fetch, and the host's sampler sorts each row
-        # for top-p (4.5 ms a request on a 2-core CPU).
+        # for top-p (about 4 ms a request on a 2-core CPU, docs/BENCHMARKS.md "Decode").
         draws = {}  # id(device array) → [(row, (params, position) or None)]: one pick call per array
         for logits, row, request_id in pending:
             draws.setdefault(id(logits), (logits, []))[1].append((row, plan.draws.get(request_id)))
