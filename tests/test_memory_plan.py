@@ -119,17 +119,17 @@ def test_v4_flash_fp8_weights_fit_8_h20_at_512k_bf16_do_not():
     KV, replicated: the whole 524,288 tokens on every device, fp8-channel 2,170,302,976 B (see above) + 311,808 B
       scales = 2,170,614,784 B (2.02 GiB). Gather: one layer's new K=V rows of the chunk, 2 × 8192 × 512 × 2 B
       = 16,777,216 B.
-    Activations, 1024 tokens (8192 / 8): 1024 × 502,784 B + indexer scores 512 × 131072 × 4 (the two-pass
-      indexer's slab: 2^28 / (4 × 131072) = 512 queries per step) + logits 129280 × 4 = 783,803,392 B.
+    Activations, 1024 tokens (8192 / 8): 1024 × 502,784 B + indexer scores 1024 × 131072 × 4 (the two-pass
+      indexer's slab: 2^29 / (4 × 131072) = 1024 queries per step) + logits 129280 × 4 = 1,052,238,848 B.
       MoE exchange (1024 tokens in one step, 7 other devices): 7 × 1024 × (tokens in + 2 × 4096 × 4 B partial
       results out and back); tokens fp8 + scales (4096 + 32 × 4 B) → 265,158,656 B, bf16 (4096 × 2 B) →
       293,601,280 B.
-    fp8:  44,917,732,188 + 2,170,614,784 + 783,803,392 + 16,777,216 + 265,158,656 = 48,154,086,236 B (44.85 GiB)
-          × 1.2 = 57,784,903,484 B (53.82 GiB, rounded up)  ≤  102,625,181,696 B: fits, 44,840,278,212 B =
-          41.76 GiB spare.
-    bf16: 83,950,879,068 + 2,170,614,784 + 783,803,392 + 16,777,216 + 293,601,280 = 87,215,675,740 B (81.23 GiB)
-          × 1.2 = 104,658,810,888 B (97.47 GiB)  >  102,625,181,696 B: does not fit, 2,033,629,192 B = 1.89 GiB
-          over (the whole-context cache on every device, 2.02 GiB, tips it).
+    fp8:  44,917,732,188 + 2,170,614,784 + 1,052,238,848 + 16,777,216 + 265,158,656 = 48,422,521,692 B
+          (45.10 GiB) × 1.2 = 58,107,026,031 B (54.12 GiB, rounded up)  ≤  102,625,181,696 B: fits,
+          44,518,155,665 B = 41.46 GiB spare.
+    bf16: 83,950,879,068 + 2,170,614,784 + 1,052,238,848 + 16,777,216 + 293,601,280 = 87,484,111,196 B
+          (81.48 GiB) × 1.2 = 104,980,933,436 B (97.77 GiB)  >  102,625,181,696 B: does not fit, 2,355,751,740 B
+          = 2.19 GiB over (the whole-context cache on every device, 2.02 GiB, tips it).
     """
     fp8 = plan_memory(FLASH, context=N, devices=8, weights="fp8", device="h20")
     bf16 = plan_memory(FLASH, context=N, devices=8, weights="bf16", device="h20")
@@ -142,22 +142,22 @@ def test_v4_flash_fp8_weights_fit_8_h20_at_512k_bf16_do_not():
     assert sum(kv_by_type(fp8).values()) + w["KV cache: scale state (replicated)"] == 2_170_614_784
     assert w["communication: chunk K=V all-gather"] == 2 * 8192 * 512 * 2 == 16_777_216
     assert w["communication: MoE exchange"] == 7 * 1024 * ((4096 + 32 * 4) + 2 * 4096 * 4) == 265_158_656
-    assert w["activations: one chunk"] == 783_803_392
-    assert fp8.total_bytes == 48_154_086_236 and fp8.required_bytes == 57_784_903_484 and fp8.fits
-    assert H20 - fp8.required_bytes == 44_840_278_212
+    assert w["activations: one chunk"] == 1_052_238_848
+    assert fp8.total_bytes == 48_422_521_692 and fp8.required_bytes == 58_107_026_031 and fp8.fits
+    assert H20 - fp8.required_bytes == 44_518_155_665
 
     assert bf16.line("weights: routed experts").bytes_per_device == 69_256_347_648
     assert bf16.line("weights: dense (replicated)").bytes_per_device == 12_424_052_736
     assert bf16.line("communication: MoE exchange").bytes_per_device == 7 * 1024 * (4096 * 2 + 2 * 4096 * 4)
-    assert bf16.total_bytes == 87_215_675_740 and bf16.required_bytes == 104_658_810_888 and not bf16.fits
-    assert bf16.required_bytes - H20 == 2_033_629_192
+    assert bf16.total_bytes == 87_484_111_196 and bf16.required_bytes == 104_980_933_436 and not bf16.fits
+    assert bf16.required_bytes - H20 == 2_355_751_740
     # The advice: FP8 weights first; then the fewest devices that split the 256 experts evenly (not 9-15: the
     # engine refuses those) and fit. At 16 devices, by hand: experts 16 × 43 × 25,165,824 × 2 = 34,628,173,824;
     # replicated weights 12,424,052,736 + 2,270,478,684 and the KV cache 2,170,614,784 unchanged; 512 tokens:
     # activations 512 × 502,784 + 512 × 131072 × 4 + 129280 × 4 = 526,377,984, gather 2 × 16 × 512 × 512 × 2 =
     # 16,777,216, exchange 15 × 512 × (4096 × 2 + 2 × 4096 × 4) = 314,572,800 → 52,351,048,028 B × 1.2 = 58.5 GiB.
     tips = suggestions(bf16)
-    assert tips[0].startswith("--weights fp8: needs 53.8 GiB")
+    assert tips[0].startswith("--weights fp8: needs 54.1 GiB")
     assert tips[1] == "--devices 16: needs 58.5 GiB per device (with headroom)"
     assert plan_memory(FLASH, context=N, devices=16, weights="bf16").total_bytes == 52_351_048_028
     assert plan_memory(FLASH, context=N, devices=9, weights="bf16").fits  # fits on paper, but 9 ∤ 256
@@ -195,10 +195,10 @@ def test_cli_prints_the_ledger_and_verdict(capsys):
     assert "8 h20 device(s)" in out and "4139.5 B/token" in out and "KV cache: CSA layers" in out
     assert "KV cache replicated on every device" in out and out.count("replicated on every device") >= 4
     assert "communication: chunk K=V all-gather" in out
-    assert "fits: 41.76 GiB per device to spare" in out and "of 95.58 GiB per h20 device" in out
+    assert "fits: 41.46 GiB per device to spare" in out and "of 95.58 GiB per h20 device" in out
     assert main([*argv[:-1], "bf16"]) == 1
     out = capsys.readouterr().out
-    assert "DOES NOT FIT: 1.89 GiB per device over" in out and "--weights fp8: needs 53.8 GiB" in out
+    assert "DOES NOT FIT: 2.19 GiB per device over" in out and "--weights fp8: needs 54.1 GiB" in out
     assert "--devices 16: needs 58.5 GiB" in out
     # The old flags still work and mean the same plan.
     assert main([*argv, "--json"]) == 0
@@ -209,7 +209,7 @@ def test_cli_prints_the_ledger_and_verdict(capsys):
     assert main([*argv[:-1], "bf16", "--device", "h200", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["capacity_bytes"] == DEVICE_MIB["h200"] * MIB and plan["device"] == "h200"
-    assert main([*argv[:-1], "bf16", "--device-memory-gib", "98", "--json"]) == 0  # 97.47 ≤ 98 GiB
+    assert main([*argv[:-1], "bf16", "--device-memory-gib", "98", "--json"]) == 0  # 97.77 ≤ 98 GiB
     assert json.loads(capsys.readouterr().out)["capacity_bytes"] == 98 * GIB
 
 
@@ -229,14 +229,15 @@ def test_too_long_a_context_is_refused_naming_the_limit(capsys):
 
 
 @pytest.mark.parametrize("keys, batch, rows", [
-    (131072, 1, 512),   # 2^28 / (4 · 2^17) = 512: a 512K prompt's CSA keys
-    (32768, 1, 2048),   # 128K
-    (8192, 1, 4096),    # 8192 fits, clipped to 4096
+    (131072, 1, 1024),  # 2^29 / (4 · 2^17) = 1024: a 512K prompt's CSA keys
+    (32768, 1, 4096),   # 128K: 4096 fit
+    (8192, 1, 4096),    # 16384 fit, clipped to 4096
     (1, 1, 4096),
-    (131072, 4, 128),   # 2^28 / (4 · 4 · 2^17) = 128
-    (1 << 22, 1, 128),  # 16 fits, raised to 128
-    (100_000, 1, 640),  # 671 fits, rounded down to a multiple of 128
-    (131072 + 512, 1, 384),  # a 512K prompt and 2K generated tokens: 508 fit (a power of two would give 256)
+    (131072, 4, 256),   # 2^29 / (4 · 4 · 2^17) = 256
+    (131072, 16, 128),  # 64 fit, raised to 128
+    (1 << 23, 1, 128),  # 16 fit, raised to 128
+    (100_000, 1, 1280),  # 1342 fit, rounded down to a multiple of 128
+    (131072 + 512, 1, 896),  # a 512K prompt and 2K generated tokens: 1020 fit (a power of two would give 512)
 ])  # fmt: skip
 def test_index_slab_rows_by_hand_and_the_indexer_uses_them(keys, batch, rows):
     from dsv4.memory_plan import index_slab_rows

@@ -614,7 +614,7 @@ def index_scores(
 
 
 def default_query_chunk(num_entries: int, batch: int = 1) -> int:
-    """The most queries an `index_topk_two_pass` step takes: the float32 [B, chunk, C] scores stay within 256 MiB
+    """The most queries an `index_topk_two_pass` step takes: the float32 [B, chunk, C] scores stay within 512 MiB
     (`indexer_slab.INDEX_SLAB_BYTES`, which the memory plan counts), 128..4096, a multiple of 128."""
     return index_slab_rows(num_entries, batch)
 
@@ -663,7 +663,7 @@ def index_topk_two_pass(
     k · group elements per query. → int32 [B, S, k], ordered as `index_topk` (score desc, ties to the lower index,
     -1 past the visible count).
 
-    query_chunk: queries per step (None: as many as a 256 MiB float32 slab of the keys scored holds,
+    query_chunk: queries per step (None: as many as a 512 MiB float32 slab of the keys scored holds,
     `default_query_chunk`, evened out over the steps); group: `dsv4.topk.top_k`'s group
     size. scores_impl: "triton" (`index_scores`, any dtype) or "mgpu" (`dsv4.pallas.indexer_mgpu.index_scores_mgpu`:
     e4m3 q and keys, Hi = 64, Hopper; `mgpu_config` its MgpuScoreConfig, None for the default; with `interpret` it

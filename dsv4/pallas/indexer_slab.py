@@ -8,8 +8,10 @@ from __future__ import annotations
 __all__ = ["INDEX_SLAB_BYTES", "index_slab_rows"]
 
 # The two-pass indexer's float32 scores slab per step: queries per step at most clip(floor_128(INDEX_SLAB_BYTES /
-# (4 · keys)), 128, 4096).
-INDEX_SLAB_BYTES = 1 << 28
+# (4 · keys)), 128, 4096). 512 MiB rather than 256: a 16K-token chunk at the end of
+# a 512K prompt takes 19 steps instead of 43 (fewer top-k launches, less wave tail), 1.008× TTFT at 512K
+# (docs/BENCHMARKS.md, "Lightning indexer").
+INDEX_SLAB_BYTES = 1 << 29
 
 
 def index_slab_rows(num_keys: int, batch: int = 1) -> int:
