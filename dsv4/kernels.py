@@ -20,8 +20,9 @@ CHOICES = {
     # one-token steps: "jnp" reads the cache densely and runs the jnp core; "pallas" runs the paged decode kernel
     # on the cache as stored where it takes the stores, else the attention core
     "decode": ("jnp", "pallas"),
-    # the lightning indexer's scores and top-k (the pallas paths are two passes; "pallas-fp8" scores in e4m3)
-    "indexer": ("jnp", "pallas", "pallas-fp8", "pallas-stream"),
+    # the lightning indexer's scores and top-k (the pallas paths are two passes; "pallas-fp8" scores in e4m3 on the
+    # Mosaic GPU kernel on Hopper; "pallas-mgpu" scores bf16 on the same kernel, opt-in until timed against "pallas")
+    "indexer": ("jnp", "pallas", "pallas-fp8", "pallas-mgpu", "pallas-stream"),
     # one-token steps' indexer: "pallas" scores the keys where the cache stores them, through the block table
     "paged_indexer": ("jnp", "pallas"),
     # each refinement level of the exact grouped top-k: XLA's sort and gather, or one Pallas select kernel

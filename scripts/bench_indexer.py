@@ -5,12 +5,13 @@ whole indexer at V4-Flash shapes against the XLA path, the streaming kernel and 
 
 Sections (``--only scores,select,full``):
   scores  `index_scores` over one chunk of R queries at the end of an S-token prompt (C = S / 4 keys, all but
-          the last few visible), per tiling (rows, block_q, block_c, num_warps) and dtype; TFLOP/s of the visible
-          pairs (2 · Hi · Di per pair).
+          the last few visible), per tiling (rows, block_q, block_c, num_warps) and dtype, and the Mosaic kernel
+          (`index_scores_mgpu`) per config on e4m3 and on bf16; TFLOP/s of the visible pairs (2 · Hi · Di per pair).
   select  `dsv4.topk.top_k` (per group size) against `lax.top_k` on random float32 [R, N] rows, k = 512 / 2048.
   full    `index_topk_two_pass` at S = 32K, 128K, 512K (B = 1, Hi = 64, Di = 128, top-512; fp8 q and keys, and
-          bf16), against `dsv4.attention.index_topk_jnp` (bf16, XLA; S <= --xla-max) and the streaming kernel
-          `index_topk` (S <= --stream-max); two-pass bf16 index sets checked against the XLA path at the smallest S.
+          bf16, each with Triton or Mosaic scores), against `dsv4.attention.index_topk_jnp` (bf16, XLA; S <=
+          --xla-max) and the streaming kernel `index_topk` (S <= --stream-max); at the smallest S the two-pass bf16
+          index sets checked against the XLA path's, and the Mosaic ones against Triton's.
 Prints a table per section; medians of --reps timed calls after one warm-up call. JSON to --out.
 """
 
@@ -32,7 +33,7 @@ from jax import lax
 
 from dsv4.attention import index_topk_jnp
 from dsv4.pallas.indexer import ScoreBlocks, index_scores, index_topk, index_topk_two_pass
-from dsv4.pallas.indexer_mgpu import MgpuScoreConfig, index_scores_mgpu
+from dsv4.pallas.indexer_mgpu import MgpuScoreConfig, default_config, index_scores_mgpu
 from dsv4.topk import top_k
 
 HI, DI, RATE, FP8 = 64, 128, 4, jnp.float8_e4m3fn
@@ -102,8 +103,7 @@ def section_scores(args, rows_out):
     flops = 2 * HI * DI * visible_pairs(s_end, r)
     for fp8 in (True, False):
         inp = make_inputs(r, c, fp8=fp8, offset=s_end - r)
-        if fp8:
-            section_scores_mgpu(args, rows_out, inp, flops)
+        section_scores_mgpu(args, rows_out, inp, flops)
         for blocks in tilings:
             name = f"{'fp8' if fp8 else 'bf16'} rows={blocks.rows}{'-qT' if blocks.q_transposed else ''} " \
                    f"bq={blocks.block_q} bc={blocks.block_c} w={blocks.num_warps} st={blocks.num_stages}"  # fmt: skip
@@ -132,21 +132,23 @@ def parse_mgpu_configs(text: str) -> list[tuple[str, MgpuScoreConfig]]:
 
 
 def section_scores_mgpu(args, rows_out, inp, flops):
-    """The Mosaic FP8 scores kernel per config, checked against the Triton FP8 kernel (itself tested against the
-    reference): the -inf pattern must match exactly, the finite scores to a relative error."""
+    """The Mosaic scores kernel per config (the dtype's default first) on the inputs' dtype (e4m3 or bf16), checked
+    against the Triton kernel on the same inputs (itself tested against the reference): the -inf pattern must match
+    exactly, the finite scores to a relative error."""
+    dtype = "fp8" if inp["q"].dtype == FP8 else "bf16"
     ref = None
     try:
         ref = np.asarray(jax.jit(functools.partial(index_scores, rate=RATE, softmax_scale=DI**-0.5,
                                                    interpret=INTERPRET))(**inp))  # fmt: skip
     except Exception as e:  # noqa: BLE001
-        print(f"  scores mgpu: Triton fp8 reference FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        print(f"  scores mgpu: Triton {dtype} reference FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     interpret = None
     if INTERPRET:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
         interpret = InterpretGPUParams()
-    for name, config in parse_mgpu_configs(args.mgpu_configs):
-        name = f"fp8 mgpu {name}"
+    for name, config in [("default", default_config(inp["q"].dtype)), *parse_mgpu_configs(args.mgpu_configs)]:
+        name = f"{dtype} mgpu {name}"
         try:
             f = jax.jit(functools.partial(index_scores_mgpu, rate=RATE, softmax_scale=DI**-0.5, config=config,
                                           interpret=interpret))  # fmt: skip
@@ -213,6 +215,9 @@ def section_full(args, rows_out):
             *mgpu_runs,
             ("two-pass bf16", functools.partial(index_topk_two_pass, **static, blocks=blocks, group=args.group,
                                                  interpret=INTERPRET), "bf16"),
+            ("two-pass bf16 mgpu", functools.partial(index_topk_two_pass, **static, group=args.group,
+                                                      interpret=INTERPRET, scores_impl="mgpu",
+                                                      width_bands=args.bands[0]), "bf16"),
             ("xla bf16", functools.partial(index_topk_jnp, rate=RATE, k=args.k, softmax_scale=DI**-0.5,
                                            query_chunk=1024), "bf16"),
             ("stream fp8", functools.partial(index_topk, **static, interpret=INTERPRET), inp8),
@@ -253,6 +258,12 @@ def section_full(args, rows_out):
             print(f"  full S={s} check: two-pass fp8 mgpu vs Triton identical index sets in {same_rows:.4%} of rows",
                   flush=True)  # fmt: skip
             rows_out.append(dict(section="full-check-mgpu", s=s, same_rows=float(same_rows)))
+        if results.get("two-pass bf16") is not None and results.get("two-pass bf16 mgpu") is not None:
+            a, b = results["two-pass bf16 mgpu"], results["two-pass bf16"]
+            same_rows = np.mean([set(x) == set(y) for x, y in zip(a[0], b[0])])
+            print(f"  full S={s} check: two-pass bf16 mgpu vs Triton identical index sets in {same_rows:.4%} of rows",
+                  flush=True)  # fmt: skip
+            rows_out.append(dict(section="full-check-bf16-mgpu", s=s, same_rows=float(same_rows)))
         if results.get("two-pass bf16") is not None and results.get("xla bf16") is not None:
             a, b = results["two-pass bf16"], results["xla bf16"]
             same_rows = np.mean([set(x) == set(y) for x, y in zip(a[0], b[0])])
@@ -277,7 +288,8 @@ def main():
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--triton-tilings", type=int, default=13, help="the first N Triton tilings of the scores section")
     p.add_argument("--mgpu-configs", default="t8-s2048:tokens=8,span=2048,slots=4",
-                   help="Mosaic FP8 scores configs 'name:tokens=,span=,slots=;...' (the first is used by full)")
+                   help="Mosaic scores configs 'name:tokens=,span=,slots=;...', timed after each dtype's default on "
+                        "e4m3 and bf16 (the first is used by full's fp8 run)")
     p.add_argument("--bands", default="1", help="full: index_topk_two_pass width_bands values to time (mgpu; the first "
                                                 "also for the Triton fp8 run)")
     p.add_argument("--full-mgpu", type=int, default=1, help="full: time the first N --mgpu-configs")

@@ -1,18 +1,21 @@
-"""dsv4.pallas.indexer_mgpu: the Mosaic GPU FP8 scores kernel against the indexer's jnp reference.
+"""dsv4.pallas.indexer_mgpu: the Mosaic GPU scores kernel (e4m3 or bf16 operands) against the indexer's jnp reference.
 
 CPU (not gpu-marked):
-- the kernel lowers for CUDA at V4 shapes (Hi = 64, Di = 128, 512 queries × 32K keys, per-row scales) inside an
-  abstract H200 mesh (Pallas/Mosaic lowering, layouts and the SMEM budget; not miscompiles);
+- the kernel lowers for CUDA at V4 shapes (Hi = 64, Di = 128, 512 queries × 32K keys; e4m3 with per-row scales, and
+  bf16) inside an abstract H200 mesh (Pallas/Mosaic lowering, layouts and the SMEM budget; not miscompiles);
+- the model's bf16 route to it (`Kernels.indexer="pallas-mgpu"`) lowers as it runs on Hopper;
 - the model's FP8 indexer path (`dsv4.attention.index_topk_fp8`) on CPU, where its scores come from the Triton
   kernel (whose FP8 path tests/test_pallas_indexer.py checks against the reference in the interpreter), and its
   plumbing through `Indexer.select` (`Kernels.indexer` "pallas-fp8" against "jnp");
 - input errors.
-GPU (`-m gpu`): Gaussian e4m3 inputs at full-range scales against the reference, after a NaN-input run of the same
-shape (so a recycled output buffer holds NaN where the kernel fails to write); the two-pass top-k with this kernel.
+GPU (`-m gpu`): Gaussian e4m3 inputs at full-range scales, and Gaussian bf16 inputs, against the reference, after a
+NaN-input run of the same shape (so a recycled output buffer holds NaN where the kernel fails to write); the two-pass
+top-k with this kernel.
 
 NOTE: the Mosaic GPU interpreter is not a CI test here. `python tests/test_pallas_indexer_mgpu.py` runs
 `_interpreter_case` (integer-valued e4m3 inputs with power-of-two scales, so scores must equal the reference bit for
-bit; 13 queries in CTAs of 4, 150 keys in spans of 128). On the 2-core CPU box it hung, with two warpgroup threads
+bit; 13 queries in CTAs of 4, 150 keys in spans of 128; then integer bf16 inputs in one CTA, which passed). On the
+2-core CPU box the e4m3 case hung, with two warpgroup threads
 asleep in barrier waits and the third inside an XLA call that never returned; a one-CTA case passed twice out of
 four (docs/kernels/indexer.md; the attention kernel's interpreter run hung the same way).
 """
@@ -67,6 +70,15 @@ def _interpreter_case() -> None:
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(picks, np.asarray(index_topk_reference(**inputs, **kw, k=20)))
     print("interpreter case: OK")
+    # bf16 operands, one CTA (4 queries, 100 keys in one span): integer values, so the scores are exact
+    one = {name: x[:1, :4] for name, x in inputs.items() if name not in ("keys", "q_scale", "k_scale")}
+    one["q"] = one["q"].astype(jnp.bfloat16)
+    keys16 = inputs["keys"][:1, :100].astype(jnp.bfloat16)
+    with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
+        got = np.asarray(index_scores_mgpu(**one, keys=keys16, **kw, config=config, interpret=InterpretGPUParams()))
+    want = np.asarray(index_scores_reference(**one, keys=keys16, **kw))
+    np.testing.assert_array_equal(got, want)
+    print("bf16 interpreter case: OK")
 
 
 def test_model_indexer_with_pallas_fp8_keeps_what_jnp_keeps():
@@ -123,17 +135,23 @@ def test_fp8_indexer_picks_a_true_top_k_of_the_quantized_inputs():
     assert_true_top_k(got, scores, visible, k)
 
 
-@pytest.mark.parametrize("config", [{}, dict(consumers=2, queries_per_mma=1), dict(consumers=2, queries_per_mma=4),
-                                    dict(tokens=12, consumers=3), dict(auto_barriers=True)])
-def test_lowers_for_h200(config):
+@pytest.mark.parametrize("dtype, config", [
+    (FP8, {}), (FP8, dict(consumers=2, queries_per_mma=1)), (FP8, dict(consumers=2, queries_per_mma=4)),
+    (FP8, dict(tokens=12, consumers=3)), (FP8, dict(auto_barriers=True)),
+    (jnp.bfloat16, None), (jnp.bfloat16, dict(tokens=8, consumers=2, queries_per_mma=4)),
+    (jnp.bfloat16, dict(tokens=8, queries_per_mma=1, num_slots=4)),
+])  # fmt: skip
+def test_lowers_for_h200(dtype, config):
     b, s, c = 1, 512, 32768
     sds = jax.ShapeDtypeStruct
-    args = (sds((b, s, 64, 128), FP8), sds((b, c, 128), FP8), sds((b, s, 64), jnp.float32), sds((b, s), jnp.int32),
+    args = (sds((b, s, 64, 128), dtype), sds((b, c, 128), dtype), sds((b, s, 64), jnp.float32), sds((b, s), jnp.int32),
             sds((b, s, 64), jnp.float32), sds((b, c), jnp.float32))  # fmt: skip
+    scaled = dtype == FP8  # bf16 operands come unscaled, as the model's bf16 indexer has them
 
     def f(q, keys, weights, positions, q_scale, k_scale):
-        return index_scores_mgpu(q, keys, weights, positions, rate=4, softmax_scale=0.1, q_scale=q_scale,
-                                 k_scale=k_scale, config=MgpuScoreConfig(**config))
+        return index_scores_mgpu(q, keys, weights, positions, rate=4, softmax_scale=0.1,
+                                 q_scale=q_scale if scaled else None, k_scale=k_scale if scaled else None,
+                                 config=None if config is None else MgpuScoreConfig(**config))  # fmt: skip
 
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -143,7 +161,13 @@ def test_lowers_for_h200(config):
 @pytest.mark.parametrize("change, match", [
     (dict(q=jnp.zeros((1, 8, 32, 128), FP8), weights=jnp.zeros((1, 8, 32), jnp.float32),
           q_scale=jnp.ones((1, 8, 32), jnp.float32)), "Hi = 64"),
-    (dict(q=jnp.zeros((1, 8, 64, 128), jnp.bfloat16), q_scale=None), "float8_e4m3fn q and keys"),
+    (dict(q=jnp.zeros((1, 8, 64, 128), jnp.bfloat16), q_scale=None), "bfloat16 q and keys of one dtype"),
+    (dict(q=jnp.zeros((1, 8, 64, 128), jnp.float32), keys=jnp.zeros((1, 70, 128), jnp.float32), q_scale=None,
+          k_scale=None), "got float32 and float32"),
+    (dict(q=jnp.zeros((1, 8, 64, 96), jnp.bfloat16), keys=jnp.zeros((1, 70, 96), jnp.bfloat16), q_scale=None,
+          k_scale=None), "a multiple of 64 for bfloat16"),
+    (dict(q=jnp.zeros((1, 8, 64, 128), jnp.bfloat16), keys=jnp.zeros((1, 70, 128), jnp.bfloat16), q_scale=None,
+          k_scale=None, config=MgpuScoreConfig()), "shared memory at Di=128 in bfloat16"),  # 16 queries' q rows
 ])  # fmt: skip
 def test_input_errors(change, match):
     inputs = dict(q=jnp.zeros((1, 8, 64, 128), FP8), keys=jnp.zeros((1, 70, 128), FP8),
@@ -203,6 +227,28 @@ def test_gpu_matches_reference(seq, entries, offset, config):
 
 @gpu
 @requires_gpu
+@pytest.mark.parametrize("seq, entries, offset, config", [
+    (300, 4100, 16000, None), (77, 1000, 0, None), (77, 1000, 0, dict(tokens=8, consumers=2, queries_per_mma=4)),
+])  # fmt: skip
+def test_gpu_bf16_matches_reference(seq, entries, offset, config):
+    """bf16 operands (the model's default indexer precision): products exact in float32, sums in another order."""
+    keys_ = jax.random.split(jax.random.key(seq + 1), 3)
+    inputs = dict(q=jax.random.normal(keys_[0], (1, seq, 64, 128), jnp.bfloat16),
+                  keys=jax.random.normal(keys_[1], (1, entries, 128), jnp.bfloat16),
+                  weights=jax.random.normal(keys_[2], (1, seq, 64), jnp.float32),
+                  positions=(offset + jnp.arange(seq, dtype=jnp.int32) * 13)[None])  # fmt: skip
+    kw = dict(rate=4, softmax_scale=128**-0.5, config=None if config is None else MgpuScoreConfig(**config))
+    jax.block_until_ready(index_scores_mgpu(**dict(inputs, weights=jnp.full_like(inputs["weights"], jnp.nan)), **kw))
+    got = np.asarray(index_scores_mgpu(**inputs, **kw))
+    want = np.asarray(index_scores_reference(**inputs, rate=4, softmax_scale=128**-0.5))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    finite = np.isfinite(want)
+    assert finite.any() and not np.isnan(got).any()
+    np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=1e-5 * np.abs(want[finite]).max())
+
+
+@gpu
+@requires_gpu
 def test_gpu_two_pass_with_mgpu_scores_picks_a_true_top_k():
     rng = np.random.default_rng(5)
     s, c, k = 200, 3000, 512
@@ -234,6 +280,41 @@ def test_model_fp8_indexer_on_hopper_lowers_with_both_kernels(monkeypatch):
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "refine_top_k" in text
+
+
+def test_model_bf16_mgpu_indexer_on_hopper_lowers_the_mosaic_kernel(monkeypatch):
+    """`Kernels.indexer="pallas-mgpu"` as `Indexer.select` runs it on a Hopper GPU (on_gpu and is_hopper patched
+    true, lowered for an abstract H200): bf16 q and keys at V4's 64 heads × 128 take the Mosaic scores kernel; a
+    float32 model (not bf16) keeps the Triton one."""
+    import dataclasses
+
+    from flax import nnx
+
+    import dsv4.attention.indexer as indexer_module
+    from dsv4.attention import Indexer
+    from dsv4.config import Config
+    from dsv4.kernels import Kernels
+    from dsv4.layers import Rope
+
+    monkeypatch.setattr(indexer_module, "is_hopper", lambda: True)
+    monkeypatch.setattr(indexer_module, "on_gpu", lambda: True)
+    cfg = dataclasses.replace(Config.preset("tiny"), index_n_heads=64, index_head_dim=128, index_topk=16)
+    rope = Rope.build(cfg.rope_compress, cfg.qk_rope_head_dim)
+    b, s = 1, 64
+    texts = {}
+    for dtype in (jnp.bfloat16, jnp.float32):
+        indexer = Indexer(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=Kernels(indexer="pallas-mgpu", topk_refine="jnp"))
+        graphdef, state = nnx.split(indexer)
+
+        def f(state, x, q_residual, positions, keys):
+            return nnx.merge(graphdef, state).select(x, q_residual, positions, keys, rope)
+
+        sds = jax.ShapeDtypeStruct
+        args = (state, sds((b, s, cfg.hidden_size), dtype), sds((b, s, cfg.q_lora_rank), dtype),
+                sds((b, s), jnp.int32), sds((b, s // 4, 128), dtype))  # fmt: skip
+        with abstract_gpu_mesh():
+            texts[dtype] = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in texts[jnp.bfloat16] and "mosaic_gpu" not in texts[jnp.float32]
 
 
 if __name__ == "__main__":

@@ -666,8 +666,8 @@ def index_topk_two_pass(
     query_chunk: queries per step (None: as many as a 512 MiB float32 slab of the keys scored holds,
     `default_query_chunk`, evened out over the steps); group: `dsv4.topk.top_k`'s group
     size. scores_impl: "triton" (`index_scores`, any dtype) or "mgpu" (`dsv4.pallas.indexer_mgpu.index_scores_mgpu`:
-    e4m3 q and keys, Hi = 64, Hopper; `mgpu_config` its MgpuScoreConfig, None for the default; with `interpret` it
-    runs in the Mosaic GPU interpreter). Other arguments as `index_topk`.
+    e4m3 or bf16 q and keys, Hi = 64, Hopper; `mgpu_config` its MgpuScoreConfig, None for the dtype's default; with
+    `interpret` it runs in the Mosaic GPU interpreter). Other arguments as `index_topk`.
 
     width_bands: a chunk whose queries see at most n entries is scored and searched over only the first W keys,
     the narrowest of `band_widths(C, width_bands)` that holds n (a `lax.switch` over the bands' programs). Causal
@@ -704,10 +704,10 @@ def index_topk_two_pass(
         if scores_impl == "mgpu":
             from jax.experimental.pallas import mosaic_gpu as plmgpu
 
-            from dsv4.pallas.indexer_mgpu import MgpuScoreConfig, index_scores_mgpu
+            from dsv4.pallas.indexer_mgpu import index_scores_mgpu
 
             scores = index_scores_mgpu(qc, keys_w, wc, pc, rate=rate, softmax_scale=softmax_scale, q_scale=qsc,
-                                       k_scale=k_scale_w, config=mgpu_config or MgpuScoreConfig(),
+                                       k_scale=k_scale_w, config=mgpu_config,
                                        interpret=plmgpu.InterpretGPUParams() if interpret else None)  # fmt: skip
         else:
             scores = index_scores(qc, keys_w, wc, pc, rate=rate, softmax_scale=softmax_scale, q_scale=qsc,

@@ -1,8 +1,8 @@
-"""The lightning indexer's scores in FP8 as a Mosaic GPU (Hopper) Pallas kernel: wgmma on e4m3 operands, a TMA
+"""The lightning indexer's scores as a Mosaic GPU (Hopper) Pallas kernel: wgmma on e4m3 or bf16 operands, a TMA
 ring of key tiles, a producer warpgroup and four consumer warpgroups.
 
 Same contract as `dsv4.pallas.indexer.index_scores` for FP8 q and keys (its Triton kernel's FP8 dot ran slower than
-its bf16 one):
+its bf16 one), or bf16 q and keys (no scales):
 
     scores[b, s, c] = k_scale[b, c] · Σ_h w'[b, s, h] · ReLU(q8[b, s, h] · k8[b, c])        (c < n_vis[b, s])
                     = -inf                                                                  (c >= n_vis[b, s])
@@ -10,25 +10,27 @@ its bf16 one):
 with w' = weights · softmax_scale · q_scale (`indexer_common.fold_scales`: every scale of a whole (token, head) row
 folds into the head weight, since ReLU commutes with a positive factor), n_vis = min((p + 1) // rate, C), and -0.0
 written as +0.0. The products accumulate in the tensor core, whose e4m3 wgmma keeps fewer bits than float32 (about
-1e-3 of the largest score on full-range inputs, docs/kernels/indexer.md); the head sum runs in float32 registers.
+1e-3 of the largest score on full-range inputs, docs/kernels/indexer.md); bf16 products accumulate in float32.
+The head sum runs in float32 registers.
 
 Design:
 - One CTA = `tokens` queries × `span` keys, grid (S / tokens, ceil(C / span), B). Keys stream through a ring of
-  `num_slots` TMA slots, 64 keys × Di (8 KiB in e4m3) plus their 64 float32 scales per slot. Tiles at or past the
-  CTA's largest visible count are not loaded: they are written as -inf.
+  `num_slots` TMA slots, 64 keys × Di (8 KiB in e4m3, 16 in bf16) plus their 64 float32 scales per slot. Tiles at
+  or past the CTA's largest visible count are not loaded: they are written as -inf.
 - The last warpgroup (the producer) issues the key TMAs. Consumer warpgroup w (`consumers` of them, 4 by default)
-  owns tokens / consumers of the CTA's queries: their q rows (× 64 heads × Di, e4m3) and weights sit in SMEM for the
+  owns tokens / consumers of the CTA's queries: their q rows (× 64 heads × Di) and weights sit in SMEM for the
   whole CTA.
 - Per key tile and group of g = `queries_per_mma` queries: `acc[64 keys, 64 g] = K_tile · Q_gᵀ`, one wgmma
-  m64 n=64g k=Di with both operands K-major in SMEM (e4m3 wgmma needs that; the g queries' [heads, Di] rows are
-  contiguous as stored, passed transposed). Then per query j, its 64 columns: ReLU(acc_j) · w'_j broadcast along
-  the rows (WGMMA column layout) summed over the heads within each warp, times the keys' scales, masked, and
-  written as one row of a [tokens / consumers, 64] float32 staging tile, which a TMA stores. That epilogue costs
-  more than the wgmma: the consumers' wgmmas and epilogues interleave on the SM.
+  m64 n=64g k=Di with both operands K-major in SMEM (e4m3 wgmma needs that, bf16 takes it; the g queries' [heads,
+  Di] rows are contiguous as stored, passed transposed). Then per query j, its 64 columns: ReLU(acc_j) · w'_j
+  broadcast along the rows (WGMMA column layout) summed over the heads within each warp, times the keys' scales,
+  masked, and written as one row of a [tokens / consumers, 64] float32 staging tile, which a TMA stores. That
+  epilogue costs more than an e4m3 wgmma: the consumers' wgmmas and epilogues interleave on the SM.
 - The consumers release a slot (one arrival each) after their last wgmma on it; the producer refills it.
 
-Restrictions: Hi = 64 (the wgmma N), Di = 128 or 256 (whole 128-byte swizzled SMEM rows; tuned at 128, V4's
-index_head_dim), both q and keys float8_e4m3fn.
+Restrictions: Hi = 64 (the wgmma N); q and keys both float8_e4m3fn or both bfloat16; Di · itemsize a multiple of
+128 bytes (whole swizzled SMEM rows) and Di <= 256 (tuned at 128, V4's index_head_dim). A bf16 CTA's q rows take
+twice the SMEM, so its default CTA holds 8 queries instead of 16 (`default_config`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dsv4.pallas._device import is_hopper
 from dsv4.pallas.indexer_common import FP8, check_index_inputs, fold_scales, visible_entries
 
-__all__ = ["MgpuScoreConfig", "index_scores_mgpu", "is_hopper"]
+__all__ = ["MgpuScoreConfig", "default_config", "index_scores_mgpu", "is_hopper"]
 
 F32 = jnp.float32
 KEYS_PER_TILE = 64  # M of the wgmma
@@ -106,16 +108,22 @@ class MgpuScoreConfig:
         if set(self.debug) - {"no_mma"}:
             raise ValueError(f"MgpuScoreConfig.debug={self.debug}: unknown flags")
 
-    def smem_bytes(self, index_dim: int) -> int:
-        q = self.tokens * HEADS * index_dim
-        keys = self.num_slots * KEYS_PER_TILE * (index_dim + 4)
+    def smem_bytes(self, index_dim: int, itemsize: int = 1) -> int:
+        q = self.tokens * HEADS * index_dim * itemsize
+        keys = self.num_slots * KEYS_PER_TILE * (index_dim * itemsize + 4)
         weights = self.tokens * HEADS * 4
         staging = 2 * self.tokens * KEYS_PER_TILE * 4
         return q + keys + weights + staging
 
 
+def default_config(dtype) -> MgpuScoreConfig:
+    """The fastest measured configuration for e4m3 operands; for bf16 the same with 8 queries a CTA, as 16 queries'
+    bf16 q rows (256 KiB) exceed the SMEM (untuned: docs/kernels/indexer.md)."""
+    return MgpuScoreConfig() if jnp.dtype(dtype).itemsize == 1 else MgpuScoreConfig(tokens=8)
+
+
 def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, interpret=None):
-    """q [B, S, 64, Di] e4m3 (S a multiple of config.tokens); keys [B, C, Di] e4m3 (C a multiple of 64);
+    """q [B, S, 64, Di] e4m3 or bf16 (S a multiple of config.tokens); keys [B, C, Di] as q (C a multiple of 64);
     k_scale [B, C] f32; weights [B, S, 64] f32 (folded); n_vis [B, S] int32. → f32 [B, S, C]."""
     b, s, h, d = q.shape
     c = keys.shape[1]
@@ -219,10 +227,11 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
             def _(i):
                 plgpu.barrier_wait(consumed.at[lax.rem(i, jnp.int32(slots))])
 
-    tiled = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))  # e4m3: 128 elements = 128 bytes a row
+    dtype = q.dtype
+    tiled = (plgpu.TilingTransform((8, 128 // dtype.itemsize)), plgpu.SwizzleTransform(128))  # 128-byte rows
     scratch = [
-        plgpu.SMEM((n_cons, per * h, d), FP8, transforms=tiled),  # q rows of each consumer's queries
-        plgpu.SMEM((slots, KEYS_PER_TILE, d), FP8, transforms=tiled),  # key ring
+        plgpu.SMEM((n_cons, per * h, d), dtype, transforms=tiled),  # q rows of each consumer's queries
+        plgpu.SMEM((slots, KEYS_PER_TILE, d), dtype, transforms=tiled),  # key ring
         plgpu.SMEM((slots, KEYS_PER_TILE), F32),  # key scales ring
         plgpu.SMEM((n_cons, per, h), F32),  # folded head weights
         plgpu.SMEM((n_cons, 2, per, KEYS_PER_TILE), F32),  # output staging, double-buffered per consumer
@@ -255,24 +264,31 @@ def index_scores_mgpu(
     softmax_scale: float,
     q_scale: jax.Array | None = None,
     k_scale: jax.Array | None = None,
-    config: MgpuScoreConfig = MgpuScoreConfig(),
+    config: MgpuScoreConfig | None = None,
     interpret=None,
 ) -> jax.Array:
-    """`dsv4.pallas.indexer.index_scores` for e4m3 q [B, S, 64, Di] and keys [B, C, Di] (with their scales) on a
-    Hopper GPU. → float32 [B, S, C]: -inf where entry c is not visible (c >= (p + 1) // rate), -0.0 as +0.0.
+    """`dsv4.pallas.indexer.index_scores` for e4m3 q [B, S, 64, Di] and keys [B, C, Di] (with their scales), or bf16
+    ones, on a Hopper GPU. → float32 [B, S, C]: -inf where entry c is not visible (c >= (p + 1) // rate), -0.0 as
+    +0.0.
 
-    interpret: passed to plgpu.kernel (an InterpretGPUParams for the CPU interpreter).
+    config: None for `default_config(q.dtype)`. interpret: passed to plgpu.kernel (an InterpretGPUParams for the CPU
+    interpreter).
     """
     q_layout, k_layout = check_index_inputs(q, keys, weights, positions, rate=rate, k=1, q_scale=q_scale,
                                        k_scale=k_scale)  # fmt: skip
     b, s, h, d = q.shape
     c = keys.shape[1]
-    if q.dtype != FP8 or keys.dtype != FP8:
-        raise ValueError(f"index_scores_mgpu needs float8_e4m3fn q and keys, got {q.dtype} and {keys.dtype}")
-    if h != HEADS or d not in (128, 256):
-        raise ValueError(f"q.shape={q.shape}: index_scores_mgpu needs Hi = {HEADS} and Di = 128 or 256")
-    if config.smem_bytes(d) > _SMEM_LIMIT:
-        raise ValueError(f"{config} needs {config.smem_bytes(d)} B of shared memory at Di={d}; limit {_SMEM_LIMIT}")
+    if q.dtype != keys.dtype or q.dtype not in (FP8, jnp.bfloat16):
+        raise ValueError(f"index_scores_mgpu needs float8_e4m3fn or bfloat16 q and keys of one dtype, got {q.dtype} "
+                         f"and {keys.dtype}")  # fmt: skip
+    itemsize = q.dtype.itemsize
+    if h != HEADS or d * itemsize % 128 or d > 256:
+        raise ValueError(f"q.shape={q.shape}: index_scores_mgpu needs Hi = {HEADS} and Di <= 256 a multiple of "
+                         f"{128 // itemsize} for {q.dtype}")  # fmt: skip
+    config = config or default_config(q.dtype)
+    if config.smem_bytes(d, itemsize) > _SMEM_LIMIT:
+        raise ValueError(f"{config} needs {config.smem_bytes(d, itemsize)} B of shared memory at Di={d} in "
+                         f"{q.dtype}; limit {_SMEM_LIMIT}")  # fmt: skip
     weights, k_scale = fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout)
     weights = jnp.broadcast_to(weights, (b, s, h)).astype(F32)
     k_scale = jnp.ones((b, c), F32) if k_scale is None else jnp.broadcast_to(k_scale, (b, c)).astype(F32)
