@@ -13,11 +13,12 @@ NaN-input run of the same shape (so a recycled output buffer holds NaN where the
 top-k with this kernel.
 
 NOTE: the Mosaic GPU interpreter is not a CI test here. `python tests/test_pallas_indexer_mgpu.py` runs
-`_interpreter_case` (integer-valued e4m3 inputs with power-of-two scales, so scores must equal the reference bit for
-bit; 13 queries in CTAs of 4, 150 keys in spans of 128; then integer bf16 inputs in one CTA, which passed). On the
-2-core CPU box the e4m3 case hung, with two warpgroup threads
-asleep in barrier waits and the third inside an XLA call that never returned; a one-CTA case passed twice out of
-four (docs/kernels/indexer.md; the attention kernel's interpreter run hung the same way).
+`_interpreter_case_bf16` (integer-valued bf16 inputs in one CTA of two consumers, so scores must equal the reference
+bit for bit; on the 2-core CPU box it passed 2 runs of 3 and hung in the third, and passed with two queries a wgmma)
+and `_interpreter_case` (integer-valued e4m3 inputs with power-of-two scales; 13 queries in CTAs of 4, 150 keys in
+spans of 128). The e4m3 case hung there, with two warpgroup threads asleep in barrier waits and the third inside an
+XLA call that never returned; a one-CTA case passed twice out of four, and a bf16 CTA of four consumers hung too
+(docs/kernels/indexer.md; the attention kernel's interpreter run hung the same way).
 """
 
 from __future__ import annotations
@@ -70,13 +71,22 @@ def _interpreter_case() -> None:
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(picks, np.asarray(index_topk_reference(**inputs, **kw, k=20)))
     print("interpreter case: OK")
-    # bf16 operands, one CTA (4 queries, 100 keys in one span): integer values, so the scores are exact
-    one = {name: x[:1, :4] for name, x in inputs.items() if name not in ("keys", "q_scale", "k_scale")}
-    one["q"] = one["q"].astype(jnp.bfloat16)
-    keys16 = inputs["keys"][:1, :100].astype(jnp.bfloat16)
+
+
+def _interpreter_case_bf16() -> None:
+    """Run by hand: bf16 operands, one CTA (4 queries at positions 300..303, 100 keys in one span, 75 or 76 of them
+    visible), integer values, so the scores are exact."""
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+
+    inputs = integer_inputs(1, batch=1, seq=4, entries=100, offsets=(300,))
+    one = dict(q=inputs["q"].astype(jnp.bfloat16), keys=inputs["keys"].astype(jnp.bfloat16),
+               weights=inputs["weights"], positions=inputs["positions"])  # fmt: skip
+    kw = dict(rate=4, softmax_scale=0.25)
+    config = MgpuScoreConfig(tokens=4, span=128, num_slots=2, consumers=2, queries_per_mma=1)
     with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
-        got = np.asarray(index_scores_mgpu(**one, keys=keys16, **kw, config=config, interpret=InterpretGPUParams()))
-    want = np.asarray(index_scores_reference(**one, keys=keys16, **kw))
+        got = np.asarray(index_scores_mgpu(**one, **kw, config=config, interpret=InterpretGPUParams()))
+    want = np.asarray(index_scores_reference(**one, **kw))
+    assert np.isneginf(want).any() and np.isfinite(want).any()
     np.testing.assert_array_equal(got, want)
     print("bf16 interpreter case: OK")
 
@@ -318,4 +328,5 @@ def test_model_bf16_mgpu_indexer_on_hopper_lowers_the_mosaic_kernel(monkeypatch)
 
 
 if __name__ == "__main__":
+    _interpreter_case_bf16()
     _interpreter_case()
