@@ -252,24 +252,16 @@ def section_full(args, rows_out):
             print(f"  full S={s} check: {name} vs {mgpu_names[0]} identical index sets in {same_rows:.4%} of rows",
                   flush=True)  # fmt: skip
             rows_out.append(dict(section="full-check-mgpu-configs", s=s, name=name, same_rows=float(same_rows)))
-        if results.get("two-pass fp8") is not None and results.get("two-pass fp8 mgpu") is not None:
-            a, b = results["two-pass fp8 mgpu"], results["two-pass fp8"]
-            same_rows = np.mean([set(x) == set(y) for x, y in zip(a[0], b[0])])
-            print(f"  full S={s} check: two-pass fp8 mgpu vs Triton identical index sets in {same_rows:.4%} of rows",
-                  flush=True)  # fmt: skip
-            rows_out.append(dict(section="full-check-mgpu", s=s, same_rows=float(same_rows)))
-        if results.get("two-pass bf16") is not None and results.get("two-pass bf16 mgpu") is not None:
-            a, b = results["two-pass bf16 mgpu"], results["two-pass bf16"]
-            same_rows = np.mean([set(x) == set(y) for x, y in zip(a[0], b[0])])
-            print(f"  full S={s} check: two-pass bf16 mgpu vs Triton identical index sets in {same_rows:.4%} of rows",
-                  flush=True)  # fmt: skip
-            rows_out.append(dict(section="full-check-bf16-mgpu", s=s, same_rows=float(same_rows)))
-        if results.get("two-pass bf16") is not None and results.get("xla bf16") is not None:
-            a, b = results["two-pass bf16"], results["xla bf16"]
-            same_rows = np.mean([set(x) == set(y) for x, y in zip(a[0], b[0])])
-            print(f"  full S={s} check: two-pass bf16 vs xla bf16 identical index sets in {same_rows:.4%} of rows",
-                  flush=True)  # fmt: skip
-            rows_out.append(dict(section="full-check", s=s, same_rows=float(same_rows)))
+        for section, got, want, label in (
+            ("full-check-mgpu", "two-pass fp8 mgpu", "two-pass fp8", "two-pass fp8 mgpu vs Triton"),
+            ("full-check-bf16-mgpu", "two-pass bf16 mgpu", "two-pass bf16", "two-pass bf16 mgpu vs Triton"),
+            ("full-check", "two-pass bf16", "xla bf16", "two-pass bf16 vs xla bf16"),
+        ):  # index sets of one path against another's, row by row
+            if results.get(got) is None or results.get(want) is None:
+                continue
+            same_rows = np.mean([set(x) == set(y) for x, y in zip(results[got][0], results[want][0])])
+            print(f"  full S={s} check: {label} identical index sets in {same_rows:.4%} of rows", flush=True)
+            rows_out.append(dict(section=section, s=s, same_rows=float(same_rows)))
 
 
 def main():
