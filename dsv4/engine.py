@@ -528,27 +528,26 @@ class LLM:
         def run():
             now = time.perf_counter()
             for chunk in plan.chunks:
-                metrics = self._live[chunk.request_id].output.metrics
-                if metrics.first_scheduled_time is None:
-                    metrics.first_scheduled_time = now
-            lives = [self._live[chunk.request_id] for chunk in plan.chunks]
-            plan.draws = {lv.request.request_id: (lv.sampling, lv.request.num_tokens) for lv in lives}
+                live = self._live[chunk.request_id]
+                if live.output.metrics.first_scheduled_time is None:
+                    live.output.metrics.first_scheduled_time = now
+                plan.draws[chunk.request_id] = (live.sampling, live.request.num_tokens)  # how its token is drawn
             return self.runner.execute(plan)
 
-        logits, failure = self._execute(plan, run)
+        picks, failure = self._execute(plan, run)
         if failure is not None:
             return failure
 
         sampled: dict[str, int] = {}
         extra: dict[str, tuple[float, tuple[tuple[int, float], ...]] | None] = {}
         failed: dict[str, str] = {}
-        for request_id, row in logits.items():
+        for request_id, pick in picks.items():
             live = self._live.get(request_id)
             if live is None or live.request.status is not RequestStatus.RUNNING:
                 continue  # cancelled while the step ran
             try:
-                token = sample(row, live.sampling, live.rng)
-                extra[request_id] = None if live.sampling.logprobs is None else (row.logprob, row.top)
+                token = sample(pick, live.sampling, live.rng)
+                extra[request_id] = None if live.sampling.logprobs is None else (pick.logprob, pick.top)
             except Exception as e:  # noqa: BLE001 -- this request's fault: it fails alone
                 failed[request_id] = f"sampling failed: {type(e).__name__}: {e}"
                 continue

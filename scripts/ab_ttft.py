@@ -148,6 +148,13 @@ def main(argv=None):
     trees = {"base": args.base.resolve(), "new": args.new.resolve()}
     runs, table = [], []
     args.out.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every process, so a command cut off by its time limit keeps what finished
+        record = {"bench_args": bench_args, "base": str(args.base), "rounds": args.rounds, "summary": table,
+                  "runs": runs}  # fmt: skip
+        (args.out / "ab_ttft.json").write_text(json.dumps(record, indent=1))
+
+    save()
     for rnd, version in order(args.rounds):
         out = args.out / f"{version}{rnd}"
         print(f"round {rnd}: {version} ({trees[version]})", flush=True)
@@ -158,15 +165,9 @@ def main(argv=None):
         for (setup, length, variant), rec in sorted(ttft_rows(data).items()):
             print(f"  {setup} {length} {variant}: TTFT {rec['ttft_s'] * 1e3:.1f} ms", flush=True)
         runs.append({"version": version, "round": rnd, "tree": str(trees[version]), "bench_ttft": data})
-        # NOTE: written after every process, so a command cut off by its time limit keeps what finished
         table = summarize(runs) if {r["version"] for r in runs} == {"base", "new"} else []
-        record = {"bench_args": bench_args, "base": str(args.base), "rounds": args.rounds, "summary": table,
-                  "runs": runs}  # fmt: skip
-        (args.out / "ab_ttft.json").write_text(json.dumps(record, indent=1))
+        save()
     print_table(table)
-    if not runs:
-        (args.out / "ab_ttft.json").write_text(json.dumps({"bench_args": bench_args, "base": str(args.base),
-                                                           "rounds": args.rounds, "summary": [], "runs": []}))
     return 0 if table else 1
 
 
