@@ -20,9 +20,10 @@ CHOICES = {
     # one-token steps: "jnp" reads the cache densely and runs the jnp core; "pallas" runs the paged decode kernel
     # on the cache as stored where it takes the stores, else the attention core
     "decode": ("jnp", "pallas"),
-    # the lightning indexer's scores and top-k (the pallas paths are two passes; "pallas-fp8" scores in e4m3 on the
-    # Mosaic GPU kernel on Hopper; "pallas-mgpu" scores bf16 on the same kernel, opt-in until timed against "pallas")
-    "indexer": ("jnp", "pallas", "pallas-fp8", "pallas-mgpu", "pallas-stream"),
+    # the lightning indexer's scores and top-k (the pallas paths are two passes): "pallas" scores bf16 on the Mosaic
+    # GPU kernel on Hopper, on the Triton kernel elsewhere; "pallas-triton" always on the Triton kernel; "pallas-fp8"
+    # scores in e4m3 (Mosaic on Hopper)
+    "indexer": ("jnp", "pallas", "pallas-triton", "pallas-fp8", "pallas-stream"),
     # one-token steps' indexer: "pallas" scores the keys where the cache stores them, through the block table
     "paged_indexer": ("jnp", "pallas"),
     # each refinement level of the exact grouped top-k: XLA's sort and gather, or one Pallas select kernel
@@ -99,7 +100,7 @@ class Kernels:
             attention="pallas" if fast else "jnp",
             decode="jnp",
             indexer=indexer,
-            paged_indexer="pallas" if indexer == "pallas" else "jnp",
+            paged_indexer="pallas" if indexer in ("pallas", "pallas-triton") else "jnp",
             topk_refine="pallas" if hopper else "jnp",  # measured on Hopper only
             moe="pallas" if gpu else "jnp",
             dense="jnp",  # W8A8 measured no faster end to end (docs/BENCHMARKS.md, "Dense layers in FP8")

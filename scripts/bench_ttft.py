@@ -35,8 +35,8 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
                           holding pages 1..n)
     chunked-fp8idx   (4f) as (4) with Kernels.indexer="pallas-fp8": q and keys of the lightning indexer in e4m3, the
                           scores by the Mosaic FP8 kernel (`dsv4.pallas.indexer_mgpu`) on Hopper
-    chunked-mgpuidx  (4b) as (4) with Kernels.indexer="pallas-mgpu": the bf16 indexer's scores by the same Mosaic
-                          kernel (bf16 operands) instead of the Triton one, on Hopper
+    chunked-tritonidx (4t) as (4) with Kernels.indexer="pallas-triton": the bf16 indexer's scores by the Triton
+                          kernel instead of the Mosaic one (bf16 operands) that (4) takes on Hopper
     chunked-w8a8     (4w) as (4f) with Kernels.dense="pallas": the dense matrices a release stores in FP8 run W8A8 on
                           the stored values (`dsv4.layers.project`); the same as (4f) with bf16 weights
     chunked-loop     (4l) as (4) with the mHC Sinkhorn normalization as XLA's while loop (Kernels.sinkhorn="jnp")
@@ -232,8 +232,8 @@ VARIANTS = {v.key: v for v in [
     Variant("chunked-fp8", "(5)", "+ FP8 paged KV cache (fp8-channel)", "chunked", "pallas", "pallas", "fp8-channel"),
     Variant("chunked-fp8idx", "(4f)", "(4) + FP8 indexer (Mosaic scores)", "chunked", "pallas", "pallas",
             indexer="pallas-fp8"),
-    Variant("chunked-mgpuidx", "(4b)", "(4) + bf16 indexer on Mosaic scores", "chunked", "pallas", "pallas",
-            indexer="pallas-mgpu"),
+    Variant("chunked-tritonidx", "(4t)", "(4) with Triton indexer scores", "chunked", "pallas", "pallas",
+            indexer="pallas-triton"),
     Variant("chunked-w8a8", "(4w)", "(4f) + W8A8 dense layers (FP8 weights)", "chunked", "pallas", "pallas",
             indexer="pallas-fp8", dense="pallas"),
     Variant("chunked-loop", "(4l)", "(4) with the mHC Sinkhorn as XLA's loop", "chunked", "pallas", "pallas",
@@ -243,9 +243,9 @@ VARIANTS = {v.key: v for v in [
     Variant("pallas-attn-cap", "(2c)", "+ Pallas attn + idx, capacity MoE", "full", "pallas", "xla_cap"),
 ]}  # fmt: skip
 PRIORITY = ["pallas", "chunked", "engine", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn",
-            "chunked-fp8idx", "chunked-mgpuidx", "chunked-w8a8", "chunked-loop"]  # fmt: skip
+            "chunked-fp8idx", "chunked-tritonidx", "chunked-w8a8", "chunked-loop"]  # fmt: skip
 TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-loop", "chunked", "engine",
-               "chunked-mgpuidx", "chunked-fp8idx", "chunked-w8a8", "chunked-fp8"]  # fmt: skip
+               "chunked-tritonidx", "chunked-fp8idx", "chunked-w8a8", "chunked-fp8"]  # fmt: skip
 BASELINES = ("xla", "xla-cap")  # plain XLA: the speed-ups' denominators
 PAGE_TOKENS = 256  # (5)'s page size: a multiple of both compress rates
 

@@ -3,7 +3,7 @@
 CPU (not gpu-marked):
 - the kernel lowers for CUDA at V4 shapes (Hi = 64, Di = 128, 512 queries × 32K keys; e4m3 with per-row scales, and
   bf16) inside an abstract H200 mesh (Pallas/Mosaic lowering, layouts and the SMEM budget; not miscompiles);
-- the model's bf16 route to it (`Kernels.indexer="pallas-mgpu"`) lowers as it runs on Hopper;
+- the model's bf16 route to it (`Kernels.indexer="pallas"`, the default) lowers as it runs on Hopper;
 - the model's FP8 indexer path (`dsv4.attention.index_topk_fp8`) on CPU, where its scores come from the Triton
   kernel (whose FP8 path tests/test_pallas_indexer.py checks against the reference in the interpreter), and its
   plumbing through `Indexer.select` (`Kernels.indexer` "pallas-fp8" against "jnp");
@@ -293,9 +293,9 @@ def test_model_fp8_indexer_on_hopper_lowers_with_both_kernels(monkeypatch):
 
 
 def test_model_bf16_mgpu_indexer_on_hopper_lowers_the_mosaic_kernel(monkeypatch):
-    """`Kernels.indexer="pallas-mgpu"` as `Indexer.select` runs it on a Hopper GPU (on_gpu and is_hopper patched
+    """`Kernels.indexer="pallas"` as `Indexer.select` runs it on a Hopper GPU (on_gpu and is_hopper patched
     true, lowered for an abstract H200): bf16 q and keys at V4's 64 heads × 128 take the Mosaic scores kernel; a
-    float32 model (not bf16) keeps the Triton one."""
+    float32 model (not bf16), and "pallas-triton", keep the Triton one."""
     import dataclasses
 
     from flax import nnx
@@ -312,8 +312,8 @@ def test_model_bf16_mgpu_indexer_on_hopper_lowers_the_mosaic_kernel(monkeypatch)
     rope = Rope.build(cfg.rope_compress, cfg.qk_rope_head_dim)
     b, s = 1, 64
     texts = {}
-    for dtype in (jnp.bfloat16, jnp.float32):
-        indexer = Indexer(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=Kernels(indexer="pallas-mgpu", topk_refine="jnp"))
+    for dtype, impl in ((jnp.bfloat16, "pallas"), (jnp.float32, "pallas"), (jnp.bfloat16, "pallas-triton")):
+        indexer = Indexer(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=Kernels(indexer=impl, topk_refine="jnp"))
         graphdef, state = nnx.split(indexer)
 
         def f(state, x, q_residual, positions, keys):
@@ -323,8 +323,9 @@ def test_model_bf16_mgpu_indexer_on_hopper_lowers_the_mosaic_kernel(monkeypatch)
         args = (state, sds((b, s, cfg.hidden_size), dtype), sds((b, s, cfg.q_lora_rank), dtype),
                 sds((b, s), jnp.int32), sds((b, s // 4, 128), dtype))  # fmt: skip
         with abstract_gpu_mesh():
-            texts[dtype] = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in texts[jnp.bfloat16] and "mosaic_gpu" not in texts[jnp.float32]
+            texts[dtype, impl] = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in texts[jnp.bfloat16, "pallas"]
+    assert "mosaic_gpu" not in texts[jnp.float32, "pallas"] and "mosaic_gpu" not in texts[jnp.bfloat16, "pallas-triton"]
 
 
 if __name__ == "__main__":

@@ -65,14 +65,14 @@ class Indexer(Compressor):
         k = min(self.topk, n_keys)
         impl = self.impl
         kw = dict(rate=self.rate, k=k, softmax_scale=self.head_dim**-0.5)
-        if impl in ("pallas", "pallas-fp8", "pallas-mgpu"):
+        if impl in ("pallas", "pallas-triton", "pallas-fp8"):
             interpret = not on_gpu()
             # One width band for the call when the whole call's positions fit one band (a prefill chunk): judged
             # on the global S, since a sequence shard of a zigzag layout holds two blocks far apart.
             one_band = one_band_per_call(q.shape[1], self.rate, n_keys, FP8_WIDTH_BANDS)
-            # "pallas-mgpu": bf16 scores on the Mosaic kernel where it runs (a Hopper GPU, 64 heads, bf16 q and
-            # keys), with the FP8 path's width bands; the Triton kernel elsewhere
-            mgpu = (impl == "pallas-mgpu" and not interpret and is_hopper() and q.shape[2] == 64
+            # "pallas": bf16 scores on the Mosaic kernel where it runs (a Hopper GPU, 64 heads, bf16 q and keys;
+            # 1.37x the Triton kernel at 512K), with the FP8 path's width bands; the Triton kernel elsewhere
+            mgpu = (impl == "pallas" and not interpret and is_hopper() and q.shape[2] == 64
                     and q.dtype == keys.dtype == jnp.bfloat16)  # fmt: skip
             scores = dict(scores_impl="mgpu", width_bands=FP8_WIDTH_BANDS, call_band=one_band) if mgpu else {}
 
