@@ -167,8 +167,8 @@ def _add_engine_args(p: argparse.ArgumentParser, *, slots_default: str) -> None:
         "--chunk-size",
         type=parse_count,
         default=None,
-        help="prefill at most this many tokens of one prompt per step (default 16384 a device, at most "
-        "--max-model-len)",
+        help="prefill at most this many tokens of one prompt per step (default 32768 a device where the device has "
+        "the room, else 16384; at most --max-model-len; dsv4 serve: 16384)",
     )
     e.add_argument(
         "--mixed-chunk-size",
@@ -279,10 +279,6 @@ def _parse_kernels(text: str):
 
 
 def _make_llm(args, *, max_slots: int, max_model_len: int):
-    from dsv4.memory_plan import default_chunk_size
-
-    if args.chunk_size is None:
-        args.chunk_size = default_chunk_size(args.max_model_len or max_model_len, args.devices)
     mesh = None
     if args.devices != 1:
         import jax
@@ -348,7 +344,7 @@ def check_memory(args, *, max_slots: int, max_model_len: int) -> None:
     preset, or a CPU backend), the host's available RAM (/proc/meminfo). Says what to change."""
     import jax
 
-    from dsv4.memory_plan import GIB, plan_memory, suggestions
+    from dsv4.memory_plan import GIB, default_chunk_size, plan_memory, suggestions
 
     cfg = _model_config(args)
     dtype = args.dtype or ("float32" if args.model == "tiny" else "bfloat16")
@@ -366,8 +362,10 @@ def check_memory(args, *, max_slots: int, max_model_len: int) -> None:
     on_host = device.platform == "cpu"
     capacity = limit or (host if on_host else None)
     context = min(max_model_len, cfg.max_position_embeddings)
+    # With no --chunk-size the short default: the engine takes the long one only where the device has the room.
+    chunk = args.chunk_size or default_chunk_size(context, args.devices)
     plan = plan_memory(cfg, context=context, devices=args.devices, kv_format=kv, weights=weights,
-                       chunk_size=min(args.chunk_size, context), device_memory_gib=(capacity or GIB) / GIB)  # fmt: skip
+                       chunk_size=min(chunk, context), device_memory_gib=(capacity or GIB) / GIB)  # fmt: skip
     scale = (4 if dtype == "float32" else 2) / 2  # the plan counts 2-byte weights and activations
     needed = plan.required_bytes * scale + plan.more_slots_bytes(max_slots)
     where = "host RAM available (MemAvailable)" if on_host and not limit else f"{device.platform} device memory"

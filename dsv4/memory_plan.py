@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dsv4.cache.layout import DEFAULT_FP8_FORMAT, FORMAT_NAMES, CacheLayout, KVFormat
@@ -353,10 +354,13 @@ def _kv_lines(config: Config, layout: CacheLayout, context: int) -> list[LedgerL
     return lines
 
 
-# Prefill chunk tokens a device, the engine's default: at 512K on one H200, 16K-token chunks took 5593 ms against
-# 5912 ms for 8K (the MoE's grouped GEMMs run faster on more tokens); 32K took 2.4% less again for 4 GiB more peak
-# memory (docs/BENCHMARKS.md, the ablation's step table), and 16K is the size the current code is measured at.
+# Prefill chunk tokens a device, the engine's defaults: 32K where the device has the room, else 16K. At 512K on one
+# H100, 32K-token chunks took 3462 ms against 3605 ms for 16K (1.041x) for 2.5 GiB more peak memory; on an H200 16K
+# took 5593 ms against 5912 ms for 8K. The MoE's grouped GEMMs run faster on more tokens, and fewer chunks launch
+# fewer kernels (docs/BENCHMARKS.md, the ablation's step table). 32K costs V4-Flash at 512K on 8 devices 14.3 GiB
+# more a device with the headroom.
 CHUNK_TOKENS_PER_DEVICE = 16384
+LONG_CHUNK_TOKENS_PER_DEVICE = 32768
 
 
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -368,10 +372,13 @@ def default_max_model_len(config: Config) -> int:
     return min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
 
 
-def default_chunk_size(context: int, devices: int = 1) -> int:
-    """The default prefill chunk: `CHUNK_TOKENS_PER_DEVICE` tokens a device (a chunk's tokens are split over the
-    devices), at most `context` (a longer chunk would only compile a wider call that no prompt fills)."""
-    return max(1, min(CHUNK_TOKENS_PER_DEVICE * devices, context))
+def default_chunk_size(context: int, devices: int = 1, fits: Callable[[int], bool] | None = None) -> int:
+    """The default prefill chunk: `LONG_CHUNK_TOKENS_PER_DEVICE` tokens a device where `fits(chunk)` says the device
+    has the room for it, else `CHUNK_TOKENS_PER_DEVICE` (also when `fits` is None); a chunk's tokens are split over
+    the devices, and a chunk is at most `context` (a longer one would only compile a wider call no prompt fills)."""
+    short = max(1, min(CHUNK_TOKENS_PER_DEVICE * devices, context))
+    long = max(1, min(LONG_CHUNK_TOKENS_PER_DEVICE * devices, context))
+    return long if long > short and fits is not None and fits(long) else short
 
 
 def plan_memory(
@@ -582,6 +589,7 @@ def plan_to_dict(plan: MemoryPlan) -> dict:
     }  # fmt: skip
 
 
-__all__ = ["CHUNK_TOKENS_PER_DEVICE", "DEVICE_MIB", "GIB", "KV_FORMATS", "WEIGHT_FORMATS", "LedgerLine", "MemoryPlan",
-           "ParamCounts", "cache_layout", "count_params", "default_chunk_size", "default_max_model_len", "device_gib",
-           "format_plan", "kv_format", "plan_memory", "plan_to_dict", "suggestions"]  # fmt: skip
+__all__ = ["CHUNK_TOKENS_PER_DEVICE", "DEVICE_MIB", "GIB", "KV_FORMATS", "LONG_CHUNK_TOKENS_PER_DEVICE",
+           "WEIGHT_FORMATS", "LedgerLine", "MemoryPlan", "ParamCounts", "cache_layout", "count_params",
+           "default_chunk_size", "default_max_model_len", "device_gib", "format_plan", "kv_format", "plan_memory",
+           "plan_to_dict", "suggestions"]  # fmt: skip

@@ -105,11 +105,54 @@ def test_paged_cache_layout(llm):
         LLM(llm.model, max_slots=1, max_model_len=64, page_size=24)
 
 
-def test_default_chunk_is_16k_tokens_a_device_at_most_max_model_len(llm):
-    """By hand: 16384 tokens a device (the measured faster chunk), never past max_model_len."""
+def test_default_chunk_is_32k_tokens_a_device_where_it_fits_else_16k_at_most_max_model_len(llm, monkeypatch):
+    """By hand: 32768 tokens a device where `fits` accepts it, else (or with no `fits`) 16384; never past
+    max_model_len. The engine asks the device (the two sizes scaled to 1024 and 512 for the tiny model's 4096
+    positions): the CPU reports no memory limit (the short chunk); a stand-in reporting a large limit gets the long
+    one, one with room for the plan's runtime lines at the short chunk but not at the long one the short chunk."""
     assert LLM(llm.model, max_slots=1, max_model_len=64, warmup=False).chunk_size == 64
     assert default_chunk_size(100_000) == 16384 and default_chunk_size(100_000, devices=8) == 100_000
     assert default_chunk_size(1 << 20, devices=8) == 131072 and default_chunk_size(1 << 20, devices=3) == 49152
+    asked = []
+    assert default_chunk_size(100_000, fits=lambda c: asked.append(c) or True) == 32768 and asked == [32768]
+    assert default_chunk_size(100_000, fits=lambda c: False) == 16384
+    assert default_chunk_size(20_000, fits=lambda c: True) == 20_000 and default_chunk_size(16384, fits=None) == 16384
+    assert default_chunk_size(1 << 20, devices=8, fits=lambda c: c <= 200_000) == 131072
+
+    import dsv4.memory_plan as memory_plan
+
+    monkeypatch.setattr(memory_plan, "LONG_CHUNK_TOKENS_PER_DEVICE", 1024)
+    monkeypatch.setattr(memory_plan, "CHUNK_TOKENS_PER_DEVICE", 512)
+    real = jax.local_devices()[0]
+    model_len = 4000
+    plan, small = (memory_plan.plan_memory(llm.model.config, context=model_len, devices=1, kv_format="bf16",
+                                           weights="fp8", chunk_size=chunk) for chunk in (1024, 512))  # fmt: skip
+    runtime = {n: sum(line.bytes_per_device for line in p.lines if not line.name.startswith("weights:")
+                      or "transient" in line.name) for n, p in (("long", plan), ("short", small))}  # fmt: skip
+    assert runtime["long"] > runtime["short"]
+    between = int(1.2 * (runtime["long"] + runtime["short"]) / 2)  # room for the short chunk's runtime only
+
+    class Reporting:  # the real device, reporting `limit` bytes, none in use
+        def __init__(self, limit):
+            self.limit = limit
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def memory_stats(self):
+            return {"bytes_limit": self.limit, "bytes_in_use": 0}
+
+        def __eq__(self, other):
+            return other is self or other == real
+
+        __hash__ = object.__hash__
+
+    assert LLM(llm.model, max_slots=1, max_model_len=model_len, kv_format="bf16", warmup=False).chunk_size == 512
+    for limit, want in ((1 << 40, 1024), (between, 512)):
+        with monkeypatch.context() as m:
+            m.setattr(jax, "local_devices", lambda limit=limit: [Reporting(limit)])
+            got = LLM(llm.model, max_slots=1, max_model_len=model_len, kv_format="bf16", warmup=False).chunk_size
+        assert got == want, (limit, got)
 
 
 def test_default_max_model_len_is_32k_at_most_the_model_positions(llm):
