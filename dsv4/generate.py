@@ -155,7 +155,18 @@ def sampling_key_data(seed: int) -> tuple[int, int]:
     return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
 
 
-def sample_on_device(logits, temperature, top_k, top_p, key_data, positions):
+SAMPLING_MODES = ("greedy", "sample", "restrict")
+
+
+def sampling_mode(temperature, top_k, top_p) -> str:
+    """Which of `sample_on_device`'s paths the host arrays of `device_sampling_arrays` take, decided on the host:
+    "greedy" (no row samples), "restrict" (a row limits top_k or top_p), else "sample"."""
+    if not np.any(np.asarray(temperature) > 0):
+        return "greedy"
+    return "restrict" if np.any((np.asarray(top_k) > 0) | (np.asarray(top_p) < 1)) else "sample"
+
+
+def sample_on_device(logits, temperature, top_k, top_p, key_data, positions, mode: str | None = None):
     """One token per row of float32 logits [B, vocab], each row by its own request's parameters, inside a jitted
     program: temperature [B] float32 (0: greedy), top_k [B] int32 (0: off), top_p [B] float32 (1: off), key_data
     [B, 2] uint32 (`sampling_key_data` of the seed), positions [B] int32 (where the sampled token will sit). → int32
@@ -166,7 +177,13 @@ def sample_on_device(logits, temperature, top_k, top_p, key_data, positions):
     ties at the k-th kept; then the smallest most-likely set whose mass reaches top_p, every token tied with its least
     likely member kept) by the Gumbel-max trick, with noise from the seed's key folded with the position: a
     request's draws depend on its seed and positions only, not on the batch or on how its steps were grouped. They are
-    not numpy's draws: a seeded request's tokens differ from `sample`'s."""
+    not numpy's draws: a seeded request's tokens differ from `sample`'s.
+
+    mode: None decides the paths on the device (`lax.cond`); or `sampling_mode` of the same arrays, decided on the
+    host. A GPU copies a conditional's predicate to the host before it runs the branch, a sync in the middle of
+    the call; a mode that the arrays do not match gives wrong tokens."""
+    if mode is not None and mode not in SAMPLING_MODES:
+        raise ValueError(f"mode={mode!r}: None or one of {SAMPLING_MODES}")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     vocab = logits.shape[-1]
 
@@ -186,7 +203,10 @@ def sample_on_device(logits, temperature, top_k, top_p, key_data, positions):
             floor = jnp.where(top_p[:, None] < 1, jnp.maximum(least, kth), kth)
             return jnp.where(z >= floor, z, -jnp.inf)
 
-        filtered = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), restrict, lambda: z)
+        if mode is None:
+            filtered = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), restrict, lambda: z)
+        else:
+            filtered = restrict() if mode == "restrict" else z
         keys = jax.vmap(lambda d, p: jax.random.fold_in(jax.random.wrap_key_data(d, impl="threefry2x32"), p))(
             key_data, positions
         )
@@ -194,7 +214,9 @@ def sample_on_device(logits, temperature, top_k, top_p, key_data, positions):
         drawn = jnp.argmax(filtered + noise, axis=-1).astype(jnp.int32)
         return jnp.where(temperature > 0, drawn, greedy)
 
-    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
+    if mode is None:
+        return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
+    return greedy if mode == "greedy" else draw()
 
 
 def logprobs_on_device(logits, tokens, num_top: int):
@@ -240,12 +262,13 @@ class DevicePick(NamedTuple):
     """The k most likely (token id, log-probability), most likely first, for the request's logprobs = k."""
 
 
-@functools.partial(jax.jit, static_argnums=6)
-def pick_rows(logits, temperature, top_k, top_p, key_data, positions, num_top: int = 0):
-    """What a single engine step fetches instead of logits [B, vocab]: each row's token (`sample_on_device`) and its
-    NaN / +inf count, int32 [B] each; with num_top > 0 also `logprobs_on_device`'s (log-probability [B], top ids
-    [B, num_top], their log-probabilities [B, num_top])."""
-    tokens = sample_on_device(logits, temperature, top_k, top_p, key_data, positions)
+@functools.partial(jax.jit, static_argnums=(6, 7))
+def pick_rows(logits, temperature, top_k, top_p, key_data, positions, num_top: int = 0, mode: str | None = None):
+    """What a single engine step fetches instead of logits [B, vocab]: each row's token (`sample_on_device`, its
+    `mode`: the engine passes `sampling_mode` of the arrays) and its NaN / +inf count, int32 [B] each; with num_top
+    > 0 also `logprobs_on_device`'s (log-probability [B], top ids [B, num_top], their log-probabilities [B,
+    num_top])."""
+    tokens = sample_on_device(logits, temperature, top_k, top_p, key_data, positions, mode)
     picks = (tokens, non_finite_counts(logits))
     return picks + logprobs_on_device(logits, tokens, num_top) if num_top else picks
 

@@ -68,6 +68,7 @@ from dsv4.generate import (
     non_finite_counts,
     pick_rows,
     sample_on_device,
+    sampling_mode,
 )
 from dsv4.model import DeepseekV4
 from dsv4.scheduler import ScheduledChunk, SchedulerOutput
@@ -420,7 +421,8 @@ class ModelRunner:
                 tokens, valid = np.zeros((1, width), np.int32), np.zeros((1,), np.int32)
                 logits, self.cache = self._timed(("slot", width), self._programs.slot_step, self._weights,
                                                  self.cache, jnp.int32(0), tokens, valid, self._tables())  # fmt: skip
-            self._pick(logits, [])
+            for draw in (None, SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5)):
+                self._pick(logits, [] if draw is None else [(0, (draw, 0))])  # each `sampling_mode`
         return time.perf_counter() - t0
 
     # ----- one step --------------------------------------------------------------------------------------
@@ -528,8 +530,9 @@ class ModelRunner:
                 params[row], positions[row] = draw
         num_top = min(MAX_LOGPROBS, logits.shape[-1]) if any(p is not None and p.logprobs is not None
                                                              for p in params) else 0  # fmt: skip
-        picks = self._timed(("pick", rows, num_top), pick_rows, logits, *device_sampling_arrays(params), positions,
-                            num_top)  # fmt: skip
+        arrays = device_sampling_arrays(params)
+        mode = sampling_mode(*arrays[:3])  # on the host: no conditional (a device-to-host sync) inside the call
+        picks = self._timed(("pick", rows, num_top, mode), pick_rows, logits, *arrays, positions, num_top, mode)
         return tuple(_to_host(x) for x in picks)
 
     @staticmethod

@@ -45,9 +45,10 @@ the wall time and the kernels that take the most of it (`trace_overlap.kernel_ta
 auto, the engine's), each k from its own copy of the prefilled cache, through the runner's own jitted calls
 (`dsv4.runner._Programs`): k = 1 is `LLM`'s single step (the packed `[batch, 1]` call, the logits fetched, each row
 sampled on the host by `dsv4.generate.sample`, the tokens fed back, as the engine did; row "1 (device)": its single
-step as it is, each token drawn on the device, `dsv4.generate.pick_rows`, only each row's token and NaN / +inf count
-fetched), k > 1 its decode burst (one call of k steps sampling on the device, `ModelRunner.execute_burst`; only the
-tokens come back). Per token, medians over rounds:
+step as it is, each token drawn on the device, `dsv4.generate.pick_rows` with its sampling mode decided on the host,
+only each row's token and NaN / +inf count fetched; row "1 (device-cond)": the same with the mode decided on the
+device by conditionals), k > 1 its decode burst (one call of k steps sampling on the device,
+`ModelRunner.execute_burst`; only the tokens come back). Per token, medians over rounds:
 ms / token (the wall time: TPOT at this batch), dispatch ms / token (the host handing the calls to the runtime) and
 host sampling ms / token (fetching the ready logits and sampling them: k = 1 only). `--burst-forms
 loop,fixed,unrolled` times each way a burst's steps can run (`dsv4.runner.BURST_FORMS`: XLA's while loop of max(steps)
@@ -192,19 +193,20 @@ def trace_steps(route, call, cache, feed, trace_dir, top=14):
 def bench_bursts(ctx, batch, kv_format, args, cache, first, state_def, state_leaves, graph):
     """The engine's decode loop, k steps a call, for each k of args.decode_steps (see the module docstring), from
     copies of the prefilled `cache` and the first tokens `first` [batch, 1]. → table rows."""
-    from dsv4.generate import DevicePick, SamplingParams, device_sampling_arrays, pick_rows, sample
+    from dsv4.generate import DevicePick, SamplingParams, device_sampling_arrays, pick_rows, sample, sampling_mode
     from dsv4.runner import _programs
 
     programs = _programs(graph, state_def, None)
     table = np.asarray(cache.block_table)  # passed every call, as the runner passes its host mirror
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     arrays = device_sampling_arrays([params] * batch)
+    mode = sampling_mode(*arrays[:3])
     unit = math.lcm(*args.decode_steps)
     n_tokens = -(-args.steps // unit) * unit  # every k makes the same tokens
     valid, first = np.ones((batch,), np.int32), np.asarray(first)[:, 0].astype(np.int32)
     rows, greedy = [], {}
     for k in args.decode_steps:
-        for form in ["loop", "device"] if k == 1 else args.burst_forms:
+        for form in ["loop", "device", "device-cond"] if k == 1 else args.burst_forms:
             c = jax.tree.map(jnp.copy, cache)
             rngs = [np.random.default_rng(i) for i in range(batch)]
             steps = np.full((batch,), k, np.int32)
@@ -219,9 +221,10 @@ def bench_bursts(ctx, batch, kv_format, args, cache, first, state_def, state_lea
                         t1 = time.perf_counter()
                         jax.block_until_ready(logits)
                         t2 = time.perf_counter()
-                        if form == "device":  # the engine's step: tokens drawn on the device come back
+                        if form != "loop":  # the engine's step: tokens drawn on the device come back
                             at = np.full((batch,), ctx + len(made), np.int32)  # the tokens' positions
-                            picks, bad = (np.asarray(x) for x in pick_rows(logits, *arrays, at))
+                            how = mode if form == "device" else None
+                            picks, bad = (np.asarray(x) for x in pick_rows(logits, *arrays, at, 0, how))
                             tokens = np.array([sample(DevicePick(int(t), int(b), logits.shape[-1]), params, rng)
                                                for t, b, rng in zip(picks, bad, rngs)], np.int32)  # fmt: skip
                         else:
