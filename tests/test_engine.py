@@ -638,26 +638,32 @@ def test_device_picks_are_the_hosts_argmax_the_device_draws_and_the_check():
 def test_sampling_mode_decided_on_the_host_draws_what_the_device_conditionals_draw():
     """`sampling_mode` by hand (greedy: no row samples; restrict: a row limits top_k or top_p, even a greedy one, as
     the device conditional tests it; else sample), and `pick_rows` with that mode gives the tokens of the
-    conditionals' path (mode None) on rows with ties and a masked token; an unknown mode is refused."""
+    conditionals' path (mode None) on rows with ties and a masked token, and the restricted rows' tokens are among
+    their 5 largest logits (a flat distribution, so an unrestricted draw would leave them); an unknown mode is
+    refused."""
     greedy, plain = SamplingParams(), SamplingParams(temperature=0.7, seed=2)
+    top5 = dataclasses.replace(plain, top_k=5)
+    n = 40
     cases = {
-        "greedy": [greedy, greedy, None],
-        "sample": [greedy, plain, None],
-        "restrict": [plain, dataclasses.replace(plain, top_k=5), None],
+        "greedy": [greedy] * (n - 1) + [None],
+        "sample": [greedy, plain] * (n // 2 - 1) + [plain, None],
+        "restrict": [plain] + [top5] * (n - 2) + [None],
     }
     assert sampling_mode(*device_sampling_arrays([greedy, SamplingParams(top_p=0.5)])[:3]) == "greedy"
     assert sampling_mode(*device_sampling_arrays([plain, SamplingParams(top_p=0.5)])[:3]) == "restrict"
     rng = np.random.default_rng(11)
-    logits = rng.normal(0, 2, (3, 257)).astype(np.float32)
-    logits[:, [3, 200]] = logits.max() + 1.0  # a tie at the top of every row
+    logits = rng.normal(0, 0.3, (n, 257)).astype(np.float32)
+    logits[:, [3, 200]] = logits.max() + 0.1  # a tie at the top of every row
     logits[1, 7] = -np.inf
-    positions = np.arange(3, dtype=np.int32) + 40
+    positions = np.arange(n, dtype=np.int32) + 40
     for mode, params in cases.items():
         arrays = device_sampling_arrays(params)
         assert sampling_mode(*arrays[:3]) == mode
         on_host = [np.asarray(x) for x in pick_rows(jnp.asarray(logits), *arrays, positions, 0, mode)]
         on_device = [np.asarray(x) for x in pick_rows(jnp.asarray(logits), *arrays, positions)]
         assert all(np.array_equal(a, b) for a, b in zip(on_host, on_device)), mode
+    top = np.argsort(-logits, axis=1, kind="stable")[:, :5]
+    assert all(on_host[0][row] in top[row] for row in range(1, n - 1))
     with pytest.raises(ValueError, match="mode='topp'"):
         sample_on_device(jnp.asarray(logits), *device_sampling_arrays(cases["sample"]), positions, "topp")
 
