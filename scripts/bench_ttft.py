@@ -40,6 +40,7 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
     chunked-w8a8     (4w) as (4f) with Kernels.dense="pallas": the dense matrices a release stores in FP8 run W8A8 on
                           the stored values (`dsv4.layers.project`); the same as (4f) with bf16 weights
     chunked-loop     (4l) as (4) with the mHC Sinkhorn normalization as XLA's while loop (Kernels.sinkhorn="jnp")
+    chunked-2x       (4x) as (4) in chunks of twice ``--chunk`` (the chunk size's effect, side by side in one process)
     engine           (4e) the prompt through `dsv4.LLM(model)` with default arguments (kernels "auto", the paged cache)
                           but ``--chunk``; TTFT = the request's own, arrival to first sampled token
     xla-cap          (1c) as (1) with a capacity-padded batched-einsum MoE (defined in this script, not in dsv4:
@@ -200,6 +201,7 @@ class Variant:
     indexer: str | None = None  # Kernels.indexer (None: "jnp" under the jnp attention, "pallas" otherwise)
     dense: str | None = None  # Kernels.dense (None: "jnp")
     sinkhorn_loop: bool = False  # the mHC Sinkhorn as XLA's while loop (Kernels.sinkhorn="jnp")
+    chunks_of: int = 1  # chunked only: chunks of this many times --chunk
 
 
 def variant_kernels(attention: str, moe: str, indexer: str | None = None, sinkhorn_loop: bool = False,
@@ -238,14 +240,15 @@ VARIANTS = {v.key: v for v in [
             indexer="pallas-fp8", dense="pallas"),
     Variant("chunked-loop", "(4l)", "(4) with the mHC Sinkhorn as XLA's loop", "chunked", "pallas", "pallas",
             sinkhorn_loop=True),
+    Variant("chunked-2x", "(4x)", "(4) in chunks of 2 x --chunk", "chunked", "pallas", "pallas", chunks_of=2),
     Variant("engine", "(4e)", "(4) through dsv4.LLM, default arguments", "engine", "auto", "auto"),
     Variant("xla-cap", "(1c)", "XLA, capacity MoE", "full", "jnp", "xla_cap"),
     Variant("pallas-attn-cap", "(2c)", "+ Pallas attn + idx, capacity MoE", "full", "pallas", "xla_cap"),
 ]}  # fmt: skip
 PRIORITY = ["pallas", "chunked", "engine", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn",
-            "chunked-fp8idx", "chunked-tritonidx", "chunked-w8a8", "chunked-loop"]  # fmt: skip
-TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-loop", "chunked", "engine",
-               "chunked-tritonidx", "chunked-fp8idx", "chunked-w8a8", "chunked-fp8"]  # fmt: skip
+            "chunked-fp8idx", "chunked-tritonidx", "chunked-w8a8", "chunked-loop", "chunked-2x"]  # fmt: skip
+TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-loop", "chunked", "chunked-2x",
+               "engine", "chunked-tritonidx", "chunked-fp8idx", "chunked-w8a8", "chunked-fp8"]  # fmt: skip
 BASELINES = ("xla", "xla-cap")  # plain XLA: the speed-ups' denominators
 PAGE_TOKENS = 256  # (5)'s page size: a multiple of both compress rates
 
@@ -969,8 +972,9 @@ class Bench:
             # call there, a slower baseline and a flattering ratio; the weights table divides by the bf16 row.
             self.rec.skip(where, "the XLA baselines run bf16 weights only")
             return
-        if v.mode in ("chunked", "engine") and seq < self.setup.chunk:
-            self.rec.skip(where, f"S < chunk {self.setup.chunk}")
+        chunk = self.setup.chunk * v.chunks_of
+        if v.mode in ("chunked", "engine") and seq < chunk:
+            self.rec.skip(where, f"S < chunk {chunk}")
             return
         t_pred = self.predict_pass(vkey, seq)
         kind = "chunk" if v.mode == "chunked" else "full"
@@ -991,7 +995,7 @@ class Bench:
             if v.mode == "engine":
                 row = self.measure_engine(seq)
             else:
-                row = self.measure_full(seq) if v.mode == "full" else self.measure_chunked(seq, v.kv)
+                row = self.measure_full(seq) if v.mode == "full" else self.measure_chunked(seq, v.kv, chunk)
         except Exception as exc:
             kind_ = self.rec.error(where, exc)
             status = "oom" if kind_ == "OOM" else "error"
@@ -1151,8 +1155,8 @@ class Bench:
         finally:
             free()
 
-    def chunk_plan(self, seq: int):
-        n = self.setup.chunk
+    def chunk_plan(self, seq: int, n: int | None = None):
+        n = n or self.setup.chunk
         ids, _ = self.inputs(seq)
         n_chunks = -(-seq // n)
         pad = n_chunks * n - seq
@@ -1163,7 +1167,7 @@ class Bench:
         jax.block_until_ready((chunks, valids, starts))
         return chunks, valids, starts
 
-    def measure_chunked(self, seq: int, kv: str | None = None) -> dict:
+    def measure_chunked(self, seq: int, kv: str | None = None, chunk: int | None = None) -> dict:
         m = self.model
 
         def new_cache():
@@ -1174,7 +1178,8 @@ class Bench:
             cache = m.init_cache(1, seq, kv_format=kv, page_tokens=PAGE_TOKENS, num_pages=n_pages + 1)
             return cache.replace(block_table=jnp.arange(1, n_pages + 1, dtype=jnp.int32)[None])
 
-        chunks, valids, _ = self.chunk_plan(seq)
+        chunk = chunk or self.setup.chunk
+        chunks, valids, _ = self.chunk_plan(seq, chunk)
         gd, st = nnx.split(m)
         cache_abs = jax.eval_shape(new_cache)
         e, compile_s = self.exe("chunk", self.j["chunk"], (gd, st, cache_abs, chunks[0], valids[0]), "chunk")
@@ -1203,7 +1208,7 @@ class Bench:
 
         row = self._passes(one_pass, warm)
         row.update(compile_s=compile_s, est_peak=track.est_peak, mode="chunked-whole", n_chunks=len(chunks),
-                   chunk=self.setup.chunk, layer_s=[None] * len(self.types))  # fmt: skip
+                   chunk=chunk, layer_s=[None] * len(self.types))  # fmt: skip
         return row
 
     def measure_engine(self, seq: int) -> dict:
