@@ -38,6 +38,10 @@ CHOICES = {
     # "pallas": Triton, or on Hopper the Mosaic GPU form for prefill-sized inputs (faster there, slower for a decode
     # step: dsv4.layers.SINKHORN_MGPU_MIN_TOKENS); "pallas-mgpu": always the Mosaic GPU form
     "sinkhorn": ("jnp", "pallas", "pallas-mgpu"),
+    # q's RMS normalization in prefill: "jnp" normalizes q (XLA) before the core; "fold" rotates q in place and hands
+    # the core q's inverse RMS per (token, head), which the Mosaic attention kernel folds into its logit scale (other
+    # cores apply it to q); one-token steps always take q normalized. Opt-in until timed against "jnp".
+    "q_norm": ("jnp", "fold"),
 }
 SEQUENCE_PARALLEL_CORES = ("sp", "sp-pallas")
 _FAST_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -54,6 +58,7 @@ class Kernels:
     dense: str = "auto"
     kv_write: str = "auto"
     sinkhorn: str = "auto"
+    q_norm: str = "auto"
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -64,10 +69,10 @@ class Kernels:
     @classmethod
     def all(cls, impl: str) -> Kernels:
         """Every part on `impl` ("jnp" or "pallas"): the XLA reference, or every Pallas kernel (interpreted off a
-        GPU)."""
+        GPU); q's normalization "jnp" either way (it is a route, not a kernel)."""
         if impl not in ("jnp", "pallas"):
             raise ValueError(f"Kernels.all({impl!r}): 'jnp' or 'pallas'")
-        return cls(**dict.fromkeys(CHOICES, impl))
+        return cls(**{**dict.fromkeys(CHOICES, impl), "q_norm": "jnp"})
 
     @classmethod
     def parse(cls, spec: str) -> Kernels:
@@ -106,6 +111,7 @@ class Kernels:
             dense="jnp",  # W8A8 measured no faster end to end (docs/BENCHMARKS.md, "Dense layers in FP8")
             kv_write="jnp",
             sinkhorn="pallas" if gpu else "jnp",
+            q_norm="jnp",
         )
         return Kernels(**{name: _pick(getattr(self, name), auto[name]) for name in CHOICES})
 

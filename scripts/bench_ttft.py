@@ -41,6 +41,8 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
                           the stored values (`dsv4.layers.project`); the same as (4f) with bf16 weights
     chunked-loop     (4l) as (4) with the mHC Sinkhorn normalization as XLA's while loop (Kernels.sinkhorn="jnp")
     chunked-2x       (4x) as (4) in chunks of twice ``--chunk`` (the chunk size's effect, side by side in one process)
+    chunked-qfold    (4q) as (4) with Kernels.q_norm="fold": q only rotated, its inverse RMS folded into the Mosaic
+                          attention kernel's logit scale (the Triton and jnp cores apply it to q)
     engine           (4e) the prompt through `dsv4.LLM(model)` with default arguments (kernels "auto", the paged cache)
                           but ``--chunk``; TTFT = the request's own, arrival to first sampled token
     xla-cap          (1c) as (1) with a capacity-padded batched-einsum MoE (defined in this script, not in dsv4:
@@ -201,11 +203,12 @@ class Variant:
     indexer: str | None = None  # Kernels.indexer (None: "jnp" under the jnp attention, "pallas" otherwise)
     dense: str | None = None  # Kernels.dense (None: "jnp")
     sinkhorn_loop: bool = False  # the mHC Sinkhorn as XLA's while loop (Kernels.sinkhorn="jnp")
+    q_norm: str | None = None  # Kernels.q_norm (None: "jnp")
     chunks_of: int = 1  # chunked only: chunks of this many times --chunk
 
 
 def variant_kernels(attention: str, moe: str, indexer: str | None = None, sinkhorn_loop: bool = False,
-                    dense: str | None = None) -> Kernels:  # fmt: skip
+                    dense: str | None = None, q_norm: str | None = None) -> Kernels:  # fmt: skip
     """The Kernels value a variant builds its model with. "jnp" attention: XLA everywhere (`Kernels.all("jnp")`);
     "pallas": the Pallas attention core, the paged decode kernel and the kv_write kernel, the indexer's `indexer`
     path (default the two-pass Pallas one). moe "xla_cap" builds the jnp MoE, swapped for `CapacityMoE` after."""
@@ -223,6 +226,8 @@ def variant_kernels(attention: str, moe: str, indexer: str | None = None, sinkho
         changes["sinkhorn"] = "jnp"
     if dense:
         changes["dense"] = dense
+    if q_norm:
+        changes["q_norm"] = q_norm
     return dataclasses.replace(base, **changes)
 
 
@@ -241,14 +246,18 @@ VARIANTS = {v.key: v for v in [
     Variant("chunked-loop", "(4l)", "(4) with the mHC Sinkhorn as XLA's loop", "chunked", "pallas", "pallas",
             sinkhorn_loop=True),
     Variant("chunked-2x", "(4x)", "(4) in chunks of 2 x --chunk", "chunked", "pallas", "pallas", chunks_of=2),
+    Variant("chunked-qfold", "(4q)", "(4) with q's RMS folded into attention", "chunked", "pallas", "pallas",
+            q_norm="fold"),
     Variant("engine", "(4e)", "(4) through dsv4.LLM, default arguments", "engine", "auto", "auto"),
     Variant("xla-cap", "(1c)", "XLA, capacity MoE", "full", "jnp", "xla_cap"),
     Variant("pallas-attn-cap", "(2c)", "+ Pallas attn + idx, capacity MoE", "full", "pallas", "xla_cap"),
 ]}  # fmt: skip
 PRIORITY = ["pallas", "chunked", "engine", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn",
-            "chunked-fp8idx", "chunked-tritonidx", "chunked-w8a8", "chunked-loop", "chunked-2x"]  # fmt: skip
+            "chunked-fp8idx", "chunked-tritonidx", "chunked-w8a8", "chunked-loop", "chunked-2x",
+            "chunked-qfold"]  # fmt: skip
 TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-loop", "chunked", "chunked-2x",
-               "engine", "chunked-tritonidx", "chunked-fp8idx", "chunked-w8a8", "chunked-fp8"]  # fmt: skip
+               "chunked-qfold", "engine", "chunked-tritonidx", "chunked-fp8idx", "chunked-w8a8",
+               "chunked-fp8"]  # fmt: skip
 BASELINES = ("xla", "xla-cap")  # plain XLA: the speed-ups' denominators
 PAGE_TOKENS = 256  # (5)'s page size: a multiple of both compress rates
 
@@ -888,11 +897,11 @@ class Bench:
         return work / (1e10 if self.smoke else 50e12)
 
     def use_impls(self, attention: str, moe: str, indexer: str | None = None, sinkhorn_loop: bool = False,
-                  dense: str | None = None) -> DeepseekV4:  # fmt: skip
+                  dense: str | None = None, q_norm: str | None = None) -> DeepseekV4:  # fmt: skip
         """self.model ← the model built with `variant_kernels(...)` (abstractly, so whatever the constructor derives
         from the Kernels value is as in dsv4; moe "xla_cap": its MoE layers swapped for `CapacityMoE`), on the same
         weights (no copy). indexer None: XLA's for the jnp baseline, the two-pass Pallas path otherwise."""
-        kernels = variant_kernels(attention, moe, indexer, sinkhorn_loop, dense)
+        kernels = variant_kernels(attention, moe, indexer, sinkhorn_loop, dense, q_norm)
         key = (kernels, moe == "xla_cap")
         if key not in self.graphdefs:
             make = lambda: DeepseekV4(self.cfg, rngs=nnx.Rngs(0), dtype=BF16, kernels=kernels)  # noqa: E731
@@ -986,7 +995,7 @@ class Bench:
         if not self.budget.fits(where, n_compiles * self.budget.compile_est(kind) + 2 * t_pred):
             self.record(seq, vkey, status="skip", note="budget")
             return
-        model = self.use_impls(v.attention, v.moe, v.indexer, v.sinkhorn_loop, v.dense)
+        model = self.use_impls(v.attention, v.moe, v.indexer, v.sinkhorn_loop, v.dense, v.q_norm)
         kernels = model.kernels  # resolved: what this row runs, for its floor
         fp8_act = all(getattr(layer.mlp, "fp8_activations", True) for layer in model.layers)
         peak_before = peak_in_use()

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from gpu_mesh import abstract_gpu_mesh
 
-from dsv4.attention.core import CompressedKeys
+from dsv4.attention.core import CompressedKeys, scale_queries
 from dsv4.attention.pallas_core import core_attention_pallas, mosaic_takes_prefix, prefix_window_rows
 from dsv4.pallas.attention import v4_attention_reference
 from dsv4.pallas.attention_mgpu import MgpuConfig, csa_operands, v4_attention_mgpu, window_tiles
@@ -101,6 +101,29 @@ def test_lowers_for_cuda_with_window_rows(hca):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch"])
+def test_lowers_for_cuda_with_q_scale(variant):
+    """q's inverse RMS folded into the logit scale (`q_scale`): one more input and its SMEM copy per consumer, with
+    the Triton fallback taking it on q."""
+    b, h, d, s = 1, 64, 512, 301
+    args = (jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, s, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32),
+            jax.ShapeDtypeStruct((b, s // 128, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, s, h), jnp.float32))
+
+    def f(q, kv, q_pos, sinks, compressed, q_scale):
+        return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=128, scale=d**-0.5, compressed=compressed,
+                                 compress_rate=128, config=_config(variant), q_scale=q_scale)  # fmt: skip
+
+    with abstract_gpu_mesh():
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def _row_scales(seed, q):
+    """Random per-(token, head) factors in [0.4, 2.5): far enough from 1 that a kernel ignoring them fails."""
+    return jnp.asarray(np.random.default_rng(seed).uniform(0.4, 2.5, q.shape[:3]), jnp.float32)
+
+
 @pytest.mark.parametrize("window, bk", [(128, 64), (40, 32), (1, 64), (200, 64)])
 def test_window_tiles_start_aligned_and_cover_the_window(window, bk):
     """TMA row starts must be multiples of 8 (an unaligned start reads garbage on the GPU; the interpreter cannot
@@ -114,15 +137,16 @@ def test_window_tiles_start_aligned_and_cover_the_window(window, bk):
     assert n.max() <= -(-(window + 7) // bk)
 
 
-def _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, *, window, rate):
-    """The kernel in the Mosaic GPU interpreter (head_dim 128) against the jnp reference."""
+def _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, *, window, rate, q_scale=None):
+    """The kernel in the Mosaic GPU interpreter (head_dim 128) against the jnp reference (q_scale: on q there)."""
     from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 
     with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
         out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
                                 compress_rate=rate, config=config, check_positions=False,
-                                interpret=InterpretGPUParams())  # fmt: skip
+                                interpret=InterpretGPUParams(), q_scale=q_scale)  # fmt: skip
         out = np.asarray(jax.block_until_ready(out), np.float32)
+    q = scale_queries(q, q_scale)
     ref = np.asarray(_reference(q, kv, q_pos, sinks, compressed, window=window, scale=128**-0.5, rate=rate), np.float32)
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
 
@@ -140,6 +164,17 @@ def test_interpreter_matches_reference(variant, fold, monkeypatch):
     q, kv, q_pos, sinks, compressed = make_inputs(1, seq=21, head_dim=128, rate=rate)
     config = MgpuConfig(variant=variant, block_kv=bk, pv_form="interpret")
     _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, window=window, rate=rate)
+
+
+@pytest.mark.parametrize("variant, num_ctas, bk", [("prefetch", 0, 32), ("ws", 3, 64)])
+def test_interpreter_folds_q_scale_into_the_logits(variant, num_ctas, bk):
+    """q_scale: each (token, head)'s logits times its factor, as the reference on q · q_scale (rounded to bf16 there),
+    persistent CTAs included (the next item's factors load under the current item's last step, as its Q does)."""
+    window, rate = 40, 4
+    q, kv, q_pos, sinks, compressed = make_inputs(5, seq=21, head_dim=128, rate=rate)
+    config = MgpuConfig(variant=variant, block_kv=bk, pv_form="interpret", persistent=num_ctas > 0, num_ctas=num_ctas)
+    _check_in_interpreter(config, q, kv, q_pos, sinks, compressed, window=window, rate=rate,
+                          q_scale=_row_scales(5, q))  # fmt: skip
 
 
 @pytest.mark.parametrize("batch, heads, num_ctas, seq", [(1, 64, 3, 21), (2, 128, 5, 9)])
@@ -275,6 +310,32 @@ def test_interpreter_takes_a_first_chunk_by_window_rows(bk, num_ctas):
                                  compressed=compressed, compress_rate=rate)  # fmt: skip
     np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=TOL, rtol=0)
 
+
+@pytest.mark.parametrize("kv_prefix", [0, 128])
+def test_core_hands_q_scale_to_the_mosaic_kernel_on_hopper(kv_prefix, monkeypatch):
+    """`core_attention_pallas` with q_scale, as the model calls it under `Kernels.q_norm="fold"` on a Hopper GPU
+    (is_hopper patched true, lowered for an abstract H200): a whole sequence (kv aligned) and a cached chunk
+    (kv_prefix rows first) reach the Mosaic kernel with the extra input, an HCA layer's entries too."""
+    import dsv4.attention.pallas_core as pallas_core
+
+    monkeypatch.setattr(pallas_core, "is_hopper", lambda: True)
+    b, h, d, s, w = 1, 64, 512, 256, 128
+    sds = jax.ShapeDtypeStruct
+    args = (sds((b, s, h, d), jnp.bfloat16), sds((b, kv_prefix + s, d), jnp.bfloat16), sds((b, s), jnp.int32),
+            sds((b, kv_prefix + s), jnp.int32), sds((h,), jnp.float32), sds((b, 4, d), jnp.bfloat16),
+            sds((b, s, h), jnp.float32))  # fmt: skip
+
+    def f(q, kv, q_pos, kv_pos, sinks, entries, q_scale):
+        prefix = dict(kv_prefix=kv_prefix) if kv_prefix else dict(kv_aligned=True)
+        return core_attention_pallas(q, kv, q_pos, kv_pos, sinks, sliding_window=w, scale=d**-0.5,
+                                     compressed=CompressedKeys(entries, 128), q_scale=q_scale, **prefix)  # fmt: skip
+
+    with abstract_gpu_mesh():
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    assert calls and all(f"tensor<{b}x{s}x{h}xf32>" in line.rsplit(" : (", 1)[1] for line in calls)
+
+
 def csa_lists(seed, *, batch, seq, k, num_entries):
     """Random CSA lists [B, S, k]: distinct ids, some past the entries (they list nothing), -1 anywhere, one token
     with nothing listed."""
@@ -400,15 +461,26 @@ def test_gpu_persistent_batches_and_head_groups(num_ctas):
     _check_on_gpu(_config("ws", num_ctas=num_ctas), True, 301, batch=2, heads=128)
 
 
-def _check_on_gpu(config, hca, seq, **shape):
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("variant", ["ws", "ws-per-token", "prefetch"])
+def test_gpu_folds_q_scale_into_the_logits(variant):
+    """q_scale (q's inverse RMS, `Kernels.q_norm` "fold") against the reference on q · q_scale."""
+    _check_on_gpu(_config(variant), True, 301, fold=True)
+
+
+def _check_on_gpu(config, hca, seq, fold=False, **shape):
     rate = 4 if hca else None  # small rate so that short sequences see several HCA tiles
     window, d = 128, 512
     kwargs = dict(sliding_window=window, scale=d**-0.5, compress_rate=rate, config=config)
     q, kv, q_pos, sinks, compressed = make_inputs(seq, seq=seq, rate=rate, **shape)
+    if fold:
+        kwargs["q_scale"] = _row_scales(seq, q)
     poison = jax.block_until_ready(v4_attention_mgpu(jnp.full_like(q, jnp.nan), kv, q_pos, sinks,
                                                      compressed=compressed, **kwargs))  # fmt: skip
     del poison
     out = np.asarray(v4_attention_mgpu(q, kv, q_pos, sinks, compressed=compressed, **kwargs), np.float32)
+    q = scale_queries(q, kwargs.get("q_scale"))
     ref = np.asarray(_reference(q, kv, q_pos, sinks, compressed, window=window, scale=d**-0.5, rate=rate), np.float32)
     assert not np.isnan(out).any(), "kernel left elements unwritten (NaN)"
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)

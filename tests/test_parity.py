@@ -123,6 +123,29 @@ def test_pallas_kernels_selected_still_match_reference():
     assert rel_err(model.logits(ref["input_ids"]), ref["logits"]) < TOL
 
 
+@pytest.mark.parametrize("attention", ["jnp", "pallas"])
+def test_q_norm_folded_into_the_core_matches_reference(attention, monkeypatch):
+    """`Kernels.q_norm="fold"`: q only rotated, its inverse RMS handed to the core (the jnp core folds it into its
+    logits; the Pallas core off Hopper, the Triton kernel interpreted, applies it to q): the reference's logits, and
+    with the jnp core also in chunks of 7 then decode, and in one-token steps (those take q normalized). The whole
+    prompt's forward never normalizes q itself."""
+    import dsv4.attention.block as block
+
+    path = os.path.join(FIXTURES, "tiny_long")
+    ref = dict(np.load(os.path.join(path, "reference.npz")))
+    model = dsv4.load(path, dtype=jnp.float32, kernels=f"attention={attention},q_norm=fold")
+    assert model.kernels.q_norm == "fold"
+    normalized = []
+    plain = block.normalize_and_rope
+    monkeypatch.setattr(block, "normalize_and_rope", lambda q, *a: normalized.append(q.shape) or plain(q, *a))
+    assert rel_err(model.logits(ref["input_ids"]), ref["logits"]) < TOL
+    assert normalized == []
+    if attention == "jnp":
+        for chunk in (7, 1):
+            got = _prefill_then_decode(model, ref, chunk)
+            assert rel_err(got, ref["generate_logits"][:, : got.shape[1]]) < TOL, f"chunks of {chunk}"
+
+
 @pytest.mark.parametrize("name", ["tiny_long", "tiny_mixed"])
 def test_paged_cache_with_permuted_block_tables_matches_reference(name):
     """Compressed entries in shared page pools (16-token pages: 4 CSA entries, 1 HCA entry each; chunks of 7

@@ -28,6 +28,7 @@ from dsv4.layers import (
     Rope,
     apply_rope,
     apply_rope_in_place,
+    inverse_rms,
     matmul_in_dtype,
     normalize_and_rope,
     param,
@@ -70,23 +71,29 @@ class Attention(nnx.Module):
         self.sliding_window, self.eps = config.sliding_window, config.rms_norm_eps
         self.kernels = kernels
 
-    def project_qkv(self, x: jax.Array, positions: jax.Array):
+    def project_qkv(self, x: jax.Array, positions: jax.Array, fold: bool = False):
         """The projections of x [B, S, hidden] at positions [B, S] (global; RoPE angles in float32).
         → (q [B, S, H, D] normalized and rotated, kv [B, S, D] normed and rotated, q_residual [B, S, q_lora_rank]
-        (the indexer's input), cos and sin [B, S, rope_dim / 2] in x's dtype)."""
+        (the indexer's input), cos and sin [B, S, rope_dim / 2] in x's dtype, q_scale). fold: q rotated only, and
+        q_scale [B, S, H] float32 its inverse RMS, for the core to apply (`Kernels.q_norm` "fold"); else None."""
         b, s, _ = x.shape
         cos, sin = self.rope.cos_sin(positions)
         cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
         dense = self.kernels.dense
         q_residual = self.q_a_norm(project(x, self.q_a_proj["weight"], dense))
         q = project(q_residual, self.q_b_proj["weight"], dense).reshape(b, s, self.n_heads, self.head_dim)
-        q = normalize_and_rope(q, cos, sin, self.eps)
+        q_scale = None
+        if fold:  # the RMS of q before its rotation: YaRN's cos and sin carry a magnitude factor too
+            q_scale = inverse_rms(q.astype(F32), self.eps)[..., 0]
+            q = apply_rope_in_place(q, cos, sin)
+        else:
+            q = normalize_and_rope(q, cos, sin, self.eps)
         kv = apply_rope(self.kv_norm(project(x, self.kv_proj["weight"], dense)), cos, sin)
-        return q, kv, q_residual, cos, sin
+        return q, kv, q_residual, cos, sin, q_scale
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """Full-sequence (stateless) attention. x: [B, S, hidden]; positions: [B, S] → [B, S, hidden]."""
-        q, kv, q_residual, cos, sin = self.project_qkv(x, positions)
+        q, kv, q_residual, cos, sin, q_scale = self.project_qkv(x, positions, fold=self.kernels.q_norm == "fold")
 
         compressed = None
         if self.layer_type != SLIDING:
@@ -100,7 +107,7 @@ class Attention(nnx.Module):
 
         out = attention_core(self.kernels.attention)(
             q, kv, positions, positions, self.sinks[...], sliding_window=self.sliding_window,
-            scale=self.head_dim**-0.5, compressed=compressed, kv_aligned=True,
+            scale=self.head_dim**-0.5, compressed=compressed, kv_aligned=True, q_scale=q_scale,
         )  # fmt: skip
         return self.project_out(out, cos, sin)
 
@@ -142,11 +149,14 @@ class Attention(nnx.Module):
         b, n, _ = x.shape
         positions = start[:, None] + jnp.arange(n)[None]  # [B, n] global positions
         real = jnp.arange(n)[None] < valid[:, None]
-        q, kv, q_residual, cos, sin = self.project_qkv(x, positions)
+        decode_kernel = n == 1 and self._decode_kernel_applies(state, x.dtype)
+        one_token_jnp = n == 1 and self.kernels.decode == "jnp"
+        # one-token steps take q normalized (their cores are not the prefill kernel that folds the factor)
+        fold = self.kernels.q_norm == "fold" and not (decode_kernel or one_token_jnp)
+        q, kv, q_residual, cos, sin, q_scale = self.project_qkv(x, positions, fold=fold)
 
         new = state
         write_impl = self.kernels.kv_write
-        decode_kernel = n == 1 and self._decode_kernel_applies(state, x.dtype)
         compressed = topk = None
         if self.layer_type != SLIDING:
             new = dataclasses.replace(new, compressor=self.compressor.extend(
@@ -187,12 +197,12 @@ class Attention(nnx.Module):
                                        jnp.where(real, positions, -1)], axis=1)  # fmt: skip
             # One-token steps not on the decode kernel take the jnp core unless decode steps are on the kernels. A
             # cached chunk is split over the sequence axis here, so the sequence-parallel cores run their local one.
-            core = "jnp" if n == 1 and self.kernels.decode == "jnp" else self.kernels.attention
+            core = "jnp" if one_token_jnp else self.kernels.attention
             core = CHUNK_CORES.get(core, core)
             prefix = {"kv_prefix": w} if core in PREFIX_LAYOUT else {}
             out = chunk_core_per_shard(attention_core(core), q, keys, positions, key_pos, self.sinks[...],
                                        sliding_window=self.sliding_window, scale=self.head_dim**-0.5,
-                                       compressed=compressed, **prefix)  # fmt: skip
+                                       compressed=compressed, q_scale=q_scale, **prefix)  # fmt: skip
 
         slot = jnp.arange(w)[None]
         wanted = end[:, None] - w + (slot - (end[:, None] - w)) % w  # [B, W]: the position ring row s holds

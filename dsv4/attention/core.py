@@ -25,6 +25,12 @@ class CompressedKeys(NamedTuple):
     topk_indices: jax.Array | None = None
 
 
+def scale_queries(q: jax.Array, q_scale: jax.Array | None) -> jax.Array:
+    """q [B, S, H, D] times q_scale [B, S, H] (float32; None: q as is), rounded to q's dtype: the queries of a core
+    that does not fold the factor into its logits (`Kernels.q_norm` "fold" hands the cores q's inverse RMS)."""
+    return q if q_scale is None else (q.astype(F32) * q_scale[..., None]).astype(q.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # The core: softmax(scale · q·k) over window keys and compressed keys, plus a per-head sink logit.
 # ---------------------------------------------------------------------------------------------
@@ -40,6 +46,7 @@ def core_attention_jnp(
     compressed: CompressedKeys | None = None,
     kv_aligned: bool = False,
     query_chunk: int = 512,
+    q_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Pure-jnp V4 attention core, processed in query chunks so memory is O(chunk · keys).
 
@@ -47,6 +54,7 @@ def core_attention_jnp(
     sinks: [H]. A query at p sees kv row j iff p - sliding_window < kv_pos[j] <= p. → [B, S, H, D].
     `kv_aligned` promises kv row i is query i's own token (T == S, kv_pos == q_pos, a full-sequence
     forward): each query chunk then only reads the rows its window can reach, not all T.
+    `q_scale` [B, S, H] float32: each (query, head)'s logits also times q_scale (q's inverse RMS, folded).
     """
     b, s, h, d = q.shape
     n_chunks = -(-s // query_chunk)
@@ -60,6 +68,8 @@ def core_attention_jnp(
         return jnp.moveaxis(x.reshape(b, n_chunks, chunk, *x.shape[2:]), 1, 0)
 
     xs = {"q": chunks(padded(q)), "pos": chunks(padded(q_pos))}
+    if q_scale is not None:
+        xs["q_scale"] = chunks(padded(q_scale))
     if compressed is not None and compressed.topk_indices is not None:
         xs["topk"] = chunks(padded(compressed.topk_indices, -1))
 
@@ -93,7 +103,8 @@ def core_attention_jnp(
             logits.append(jnp.einsum("bqhd,bqkd->bqhk", qc, gathered, preferred_element_type=F32))
             values.append(("bqhk,bqkd->bqhd", gathered))
             masks.append(idx >= 0)
-        logits = [jnp.where(m[:, :, None, :], lg * scale, NEG_INF) for lg, m in zip(logits, masks)]
+        row_scale = scale if q_scale is None else scale * x["q_scale"][..., None]  # [B, Q, H, 1]
+        logits = [jnp.where(m[:, :, None, :], lg * row_scale, NEG_INF) for lg, m in zip(logits, masks)]
         row_max = jnp.max(jnp.stack([lg.max(-1) for lg in logits]), axis=0)  # [B, Q, H]
         row_max = jnp.maximum(row_max, sinks.astype(F32))  # the sink joins the softmax
         probs = [jnp.exp(lg - row_max[..., None]) for lg in logits]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv4.attention.core import CompressedKeys
+from dsv4.attention.core import CompressedKeys, scale_queries
 from dsv4.layers import F32
 from dsv4.pallas._device import is_hopper, on_gpu
 from dsv4.pallas.attention import v4_attention
@@ -15,14 +15,17 @@ from dsv4.pallas.attention_mgpu import positions_are_aligned, v4_attention_mgpu
 
 def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, scale: float,
                           compressed: CompressedKeys | None = None, kv_aligned: bool = False,
-                          query_chunk: int | None = None, kv_prefix: int = 0) -> jax.Array:  # fmt: skip
+                          query_chunk: int | None = None, kv_prefix: int = 0,
+                          q_scale: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """The blocked online-softmax Pallas kernel (`dsv4/pallas/attention.py`); interpreted off-GPU.
 
     kv_prefix: the layout of a cached chunk (`Attention.forward_chunk`): kv rows [0, kv_prefix) hold the
     kv_prefix positions just before q's first one, in order (-1 where there is none yet), and row kv_prefix + j
     holds query j's own token. On Hopper the Mosaic kernel then takes window and HCA chunks, one-token ones too,
     with each token's window rows given (`prefix_window_rows`), whenever the prefix holds what it should
-    (`mosaic_takes_prefix`, a run-time choice); the Triton kernel, which places rows by position, otherwise."""
+    (`mosaic_takes_prefix`, a run-time choice); the Triton kernel, which places rows by position, otherwise.
+    q_scale [B, S, H] float32 (q's inverse RMS, `Kernels.q_norm` "fold"): the Mosaic kernel folds it into its logit
+    scale; the Triton kernel takes it on q (`scale_queries`)."""
     del query_chunk  # the kernels find each query block's window band themselves
     sinks = sinks.astype(F32)
     entries = {} if compressed is None else dict(compressed=compressed.entries, compress_rate=compressed.rate)
@@ -31,7 +34,7 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
             # Hopper fast path (window and HCA, the full-sequence prefill). It checks at run time that positions
             # are contiguous and takes the Triton kernel otherwise.
             return v4_attention_mgpu(q, kv[:, : q.shape[1]], q_pos, sinks, sliding_window=sliding_window,
-                                     scale=scale, **entries)  # fmt: skip
+                                     scale=scale, q_scale=q_scale, **entries)  # fmt: skip
         # Rows are placed by index: each token's window rows, then the entries (padding rows only reach padding).
         # NOTE: one Mosaic form for every cached chunk: a second one (the window by row offset, for chunks whose
         # prefix is all real) ran no faster and added its compile time to every layer.
@@ -39,15 +42,16 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
             del kv_pos
             rows = prefix_window_rows(q_pos, kv_prefix, sliding_window)
             return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=sliding_window, scale=scale,
-                                     check_positions=False, window_rows=rows, **entries)  # fmt: skip
+                                     check_positions=False, window_rows=rows, q_scale=q_scale, **entries)  # fmt: skip
 
         def triton(q, kv, q_pos, kv_pos):
-            return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale, **entries)
+            return v4_attention(scale_queries(q, q_scale), kv, q_pos, kv_pos, sinks, sliding_window=sliding_window,
+                                scale=scale, **entries)  # fmt: skip
 
         return jax.lax.cond(mosaic_takes_prefix(q_pos, kv_pos, kv_prefix), mosaic, triton, q, kv, q_pos, kv_pos)
     if compressed is not None:
         entries["topk_indices"] = compressed.topk_indices
-    return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
+    return v4_attention(scale_queries(q, q_scale), kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
                         interpret=not on_gpu(), **entries)  # fmt: skip
 
 

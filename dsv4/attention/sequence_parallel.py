@@ -91,7 +91,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dsv4.attention.core import CompressedKeys, core_attention_jnp
+from dsv4.attention.core import CompressedKeys, core_attention_jnp, scale_queries
 from dsv4.attention.pallas_core import core_attention_pallas, mosaic_applies
 from dsv4.pallas.attention_mgpu import v4_attention_mgpu
 from dsv4.sharding.sequence import local_stand_in, sp_layout, zigzag_shards
@@ -120,6 +120,7 @@ def core_attention_sp(
     comm: str = "ppermute",
     inputs_permuted: bool = False,
     local_core: str = "jnp",
+    q_scale: jax.Array | None = None,
 ) -> jax.Array:
     """`core_attention_jnp` split over the sequence axis of the active (or given) mesh. → [B, S, H, D].
 
@@ -131,8 +132,9 @@ def core_attention_sp(
     (every transfer replaced by a local array of the same shape: wrong values, same compute; for measuring
     exposed communication only). inputs_permuted: with zigzag, the inputs already are (and the output
     stays) in zigzag order. local_core: "jnp" (the body with ring-passed entries) or "pallas" (module
-    docstring (d)).
+    docstring (d)). q_scale: [B, S, H] float32, applied to q first (`scale_queries`: not folded here).
     """
+    q = scale_queries(q, q_scale)
     layout = sp_layout(mesh, axis)
     if balance is None:
         balance = "contiguous"
@@ -572,6 +574,8 @@ def chunk_core_per_shard(core, q, keys, q_pos, key_pos, sinks, *, sliding_window
     evenly (a decode step), `core` runs as is."""
     layout = sp_layout()
     b, n = q.shape[:2]
+    if layout is not None and kwargs.get("q_scale") is not None:  # split cores take q's factor applied
+        q = scale_queries(q, kwargs.pop("q_scale"))
     if layout is None or n % layout[2]:
         return core(q, keys, q_pos, key_pos, sinks, sliding_window=sliding_window, scale=scale, compressed=compressed,
                     **kwargs)  # fmt: skip

@@ -290,8 +290,11 @@ def combine_splits(acc, row_max, row_sum, sinks, dtype):
 # ---------------------------------------------------------------------------------------------
 def wgmma_online_softmax_step(s, col, lo, hi, logit_scale, m_i, l_i, acc):
     """One step of the log2-domain online softmax on a WGMMA-layout [64, n] logit tile, shared by the prefill and
-    decode kernels: columns `col` outside [lo, hi) masked, logits = s · logit_scale. → (P f32 [64, n], new running
-    max [64], new row sum [64], acc [64, d] rescaled to the new max)."""
+    decode kernels: columns `col` outside [lo, hi) masked, logits = s · logit_scale (a scalar, or a [64] row-layout
+    vector: one scale per row). → (P f32 [64, n], new running max [64], new row sum [64], acc [64, d] rescaled to the
+    new max)."""
+    if jnp.ndim(logit_scale):
+        logit_scale = lax.broadcast_in_dim(logit_scale, s.shape, [0])
     logits = jnp.where((col >= lo) & (col < hi), s * logit_scale, -jnp.inf)
     m_new = jnp.maximum(m_i, logits.max(axis=1))
     alpha = jnp.exp2(m_i - m_new)

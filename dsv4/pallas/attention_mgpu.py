@@ -302,7 +302,7 @@ def csa_operands(topk_indices: jax.Array, num_entries: int, block_kv: int):
 
 def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_window, scale, compressed,
                                   config: MgpuConfig, interpret=None, kv_offset: int = 0,
-                                  window_rows=None, csa=None):  # fmt: skip
+                                  window_rows=None, csa=None, q_scale=None):  # fmt: skip
     """The raw pallas call (no position checks). q [B,S,H,D]; kv [B,T>=kv_offset+S,D] (row kv_offset + j = position
     q_pos[b,0] + j: the kv_offset rows before are the positions just before q's, e.g. a sequence shard's halo);
     window_rows: None, or (lo, hi) int32 [B,S] each: token j's window is kv rows [lo, hi) instead (hi - lo <= W,
@@ -310,7 +310,9 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     n_visible [B,S] int32 visible HCA entries per token (ignored without compressed); sinks_log2 [H] f32 = sinks·log2e;
     compressed [B,C,D] or None; csa: None (window / HCA) or (rows, bits) (`csa_operands`): the listed entries' rows
     int32 [B,S,K] (K a multiple of block_kv; each a row of compressed) and validity bits int32 [B,S,K/32]; n_visible
-    then counts each token's list slots. → [B,S,H,D] (with config.debug "dump": (out, dbg [B,S,2,2,H,block_kv] f32), see
+    then counts each token's list slots; q_scale: None, or float32 [B,S,H]: each (token, head) row's logits times
+    q_scale too (q's inverse RMS, folded: the rows of one item are one token's 64 heads, loaded like the sinks).
+    → [B,S,H,D] (with config.debug "dump": (out, dbg [B,S,2,2,H,block_kv] f32), see
     MgpuConfig.debug)."""
     b, s_real, h, d = q.shape
     # NOTE: CUDA grid dims y and z stop at 65535, and a long prompt has more tokens than that: the token axis is
@@ -324,6 +326,8 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         edge = lambda x: None if x is None else jnp.pad(x, [(0, 0), (0, s - s_real)], mode="edge")  # noqa: E731
         n_visible = edge(n_visible)
         window_rows = None if window_rows is None else tuple(edge(x) for x in window_rows)
+        if q_scale is not None:
+            q_scale = jnp.pad(q_scale, [(0, 0), (0, s - s_real), (0, 0)], constant_values=1.0)
     hg = h // HEADS_PER_CTA
     dtype = q.dtype
     dh = d // 2
@@ -359,9 +363,9 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     n_items_total = b * hg * s_real
     n_ctas = min(config.num_ctas or sm_count(), n_items_total) if persistent else 0
 
-    def body(q_ref, kv_ref, comp_ref, nvis_ref, lo_ref, hi_ref, rows_ref, bits_ref, sinks_ref, o_ref, dbg_ref, q_smem,
-             kv_smem, x_smem, sink_smem, q_bar, sink_bar, kv_bar, consumed_bar, x_written, x_read, p_smem, dump_smem,
-             landed_bar):  # fmt: skip
+    def body(q_ref, kv_ref, comp_ref, nvis_ref, lo_ref, hi_ref, rows_ref, bits_ref, sinks_ref, qs_ref, o_ref, dbg_ref,
+             q_smem, kv_smem, x_smem, sink_smem, q_bar, sink_bar, kv_bar, consumed_bar, x_written, x_read, p_smem,
+             dump_smem, landed_bar, qs_smem, qs_bar):  # fmt: skip
         if csa is not None:  # one ring, two views: row-major (the row gathers' destination), tiled (wgmma's operand)
             kv_raw, kv_smem = kv_smem
         wg = lax.axis_index("wg")
@@ -453,10 +457,13 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
             if ws:
                 plgpu.set_max_registers(232, action="increase")
 
-            def load_q(it: _Item):  # this warpgroup's Q half and its own copy of the sinks
+            def load_q(it: _Item):  # this warpgroup's Q half and its own copy of the sinks (and of q's row scales)
                 plgpu.copy_gmem_to_smem(q_ref.at[it.bi, it.tok, pl.ds(it.h0, HEADS_PER_CTA), pl.ds(w * dh, dh)],
                                         q_smem.at[w], q_bar.at[w])  # fmt: skip
                 plgpu.copy_gmem_to_smem(sinks_ref.at[pl.ds(it.h0, HEADS_PER_CTA)], sink_smem.at[w], sink_bar.at[w])
+                if qs_ref is not None:
+                    plgpu.copy_gmem_to_smem(qs_ref.at[it.bi, it.tok, pl.ds(it.h0, HEADS_PER_CTA)], qs_smem.at[w],
+                                            qs_bar.at[w])  # fmt: skip
 
             first = plan(0)
             load_q(first)
@@ -470,6 +477,10 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                 """Item `it`, whose first step is this CTA's step g0 (ring slot (g0 + i) % slots). → g0 + steps."""
                 plgpu.barrier_wait(sink_bar.at[w])
                 sink = plgpu.load(sink_smem.at[w], layout=row_layout)  # [64] log2 domain
+                row_scale = logit_scale  # each row's logit scale: one for all, or times q's row scales (folded)
+                if qs_ref is not None:
+                    plgpu.barrier_wait(qs_bar.at[w])
+                    row_scale = plgpu.load(qs_smem.at[w], layout=row_layout) * logit_scale
                 m_i = jnp.maximum(sink, M_FLOOR)
                 l_i = jnp.exp2(sink - m_i)
                 acc = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, dh), F32), wgmma_layout)
@@ -521,7 +532,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                         lo = jnp.where(is_hca, 0, it.win_lo)
                         hi = jnp.where(is_hca, it.n_vis, it.win_hi)
                     col = plgpu.broadcasted_iota(jnp.int32, (HEADS_PER_CTA, bk), 1, layout=wgmma_layout) + base
-                    p, m_new, l_new, acc = wgmma_online_softmax_step(s_full, col, lo, hi, logit_scale, m_i, l_i, acc)
+                    p, m_new, l_new, acc = wgmma_online_softmax_step(s_full, col, lo, hi, row_scale, m_i, l_i, acc)
                     p16 = p.astype(dtype)
 
                     if dump:  # debug: the last step's S (unscaled, both halves summed) and P (f32) of this warpgroup
@@ -673,23 +684,28 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         plgpu.SMEM((2, 2, HEADS_PER_CTA, bk), F32) if dump else None,  # debug dump staging
         # CSA: the row gathers of a ring half landed (one arrival per row's TMA)
         plgpu.Barrier(num_arrivals=bk, num_barriers=2 * slots) if csa is not None else None,
+        plgpu.SMEM((2, HEADS_PER_CTA), F32) if q_scale is not None else None,  # q's row scales, one copy per consumer
+        plgpu.Barrier(num_barriers=2) if q_scale is not None else None,  # q's row scales
     ]
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
     if dump:
         out_type = (out_type, jax.ShapeDtypeStruct((b, s, 2, 2, h, bk), F32))
-    # Inputs: q, kv, [compressed, n_visible], [window lo, hi], [CSA rows, bits], sinks (optional ones absent, not None).
+    # Inputs: q, kv, [compressed, n_visible], [window lo, hi], [CSA rows, bits], sinks, [q_scale] (optional ones absent,
+    # not None).
     optional = [(compressed, n_visible) if hca else (None, None), tuple(window_rows) if window_rows else (None, None),
                 tuple(csa) if csa is not None else (None, None)]  # fmt: skip
-    args = (q, kv, *(x for pair in optional for x in pair if x is not None), sinks_log2)
+    args = (q, kv, *(x for pair in optional for x in pair if x is not None), sinks_log2,
+            *((q_scale,) if q_scale is not None else ()))  # fmt: skip
 
     def kernel_body(*refs):
         it = iter(refs)
         q_ref, kv_ref = next(it), next(it)
         got = [(next(it), next(it)) if pair[0] is not None else (None, None) for pair in optional]
         sinks_ref = next(it)
+        qs_ref = next(it) if q_scale is not None else None
         rest = list(it)
         o_ref, dbg_ref, scr = (rest[0], rest[1], rest[2:]) if dump else (rest[0], None, rest[1:])
-        return body(q_ref, kv_ref, *got[0], *got[1], *got[2], sinks_ref, o_ref, dbg_ref, *scr)
+        return body(q_ref, kv_ref, *got[0], *got[1], *got[2], sinks_ref, qs_ref, o_ref, dbg_ref, *scr)
 
     out = plgpu.kernel(
         kernel_body,
@@ -729,6 +745,7 @@ def v4_attention_mgpu(
     kv_offset: int = 0,
     window_rows: tuple[jax.Array, jax.Array] | None = None,
     topk_indices: jax.Array | None = None,
+    q_scale: jax.Array | None = None,
 ) -> jax.Array:
     """V4 attention core (window, window + HCA, or window + CSA) for the kv-aligned prefill case. → [B, S, H, D].
 
@@ -748,8 +765,13 @@ def v4_attention_mgpu(
         listed entries (-1 and ids outside [0, C) list nothing), as `dsv4.pallas.attention.v4_attention`. Each
         listed row is gathered by its own TMA into a row-major SMEM tile and rewritten tiled and swizzled by the
         producer (docs/kernels/attention.md, "CSA on Mosaic GPU"). Opt-in: 0.67–0.74× the Triton kernel's speed.
+    q_scale: float32 [B, S, H] or None: the result is that of queries q · q_scale (per token and head), with the
+        factor folded into each row's logit scale instead of applied to q (q's RMS normalization, `Kernels.q_norm`
+        "fold"); the Triton fallback applies it to q.
     """
     _check_shapes(q, kv, q_pos, sinks, compressed, compress_rate, sliding_window, config, kv_offset, topk_indices)
+    if q_scale is not None and (q_scale.shape != q.shape[:3] or q_scale.dtype != F32):
+        raise ValueError(f"q_scale must be float32 [B, S, H] = {q.shape[:3]}, got {q_scale.dtype} {q_scale.shape}")
     if window_rows is not None:
         lo, hi = window_rows
         if check_positions or lo.shape != q_pos.shape or hi.shape != q_pos.shape:
@@ -762,6 +784,8 @@ def v4_attention_mgpu(
     def triton_path(q, kv, q_pos, sinks, compressed, kv_pos):
         from dsv4.pallas.attention import v4_attention  # local import: keeps this module importable on its own
 
+        if q_scale is not None:  # the Triton kernel takes one logit scale: the factor goes on q
+            q = (q.astype(F32) * q_scale[..., None]).astype(q.dtype)
         return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
                             compressed=compressed, compress_rate=compress_rate,
                             topk_indices=topk_indices)  # fmt: skip
@@ -781,7 +805,7 @@ def v4_attention_mgpu(
         return v4_attention_mgpu_kernel_call(q, kv, n_vis, sinks * LOG2E, sliding_window=sliding_window,
                                              scale=scale, compressed=compressed, config=config,
                                              interpret=interpret, kv_offset=kv_offset,
-                                             window_rows=window_rows, csa=csa)  # fmt: skip
+                                             window_rows=window_rows, csa=csa, q_scale=q_scale)  # fmt: skip
 
     if not check_positions:
         return mgpu_path(q, kv, q_pos, sinks, compressed, None)
