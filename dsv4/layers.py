@@ -215,8 +215,8 @@ def apply_rope_in_place(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Arr
 
 
 def normalize_and_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, eps: float) -> jax.Array:
-    """`apply_rope(rms_normalize(x, eps), cos, sin)` with one rounding: a rotation keeps each pair's norm, so x and
-    its rotation share their RMS, and the factor is applied after rotating.
+    """`apply_rope(rms_normalize(x, eps), cos, sin)` with one rounding: the rotation is linear, so x's factor (its
+    RMS taken before rotating: YaRN's cos and sin also scale) is applied after it.
 
     NOTE: in that order XLA reads x twice (the RMS, then the rotation) and writes once; normalizing first writes the
     normalized x and reads it back for the rotation (1 GiB each way for a 16K-token chunk's queries)."""
