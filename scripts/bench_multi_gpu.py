@@ -1012,8 +1012,8 @@ def parse_args(argv=None):
     p.add_argument("--process-length", default=None, help="step 4 context (default 512k; smoke 128)")
     p.add_argument("--new-tokens", type=int, default=None, help="generated tokens after the first (default 32)")
     p.add_argument("--chunk-per-device", type=int, default=CHUNK_TOKENS_PER_DEVICE,
-                   help=f"prefill chunk per device (default {CHUNK_TOKENS_PER_DEVICE}, the engine's where the "
-                        "longer one does not fit, as on 8 H100s at 512K)")  # fmt: skip
+                   help=f"prefill chunk per device (default {CHUNK_TOKENS_PER_DEVICE}, the engine's short default: "
+                        "fixed over every step, so the meshes compare like with like)")  # fmt: skip
     p.add_argument("--chunk", type=int, default=None, help="a fixed chunk for every mesh (smoke 32)")
     p.add_argument("--device", default="h200", help="memory preset where the allocator reports none (default h200)")
     p.add_argument("--device-memory-gib", type=float, default=None, help="memory of one device (overrides)")

@@ -71,7 +71,7 @@ class Indexer(Compressor):
             # on the global S, since a sequence shard of a zigzag layout holds two blocks far apart.
             one_band = one_band_per_call(q.shape[1], self.rate, n_keys, FP8_WIDTH_BANDS)
             # "pallas": bf16 scores on the Mosaic kernel where it runs (a Hopper GPU, 64 heads, bf16 q and keys;
-            # 1.37x the Triton kernel at 512K), with the FP8 path's width bands; the Triton kernel elsewhere
+            # 1.37x the Triton scores kernel), with the FP8 path's width bands; the Triton kernel elsewhere
             mgpu = (impl == "pallas" and not interpret and is_hopper() and q.shape[2] == 64
                     and q.dtype == keys.dtype == jnp.bfloat16)  # fmt: skip
             scores = dict(scores_impl="mgpu", width_bands=FP8_WIDTH_BANDS, call_band=one_band) if mgpu else {}

@@ -782,10 +782,10 @@ def v4_attention_mgpu(
     b, s, h, d = q.shape
 
     def triton_path(q, kv, q_pos, sinks, compressed, kv_pos):
-        from dsv4.pallas.attention import v4_attention  # local import: keeps this module importable on its own
+        from dsv4.attention.core import scale_queries  # local imports: keep this module importable on its own
+        from dsv4.pallas.attention import v4_attention
 
-        if q_scale is not None:  # the Triton kernel takes one logit scale: the factor goes on q
-            q = (q.astype(F32) * q_scale[..., None]).astype(q.dtype)
+        q = scale_queries(q, q_scale)  # the Triton kernel takes one logit scale: the factor goes on q
         return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
                             compressed=compressed, compress_rate=compress_rate,
                             topk_indices=topk_indices)  # fmt: skip

@@ -8,9 +8,8 @@ from __future__ import annotations
 __all__ = ["INDEX_SLAB_BYTES", "index_slab_rows"]
 
 # The two-pass indexer's float32 scores slab per step: queries per step at most clip(floor_128(INDEX_SLAB_BYTES /
-# (4 · keys)), 128, 4096). 512 MiB rather than 256: a 16K-token chunk at the end of
-# a 512K prompt takes 19 steps instead of 43 (fewer top-k launches, less wave tail), 1.008× TTFT at 512K
-# (docs/BENCHMARKS.md, "Lightning indexer").
+# (4 · keys)), 128, 4096). 512 MiB rather than 256: a 16K-token chunk at the end of a 512K prompt takes 19 steps
+# instead of 43 (fewer top-k launches, less wave tail), 1.008× TTFT at 512K (docs/BENCHMARKS.md).
 INDEX_SLAB_BYTES = 1 << 29
 
 
