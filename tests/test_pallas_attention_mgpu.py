@@ -23,9 +23,10 @@ import numpy as np
 import pytest
 from gpu_mesh import abstract_gpu_mesh
 
-from dsv4.attention.core import CompressedKeys, scale_queries
+from dsv4.attention.core import CompressedKeys
 from dsv4.attention.pallas_core import core_attention_pallas, mosaic_takes_prefix, prefix_window_rows
 from dsv4.pallas.attention import v4_attention_reference
+from dsv4.pallas.attention_common import scale_queries
 from dsv4.pallas.attention_mgpu import MgpuConfig, csa_operands, v4_attention_mgpu, window_tiles
 
 TOL = 3e-2

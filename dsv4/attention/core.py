@@ -25,12 +25,6 @@ class CompressedKeys(NamedTuple):
     topk_indices: jax.Array | None = None
 
 
-def scale_queries(q: jax.Array, q_scale: jax.Array | None) -> jax.Array:
-    """q [B, S, H, D] times q_scale [B, S, H] (float32; None: q as is), rounded to q's dtype: the queries of a core
-    that does not fold the factor into its logits (`Kernels.q_norm` "fold" hands the cores q's inverse RMS)."""
-    return q if q_scale is None else (q.astype(F32) * q_scale[..., None]).astype(q.dtype)
-
-
 # ---------------------------------------------------------------------------------------------
 # The core: softmax(scale · q·k) over window keys and compressed keys, plus a per-head sink logit.
 # ---------------------------------------------------------------------------------------------

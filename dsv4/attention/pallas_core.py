@@ -6,10 +6,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv4.attention.core import CompressedKeys, scale_queries
+from dsv4.attention.core import CompressedKeys
 from dsv4.layers import F32
 from dsv4.pallas._device import is_hopper, on_gpu
 from dsv4.pallas.attention import v4_attention
+from dsv4.pallas.attention_common import scale_queries
 from dsv4.pallas.attention_mgpu import positions_are_aligned, v4_attention_mgpu
 
 

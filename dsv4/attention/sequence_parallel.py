@@ -91,8 +91,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dsv4.attention.core import CompressedKeys, core_attention_jnp, scale_queries
+from dsv4.attention.core import CompressedKeys, core_attention_jnp
 from dsv4.attention.pallas_core import core_attention_pallas, mosaic_applies
+from dsv4.pallas.attention_common import scale_queries
 from dsv4.pallas.attention_mgpu import v4_attention_mgpu
 from dsv4.sharding.sequence import local_stand_in, sp_layout, zigzag_shards
 

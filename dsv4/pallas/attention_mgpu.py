@@ -78,6 +78,7 @@ from dsv4.pallas.attention_common import (
     SMEM_LIMIT,
     pv_through_smem,
     pv_with_p_in_smem,
+    scale_queries,
     smem_tiling,
     swap_with_other,
     wgmma_online_softmax_step,
@@ -782,8 +783,7 @@ def v4_attention_mgpu(
     b, s, h, d = q.shape
 
     def triton_path(q, kv, q_pos, sinks, compressed, kv_pos):
-        from dsv4.attention.core import scale_queries  # local imports: keep this module importable on its own
-        from dsv4.pallas.attention import v4_attention
+        from dsv4.pallas.attention import v4_attention  # local import: keeps this module importable on its own
 
         q = scale_queries(q, q_scale)  # the Triton kernel takes one logit scale: the factor goes on q
         return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
