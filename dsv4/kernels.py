@@ -40,7 +40,7 @@ CHOICES = {
     "sinkhorn": ("jnp", "pallas", "pallas-mgpu"),
     # q's RMS normalization in prefill: "jnp" normalizes q (XLA) before the core; "fold" rotates q in place and hands
     # the core q's inverse RMS per (token, head), which the Mosaic attention kernel folds into its logit scale (other
-    # cores apply it to q); one-token steps always take q normalized. Opt-in until timed against "jnp".
+    # cores apply it to q); one-token steps always take q normalized. "auto": "fold" under the Pallas core on Hopper
     "q_norm": ("jnp", "fold"),
 }
 SEQUENCE_PARALLEL_CORES = ("sp", "sp-pallas")
@@ -96,13 +96,15 @@ class Kernels:
 
         On a GPU: the Pallas kernels wherever they are measured faster than XLA, for 16-bit models (a float32
         model keeps XLA's full-precision dots in attention and the indexer); decode steps and cache writes stay on
-        XLA, whose step measured as fast as the kernels' (the step is host-bound). Off a GPU: jnp everywhere."""
+        XLA, whose step measured as fast as the kernels' (the step is host-bound); q's normalization folds into the
+        Mosaic attention kernel on Hopper. Off a GPU: jnp everywhere."""
         gpu = on_gpu() if gpu is None else gpu
         hopper = gpu and (is_hopper() if hopper is None else hopper)
         fast = gpu and jnp.dtype(dtype) in _FAST_DTYPES
         indexer = _pick(self.indexer, "pallas" if fast else "jnp")
+        attention = _pick(self.attention, "pallas" if fast else "jnp")
         auto = dict(
-            attention="pallas" if fast else "jnp",
+            attention=attention,
             decode="jnp",
             indexer=indexer,
             paged_indexer="pallas" if indexer in ("pallas", "pallas-triton") else "jnp",
@@ -111,7 +113,8 @@ class Kernels:
             dense="jnp",  # W8A8 measured no faster end to end (docs/BENCHMARKS.md, "Dense layers in FP8")
             kv_write="jnp",
             sinkhorn="pallas" if gpu else "jnp",
-            q_norm="jnp",
+            # the fold saves the normalized q's write and read: 1.007-1.012x TTFT at 512K (docs/BENCHMARKS.md)
+            q_norm="fold" if hopper and attention == "pallas" else "jnp",
         )
         return Kernels(**{name: _pick(getattr(self, name), auto[name]) for name in CHOICES})
 

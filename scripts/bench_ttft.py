@@ -41,8 +41,8 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
                           the stored values (`dsv4.layers.project`); the same as (4f) with bf16 weights
     chunked-loop     (4l) as (4) with the mHC Sinkhorn normalization as XLA's while loop (Kernels.sinkhorn="jnp")
     chunked-2x       (4x) as (4) in chunks of twice ``--chunk`` (the chunk size's effect, side by side in one process)
-    chunked-qfold    (4q) as (4) with Kernels.q_norm="fold": q only rotated, its inverse RMS folded into the Mosaic
-                          attention kernel's logit scale (the Triton and jnp cores apply it to q)
+    chunked-qnorm    (4n) as (4) with Kernels.q_norm="jnp": q normalized by XLA before the core, where (4) on Hopper
+                          only rotates q and folds its inverse RMS into the Mosaic attention kernel's logit scale
     engine           (4e) the prompt through `dsv4.LLM(model)` with default arguments (kernels "auto", the paged cache)
                           but ``--chunk``; TTFT = the request's own, arrival to first sampled token
     xla-cap          (1c) as (1) with a capacity-padded batched-einsum MoE (defined in this script, not in dsv4:
@@ -203,7 +203,7 @@ class Variant:
     indexer: str | None = None  # Kernels.indexer (None: "jnp" under the jnp attention, "pallas" otherwise)
     dense: str | None = None  # Kernels.dense (None: "jnp")
     sinkhorn_loop: bool = False  # the mHC Sinkhorn as XLA's while loop (Kernels.sinkhorn="jnp")
-    q_norm: str | None = None  # Kernels.q_norm (None: "jnp")
+    q_norm: str | None = None  # Kernels.q_norm (None: "auto", "fold" under the Pallas core on Hopper)
     chunks_of: int = 1  # chunked only: chunks of this many times --chunk
 
 
@@ -246,17 +246,17 @@ VARIANTS = {v.key: v for v in [
     Variant("chunked-loop", "(4l)", "(4) with the mHC Sinkhorn as XLA's loop", "chunked", "pallas", "pallas",
             sinkhorn_loop=True),
     Variant("chunked-2x", "(4x)", "(4) in chunks of 2 x --chunk", "chunked", "pallas", "pallas", chunks_of=2),
-    Variant("chunked-qfold", "(4q)", "(4) with q's RMS folded into attention", "chunked", "pallas", "pallas",
-            q_norm="fold"),
+    Variant("chunked-qnorm", "(4n)", "(4) with q normalized before the core", "chunked", "pallas", "pallas",
+            q_norm="jnp"),
     Variant("engine", "(4e)", "(4) through dsv4.LLM, default arguments", "engine", "auto", "auto"),
     Variant("xla-cap", "(1c)", "XLA, capacity MoE", "full", "jnp", "xla_cap"),
     Variant("pallas-attn-cap", "(2c)", "+ Pallas attn + idx, capacity MoE", "full", "pallas", "xla_cap"),
 ]}  # fmt: skip
 PRIORITY = ["pallas", "chunked", "engine", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn",
             "chunked-fp8idx", "chunked-tritonidx", "chunked-w8a8", "chunked-loop", "chunked-2x",
-            "chunked-qfold"]  # fmt: skip
+            "chunked-qnorm"]  # fmt: skip
 TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-loop", "chunked", "chunked-2x",
-               "chunked-qfold", "engine", "chunked-tritonidx", "chunked-fp8idx", "chunked-w8a8",
+               "chunked-qnorm", "engine", "chunked-tritonidx", "chunked-fp8idx", "chunked-w8a8",
                "chunked-fp8"]  # fmt: skip
 BASELINES = ("xla", "xla-cap")  # plain XLA: the speed-ups' denominators
 PAGE_TOKENS = 256  # (5)'s page size: a multiple of both compress rates

@@ -146,6 +146,19 @@ def test_q_norm_folded_into_the_core_matches_reference(attention, monkeypatch):
             assert rel_err(got, ref["generate_logits"][:, : got.shape[1]]) < TOL, f"chunks of {chunk}"
 
 
+def test_q_norm_folds_by_default_only_under_the_pallas_core_on_hopper():
+    """The fold is the measured default where the Mosaic attention kernel runs (a Hopper GPU, the Pallas core); an
+    explicit choice stands; other devices and cores keep q normalized by XLA."""
+    resolve = dsv4.Kernels.resolve
+    assert resolve(dsv4.Kernels(), jnp.bfloat16, gpu=True, hopper=True).q_norm == "fold"
+    assert resolve(dsv4.Kernels(attention="pallas"), jnp.float32, gpu=True, hopper=True).q_norm == "fold"
+    assert resolve(dsv4.Kernels(q_norm="jnp"), jnp.bfloat16, gpu=True, hopper=True).q_norm == "jnp"
+    assert resolve(dsv4.Kernels(), jnp.bfloat16, gpu=True, hopper=False).q_norm == "jnp"
+    assert resolve(dsv4.Kernels(), jnp.float32, gpu=True, hopper=True).q_norm == "jnp"  # the jnp core
+    assert resolve(dsv4.Kernels(attention="sp-pallas"), jnp.bfloat16, gpu=True, hopper=True).q_norm == "jnp"
+    assert resolve(dsv4.Kernels(), jnp.bfloat16, gpu=False).q_norm == "jnp"
+
+
 @pytest.mark.parametrize("name", ["tiny_long", "tiny_mixed"])
 def test_paged_cache_with_permuted_block_tables_matches_reference(name):
     """Compressed entries in shared page pools (16-token pages: 4 CSA entries, 1 HCA entry each; chunks of 7
