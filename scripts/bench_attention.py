@@ -33,8 +33,8 @@ one-token  one-token chunks (a decode step over a dense cache), the Triton kerne
            (as a model step calls its layers), divided by 8: µs per call, Mosaic's speed-up over Triton, and the
            max abs difference between the two outputs.
 csa      CSA layers (rate 4: C = S / 4 entries, 512 listed per token): the Mosaic kernel's CSA mode (each listed
-         row gathered by its own TMA, ``v4_attention_mgpu(topk_indices=...)``, the mgpu-persistent configuration)
-         against the Triton kernel. Correctness first (S = 301, 1000 against the jnp reference; PASS < 3e-2), then
+         row gathered by its own TMA, ``v4_attention_mgpu(topk_indices=...)``, the mgpu-persistent configuration,
+         once per ``--csa-gather-batches`` value: row indices the producer loads together) against the Triton kernel. Correctness first (S = 301, 1000 against the jnp reference; PASS < 3e-2), then
          timings at --seqs. Lists: token p takes min(512, n) of its n = (p + 1) // 4 visible entries, evenly spread
          and rotated by a random offset per token (distinct; neighbours share few rows, so L2 helps less than with
          an indexer's picks). Useful FLOPs = 4·H·D per (query, key) pair: window keys plus listed entries.
@@ -45,6 +45,7 @@ Every variant is caught separately: one failure prints its error and the rest go
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -327,48 +328,56 @@ def csa_flops(seq):
 
 
 def csa(args):
-    config = VARIANTS["mgpu-persistent"]
+    batches = [int(x) for x in args.csa_gather_batches.split(",")]
+    configs = {f"mosaic-g{nb}": dataclasses.replace(VARIANTS["mgpu-persistent"], gather_batch=nb) for nb in batches}
 
-    def mosaic(q, kv, q_pos, sinks, comp, topk):
-        return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=W, scale=D**-0.5, compressed=comp,
-                                 topk_indices=topk, config=config, check_positions=False)  # fmt: skip
+    def mosaic_with(config):
+        def mosaic(q, kv, q_pos, sinks, comp, topk):
+            return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=W, scale=D**-0.5, compressed=comp,
+                                     topk_indices=topk, config=config, check_positions=False)  # fmt: skip
+
+        return mosaic
 
     def triton(q, kv, q_pos, sinks, comp, topk):
         return v4_attention(q, kv, q_pos, q_pos, sinks, sliding_window=W, scale=D**-0.5, compressed=comp,
                             topk_indices=topk)  # fmt: skip
 
     log("== CSA correctness (max abs err vs jnp reference, bf16, PASS < 3e-2) ==")
-    ok = True
+    passed = set(configs)
     for seq in (301, 1000):
         data = csa_inputs(seq, seed=seq)
         q, kv, q_pos, sinks, comp, topk = data
         ref = np.asarray(v4_attention_reference(q, kv, q_pos, q_pos, sinks, sliding_window=W, scale=D**-0.5,
                                                 compressed=comp, topk_indices=topk), np.float32)  # fmt: skip
-        try:
-            jax.block_until_ready(mosaic(jnp.full_like(q, jnp.nan), *data[1:]))  # poison a recycled buffer
-            out = np.asarray(mosaic(*data), np.float32)
-            err = float(np.abs(out - ref).max()) if not np.isnan(out).any() else float("nan")
-        except Exception as e:  # noqa: BLE001
-            log(f"  S={seq} CSA mosaic: ERROR {type(e).__name__}: {str(e)[:400]}")
-            traceback.print_exc(limit=3, file=sys.stdout)
-            err = float("nan")
-        ok = ok and err < 3e-2
-        log(f"  S={seq:5d} CSA mosaic max_err={err:.3e} {'PASS' if err < 3e-2 else 'FAIL'}")
+        for name, config in configs.items():
+            mosaic = mosaic_with(config)
+            try:
+                jax.block_until_ready(mosaic(jnp.full_like(q, jnp.nan), *data[1:]))  # poison a recycled buffer
+                out = np.asarray(mosaic(*data), np.float32)
+                err = float(np.abs(out - ref).max()) if not np.isnan(out).any() else float("nan")
+            except Exception as e:  # noqa: BLE001
+                log(f"  S={seq} CSA {name}: ERROR {type(e).__name__}: {str(e)[:400]}")
+                traceback.print_exc(limit=3, file=sys.stdout)
+                err = float("nan")
+            if not err < 3e-2:
+                passed.discard(name)
+            log(f"  S={seq:5d} CSA {name} max_err={err:.3e} {'PASS' if err < 3e-2 else 'FAIL'}")
     log("== CSA timings (median of --iters) ==")
     for seq in [int(x) for x in args.seqs.split(",")] if args.seqs else [32768, 131072]:
         data = csa_inputs(seq)
         flops = csa_flops(seq)
-        runners = ([("mosaic", jax.jit(mosaic))] if ok else []) + [("triton", jax.jit(triton))]
+        runners = [(name, jax.jit(mosaic_with(c))) for name, c in configs.items() if name in passed]
+        runners.append(("triton", jax.jit(triton)))
         times = {}
         for name, fn in runners:
             try:
                 times[name] = bench(lambda fn=fn: fn(*data), args.iters)
-                log(f"  S={seq:6d} CSA {name:7s} {times[name] * 1e3:9.3f} ms {flops / times[name] / 1e12:7.1f} "
+                log(f"  S={seq:6d} CSA {name:10s} {times[name] * 1e3:9.3f} ms {flops / times[name] / 1e12:7.1f} "
                     f"TFLOP/s")  # fmt: skip
             except Exception as e:  # noqa: BLE001
                 log(f"  S={seq} CSA {name}: ERROR {type(e).__name__}: {str(e)[:400]}")
-        if len(times) == 2:
-            log(f"  S={seq:6d} CSA mosaic speed-up over triton: {times['triton'] / times['mosaic']:.2f}x")
+        for name in times.keys() - {"triton"} if "triton" in times else ():
+            log(f"  S={seq:6d} CSA {name} speed-up over triton: {times['triton'] / times[name]:.2f}x")
         data = None
 
 
@@ -438,6 +447,8 @@ def main():
     ap.add_argument("--fp8", action="store_true",
                     help="also FP8 KV (per-channel scales): dequantize pass + the first variant's Mosaic kernel, "
                          "and the Triton kernel's in-kernel dequantization (unless --skip-triton)")  # fmt: skip
+    ap.add_argument("--csa-gather-batches", default="1,8,16",
+                    help="csa: MgpuConfig.gather_batch values to time (row indices loaded together; 1: one a row)")
     ap.add_argument("--only", default="prefill", help="comma-separated subset of prefill,one-token,csa")
     ap.add_argument("--one-token-contexts", default="32768,524288", help="one-token: HCA context lengths (window "
                     "layers: the first only, their work does not depend on the context)")  # fmt: skip

@@ -360,17 +360,19 @@ def test_csa_operands_by_hand():
     assert np.asarray(bits).tolist() == [[[-(2**31), 1]]] and np.asarray(slots).tolist() == [[33]]
 
 
-def test_interpreter_csa_matches_reference():
+@pytest.mark.parametrize("gather_batch", [1, 16])
+def test_interpreter_csa_matches_reference(gather_batch):
     """CSA (each listed entry's row gathered by its own TMA into a row-major tile, rewritten tiled in place): 2
     persistent CTAs walking 7 tokens, 100 slots (2 gathered 64-row tiles, the second part padding) with -1 anywhere,
-    ids past the entries, a token with nothing listed; then the window tiles. Against the jnp reference."""
+    ids past the entries, a token with nothing listed; then the window tiles. Against the jnp reference; the row
+    indices loaded one at a time, or 16 together (a batch that put a row in the wrong place fails)."""
     from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 
     window, seq, c = 16, 7, 45
     q, kv, q_pos, sinks, _ = make_inputs(5, seq=seq, head_dim=128)
     compressed = jnp.asarray(np.random.default_rng(6).standard_normal((1, c, 128)), jnp.bfloat16)
     topk = csa_lists(7, batch=1, seq=seq, k=100, num_entries=c)
-    config = MgpuConfig(variant="ws", block_kv=64, pv_form="interpret", num_ctas=2)
+    config = MgpuConfig(variant="ws", block_kv=64, pv_form="interpret", num_ctas=2, gather_batch=gather_batch)
     with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
         out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
                                 topk_indices=topk, config=config, check_positions=False,
@@ -410,6 +412,9 @@ def test_csa_rejects_what_it_cannot_run():
         v4_attention_mgpu(q, kv, q_pos, sinks, **{**kw, "topk_indices": topk[:, :4]})
     with pytest.raises(ValueError, match="without compressed"):
         v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=16, scale=1.0, topk_indices=topk)
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="gather_batch"):
+            MgpuConfig(gather_batch=bad)
 
 
 @pytest.mark.parametrize(
@@ -489,9 +494,9 @@ def _check_on_gpu(config, hca, seq, fold=False, **shape):
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("num_ctas", [0, 5])
+@pytest.mark.parametrize("num_ctas, gather_batch", [(0, 8), (5, 8), (0, 1), (0, 64)])
 @pytest.mark.parametrize("seq, k", [(301, 512), (37, 100)])
-def test_gpu_csa_matches_reference(num_ctas, seq, k):
+def test_gpu_csa_matches_reference(num_ctas, gather_batch, seq, k):
     """CSA on the GPU: V4's 512 slots (or 100: a partial gathered tile) over 2000 entries, -1 anywhere, ids past the
     entries; after a NaN-query run of the same shape. This is the first check of the per-row TMAs (1-row boxes at any
     row start into the untransformed view) and of the in-place regrouping on hardware, which the interpreter cannot
@@ -501,7 +506,7 @@ def test_gpu_csa_matches_reference(num_ctas, seq, k):
     compressed = jnp.asarray(np.random.default_rng(12).standard_normal((1, c, d)), jnp.bfloat16)
     topk = csa_lists(13, batch=1, seq=seq, k=k, num_entries=c)
     kwargs = dict(sliding_window=window, scale=d**-0.5, compressed=compressed, topk_indices=topk,
-                  config=MgpuConfig(num_ctas=num_ctas))  # fmt: skip
+                  config=MgpuConfig(num_ctas=num_ctas, gather_batch=gather_batch))  # fmt: skip
     jax.block_until_ready(v4_attention_mgpu(jnp.full_like(q, jnp.nan), kv, q_pos, sinks, **kwargs))  # poison
     out = np.asarray(v4_attention_mgpu(q, kv, q_pos, sinks, **kwargs), np.float32)
     ref = v4_attention_reference(q, kv, q_pos, q_pos, sinks, sliding_window=window, scale=d**-0.5,

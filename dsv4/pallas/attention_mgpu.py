@@ -143,6 +143,9 @@ class MgpuConfig:
     persistent: bool | None = None
     num_ctas: int = 0
     auto_barriers: bool = True
+    # CSA: listed rows whose indices the producer loads together before issuing their TMAs. Each index is a load
+    # from GMEM, and one at a time the producer waited a load's latency per row (1 = that form).
+    gather_batch: int = 8
 
     def __post_init__(self):
         # NOTE: P·V reduces over block_kv; a bf16 wgmma K must be a multiple of 64 (found by lowering, block_kv=32
@@ -162,6 +165,8 @@ class MgpuConfig:
             raise ValueError("MgpuConfig.debug 'no_exchange' needs variant='ws' (consumed barriers guard both halves)")
         if self.variant not in _VARIANTS:
             raise ValueError(f"MgpuConfig.variant={self.variant!r} must be one of {_VARIANTS}")
+        if self.gather_batch < 1 or self.block_kv % self.gather_batch:
+            raise ValueError(f"MgpuConfig.gather_batch={self.gather_batch} must divide block_kv={self.block_kv}")
         if self.num_ctas < 0:
             raise ValueError(f"MgpuConfig.num_ctas={self.num_ctas} must be >= 0 (0: one per SM)")
         if self.persistent and not self._persistent_applies():
@@ -425,14 +430,20 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
             entry and half, each a 1-row box into the slot's row-major view, then each 8-row group (the same 4 KiB
             in both views) read into registers and written back tiled and swizzled, in place; then the halves'
             `kv_bar` arrivals. NOTE: Hopper's TMA has no row gather (`tile::gather4` is sm_100+) and Pallas takes a
-            TMA into a tiled, swizzled ref only on whole 8-row tiles, hence the row-major landing and the pass."""
-            @pl.loop(0, bk)
-            def _(r):
-                row = rows_ref[it.bi, it.tok, step * bk + r]
-                for half in range(2):
-                    plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(row, 1), pl.ds(half * dh, dh)],
-                                            kv_raw.at[slot * 2 + half, pl.ds(r, 1)],
-                                            landed_bar.at[slot * 2 + half])  # fmt: skip
+            TMA into a tiled, swizzled ref only on whole 8-row tiles, hence the row-major landing and the pass.
+            The rows' indices are loaded `gather_batch` at a time, all before the batch's first TMA, so the loads'
+            latencies overlap."""
+            nb = config.gather_batch
+
+            @pl.loop(0, bk // nb)
+            def _(r0):
+                first = r0 * nb
+                rows = [rows_ref[it.bi, it.tok, step * bk + first + r] for r in range(nb)]
+                for r, row in enumerate(rows):
+                    for half in range(2):
+                        plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(row, 1), pl.ds(half * dh, dh)],
+                                                kv_raw.at[slot * 2 + half, pl.ds(first + r, 1)],
+                                                landed_bar.at[slot * 2 + half])  # fmt: skip
 
             group = plgpu.Layout.SMEM_GMEM_COPY((_ROW_TILE, dh), dtype, elems_128b * itemsize)
             for half in range(2):
