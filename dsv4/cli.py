@@ -266,7 +266,7 @@ def _model_config(args):
 
 
 KERNEL_PARTS = ("attention", "decode", "indexer", "paged_indexer", "topk_refine", "moe", "dense", "kv_write",
-                "sinkhorn", "q_norm")
+                "sinkhorn", "q_norm", "csa")
 
 
 def _parse_kernels(text: str):

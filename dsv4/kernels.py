@@ -42,6 +42,9 @@ CHOICES = {
     # the core q's inverse RMS per (token, head), which the Mosaic attention kernel folds into its logit scale (other
     # cores apply it to q); one-token steps always take q normalized. "auto": "fold" under the Pallas core on Hopper
     "q_norm": ("jnp", "fold"),
+    # CSA layers' prefill under the Pallas core: "pallas-triton" the Triton kernel; "pallas" the Mosaic kernel's CSA
+    # mode on Hopper (each listed row gathered by its own TMA; measured slower, docs/kernels/attention.md)
+    "csa": ("pallas", "pallas-triton"),
 }
 SEQUENCE_PARALLEL_CORES = ("sp", "sp-pallas")
 _FAST_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -59,6 +62,7 @@ class Kernels:
     kv_write: str = "auto"
     sinkhorn: str = "auto"
     q_norm: str = "auto"
+    csa: str = "auto"
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -69,10 +73,11 @@ class Kernels:
     @classmethod
     def all(cls, impl: str) -> Kernels:
         """Every part on `impl` ("jnp" or "pallas"): the XLA reference, or every Pallas kernel (interpreted off a
-        GPU); q's normalization "jnp" either way (it is a route, not a kernel)."""
+        GPU); q's normalization "jnp" either way (it is a route, not a kernel), CSA layers on the Triton kernel
+        (used only under the Pallas core)."""
         if impl not in ("jnp", "pallas"):
             raise ValueError(f"Kernels.all({impl!r}): 'jnp' or 'pallas'")
-        return cls(**{**dict.fromkeys(CHOICES, impl), "q_norm": "jnp"})
+        return cls(**{**dict.fromkeys(CHOICES, impl), "q_norm": "jnp", "csa": "pallas-triton"})
 
     @classmethod
     def parse(cls, spec: str) -> Kernels:
@@ -115,6 +120,7 @@ class Kernels:
             sinkhorn="pallas" if gpu else "jnp",
             # the fold saves the normalized q's write and read: 1.007-1.012x TTFT at 512K (docs/BENCHMARKS.md)
             q_norm="fold" if hopper and attention == "pallas" else "jnp",
+            csa="pallas-triton",  # the Mosaic CSA mode measured 0.67-0.74x the Triton kernel
         )
         return Kernels(**{name: _pick(getattr(self, name), auto[name]) for name in CHOICES})
 

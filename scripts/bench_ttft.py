@@ -43,6 +43,8 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
     chunked-2x       (4x) as (4) in chunks of twice ``--chunk`` (the chunk size's effect, side by side in one process)
     chunked-qnorm    (4n) as (4) with Kernels.q_norm="jnp": q normalized by XLA before the core, where (4) on Hopper
                           only rotates q and folds its inverse RMS into the Mosaic attention kernel's logit scale
+    chunked-csamgpu  (4c) as (4) with Kernels.csa="pallas": CSA layers' attention on the Mosaic kernel's CSA mode
+                          (each listed row gathered by its own TMA) instead of the Triton kernel
     engine           (4e) the prompt through `dsv4.LLM(model)` with default arguments (kernels "auto", the paged cache)
                           but ``--chunk``; TTFT = the request's own, arrival to first sampled token
     xla-cap          (1c) as (1) with a capacity-padded batched-einsum MoE (defined in this script, not in dsv4:
@@ -204,11 +206,13 @@ class Variant:
     dense: str | None = None  # Kernels.dense (None: "jnp")
     sinkhorn_loop: bool = False  # the mHC Sinkhorn as XLA's while loop (Kernels.sinkhorn="jnp")
     q_norm: str | None = None  # Kernels.q_norm (None: "auto", "fold" under the Pallas core on Hopper)
+    csa: str | None = None  # Kernels.csa (None: "auto", the Triton kernel)
     chunks_of: int = 1  # chunked only: chunks of this many times --chunk
 
 
 def variant_kernels(attention: str, moe: str, indexer: str | None = None, sinkhorn_loop: bool = False,
-                    dense: str | None = None, q_norm: str | None = None) -> Kernels:  # fmt: skip
+                    dense: str | None = None, q_norm: str | None = None,
+                    csa: str | None = None) -> Kernels:  # fmt: skip
     """The Kernels value a variant builds its model with. "jnp" attention: XLA everywhere (`Kernels.all("jnp")`);
     "pallas": the Pallas attention core, the paged decode kernel and the kv_write kernel, the indexer's `indexer`
     path (default the two-pass Pallas one). moe "xla_cap" builds the jnp MoE, swapped for `CapacityMoE` after."""
@@ -228,6 +232,8 @@ def variant_kernels(attention: str, moe: str, indexer: str | None = None, sinkho
         changes["dense"] = dense
     if q_norm:
         changes["q_norm"] = q_norm
+    if csa:
+        changes["csa"] = csa
     return dataclasses.replace(base, **changes)
 
 
@@ -248,15 +254,17 @@ VARIANTS = {v.key: v for v in [
     Variant("chunked-2x", "(4x)", "(4) in chunks of 2 x --chunk", "chunked", "pallas", "pallas", chunks_of=2),
     Variant("chunked-qnorm", "(4n)", "(4) with q normalized before the core", "chunked", "pallas", "pallas",
             q_norm="jnp"),
+    Variant("chunked-csamgpu", "(4c)", "(4) with CSA on the Mosaic kernel", "chunked", "pallas", "pallas",
+            csa="pallas"),
     Variant("engine", "(4e)", "(4) through dsv4.LLM, default arguments", "engine", "auto", "auto"),
     Variant("xla-cap", "(1c)", "XLA, capacity MoE", "full", "jnp", "xla_cap"),
     Variant("pallas-attn-cap", "(2c)", "+ Pallas attn + idx, capacity MoE", "full", "pallas", "xla_cap"),
 ]}  # fmt: skip
 PRIORITY = ["pallas", "chunked", "engine", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn",
             "chunked-fp8idx", "chunked-tritonidx", "chunked-w8a8", "chunked-loop", "chunked-2x",
-            "chunked-qnorm"]  # fmt: skip
+            "chunked-qnorm", "chunked-csamgpu"]  # fmt: skip
 TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-loop", "chunked", "chunked-2x",
-               "chunked-qnorm", "engine", "chunked-tritonidx", "chunked-fp8idx", "chunked-w8a8",
+               "chunked-qnorm", "chunked-csamgpu", "engine", "chunked-tritonidx", "chunked-fp8idx", "chunked-w8a8",
                "chunked-fp8"]  # fmt: skip
 BASELINES = ("xla", "xla-cap")  # plain XLA: the speed-ups' denominators
 PAGE_TOKENS = 256  # (5)'s page size: a multiple of both compress rates
@@ -897,11 +905,12 @@ class Bench:
         return work / (1e10 if self.smoke else 50e12)
 
     def use_impls(self, attention: str, moe: str, indexer: str | None = None, sinkhorn_loop: bool = False,
-                  dense: str | None = None, q_norm: str | None = None) -> DeepseekV4:  # fmt: skip
+                  dense: str | None = None, q_norm: str | None = None,
+                  csa: str | None = None) -> DeepseekV4:  # fmt: skip
         """self.model ← the model built with `variant_kernels(...)` (abstractly, so whatever the constructor derives
         from the Kernels value is as in dsv4; moe "xla_cap": its MoE layers swapped for `CapacityMoE`), on the same
         weights (no copy). indexer None: XLA's for the jnp baseline, the two-pass Pallas path otherwise."""
-        kernels = variant_kernels(attention, moe, indexer, sinkhorn_loop, dense, q_norm)
+        kernels = variant_kernels(attention, moe, indexer, sinkhorn_loop, dense, q_norm, csa)
         key = (kernels, moe == "xla_cap")
         if key not in self.graphdefs:
             make = lambda: DeepseekV4(self.cfg, rngs=nnx.Rngs(0), dtype=BF16, kernels=kernels)  # noqa: E731
@@ -995,7 +1004,7 @@ class Bench:
         if not self.budget.fits(where, n_compiles * self.budget.compile_est(kind) + 2 * t_pred):
             self.record(seq, vkey, status="skip", note="budget")
             return
-        model = self.use_impls(v.attention, v.moe, v.indexer, v.sinkhorn_loop, v.dense, v.q_norm)
+        model = self.use_impls(v.attention, v.moe, v.indexer, v.sinkhorn_loop, v.dense, v.q_norm, v.csa)
         kernels = model.kernels  # resolved: what this row runs, for its floor
         fp8_act = all(getattr(layer.mlp, "fp8_activations", True) for layer in model.layers)
         peak_before = peak_in_use()

@@ -2,8 +2,8 @@
 
 The same random weights and the same ragged batch run twice, each path from its own paged cache:
 - the chunked prefill: each chunk after the first runs its window / HCA attention on the Mosaic kernel from the
-  cache's ring (the first chunk, with no ring yet, and CSA layers take the Triton kernel); every chunk's last
-  logits must agree with the jnp path's;
+  cache's ring (the first chunk, with no ring yet, and CSA layers take the Triton kernel, or under
+  `Kernels.csa="pallas"` the Mosaic kernel's CSA mode); every chunk's last logits must agree with the jnp path's;
 - the decode steps through the paged decode kernel on the cache itself: bf16 rows or, with an FP8 cache, its split
   rows as stored (e4m3 nope channels and their scales, bf16 RoPE channels). With an FP8 cache both paths decode from
   the jnp path's cache (the Pallas path's new cache is dropped each step): two caches written from slightly
@@ -87,10 +87,15 @@ def _noisy(core):
     return noisy_core
 
 
-@pytest.mark.parametrize("kv_format", [None, "fp8-channel"], ids=["bf16", "fp8-channel"])
-def test_gpu_cached_paths_match_jnp(kv_format, monkeypatch):
+@pytest.mark.parametrize(
+    "kv_format, csa",
+    [(None, "pallas-triton"), ("fp8-channel", "pallas-triton"), (None, "pallas")],
+    ids=["bf16", "fp8-channel", "bf16-csa-mosaic"],
+)
+def test_gpu_cached_paths_match_jnp(kv_format, csa, monkeypatch):
     """Prefill chunks and decode steps with the Pallas kernels (Kernels attention / decode / kv_write "pallas")
-    against the jnp path (all three "jnp"), bf16 and FP8 caches."""
+    against the jnp path (all three "jnp"), bf16 and FP8 caches; and with the CSA layer's chunks on the Mosaic
+    kernel's CSA mode (`Kernels.csa="pallas"`)."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -105,7 +110,8 @@ def test_gpu_cached_paths_match_jnp(kv_format, monkeypatch):
     reference = dsv4.init_random(cfg, seed=0, dtype=jnp.bfloat16,
                                  kernels=dsv4.Kernels(attention="jnp", decode="jnp", kv_write="jnp"))  # fmt: skip
     pallas = dsv4.init_random(cfg, seed=0, dtype=jnp.bfloat16,
-                              kernels=dsv4.Kernels(attention="pallas", decode="pallas", kv_write="pallas"))  # fmt: skip
+                              kernels=dsv4.Kernels(attention="pallas", decode="pallas", kv_write="pallas",
+                                                   csa=csa))  # fmt: skip
     g_jnp, state = nnx.split(reference)
     g_pallas, _ = nnx.split(pallas)
     del pallas

@@ -337,6 +337,36 @@ def test_core_hands_q_scale_to_the_mosaic_kernel_on_hopper(kv_prefix, monkeypatc
     assert calls and all(f"tensor<{b}x{s}x{h}xf32>" in line.rsplit(" : (", 1)[1] for line in calls)
 
 
+@pytest.mark.parametrize("kv_prefix", [0, 128])
+@pytest.mark.parametrize("csa_mosaic", [True, False])
+def test_core_takes_csa_to_the_mosaic_kernel_only_when_asked(kv_prefix, csa_mosaic, monkeypatch):
+    """`core_attention_pallas` with a CSA layer's lists on a Hopper GPU (is_hopper patched true, lowered for an
+    abstract H200): `csa_mosaic` (`Kernels.csa="pallas"`) sends a whole sequence and a cached chunk to the Mosaic
+    kernel's CSA mode, its lists as an input; without it only the Triton kernel runs."""
+    import dsv4.attention.pallas_core as pallas_core
+
+    monkeypatch.setattr(pallas_core, "is_hopper", lambda: True)
+    b, h, d, s, w, c, k = 1, 64, 512, 256, 128, 64, 512
+    sds = jax.ShapeDtypeStruct
+    args = (sds((b, s, h, d), jnp.bfloat16), sds((b, kv_prefix + s, d), jnp.bfloat16), sds((b, s), jnp.int32),
+            sds((b, kv_prefix + s), jnp.int32), sds((h,), jnp.float32), sds((b, c, d), jnp.bfloat16),
+            sds((b, s, k), jnp.int32))  # fmt: skip
+
+    def f(q, kv, q_pos, kv_pos, sinks, entries, topk):
+        prefix = dict(kv_prefix=kv_prefix) if kv_prefix else dict(kv_aligned=True)
+        return core_attention_pallas(q, kv, q_pos, kv_pos, sinks, sliding_window=w, scale=d**-0.5,
+                                     compressed=CompressedKeys(entries, 4, topk), csa_mosaic=csa_mosaic,
+                                     **prefix)  # fmt: skip
+
+    with abstract_gpu_mesh():
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+    if not csa_mosaic:
+        assert calls == []
+    else:  # the lists reach the kernel as its rows operand, padded to whole 64-row tiles: [B, S, 512] int32
+        assert calls and all(f"tensor<{b}x{s}x{k}xi32>" in line.rsplit(" : (", 1)[1] for line in calls)
+
+
 def csa_lists(seed, *, batch, seq, k, num_entries):
     """Random CSA lists [B, S, k]: distinct ids, some past the entries (they list nothing), -1 anywhere, one token
     with nothing listed."""

@@ -146,6 +146,32 @@ def test_q_norm_folded_into_the_core_matches_reference(attention, monkeypatch):
             assert rel_err(got, ref["generate_logits"][:, : got.shape[1]]) < TOL, f"chunks of {chunk}"
 
 
+def test_csa_layers_ask_the_pallas_core_for_the_mosaic_kernel_under_kernels_csa(monkeypatch):
+    """`Kernels.csa="pallas"`: the Pallas core is asked for the Mosaic kernel in CSA layers only, in the whole prompt's
+    forward and in cached chunks (off Hopper it runs the Triton kernel, so the logits stay the reference's); the
+    default asks in none."""
+    from dsv4.attention import dispatch
+
+    path = os.path.join(FIXTURES, "tiny_mixed")
+    ref = dict(np.load(os.path.join(path, "reference.npz")))
+    plain = dispatch.ATTENTION_CORES["pallas"]
+    asked = []
+
+    def recording(*args, csa_mosaic=False, **kwargs):
+        asked.append((kwargs["compressed"] is not None and kwargs["compressed"].topk_indices is not None, csa_mosaic))
+        return plain(*args, csa_mosaic=csa_mosaic, **kwargs)
+
+    monkeypatch.setitem(dispatch.ATTENTION_CORES, "pallas", recording)
+    model = dsv4.load(path, dtype=jnp.float32, kernels="attention=pallas,csa=pallas")
+    assert rel_err(model.logits(ref["input_ids"]), ref["logits"]) < TOL
+    got = _prefill_then_decode(model, ref, 7)
+    assert rel_err(got, ref["generate_logits"][:, : got.shape[1]]) < TOL
+    assert asked and all(listed == mosaic for listed, mosaic in asked) and any(m for _, m in asked)
+    asked.clear()
+    dsv4.load(path, dtype=jnp.float32, kernels="attention=pallas").logits(ref["input_ids"])
+    assert asked and not any(m for _, m in asked)
+
+
 def test_q_norm_folds_by_default_only_under_the_pallas_core_on_hopper():
     """The fold is the measured default where the Mosaic attention kernel runs (a Hopper GPU, the Pallas core); an
     explicit choice stands; other devices and cores keep q normalized by XLA."""
@@ -157,6 +183,7 @@ def test_q_norm_folds_by_default_only_under_the_pallas_core_on_hopper():
     assert resolve(dsv4.Kernels(), jnp.float32, gpu=True, hopper=True).q_norm == "jnp"  # the jnp core
     assert resolve(dsv4.Kernels(attention="sp-pallas"), jnp.bfloat16, gpu=True, hopper=True).q_norm == "jnp"
     assert resolve(dsv4.Kernels(), jnp.bfloat16, gpu=False).q_norm == "jnp"
+    assert resolve(dsv4.Kernels(), jnp.bfloat16, gpu=True, hopper=True).csa == "pallas-triton"  # measured faster
 
 
 @pytest.mark.parametrize("name", ["tiny_long", "tiny_mixed"])

@@ -108,6 +108,7 @@ class Attention(nnx.Module):
         out = attention_core(self.kernels.attention)(
             q, kv, positions, positions, self.sinks[...], sliding_window=self.sliding_window,
             scale=self.head_dim**-0.5, compressed=compressed, kv_aligned=True, q_scale=q_scale,
+            **self._csa_route(self.kernels.attention),
         )  # fmt: skip
         return self.project_out(out, cos, sin)
 
@@ -202,12 +203,18 @@ class Attention(nnx.Module):
             prefix = {"kv_prefix": w} if core in PREFIX_LAYOUT else {}
             out = chunk_core_per_shard(attention_core(core), q, keys, positions, key_pos, self.sinks[...],
                                        sliding_window=self.sliding_window, scale=self.head_dim**-0.5,
-                                       compressed=compressed, q_scale=q_scale, **prefix)  # fmt: skip
+                                       compressed=compressed, q_scale=q_scale, **prefix,
+                                       **self._csa_route(core))  # fmt: skip
 
         slot = jnp.arange(w)[None]
         wanted = end[:, None] - w + (slot - (end[:, None] - w)) % w  # [B, W]: the position ring row s holds
         new = dataclasses.replace(new, window_pos=jnp.where(wanted >= start[:, None], wanted, state.window_pos))
         return self.project_out(out, cos, sin), new
+
+    def _csa_route(self, core: str) -> dict:
+        """The Pallas core's CSA kernel choice (`Kernels.csa`), for the cores that take one."""
+        mosaic = core == "pallas" and self.layer_type == CSA and self.kernels.csa == "pallas"
+        return {"csa_mosaic": True} if mosaic else {}
 
     def _decode_kernel_applies(self, state: LayerCache, dtype) -> bool:
         """Whether a one-token step runs `dsv4.pallas.decode.paged_decode_attention` (static): decode steps on the

@@ -1,5 +1,6 @@
 """The attention core on the Pallas kernels: the Mosaic GPU kernel (`dsv4.pallas.attention_mgpu`) for window and HCA
-layers on Hopper, the Triton-lowered one (`dsv4.pallas.attention`) for CSA and elsewhere, interpreted off a GPU."""
+layers on Hopper (and CSA layers under `Kernels.csa="pallas"`), the Triton-lowered one (`dsv4.pallas.attention`) for
+CSA and elsewhere, interpreted off a GPU."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dsv4.pallas.attention_mgpu import positions_are_aligned, v4_attention_mgpu
 def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, scale: float,
                           compressed: CompressedKeys | None = None, kv_aligned: bool = False,
                           query_chunk: int | None = None, kv_prefix: int = 0,
-                          q_scale: jax.Array | None = None) -> jax.Array:  # fmt: skip
+                          q_scale: jax.Array | None = None, csa_mosaic: bool = False) -> jax.Array:  # fmt: skip
     """The blocked online-softmax Pallas kernel (`dsv4/pallas/attention.py`); interpreted off-GPU.
 
     kv_prefix: the layout of a cached chunk (`Attention.forward_chunk`): kv rows [0, kv_prefix) hold the
@@ -26,16 +27,21 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
     with each token's window rows given (`prefix_window_rows`), whenever the prefix holds what it should
     (`mosaic_takes_prefix`, a run-time choice); the Triton kernel, which places rows by position, otherwise.
     q_scale [B, S, H] float32 (q's inverse RMS, `Kernels.q_norm` "fold"): the Mosaic kernel folds it into its logit
-    scale; the Triton kernel takes it on q (`scale_queries`)."""
+    scale; the Triton kernel takes it on q (`scale_queries`).
+    csa_mosaic: CSA layers on the Mosaic kernel too on Hopper (`Kernels.csa` "pallas"), else on the Triton kernel."""
     del query_chunk  # the kernels find each query block's window band themselves
     sinks = sinks.astype(F32)
     entries = {} if compressed is None else dict(compressed=compressed.entries, compress_rate=compressed.rate)
-    if mosaic_applies(q, kv, compressed, kv_aligned or kv_prefix > 0):
+    if compressed is not None and compressed.topk_indices is not None:
+        entries["topk_indices"] = compressed.topk_indices
+    if mosaic_applies(q, kv, compressed, kv_aligned or kv_prefix > 0, csa=csa_mosaic):
+        # the Mosaic kernel's CSA mode takes the lists in place of the rate
+        mosaic_entries = {k: v for k, v in entries.items() if not (k == "compress_rate" and "topk_indices" in entries)}
         if kv_aligned:
-            # Hopper fast path (window and HCA, the full-sequence prefill). It checks at run time that positions
-            # are contiguous and takes the Triton kernel otherwise.
+            # Hopper fast path (the full-sequence prefill). It checks at run time that positions are contiguous and
+            # takes the Triton kernel otherwise.
             return v4_attention_mgpu(q, kv[:, : q.shape[1]], q_pos, sinks, sliding_window=sliding_window,
-                                     scale=scale, q_scale=q_scale, **entries)  # fmt: skip
+                                     scale=scale, q_scale=q_scale, **mosaic_entries)  # fmt: skip
         # Rows are placed by index: each token's window rows, then the entries (padding rows only reach padding).
         # NOTE: one Mosaic form for every cached chunk: a second one (the window by row offset, for chunks whose
         # prefix is all real) ran no faster and added its compile time to every layer.
@@ -43,15 +49,14 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
             del kv_pos
             rows = prefix_window_rows(q_pos, kv_prefix, sliding_window)
             return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=sliding_window, scale=scale,
-                                     check_positions=False, window_rows=rows, q_scale=q_scale, **entries)  # fmt: skip
+                                     check_positions=False, window_rows=rows, q_scale=q_scale,
+                                     **mosaic_entries)  # fmt: skip
 
         def triton(q, kv, q_pos, kv_pos):
             return v4_attention(scale_queries(q, q_scale), kv, q_pos, kv_pos, sinks, sliding_window=sliding_window,
                                 scale=scale, **entries)  # fmt: skip
 
         return jax.lax.cond(mosaic_takes_prefix(q_pos, kv_pos, kv_prefix), mosaic, triton, q, kv, q_pos, kv_pos)
-    if compressed is not None:
-        entries["topk_indices"] = compressed.topk_indices
     return v4_attention(scale_queries(q, q_scale), kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
                         interpret=not on_gpu(), **entries)  # fmt: skip
 
@@ -74,12 +79,12 @@ def prefix_window_rows(q_pos: jax.Array, kv_prefix: int, sliding_window: int) ->
     return hi - 1 - jnp.minimum(q_pos.astype(jnp.int32), sliding_window - 1), hi
 
 
-def mosaic_applies(q, kv, compressed, layout_ok) -> bool:
+def mosaic_applies(q, kv, compressed, layout_ok, *, csa: bool = False) -> bool:
     """Whether the Mosaic GPU kernel (dsv4/pallas/attention_mgpu.py) takes this call: on Hopper GPUs, for
-    the prefill of window and HCA layers (kv aligned with q, or a cached chunk's prefix layout: `layout_ok`) in
-    bf16/f16 with 64-head groups and D in 128..512."""
-    csa = compressed is not None and compressed.topk_indices is not None
-    if not (layout_ok and not csa and is_hopper()):
+    the prefill of window and HCA layers, and of CSA layers where `csa` asks for it (kv aligned with q, or a cached
+    chunk's prefix layout: `layout_ok`), in bf16/f16 with 64-head groups and D in 128..512."""
+    listed = compressed is not None and compressed.topk_indices is not None
+    if not (layout_ok and (csa or not listed) and is_hopper()):
         return False
     d = q.shape[-1]
     same = kv.dtype == q.dtype and (compressed is None or compressed.entries.dtype == q.dtype)
