@@ -275,14 +275,17 @@ class HyperConnection(nnx.Module):
         self.hc_mult, self.iters = hc, config.hc_sinkhorn_iters
         self.hc_eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
 
-    def __call__(self, streams: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """streams: [B, S, hc, D] → post [B, S, hc], comb [B, S, hc, hc] (float32), collapsed [B, S, D]."""
+    def __call__(self, streams: jax.Array,
+                 mean_square: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+        """streams: [B, S, hc, D] → post [B, S, hc], comb [B, S, hc, hc] (float32), collapsed [B, S, D].
+        mean_square: the copies' mean square per token [B, S, 1] float32 where the merge that made them gave it
+        (`hc_merge(with_mean_square=True)`), else computed here."""
         with jax.named_scope("mhc"):  # its kernels named so in a profile (dsv4.model.LAYER_SCOPES)
-            return self._mix(streams)
+            return self._mix(streams, mean_square)
 
-    def _mix(self, streams: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _mix(self, streams: jax.Array, mean_square: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
         hc, eps = self.hc_mult, self.hc_eps
-        mixes = normalized_mixes(streams, self.fn[...], self.norm_eps)
+        mixes = normalized_mixes(streams, self.fn[...], self.norm_eps, mean_square)
         pre_w, post_w, comb_w = mixes[..., :hc], mixes[..., hc : 2 * hc], mixes[..., 2 * hc :]
         base, scale = self.base[...], self.scale[...]
         pre = jax.nn.sigmoid(pre_w * scale[0] + base[:hc]) + eps
@@ -293,18 +296,25 @@ class HyperConnection(nnx.Module):
         return post, comb, collapsed
 
 
-def normalized_mixes(streams: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
+def normalized_mixes(streams: jax.Array, fn: jax.Array, eps: float, mean_square: jax.Array | None = None) -> jax.Array:
     """RMSNorm(the copies flattened) · fnᵀ in float32: streams [B, S, hc, D], fn [n, hc·D] → [B, S, n].
+    mean_square [B, S, 1]: the flattened copies' mean square, if known (saves a pass over the copies).
 
     NOTE: the norm's per-token factor is applied to the n mixes, not to the hc·D inputs, so the normalized float32
     copies (1 GiB for a 16K-token chunk) are never written: the GEMM reads the streams as they are."""
     flat = streams.reshape(*streams.shape[:2], -1).astype(F32)
-    return jnp.einsum("bsi,oi->bso", flat, fn, preferred_element_type=F32) * inverse_rms(flat, eps)
+    if mean_square is None:
+        factor = inverse_rms(flat, eps)
+    else:
+        factor = jax.lax.rsqrt(mean_square + eps)
+    return jnp.einsum("bsi,oi->bso", flat, fn, preferred_element_type=F32) * factor
 
 
-def hc_merge(block_output: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+def hc_merge(block_output: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array, *,
+             with_mean_square: bool = False):  # fmt: skip
     """New copies: post_k · output + Σ_j comb[j, k] · stream_j (comb is applied transposed), in float32, rounded
-    once to the streams' dtype."""
+    once to the streams' dtype. with_mean_square: → (copies, their mean square per token [B, S, 1] float32, of the
+    rounded values), the next `HyperConnection`'s norm taken in the same pass as the merge."""
     with jax.named_scope("mhc_merge"):
         # NOTE: hc (4) products summed elementwise, one pass over the copies; XLA runs a batched dot of k = 4 as a
         # GEMM kernel, 1.5× slower at a 16K-token chunk (docs/BENCHMARKS.md, "Where a chunk's time goes").
@@ -312,12 +322,25 @@ def hc_merge(block_output: jax.Array, streams: jax.Array, post: jax.Array, comb:
         comb = comb.astype(F32)
         for j in range(streams.shape[2]):
             out = out + comb[:, :, j, :, None] * streams[:, :, j, None, :].astype(F32)
+        rounded = out if streams.dtype == F32 else out.astype(streams.dtype)
+        if not with_mean_square:
+            return rounded if streams.dtype == F32 else jax.lax.optimization_barrier(rounded)
+        mean_square = jnp.mean(jnp.square(exact_float32(rounded)), axis=(-2, -1))[..., None]
         if streams.dtype == F32:
-            return out
+            return rounded, mean_square
         # NOTE: the barrier keeps the rounding to the streams' dtype. Without it XLA's GPU backend drops the
         # round trip to float32 in the next reader (excess precision) and carries the copies in float32 from merge
         # to merge: twice the bytes in every pass over them (1 GiB against 0.5 for a 16K-token chunk).
-        return jax.lax.optimization_barrier(out.astype(streams.dtype))
+        return jax.lax.optimization_barrier((rounded, mean_square))
+
+
+def exact_float32(x: jax.Array) -> jax.Array:
+    """x's values in float32, by bits for bfloat16 (its 16 bits are a float32's top half): XLA's excess-precision
+    pass may drop a convert pair f32 → bf16 → f32, and with it the rounding a convert would keep."""
+    if x.dtype != jnp.bfloat16:
+        return x.astype(F32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+    return jax.lax.bitcast_convert_type(bits, F32)
 
 
 class HyperHead(nnx.Module):
@@ -330,7 +353,7 @@ class HyperHead(nnx.Module):
         self.hc_scale = param(rngs, (1,), (None,), dtype=F32, init="ones")
         self.hc_eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
 
-    def __call__(self, streams: jax.Array) -> jax.Array:
-        mixes = normalized_mixes(streams, self.hc_fn[...], self.norm_eps)
+    def __call__(self, streams: jax.Array, mean_square: jax.Array | None = None) -> jax.Array:
+        mixes = normalized_mixes(streams, self.hc_fn[...], self.norm_eps, mean_square)
         pre = jax.nn.sigmoid(mixes * self.hc_scale[...] + self.hc_base[...]) + self.hc_eps
         return jnp.einsum("bsj,bsjd->bsd", pre, streams.astype(F32)).astype(streams.dtype)

@@ -29,6 +29,7 @@ from dsv4.sharding.rules import active, constrain, use_mesh
 from dsv4.sharding.sequence import sequence_shards, zigzag_model_rows, zigzag_permute, zigzag_shards
 
 STREAM_AXES = ("batch", "seq", None, "embed")  # the residual copies [B, S, hc, D]
+MEAN_SQUARE_AXES = ("batch", "seq", None)  # their mean square per token [B, S, 1]
 
 
 LAYER_SCOPES = {SLIDING: "dsv4_sliding", CSA: "dsv4_csa", HCA: "dsv4_hca"}
@@ -49,25 +50,37 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, streams: jax.Array, positions: jax.Array, token_ids: jax.Array) -> jax.Array:
         """streams: [B, S, hc, D] → [B, S, hc, D]."""
+        return self.run(streams, None, positions, token_ids)[0]
+
+    def run(self, streams, mean_square, positions, token_ids):
+        """As `__call__`, with the copies' mean square per token [B, S, 1] float32 (None: computed) in and out: each
+        merge takes the next mixes' norm in its own pass over the copies (`hc_merge(with_mean_square=True)`)."""
         with jax.named_scope(LAYER_SCOPES[self.self_attn.layer_type]):
             with jax.named_scope("attn"):
-                post, comb, collapsed = self.attn_hc(streams)
-                streams = hc_merge(self.self_attn(self.input_layernorm(collapsed), positions), streams, post, comb)
+                post, comb, collapsed = self.attn_hc(streams, mean_square)
+                attn = self.self_attn(self.input_layernorm(collapsed), positions)
+                streams, mean_square = hc_merge(attn, streams, post, comb, with_mean_square=True)
             with jax.named_scope("ffn"):
-                post, comb, collapsed = self.ffn_hc(streams)
-                return hc_merge(self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams, post, comb)
+                post, comb, collapsed = self.ffn_hc(streams, mean_square)
+                out = self.mlp(self.post_attention_layernorm(collapsed), token_ids)
+                return hc_merge(out, streams, post, comb, with_mean_square=True)
 
     def forward_chunk(self, streams, start, valid, token_ids, state, block_table=None):
+        streams, _, state = self.run_chunk(streams, None, start, valid, token_ids, state, block_table)
+        return streams, state
+
+    def run_chunk(self, streams, mean_square, start, valid, token_ids, state, block_table=None):
+        """`forward_chunk` with the copies' mean square in and out, as `run`. → (streams, mean square, state)."""
         with jax.named_scope(LAYER_SCOPES[self.self_attn.layer_type]):
             with jax.named_scope("attn"):
-                post, comb, collapsed = self.attn_hc(streams)
+                post, comb, collapsed = self.attn_hc(streams, mean_square)
                 attn, state = self.self_attn.forward_chunk(self.input_layernorm(collapsed), start, valid, state,
                                                            block_table)  # fmt: skip
-                streams = hc_merge(attn, streams, post, comb)
+                streams, mean_square = hc_merge(attn, streams, post, comb, with_mean_square=True)
             with jax.named_scope("ffn"):
-                post, comb, collapsed = self.ffn_hc(streams)
-                out = hc_merge(self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams, post, comb)
-                return out, state
+                post, comb, collapsed = self.ffn_hc(streams, mean_square)
+                out = self.mlp(self.post_attention_layernorm(collapsed), token_ids)
+                return *hc_merge(out, streams, post, comb, with_mean_square=True), state
 
 
 class DeepseekV4(nnx.Module):
@@ -106,9 +119,11 @@ class DeepseekV4(nnx.Module):
         x = self.embed_tokens["weight"][...][token_ids]  # [B, S, D]
         streams = jnp.broadcast_to(x[:, :, None, :], (b, s, self.config.hc_mult, x.shape[-1]))
         streams = constrain(streams, STREAM_AXES)  # sequence parallel when a mesh is active
+        mean_square = None
         for layer in self.layers:
-            streams = constrain(layer(streams, positions, token_ids), STREAM_AXES)
-        return self.norm(self.hc_head(streams))
+            streams, mean_square = layer.run(streams, mean_square, positions, token_ids)
+            streams, mean_square = constrain(streams, STREAM_AXES), constrain(mean_square, MEAN_SQUARE_AXES)
+        return self.norm(self.hc_head(streams, mean_square))
 
     def _zigzag_forward(self, token_ids: jax.Array, positions: jax.Array, n: int) -> jax.Array:
         """The layers over the sequence in zigzag order over n shards. Padding tokens (id 0) go after the last
@@ -184,12 +199,14 @@ class DeepseekV4(nnx.Module):
         # cached context, so its queries see nearly equal numbers of entries), positions kept global.
         split = n % sequence_shards() == 0
         layout = (lambda s: constrain(s, STREAM_AXES)) if split else (lambda s: s)  # noqa: E731
+        layout_mean_square = (lambda m: constrain(m, MEAN_SQUARE_AXES)) if split else (lambda m: m)  # noqa: E731
         streams = layout(streams)
         states = []
         table = cache.block_table
+        mean_square = None
         for layer, state in zip(self.layers, cache.layers):
-            streams, state = layer.forward_chunk(streams, start, valid, token_ids, state, table)
-            streams = layout(streams)
+            streams, mean_square, state = layer.run_chunk(streams, mean_square, start, valid, token_ids, state, table)
+            streams, mean_square = layout(streams), layout_mean_square(mean_square)
             states.append(state)
         last = jnp.take_along_axis(streams, jnp.maximum(valid - 1, 0)[:, None, None, None], axis=1)  # [B, 1, hc, D]
         h = self.norm(self.hc_head(last))[:, 0]

@@ -16,6 +16,7 @@ from dsv4.layers import (
     Rope,
     apply_rope,
     apply_rope_in_place,
+    exact_float32,
     hc_merge,
     linear,
     normalize_and_rope,
@@ -117,6 +118,33 @@ def test_mhc_mixes_and_merge_by_hand():
     comb = jnp.array([[[[0.25, 0.75], [1.0, 0.0]]]])  # comb[j, k]
     # copy 0: 0.5·out + 0.25·copy_0 + 1.0·copy_1; copy 1: 2·out + 0.75·copy_0 + 0·copy_1
     np.testing.assert_allclose(hc_merge(out, streams, post, comb), [[[[5.75, 11.0], [22.25, 43.0]]]], rtol=1e-6)
+
+
+def test_merge_hands_on_the_mean_square_of_the_copies_it_rounded():
+    """hc_merge(with_mean_square=True): the copies as without it, and the mean square of the stored (bf16-rounded)
+    values per token, by hand: the mixes it lets the next hyper-connection skip a pass for are the same."""
+    streams = jnp.array([[[[3.0, 4.0], [0.0, 0.0]]]])
+    out, post = jnp.array([[[10.0, 20.0]]]), jnp.array([[[0.5, 2.0]]])
+    comb = jnp.array([[[[0.25, 0.75], [1.0, 0.0]]]])
+    copies, ms = hc_merge(out, streams, post, comb, with_mean_square=True)
+    np.testing.assert_allclose(copies, [[[[5.75, 11.0], [22.25, 43.0]]]], rtol=1e-6)
+    np.testing.assert_allclose(ms, [[[(5.75**2 + 11.0**2 + 22.25**2 + 43.0**2) / 4]]], rtol=1e-6)
+    # bf16: 1 + 2^-9 rounds to 1 (bf16 keeps 7 fraction bits), so the copies' mean square is exactly 1
+    one = jnp.full((1, 3, 2, 8), 1 + 2**-9, jnp.float32)
+    streams16 = jnp.zeros((1, 3, 2, 8), jnp.bfloat16)
+    copies16, ms16 = hc_merge(one[:, :, 0], streams16, jnp.ones((1, 3, 2)), jnp.zeros((1, 3, 2, 2)),
+                              with_mean_square=True)  # fmt: skip
+    assert copies16.dtype == jnp.bfloat16 and float(jnp.abs(copies16.astype(jnp.float32) - 1).max()) == 0
+    np.testing.assert_array_equal(np.asarray(ms16), np.ones((1, 3, 1), np.float32))
+    fn = jax.random.normal(jax.random.key(0), (5, 16), jnp.float32)
+    np.testing.assert_allclose(normalized_mixes(copies16, fn, 1e-6, ms16), normalized_mixes(copies16, fn, 1e-6),
+                               rtol=1e-6)  # fmt: skip
+
+
+def test_exact_float32_of_bfloat16_by_hand():
+    x = jnp.array([1.0, -2.5, 3.140625, 0.0, -0.0, jnp.inf], jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(exact_float32(x)), np.asarray(x.astype(jnp.float32)))
+    assert exact_float32(jnp.float16(1.5)).dtype == jnp.float32
 
 
 def test_yarn_frequencies_by_hand():
