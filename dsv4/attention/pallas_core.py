@@ -35,8 +35,9 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
     if compressed is not None and compressed.topk_indices is not None:
         entries["topk_indices"] = compressed.topk_indices
     if mosaic_applies(q, kv, compressed, kv_aligned or kv_prefix > 0, csa=csa_mosaic):
-        # the Mosaic kernel's CSA mode takes the lists in place of the rate
-        mosaic_entries = {k: v for k, v in entries.items() if not (k == "compress_rate" and "topk_indices" in entries)}
+        mosaic_entries = dict(entries)
+        if "topk_indices" in entries:  # the Mosaic kernel's CSA mode takes the lists in place of the rate
+            del mosaic_entries["compress_rate"]
         if kv_aligned:
             # Hopper fast path (the full-sequence prefill). It checks at run time that positions are contiguous and
             # takes the Triton kernel otherwise.
