@@ -40,6 +40,7 @@ ValueError naming the field and the value and never reaches a step.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -350,15 +351,17 @@ class LLM:
             if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"{name}={value!r} must be an int >= 1 or None")
         self.max_model_len, self.decode_steps = max_model_len, int(decode_steps)
+        # FP4 experts re-blocked as FP8 once, for the W8A8 kernels, unless asked not to: their extra bytes
+        reblock = fp4_experts != "fp4" and self.model.kernels.moe == "pallas"
+        count, extra = fp4_reblock_extra_bytes(self.model, self._local_device()) if reblock else (0, 0)
+        # Whether a device has the room at a chunk size, the re-blocked copy included: asked once a size (an
+        # allgather across processes), by the default chunk and by the re-blocking choice. The longer chunk only
+        # where it leaves room for that copy: the copy saves more (1.17x at 512K) than the longer chunk (1.04x).
+        room = functools.cache(lambda chunk: self._room_for(chunk, max_slots, kv_format, extra))
         if chunk_size is None:
-            # The longer chunk only where it leaves room for the FP4 experts' re-blocked copy too ("auto"): that
-            # copy saves more (1.17x at 512K) than the longer chunk (1.04x).
-            reblock = fp4_experts != "fp4" and self.model.kernels.moe == "pallas"
-            extra = fp4_reblock_extra_bytes(self.model, self._local_device())[1] if reblock else 0
-            chunk_size = default_chunk_size(max_model_len, mesh.size if mesh is not None else 1,
-                                            fits=lambda chunk: self._room_for(chunk, max_slots, kv_format, extra))
+            chunk_size = default_chunk_size(max_model_len, mesh.size if mesh is not None else 1, fits=room)
         self.chunk_size = chunk_size
-        self.fp4_experts = self._hold_fp4_experts(fp4_experts, max_slots, kv_format)
+        self.fp4_experts = self._hold_fp4_experts(fp4_experts, count, extra, room, max_slots)
         """How FP4 routed experts are held: "fp8" (re-blocked here, once) or "fp4" (as stored, or none to hold)."""
         buckets = sorted(set(width_buckets)) if width_buckets is not None else list(power_of_two_buckets(chunk_size))
         if buckets[-1] < chunk_size:
@@ -427,16 +430,13 @@ class LLM:
             fits = bool(np.all(multihost_utils.process_allgather(np.array(fits))))
         return fits
 
-    def _hold_fp4_experts(self, choice: str, max_slots: int, kv_format) -> str:
-        """Re-blocks the FP4 routed experts as FP8 once (for the W8A8 kernels, `Kernels.moe="pallas"`) if `choice`
-        is "fp8", or "auto" and the device has the room (`fp8_experts_fit`). → "fp8" if it did, else "fp4"."""
-        if self.model.kernels.moe != "pallas" or choice == "fp4":
-            return "fp4"  # as asked, or the jnp MoE, which dequantizes the FP4 experts where it reads them
-        device = self._local_device()
-        count, extra = fp4_reblock_extra_bytes(self.model, device)
-        if not count:  # the same in every process (unlike `extra`)
-            return "fp4"
-        if choice == "auto" and not self._room_for(self.chunk_size, max_slots, kv_format, extra):
+    def _hold_fp4_experts(self, choice: str, count: int, extra: int, room, max_slots: int) -> str:
+        """Re-blocks the `count` FP4 routed experts (`extra` bytes more a device; none to re-block under the jnp MoE
+        or `choice` "fp4") as FP8 once if `choice` is "fp8", or "auto" and `room(self.chunk_size)` (`_room_for`).
+        → "fp8" if it did, else "fp4"."""
+        if not count:  # as asked, none, or the jnp MoE (it dequantizes FP4 experts where it reads them); the same in
+            return "fp4"  # every process (unlike `extra`)
+        if choice == "auto" and not room(self.chunk_size):
             log.info("FP4 experts kept as stored (re-blocked in each step): as FP8 they would take %.1f GiB more a "
                      "device than its memory leaves beside %d slots of %d tokens and %d-token chunks (or it reports "
                      "no limit)", extra / GIB, max_slots, self.max_model_len, self.chunk_size)  # fmt: skip
