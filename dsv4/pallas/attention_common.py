@@ -285,15 +285,15 @@ def combine_splits(acc, row_max, row_sum, sinks, dtype):
     return out.astype(dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# Mosaic GPU: warpgroup helpers of the two-consumer kernels (`attention_mgpu.py`, `decode_mgpu.py`).
-# ---------------------------------------------------------------------------------------------
 def scale_queries(q, q_scale):
     """q [B, S, H, D] times q_scale [B, S, H] (float32; None: q as is), rounded to q's dtype: the queries of a core
     that does not fold the factor into its logits (`Kernels.q_norm` "fold" hands the cores q's inverse RMS)."""
     return q if q_scale is None else (q.astype(F32) * q_scale[..., None]).astype(q.dtype)
 
 
+# ---------------------------------------------------------------------------------------------
+# Mosaic GPU: warpgroup helpers of the two-consumer kernels (`attention_mgpu.py`, `decode_mgpu.py`).
+# ---------------------------------------------------------------------------------------------
 def wgmma_online_softmax_step(s, col, lo, hi, logit_scale, m_i, l_i, acc):
     """One step of the log2-domain online softmax on a WGMMA-layout [64, n] logit tile, shared by the prefill and
     decode kernels: columns `col` outside [lo, hi) masked, logits = s · logit_scale (a scalar, or a [64] row-layout
