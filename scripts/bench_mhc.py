@@ -26,7 +26,9 @@ read once, the new copies written), so its floor is the copy bandwidth: the `cop
 copies (read and write), in the same interleaved rounds. A chain of `--calls` merges, each feeding the next; time
 per merge.
 
-    elementwise  `hc_merge` as the model runs it: 4 products summed in float32, one fusion
+    elementwise  `hc_merge` alone: 4 products summed in float32, one fusion
+    with-norm    `hc_merge(with_mean_square=True)`, as the model runs it: also the new copies' mean square per token
+                 (the next hyper-connection's norm), to see whether XLA keeps that reduction in the merge's pass
     einsum       the Σ_j as a batched dot (k = 4), the form `hc_merge` replaced
     d-major      the copies stored [B, S, D, hc] (hc innermost): the same sums, each output element's 4 copy values
                  next to each other (the layout the model would have to keep between layers; timed here without
@@ -87,7 +89,18 @@ def merge_d_major(block_output, streams_t, post, comb):
     return out.astype(streams_t.dtype)
 
 
-MERGES = {"elementwise": hc_merge, "einsum": merge_einsum, "d-major": merge_d_major}
+def merge_with_mean_square(block_output, streams, post, comb):
+    """hc_merge as the model runs it: → (copies, their mean square per token [B, S, 1])."""
+    return hc_merge(block_output, streams, post, comb, with_mean_square=True)
+
+
+MERGES = {"elementwise": hc_merge, "with-norm": merge_with_mean_square, "einsum": merge_einsum,
+          "d-major": merge_d_major}  # fmt: skip
+
+
+def copies_of(result):
+    """A merge form's new copies (the first of a tuple)."""
+    return result[0] if isinstance(result, tuple) else result
 
 
 def merge_inputs(b, s, hc, d, dtype=jnp.bfloat16):
@@ -99,13 +112,14 @@ def merge_inputs(b, s, hc, d, dtype=jnp.bfloat16):
 
 
 def chained(fn, calls):
-    """`calls` applications of fn(x, *rest) → x, each feeding the next; a barrier between them keeps XLA from
-    fusing one into the next (an elementwise chain would otherwise become one pass)."""
+    """`calls` applications of fn(x, *rest) → x (or a tuple whose first element is x), each feeding the next; a
+    barrier between them keeps XLA from fusing one into the next (an elementwise chain would otherwise become one
+    pass) and keeps every output of fn computed."""
 
     @jax.jit
     def run(x, *rest):
         for _ in range(calls):
-            x = jax.lax.optimization_barrier(fn(x, *rest))
+            x = copies_of(jax.lax.optimization_barrier(fn(x, *rest)))
         return x
 
     return run
@@ -123,7 +137,7 @@ def bench_merge(calls, reps, b=1, s=16384, hc=4, d=4096):
         x = jnp.swapaxes(copies, 2, 3) if name == "d-major" else copies  # stored so before the clock
         run = chained(lambda y, bo, pst, cmb, fn=fn: fn(bo, y, pst, cmb), calls)
         calls_of[name] = lambda run=run, x=x: run(x, block_output, post, comb)
-        got = fn(block_output, x, post, comb)
+        got = copies_of(fn(block_output, x, post, comb))
         got = jnp.swapaxes(got, 2, 3) if name == "d-major" else got
         diffs[name] = float(jnp.max(jnp.abs(got.astype(F32) - want)))
     rounds, medians = Rounds(), {}

@@ -24,5 +24,8 @@ def test_merge_forms_compute_the_merge(name):
         want[:, :, k] = p[:, :, k, None] * bo + sum(c[:, :, j, k, None] * x[:, :, j] for j in range(4))
     d_major = name == "d-major"
     got = bench_mhc.MERGES[name](block_output, jnp.swapaxes(copies, 2, 3) if d_major else copies, post, comb)
+    if name == "with-norm":  # and the new copies' mean square per token
+        got, mean_square = got
+        np.testing.assert_allclose(np.asarray(mean_square)[..., 0], (want**2).mean(axis=(2, 3)), rtol=1e-5)
     got = np.asarray(jnp.swapaxes(got, 2, 3) if d_major else got, np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
