@@ -209,13 +209,17 @@ class Variant:
     csa: str | None = None  # Kernels.csa (None: "auto", the Triton kernel)
     chunks_of: int = 1  # chunked only: chunks of this many times --chunk
 
+    def kernel_parts(self) -> dict:
+        """The Kernels fields this variant sets beyond attention, moe, indexer and the Sinkhorn (None: left)."""
+        return {k: v for k, v in (("dense", self.dense), ("q_norm", self.q_norm), ("csa", self.csa)) if v}
+
 
 def variant_kernels(attention: str, moe: str, indexer: str | None = None, sinkhorn_loop: bool = False,
-                    dense: str | None = None, q_norm: str | None = None,
-                    csa: str | None = None) -> Kernels:  # fmt: skip
+                    **parts: str) -> Kernels:  # fmt: skip
     """The Kernels value a variant builds its model with. "jnp" attention: XLA everywhere (`Kernels.all("jnp")`);
     "pallas": the Pallas attention core, the paged decode kernel and the kv_write kernel, the indexer's `indexer`
-    path (default the two-pass Pallas one). moe "xla_cap" builds the jnp MoE, swapped for `CapacityMoE` after."""
+    path (default the two-pass Pallas one); `parts`: other Kernels fields. moe "xla_cap" builds the jnp MoE,
+    swapped for `CapacityMoE` after."""
     moe = "jnp" if moe == "xla_cap" else moe
     if attention == "auto":
         return Kernels()
@@ -228,13 +232,7 @@ def variant_kernels(attention: str, moe: str, indexer: str | None = None, sinkho
         changes["indexer"] = indexer
     if sinkhorn_loop:
         changes["sinkhorn"] = "jnp"
-    if dense:
-        changes["dense"] = dense
-    if q_norm:
-        changes["q_norm"] = q_norm
-    if csa:
-        changes["csa"] = csa
-    return dataclasses.replace(base, **changes)
+    return dataclasses.replace(base, **changes, **parts)
 
 
 VARIANTS = {v.key: v for v in [
@@ -905,12 +903,11 @@ class Bench:
         return work / (1e10 if self.smoke else 50e12)
 
     def use_impls(self, attention: str, moe: str, indexer: str | None = None, sinkhorn_loop: bool = False,
-                  dense: str | None = None, q_norm: str | None = None,
-                  csa: str | None = None) -> DeepseekV4:  # fmt: skip
+                  **parts: str) -> DeepseekV4:  # fmt: skip
         """self.model ← the model built with `variant_kernels(...)` (abstractly, so whatever the constructor derives
         from the Kernels value is as in dsv4; moe "xla_cap": its MoE layers swapped for `CapacityMoE`), on the same
         weights (no copy). indexer None: XLA's for the jnp baseline, the two-pass Pallas path otherwise."""
-        kernels = variant_kernels(attention, moe, indexer, sinkhorn_loop, dense, q_norm, csa)
+        kernels = variant_kernels(attention, moe, indexer, sinkhorn_loop, **parts)
         key = (kernels, moe == "xla_cap")
         if key not in self.graphdefs:
             make = lambda: DeepseekV4(self.cfg, rngs=nnx.Rngs(0), dtype=BF16, kernels=kernels)  # noqa: E731
@@ -1004,7 +1001,7 @@ class Bench:
         if not self.budget.fits(where, n_compiles * self.budget.compile_est(kind) + 2 * t_pred):
             self.record(seq, vkey, status="skip", note="budget")
             return
-        model = self.use_impls(v.attention, v.moe, v.indexer, v.sinkhorn_loop, v.dense, v.q_norm, v.csa)
+        model = self.use_impls(v.attention, v.moe, v.indexer, v.sinkhorn_loop, **v.kernel_parts())
         kernels = model.kernels  # resolved: what this row runs, for its floor
         fp8_act = all(getattr(layer.mlp, "fp8_activations", True) for layer in model.layers)
         peak_before = peak_in_use()
