@@ -734,7 +734,10 @@ def index_topk_two_pass(
 
     def all_chunks(width=None):
         """Every query, `chunk` at a time, over the first `width` keys; None: each chunk in its own band."""
-        chunk = min(query_chunk or default_query_chunk(width or c, b), s)
+        slab_width = width or c
+        if kernel_maxima and scores_impl == "mgpu":  # that slab holds whole 256-key blocks
+            slab_width = -(-slab_width // GROUP_BLOCK) * GROUP_BLOCK
+        chunk = min(query_chunk or default_query_chunk(slab_width, b), s)
         n_chunks = -(-s // chunk)
         # as many steps, evenly filled (less padding in the last), in whole 16-query tiles of the scores kernels
         chunk = min((-(-s // n_chunks) + 15) // 16 * 16, chunk)
