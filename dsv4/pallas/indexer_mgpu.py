@@ -27,6 +27,10 @@ Design:
   masked, and written as one row of a [tokens / consumers, 64] float32 staging tile, which a TMA stores. That
   epilogue costs more than an e4m3 wgmma: the consumers' wgmmas and epilogues interleave on the SM.
 - The consumers release a slot (one arrival each) after their last wgmma on it; the producer refills it.
+- `group_maxima=True` also writes the grouped top-k's first level (each 4 consecutive keys' maximum): the keys come
+  interleaved (`indexer_common.interleave_keys`), so a group's members are one row of 4 consecutive tiles and their
+  maximum an elementwise one, carried through a block's 4 tiles and stored once a block (docs/kernels/indexer.md,
+  "Group maxima in the scores kernel").
 
 Restrictions: Hi = 64 (the wgmma N); q and keys both float8_e4m3fn or both bfloat16; Di · itemsize a multiple of
 128 bytes (whole swizzled SMEM rows) and Di <= 256 (tuned at 128, V4's index_head_dim). A bf16 CTA's q rows take
