@@ -74,8 +74,10 @@ def top_k_from_maxima(x: jax.Array, maxima: jax.Array, k: int, *, group: int, di
 
     The rest runs as `top_k`: the k best groups by their maxima (recursively), then the k best of their elements,
     read through the interleaved positions (refine: its `interleaved=True` form)."""
-    from dsv4.pallas.indexer_common import interleaved_position
+    from dsv4.pallas.indexer_common import GROUP, interleaved_position
 
+    if group != GROUP:
+        raise ValueError(f"top_k_from_maxima: the interleaved order holds groups of {GROUP}, got group={group}")
     n_groups = maxima.shape[-1]
     if x.shape[:-1] != maxima.shape[:-1] or x.shape[-1] != n_groups * group:
         raise ValueError(f"top_k_from_maxima: x {x.shape} must hold group={group} elements per maximum {maxima.shape}")

@@ -81,3 +81,5 @@ def test_from_maxima_bad_arguments_are_named():
         top_k_from_maxima(jnp.zeros((2, 512)), jnp.zeros((2, 100)), 5, group=4)
     with pytest.raises(ValueError, match="k=129"):
         top_k_from_maxima(jnp.zeros((2, 512)), jnp.zeros((2, 128)), 129, group=4)
+    with pytest.raises(ValueError, match="groups of 4, got group=2"):
+        top_k_from_maxima(jnp.zeros((2, 512)), jnp.zeros((2, 256)), 5, group=2)
