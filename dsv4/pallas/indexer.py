@@ -705,6 +705,12 @@ def index_topk_two_pass(
     widths = band_widths(c, width_bands)
     row_k_scale = k_scale is not None and k_scale.ndim == 2
 
+    def blocks_of(width):  # the width of the group-maxima kernel's slab: whole interleaved blocks
+        return -(-width // GROUP_BLOCK) * GROUP_BLOCK
+
+    def maxima_at(width):  # whether the scores kernel writes the first level at this width
+        return kernel_maxima and scores_impl == "mgpu" and group == GROUP and k <= blocks_of(width) // GROUP
+
     def chunk_at_width(width, qc, wc, pc, qsc):
         """Top-k of one chunk over the first `width` keys (its queries see no further)."""
         keys_w = keys[:, :width]
@@ -718,7 +724,7 @@ def index_topk_two_pass(
             mgpu = functools.partial(index_scores_mgpu, qc, keys_w, wc, pc, rate=rate, softmax_scale=softmax_scale,
                                      q_scale=qsc, k_scale=k_scale_w, config=mgpu_config,
                                      interpret=plmgpu.InterpretGPUParams() if interpret else None)  # fmt: skip
-            if kernel_maxima and group == GROUP and k <= -(-width // GROUP_BLOCK) * GROUP_BLOCK // GROUP:
+            if maxima_at(width):
                 scores, maxima = mgpu(group_maxima=True)
                 select = functools.partial(top_k_from_maxima, maxima=maxima, group=group, refine=refine)
                 return topk_of_scores(scores, visible, k, lambda x, kk: select(x, k=kk))
@@ -734,9 +740,7 @@ def index_topk_two_pass(
 
     def all_chunks(width=None):
         """Every query, `chunk` at a time, over the first `width` keys; None: each chunk in its own band."""
-        slab_width = width or c
-        if kernel_maxima and scores_impl == "mgpu":  # that slab holds whole 256-key blocks
-            slab_width = -(-slab_width // GROUP_BLOCK) * GROUP_BLOCK
+        slab_width = blocks_of(width or c) if maxima_at(width or c) else width or c
         chunk = min(query_chunk or default_query_chunk(slab_width, b), s)
         n_chunks = -(-s // chunk)
         # as many steps, evenly filled (less padding in the last), in whole 16-query tiles of the scores kernels
