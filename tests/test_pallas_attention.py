@@ -215,6 +215,29 @@ def test_csa_with_no_keys_anywhere_outputs_zero():
     assert (got == 0).all()
 
 
+@pytest.mark.parametrize("mode, dtype", [("window", jnp.float32), ("hca", jnp.bfloat16), ("csa", jnp.float32),
+                                         ("csa", jnp.bfloat16)])  # fmt: skip
+def test_q_scale_folds_into_the_logits(mode, dtype):
+    """q_scale (q's inverse RMS, `Kernels.q_norm` "fold"): each (token, head)'s logits times its factor, the sink
+    not. The reference with q_scale is checked against the spec's form, queries q · q_scale in float32, and the
+    kernel against the reference; factors in [0.4, 2.5) so that a kernel ignoring them fails."""
+    inputs = make_inputs(30, seq=23, window=8, offset=3, dtype=dtype)
+    q_scale = jnp.asarray(np.random.default_rng(31).uniform(0.4, 2.5, inputs["q"].shape[:3]), jnp.float32)
+    kw = dict(sliding_window=8, scale=0.2)
+    if mode != "window":
+        kw.update(compressed=make_compressed(30, inputs, 26 // 4), compress_rate=4)
+    if mode == "csa":
+        kw["topk_indices"] = make_topk(30, inputs["q_pos"], count=26 // 4, rate=4, k=5)
+    if dtype == jnp.float32:
+        scaled = dict(inputs, q=inputs["q"] * q_scale[..., None])
+        np.testing.assert_allclose(np.asarray(v4_attention_reference(**inputs, **kw, q_scale=q_scale)),
+                                   np.asarray(v4_attention_reference(**scaled, **kw)), atol=2e-6)  # fmt: skip
+    got, want = run_both(inputs, **kw, q_scale=q_scale)
+    assert_close(got, want, dtype)
+    unscaled = np.asarray(v4_attention_reference(**inputs, **kw), np.float32)
+    assert np.abs(got - unscaled).max() > 10 * TOL[dtype]
+
+
 # ---------------------------------------------------------------------------------------------
 # FP8 KV.
 # ---------------------------------------------------------------------------------------------
@@ -297,6 +320,8 @@ def test_input_validation_names_shapes():
         v4_attention(**make_inputs(20, batch=1, seq=8, heads=6), **call, block_sizes=BlockSizes(block_h=4))
     with pytest.raises(ValueError, match=r"head dim D=24"):
         v4_attention(**make_inputs(20, batch=1, seq=8, head_dim=24), **call)
+    with pytest.raises(ValueError, match=r"q_scale must be float32 \[B, S, H\] = \(1, 8, 4\)"):
+        v4_attention(**inputs, q_scale=jnp.ones((1, 8, 4), jnp.bfloat16), **call)
     with pytest.raises(ValueError, match="tile rows"):  # tl.dot needs >= 16 rows when compiled
         v4_attention(**inputs, sliding_window=4, scale=0.1, block_sizes=BlockSizes(block_q=1))
 
@@ -304,7 +329,7 @@ def test_input_validation_names_shapes():
 # ---------------------------------------------------------------------------------------------
 # Triton lowering (runs on CPU: lowers for an abstract H200, builds and verifies the Triton module; no ptxas).
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["window", "hca", "csa-fp8-channel", "hca-fp8-tile"])
+@pytest.mark.parametrize("mode", ["window", "hca", "csa-fp8-channel", "hca-fp8-tile", "csa-q-scale"])
 def test_lowers_to_triton_at_real_shapes(mode, monkeypatch):
     from dsv4.pallas._jax_compat import triton_lowering
 
@@ -332,6 +357,8 @@ def test_lowers_to_triton_at_real_shapes(mode, monkeypatch):
     if "tile" in mode:
         dynamic["kv_scales"] = sds((b, t, d // SCALE_TILE), jnp.float32)
         dynamic["compressed_scales"] = sds((b, c, d // SCALE_TILE), jnp.float32)
+    if "q-scale" in mode:
+        dynamic["q_scale"] = sds((b, s, h), jnp.float32)
     names = tuple(dynamic)
 
     def fn(*arrays):
@@ -362,7 +389,7 @@ def test_default_block_sizes_follow_the_kv_dtype():
 # ---------------------------------------------------------------------------------------------
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("mode", ["window", "hca", "csa", "csa-fp8", "hca-fp8"])
+@pytest.mark.parametrize("mode", ["window", "hca", "csa", "csa-fp8", "hca-fp8", "csa-q-scale"])
 def test_gpu_matches_reference_at_real_shapes(mode):
     inputs = make_inputs(21, batch=1, seq=300, heads=64, head_dim=512, window=128, offset=1000, holes=0.05,
                          dtype=jnp.bfloat16)  # fmt: skip
@@ -379,6 +406,8 @@ def test_gpu_matches_reference_at_real_shapes(mode):
     if mode == "hca-fp8":  # the default tiles for FP8 (FP8_BLOCK_SIZES: the bf16 default's asked 320 KiB of SMEM)
         kw["compressed"], kw["compressed_scales"] = quantize(compressed.astype(jnp.float32), "channel")
         inputs["kv"], kw["kv_scales"] = quantize(inputs["kv"].astype(jnp.float32), "channel")
+    if mode == "csa-q-scale":  # q's inverse RMS folded (`Kernels.q_norm` "fold")
+        kw["q_scale"] = jnp.asarray(np.random.default_rng(22).uniform(0.4, 2.5, (1, 300, 64)), jnp.float32)
     poison = jnp.full(inputs["q"].shape, jnp.nan, jnp.bfloat16)
     got = np.asarray(v4_attention(**inputs, **kw, out_init=poison), np.float32)
     want = np.asarray(v4_attention_reference(**inputs, **kw), np.float32)

@@ -11,7 +11,6 @@ from dsv4.attention.core import CompressedKeys
 from dsv4.layers import F32
 from dsv4.pallas._device import is_hopper, on_gpu
 from dsv4.pallas.attention import v4_attention
-from dsv4.pallas.attention_common import scale_queries
 from dsv4.pallas.attention_mgpu import positions_are_aligned, v4_attention_mgpu
 
 
@@ -26,8 +25,8 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
     holds query j's own token. On Hopper the Mosaic kernel then takes window and HCA chunks, one-token ones too,
     with each token's window rows given (`prefix_window_rows`), whenever the prefix holds what it should
     (`mosaic_takes_prefix`, a run-time choice); the Triton kernel, which places rows by position, otherwise.
-    q_scale [B, S, H] float32 (q's inverse RMS, `Kernels.q_norm` "fold"): the Mosaic kernel folds it into its logit
-    scale; the Triton kernel takes it on q (`scale_queries`).
+    q_scale [B, S, H] float32 (q's inverse RMS, `Kernels.q_norm` "fold"): both kernels fold it into their logit
+    scale.
     csa_mosaic: CSA layers on the Mosaic kernel too on Hopper (`Kernels.csa` "pallas"), else on the Triton kernel."""
     del query_chunk  # the kernels find each query block's window band themselves
     sinks = sinks.astype(F32)
@@ -54,11 +53,11 @@ def core_attention_pallas(q, kv, q_pos, kv_pos, sinks, *, sliding_window: int, s
                                      **mosaic_entries)  # fmt: skip
 
         def triton(q, kv, q_pos, kv_pos):
-            return v4_attention(scale_queries(q, q_scale), kv, q_pos, kv_pos, sinks, sliding_window=sliding_window,
-                                scale=scale, **entries)  # fmt: skip
+            return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
+                                q_scale=q_scale, **entries)  # fmt: skip
 
         return jax.lax.cond(mosaic_takes_prefix(q_pos, kv_pos, kv_prefix), mosaic, triton, q, kv, q_pos, kv_pos)
-    return v4_attention(scale_queries(q, q_scale), kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
+    return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale, q_scale=q_scale,
                         interpret=not on_gpu(), **entries)  # fmt: skip
 
 

@@ -571,31 +571,31 @@ def chunk_core_per_shard(core, q, keys, q_pos, key_pos, sinks, *, sliding_window
     are gathered with the ring (`keys` [B, W + n, D] in the cached-chunk layout: the W positions before the chunk,
     then the chunk's own), the compressed entries go whole to every shard, and each shard attends for its own
     queries over the W rows before its first query and its own rows — the same layout, so `kv_prefix` = W holds
-    per shard. CSA's picks travel with their queries. Without a sequence axis, or a chunk that does not split
-    evenly (a decode step), `core` runs as is."""
+    per shard. CSA's picks and q's factors (`q_scale`) travel with their queries. Without a sequence axis, or a
+    chunk that does not split evenly (a decode step), `core` runs as is."""
     layout = sp_layout()
     b, n = q.shape[:2]
-    if layout is not None and kwargs.get("q_scale") is not None:  # split cores take q's factor applied
-        q = scale_queries(q, kwargs.pop("q_scale"))
     if layout is None or n % layout[2]:
         return core(q, keys, q_pos, key_pos, sinks, sliding_window=sliding_window, scale=scale, compressed=compressed,
                     **kwargs)  # fmt: skip
     mesh, axis, shards = layout
     rows, w = n // shards, keys.shape[1] - n
     topk = None if compressed is None else compressed.topk_indices
-    sharded = [q, q_pos] + ([topk] if topk is not None else [])
+    q_scale = kwargs.pop("q_scale", None)  # q's inverse RMS (`Kernels.q_norm` "fold") splits with its queries
+    sharded = [q, q_pos] + ([topk] if topk is not None else []) + ([q_scale] if q_scale is not None else [])
     replicated = [keys, key_pos, sinks] + ([compressed.entries] if compressed is not None else [])
 
     def body(*arrays):
         q_, q_pos_ = arrays[:2]
         topk_ = arrays[2] if topk is not None else None
+        factors = {} if q_scale is None else dict(q_scale=arrays[len(sharded) - 1])
         keys_, key_pos_, sinks_, *entries = arrays[len(sharded):]
         first = jax.lax.axis_index(axis) * rows
         keys_ = jax.lax.dynamic_slice_in_dim(keys_, first, w + rows, axis=1)
         key_pos_ = jax.lax.dynamic_slice_in_dim(key_pos_, first, w + rows, axis=1)
         local = None if compressed is None else CompressedKeys(entries[0], compressed.rate, topk_)
         return core(q_, keys_, q_pos_, key_pos_, sinks_, sliding_window=sliding_window, scale=scale, compressed=local,
-                    **kwargs)  # fmt: skip
+                    **factors, **kwargs)  # fmt: skip
 
     seq = P(None, axis)
     return jax.shard_map(body, mesh=mesh, in_specs=(*(seq for _ in sharded), *(P() for _ in replicated)),

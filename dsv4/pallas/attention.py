@@ -126,6 +126,7 @@ def _check_inputs(
     topk_indices,
     kv_scales,
     compressed_scales,
+    q_scale=None,
 ) -> tuple[str | None, str | None]:
     """Raises ValueError (with shapes) on malformed inputs; → (kv scale layout, compressed scale layout)."""
     if q.ndim != 4 or kv.ndim != 3:
@@ -146,6 +147,8 @@ def _check_inputs(
         raise ValueError(f"kv.dtype={kv.dtype} must be q.dtype={q.dtype} or float8_e4m3fn")
     if not isinstance(sliding_window, int) or sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window!r} must be a positive int")
+    if q_scale is not None and (q_scale.shape != (b, s, h) or q_scale.dtype != F32):
+        raise ValueError(f"q_scale must be float32 [B, S, H] = ({b}, {s}, {h}), got {q_scale.dtype} {q_scale.shape}")
     kv_layout = check_page_scales("kv_scales", kv_scales, kv, "kv")
     compressed_layout = None
     if compressed is None:
@@ -198,6 +201,7 @@ def v4_attention_reference(
     topk_indices: jax.Array | None = None,
     kv_scales: jax.Array | None = None,
     compressed_scales: jax.Array | None = None,
+    q_scale: jax.Array | None = None,
 ) -> jax.Array:
     """V4 attention core, straight from the spec (same arguments as `v4_attention`). → [B, S, H, D].
 
@@ -207,7 +211,7 @@ def v4_attention_reference(
     """
     _check_inputs(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, compressed=compressed,
                   compress_rate=compress_rate, topk_indices=topk_indices, kv_scales=kv_scales,
-                  compressed_scales=compressed_scales)  # fmt: skip
+                  compressed_scales=compressed_scales, q_scale=q_scale)  # fmt: skip
     keys = _dequantize_reference(kv, kv_scales, q.dtype)  # [B, T, D]
     pos, kpos = q_pos[:, :, None], kv_pos[:, None, :]
     mask = (kpos >= 0) & (kpos <= pos) & (kpos > pos - sliding_window)  # [B, S, T]
@@ -222,6 +226,8 @@ def v4_attention_reference(
         keys = jnp.concatenate([keys, entries], axis=1)  # [B, T + C, D]
         mask = jnp.concatenate([mask, cmask], axis=2)  # [B, S, T + C]
     logits = jnp.einsum("bshd,btd->bsht", q, keys, preferred_element_type=F32) * scale  # [B, S, H, T(+C)]
+    if q_scale is not None:
+        logits = logits * q_scale[..., None]
     logits = jnp.where(mask[:, :, None, :], logits, -jnp.inf)
     row_max = jnp.maximum(logits.max(-1), sinks)  # [B, S, H]
     row_max = jnp.maximum(row_max, M_FLOOR)  # only matters for a -inf sink on a row with no keys
@@ -240,6 +246,7 @@ def v4_attention_kernel(
     q_pos_ref,  # [block_q]
     meta_ref,  # [4]: window rows [lo, hi), visible HCA entries, top-k slots in use
     sinks_ref,  # [block_h]
+    q_scale_ref,  # [block_q, block_h] float32 or None
     kv_ref,  # [T, D]
     kv_pos_ref,  # [T]
     kv_scales_ref,  # [D] or [T, D // 64] or None
@@ -279,10 +286,15 @@ def v4_attention_kernel(
     row_pos = jnp.broadcast_to(q_pos[:, None], (block_q, block_h)).reshape(rows)  # [M]
     sinks = jnp.broadcast_to(sinks_ref[...][None, :], (block_q, block_h)).reshape(rows)  # [M]
 
+    logit_scale = scale * LOG2E
+    if q_scale_ref is not None:  # q's inverse RMS folded into each row's logit scale (the sink is not scaled)
+        q_scale = plgpu.load(q_scale_ref, mask=token_valid[:, None], other=1.0)  # [block_q, block_h]
+        logit_scale = logit_scale * q_scale.reshape(rows)[:, None]  # [M, 1]
+
     row_max = jnp.maximum(sinks * LOG2E, M_FLOOR)  # [M], log2 domain
     row_sum = jnp.exp2(sinks * LOG2E - row_max)  # [M], the sink's own term
     acc = jnp.zeros((rows, head_dim), F32)  # [M, D]
-    step = functools.partial(online_softmax_step, logit_scale=scale * LOG2E, compute_dtype=compute_dtype)
+    step = functools.partial(online_softmax_step, logit_scale=logit_scale, compute_dtype=compute_dtype)
     carry = (acc, row_max, row_sum)
 
     # (a) Window: the band of kv rows [lo, hi) the wrapper found for this block, in steps of block_kv rows
@@ -405,6 +417,7 @@ def v4_attention(
     topk_indices: jax.Array | None = None,
     kv_scales: jax.Array | None = None,
     compressed_scales: jax.Array | None = None,
+    q_scale: jax.Array | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     out_init: jax.Array | None = None,
@@ -424,6 +437,8 @@ def v4_attention(
     topk_indices: [B, S, K] int32, CSA mode: query s sees the listed entries (distinct; -1 = none; entries
                outside [0, C) are ignored). The list is taken as is: no causal check.
     kv_scales / compressed_scales: float32 [D] (per channel) or [B, N, D // 64] (per token, 64-channel tiles).
+    q_scale: float32 [B, S, H] or None: each (token, head)'s logits also times its factor (q's inverse RMS,
+               `Kernels.q_norm` "fold"), as for queries q · q_scale but without rounding those to q's dtype.
     block_sizes: tiles and launch parameters (None: `default_block_sizes`, i.e. `BlockSizes()`, or
                `FP8_BLOCK_SIZES` for FP8 kv / compressed entries); interpret: run the kernel in the Pallas
                interpreter (CPU).
@@ -435,7 +450,7 @@ def v4_attention(
     kv_layout, compressed_layout = _check_inputs(
         q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, compressed=compressed,
         compress_rate=compress_rate, topk_indices=topk_indices, kv_scales=kv_scales,
-        compressed_scales=compressed_scales,
+        compressed_scales=compressed_scales, q_scale=q_scale,
     )  # fmt: skip
     b, s, h, d = q.shape
     t = kv.shape[1]
@@ -471,6 +486,7 @@ def v4_attention(
         pl.BlockSpec((None, block_q), lambda i, j, k: (j, i)),  # q_pos
         pl.BlockSpec((None, None, 4), lambda i, j, k: (j, i, 0)),  # meta
         pl.BlockSpec((block_h,), lambda i, j, k: (k,)),  # sinks
+        None if q_scale is None else pl.BlockSpec((None, block_q, block_h), lambda i, j, k: (j, i, k)),
         pl.BlockSpec((None, t, d), lambda i, j, k: (j, 0, 0)),  # kv
         pl.BlockSpec((None, t), lambda i, j, k: (j, 0)),  # kv_pos
         scale_spec(kv_layout, t),  # kv_scales
@@ -479,7 +495,8 @@ def v4_attention(
         topk_spec,
         None if out_init is None else out_spec,
     ]
-    args = (q, q_pos, meta, sinks, kv, kv_pos, kv_scales, compressed, compressed_scales, topk_indices, out_init)
+    args = (q, q_pos, meta, sinks, q_scale, kv, kv_pos, kv_scales, compressed, compressed_scales, topk_indices,
+            out_init)
     kernel = functools.partial(
         v4_attention_kernel, seq_len=s, sliding_window=sliding_window, scale=float(scale),
         compress_rate=hca_rate, kv_scale_layout=kv_layout, compressed_scale_layout=compressed_layout,

@@ -78,7 +78,6 @@ from dsv4.pallas.attention_common import (
     SMEM_LIMIT,
     pv_through_smem,
     pv_with_p_in_smem,
-    scale_queries,
     smem_tiling,
     swap_with_other,
     wgmma_online_softmax_step,
@@ -796,10 +795,9 @@ def v4_attention_mgpu(
     def triton_path(q, kv, q_pos, sinks, compressed, kv_pos):
         from dsv4.pallas.attention import v4_attention  # local import: keeps this module importable on its own
 
-        q = scale_queries(q, q_scale)  # the Triton kernel takes one logit scale: the factor goes on q
         return v4_attention(q, kv, q_pos, kv_pos, sinks, sliding_window=sliding_window, scale=scale,
-                            compressed=compressed, compress_rate=compress_rate,
-                            topk_indices=topk_indices)  # fmt: skip
+                            compressed=compressed, compress_rate=compress_rate, topk_indices=topk_indices,
+                            q_scale=q_scale)  # fmt: skip
 
     if kv_pos is not None:
         return triton_path(q, kv, q_pos, sinks, compressed, kv_pos)
