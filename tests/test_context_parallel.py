@@ -69,6 +69,21 @@ SCRIPT = """
     same = bool(jnp.array_equal(core_attention_sp(*args, **kw), core_attention_jnp(*args, **kw)))
     print("fallback", 0.0 if same else 1.0, True)
 
+    # A cached chunk split over 4 shards (`chunk_core_per_shard`) with q's factors (`Kernels.q_norm` "fold"): each
+    # shard's factors travel with its queries, as the jnp core on queries q · q_scale without a mesh.
+    from dsv4.attention.sequence_parallel import chunk_core_per_shard
+    (q, kv, pos, _, sinks), kw = inputs(48, "csa", seed=7)
+    kw.pop("kv_aligned")
+    q_scale = jnp.asarray(np.random.default_rng(8).uniform(0.4, 2.5, q.shape[:3]), jnp.float32)
+    keys = jnp.concatenate([jnp.zeros_like(kv[:, :16]), kv], axis=1)  # the 16 ring rows, empty: a first chunk
+    key_pos = jnp.concatenate([jnp.full_like(pos[:, :16], -1), pos], axis=1)
+    want = core_attention_jnp(q * q_scale[..., None], keys, pos, key_pos, sinks, **kw)
+    with use_mesh(make_mesh(4)):
+        fn = jax.jit(lambda *a: chunk_core_per_shard(core_attention_jnp, *a, q_scale=q_scale, **kw))
+        got = fn(q, keys, pos, key_pos, sinks)
+        split = "shard_map" in str(jax.make_jaxpr(fn)(q, keys, pos, key_pos, sinks))
+    print("chunk:q_scale", float(jnp.abs(got - want).max() / jnp.abs(want).max()), split)
+
     # The whole model on the "sp" core (all three layer types) against its reference logits.
     import dsv4
     from flax import nnx
@@ -109,7 +124,7 @@ def test_sequence_parallel_core_matches_jnp_and_model_reference():
                          text=True, timeout=600, cwd=ROOT)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.strip().splitlines()]
-    assert [r[0] for r in rows] == [*CASES, "fallback", "model:tiny_long:sp=4"]
+    assert [r[0] for r in rows] == [*CASES, "fallback", "chunk:q_scale", "model:tiny_long:sp=4"]
     for case, err, uses_ppermute in rows:
         assert float(err) < 1e-5, (case, err)
         assert uses_ppermute == "True", f"{case}: the sequence-parallel path did not run"

@@ -126,9 +126,9 @@ def test_pallas_kernels_selected_still_match_reference():
 @pytest.mark.parametrize("attention", ["jnp", "pallas"])
 def test_q_norm_folded_into_the_core_matches_reference(attention, monkeypatch):
     """`Kernels.q_norm="fold"`: q only rotated, its inverse RMS handed to the core (the jnp core folds it into its
-    logits; the Pallas core off Hopper, the Triton kernel interpreted, applies it to q): the reference's logits, and
-    with the jnp core also in chunks of 7 then decode, and in one-token steps (those take q normalized). The whole
-    prompt's forward never normalizes q itself."""
+    logits, the Pallas core off Hopper, the Triton kernel interpreted, into its logit scale): the reference's logits,
+    and with the jnp core also in chunks of 7 then decode, and in one-token steps (those take q normalized). The
+    whole prompt's forward never normalizes q itself."""
     import dsv4.attention.block as block
 
     path = os.path.join(FIXTURES, "tiny_long")
