@@ -276,3 +276,20 @@ def test_gpu_w8a8_four_slots():
                                               down_scales=ds, config=config), F32)  # fmt: skip
 
     np.testing.assert_array_equal(run(MgpuMoeConfig(num_slots=4)), run(MgpuMoeConfig()))
+
+
+@pytest.mark.parametrize("dtype, d", [(jnp.float8_e4m3fn, 4096), (jnp.float8_e4m3fn, 132), (jnp.bfloat16, 130),
+                                      (jnp.bfloat16, 7), (jnp.float32, 12), (jnp.float8_e4m3fn, 6)])  # fmt: skip
+def test_gather_rows_is_the_plain_gather(dtype, d):
+    """`gather_rows` (rows moved as uint32 words where the width allows, else the plain gather) equals x[rows]
+    bit for bit, NaN and negative-zero payloads included, rows repeated and out of order."""
+    from dsv4.pallas.moe_mgpu import gather_rows
+
+    rng = np.random.default_rng(d)
+    x = jnp.asarray(rng.standard_normal((37, d)) * 100, jnp.float32).astype(dtype)
+    x = x.at[3, :2].set(jnp.nan).at[5, 1].set(-0.0)
+    rows = jnp.asarray(rng.integers(0, 37, 101), jnp.int32)
+    got, want = gather_rows(x, rows), x[rows]
+    assert got.dtype == x.dtype and got.shape == (101, d)
+    bits = jnp.uint8 if x.dtype.itemsize == 1 else (jnp.uint16 if x.dtype.itemsize == 2 else jnp.uint32)
+    np.testing.assert_array_equal(np.asarray(got.view(bits)), np.asarray(want.view(bits)))

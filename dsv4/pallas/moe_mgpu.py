@@ -51,6 +51,7 @@ __all__ = [
     "TILE_M",
     "MgpuMoeConfig",
     "default_num_slots",
+    "gather_rows",
     "grouped_down_mgpu",
     "grouped_gate_up_mgpu",
     "mgpu_moe_unsupported",
@@ -445,6 +446,18 @@ def grouped_down_mgpu(h_pad, down, tile_expert, *, h_scales=None, down_scales=No
                          out_dtype=jnp.dtype(out_dtype), config=config, interpret=interpret)  # fmt: skip
 
 
+def gather_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+    """x[rows] for x [N, D] of 1- or 2-byte elements, gathered as uint32 words: XLA's gather moves one element a
+    thread, so fp8 rows go 4× wider. On an H100 a 16K-token chunk's W8A8 row gather (130,816 rows of 4096 fp8) took
+    0.62 ms this way against 1.06 ms; with the per-token quantize in front, 0.91 against 1.18 ms."""
+    n, d = x.shape
+    per_word = 4 // x.dtype.itemsize
+    if x.dtype.itemsize >= 4 or d % per_word:
+        return x[rows]
+    words = lax.bitcast_convert_type(x.reshape(n, d // per_word, per_word), jnp.uint32)  # [N, D / per_word]
+    return lax.bitcast_convert_type(words[rows], x.dtype).reshape(rows.shape[0], d)
+
+
 @functools.partial(jax.jit, static_argnames=("limit", "config", "interpret", "out_dtype"))
 def routed_experts_mgpu(x, expert_ids, weights, gate_up, down, limit: float, *, gate_up_scales=None, down_scales=None,
                         x_scales=None, config: MgpuMoeConfig = MgpuMoeConfig(), interpret=None,
@@ -465,13 +478,14 @@ def routed_experts_mgpu(x, expert_ids, weights, gate_up, down, limit: float, *, 
     w8a8 = gate_up.dtype == FP8
     if w8a8:
         xq, xs = (x, x_scales) if x_scales is not None else quantize_per_token_group(x)
-        hq, hs = grouped_gate_up_mgpu(xq[src_token], gate_up, tile_expert, limit=limit, x_scales=xs[src_token],
-                                      gate_up_scales=gate_up_scales, quantize_out=True, config=config,
-                                      interpret=interpret)  # fmt: skip
+        hq, hs = grouped_gate_up_mgpu(gather_rows(xq, src_token), gate_up, tile_expert, limit=limit,
+                                      x_scales=xs[src_token], gate_up_scales=gate_up_scales, quantize_out=True,
+                                      config=config, interpret=interpret)  # fmt: skip
         y = grouped_down_mgpu(hq, down, tile_expert, h_scales=hs, down_scales=down_scales, config=config,
                               interpret=interpret, out_dtype=jnp.bfloat16)  # fmt: skip
     else:
-        h = grouped_gate_up_mgpu(x[src_token], gate_up, tile_expert, limit=limit, config=config, interpret=interpret)
+        h = grouped_gate_up_mgpu(gather_rows(x, src_token), gate_up, tile_expert, limit=limit, config=config,
+                                 interpret=interpret)  # fmt: skip
         y = grouped_down_mgpu(h, down, tile_expert, config=config, interpret=interpret, out_dtype=x.dtype)
     kept = (flat_ids >= 0) & (flat_ids < gate_up.shape[0])
     rows = y[jnp.minimum(row_of_pair, y.shape[0] - 1)].astype(F32)  # [P, D]
