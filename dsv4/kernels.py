@@ -42,8 +42,9 @@ CHOICES = {
     # step: dsv4.layers.SINKHORN_MGPU_MIN_TOKENS); "pallas-mgpu": always the Mosaic GPU form
     "sinkhorn": ("jnp", "pallas", "pallas-mgpu"),
     # q's RMS normalization in prefill: "jnp" normalizes q (XLA) before the core; "fold" rotates q in place and hands
-    # the core q's inverse RMS per (token, head), which the Mosaic attention kernel folds into its logit scale (other
-    # cores apply it to q); one-token steps always take q normalized. "auto": "fold" under the Pallas core on Hopper.
+    # the core q's inverse RMS per (token, head), which the attention kernels fold into their logit scale (the
+    # whole-prompt sequence-parallel core applies it to q); one-token steps always take q normalized. "auto": "fold"
+    # under the Pallas core on Hopper.
     "q_norm": ("jnp", "fold"),
     # CSA layers' prefill under the Pallas core: "pallas-triton" the Triton kernel; "pallas" the Mosaic kernel's CSA
     # mode on Hopper (each listed row gathered by its own TMA; measured slower, docs/kernels/attention.md)
