@@ -13,6 +13,8 @@ popularity ∝ (rank + 1)^-0.3 (`--zipf`). Per token count (`--tokens`, default 
     gate_up  the gate_up kernel alone, on inputs already in its layout (Triton: sorted rows; Mosaic: padded rows)
     down     the down kernel alone, likewise (Mosaic: y stored in bf16, as `routed_experts` has it); the Mosaic
              rows also give the time of a K step of a CTA, the same work in both kernels
+    gather   Mosaic, default variant: the row gather in front of gate_up (`moe_mgpu.gather_rows`, rows moved as
+             uint32 words), and `gather_el` the same gather as XLA runs it on the elements; bytes moved a second
 
 Useful FLOPs = 2 · 3 · D · I · N · top-k for e2e (gate_up: 2/3 of it, down: 1/3), the same for every row.
 "% mm" is against the same run's matmul of that precision (bf16: `a @ b`; w8a8: e4m3 × e4m3 → f32), at 16384³.
@@ -259,6 +261,14 @@ def mgpu_parts(n, mode, x, ids, wts, limit, config, interpret, rounds, flops, re
         ctas = min(config.num_ctas or sm_count(), items)
         return f"K step {ms * 1e3 * ctas / items / (k // bk):.2f} µs a CTA"
 
+    if vname == "default":  # the row gather in front of gate_up, as routed_experts_mgpu runs it and elementwise
+        xq = x if mode == "bf16" else pm.quantize_per_token_group(x)[0]
+        rows_idx = src // ids.shape[1]
+        moved = 2 * rows_idx.shape[0] * d * jnp.dtype(xq.dtype).itemsize  # bytes read and written
+        for name, fn in (("gather", jax.jit(mm.gather_rows)), ("gather_el", jax.jit(lambda a, r: a[r]))):
+            rounds.add(lambda fn=fn: fn(xq, rows_idx),
+                       lambda ms, name=name: record(n, mode, "mgpu", vname, name, ms, 0.0,
+                                                   f"{moved / (ms * 1e-3) / 1e12:.2f} TB/s moved"))  # fmt: skip
     h = rounds.add(lambda: gate_up(config), lambda ms: record(n, mode, "mgpu", vname, "gate_up", ms, flops * 2 / 3,
                                                                per_step(ms, i // mm.PART_N, d)))  # fmt: skip
     if mode == "w8a8":
