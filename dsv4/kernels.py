@@ -119,7 +119,7 @@ class Kernels:
             indexer=indexer,
             paged_indexer="pallas" if indexer in ("pallas", "pallas-triton") else "jnp",
             topk_refine="pallas" if hopper else "jnp",  # measured on Hopper only
-            topk_maxima="jnp",  # the kernel's maxima not yet timed end to end
+            topk_maxima="jnp",  # the kernel's maxima measured 0.995-0.998x TTFT at 512K (docs/kernels/indexer.md)
             moe="pallas" if gpu else "jnp",
             dense="jnp",  # W8A8 measured no faster end to end (docs/BENCHMARKS.md, "Dense layers in FP8")
             kv_write="jnp",
