@@ -331,10 +331,13 @@ def csa_flops(seq):
 
 def csa(args):
     batches = [int(x) for x in args.csa_gather_batches.split(",")]
-    gathers = [g for g in args.csa_gathers.split(",") if g]
-    configs = {f"mosaic-{'' if g == 'tma' else 'reg-'}g{nb}":
-               dataclasses.replace(VARIANTS["mgpu-persistent"], gather_batch=nb, csa_gather=g)
-               for g in gathers for nb in batches}  # fmt: skip
+    configs = {}
+    for form in filter(None, args.csa_gathers.split(",")):
+        gather, _, flag = form.partition(":")  # "registers:nobar": without Pallas' automatic SMEM-store barriers
+        name = ("" if gather == "tma" else "reg-") + ("nobar-" if flag == "nobar" else "")
+        for nb in batches:
+            configs[f"mosaic-{name}g{nb}"] = dataclasses.replace(VARIANTS["mgpu-persistent"], gather_batch=nb,
+                                                                 csa_gather=gather, auto_barriers=flag != "nobar")
 
     def mosaic_with(config):
         def mosaic(q, kv, q_pos, sinks, comp, topk):
@@ -454,9 +457,9 @@ def main():
                          "and the Triton kernel's in-kernel dequantization (unless --skip-triton)")  # fmt: skip
     ap.add_argument("--csa-gather-batches", default="1,8,16",
                     help="csa: MgpuConfig.gather_batch values to time (row indices loaded together; 1: one a row)")
-    ap.add_argument("--csa-gathers", default="tma,registers",
+    ap.add_argument("--csa-gathers", default="tma,registers,registers:nobar",
                     help="csa: MgpuConfig.csa_gather forms to time, each at every gather batch (tma: one TMA a row "
-                         "half; registers: the producer's own loads)")  # fmt: skip
+                         "half; registers: the producer's own loads; ':nobar' adds auto_barriers=False)")  # fmt: skip
     ap.add_argument("--only", default="prefill", help="comma-separated subset of prefill,one-token,csa")
     ap.add_argument("--one-token-contexts", default="32768,524288", help="one-token: HCA context lengths (window "
                     "layers: the first only, their work does not depend on the context)")  # fmt: skip

@@ -115,7 +115,9 @@ class MgpuConfig:
                 `CompilerParams.unsafe_no_auto_barriers`). The per-step store of the partial logits into the exchange
                 buffer is one; the exchange's mbarriers (each thread arrives after its own write or read) already
                 order it, and O's staging store comes after the wgmmas that read that buffer have completed and
-                before `commit_smem` (fence and barrier). Dropping them gained nothing here, so True stays.
+                before `commit_smem` (fence and barrier). Dropping them gained nothing here, so True stays. CSA's
+                producer then syncs its regrouping itself (`gather_rows`); with `csa_gather="registers"` that
+                drops two barriers from each of a tile's 128 row stores.
     """
 
     block_kv: int = 64
@@ -462,12 +464,21 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                         kv_raw[slot * 2 + half, pl.ds(first + r, 1)] = value
 
             group = plgpu.Layout.SMEM_GMEM_COPY((_ROW_TILE, dh), dtype, elems_128b * itemsize)
+            # Without Pallas' automatic barriers (`auto_barriers=False`) the warpgroup syncs itself where threads
+            # read what others wrote: the rows stored by registers before their regrouping, and each group's bytes
+            # read before they are overwritten in place (`commit_smem` is a fence and a warpgroup barrier).
+            explicit = not config.auto_barriers
+            if explicit and not by_tma:
+                plgpu.commit_smem()
             for half in range(2):
                 if by_tma:
                     plgpu.barrier_wait(landed_bar.at[slot * 2 + half])
                 for g in range(bk // _ROW_TILE):
                     rows = pl.ds(g * _ROW_TILE, _ROW_TILE)
-                    kv_smem.at[slot * 2 + half][rows] = plgpu.load(kv_raw.at[slot * 2 + half, rows], layout=group)
+                    value = plgpu.load(kv_raw.at[slot * 2 + half, rows], layout=group)
+                    if explicit:
+                        plgpu.commit_smem()
+                    kv_smem.at[slot * 2 + half][rows] = value
                 plgpu.commit_smem()  # the writes, visible to the consumers' wgmma (async proxy)
                 plgpu.barrier_arrive(kv_bar.at[slot * 2 + half])
 
