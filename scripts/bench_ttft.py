@@ -42,7 +42,7 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
     chunked-loop     (4l) as (4) with the mHC Sinkhorn normalization as XLA's while loop (Kernels.sinkhorn="jnp")
     chunked-2x       (4x) as (4) in chunks of twice ``--chunk`` (the chunk size's effect, side by side in one process)
     chunked-qnorm    (4n) as (4) with Kernels.q_norm="jnp": q normalized by XLA before the core, where (4) on Hopper
-                          only rotates q and folds its inverse RMS into the Mosaic attention kernel's logit scale
+                          only rotates q and folds its inverse RMS into the attention kernels' logit scale
     chunked-csamgpu  (4c) as (4) with Kernels.csa="pallas": CSA layers' attention on the Mosaic kernel's CSA mode
                           (each listed row gathered by its own TMA) instead of the Triton kernel
     chunked-kmax     (4k) as (4) with Kernels.topk_maxima="pallas": the indexer's Mosaic scores kernel writes the
