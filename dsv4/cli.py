@@ -265,8 +265,8 @@ def _model_config(args):
     return cfg
 
 
-KERNEL_PARTS = ("attention", "decode", "indexer", "paged_indexer", "topk_refine", "topk_maxima", "moe", "dense",
-                "kv_write", "sinkhorn", "q_norm", "csa")
+KERNEL_PARTS = ("attention", "decode", "indexer", "paged_indexer", "topk_refine", "moe", "dense", "kv_write",
+                "sinkhorn", "q_norm", "csa")
 
 
 def _parse_kernels(text: str):

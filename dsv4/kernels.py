@@ -28,9 +28,6 @@ CHOICES = {
     "paged_indexer": ("jnp", "pallas"),
     # each refinement level of the exact grouped top-k: XLA's sort and gather, or one Pallas select kernel
     "topk_refine": ("jnp", "pallas"),
-    # the grouped top-k's first level (each group of 4 scores' maximum) under the Mosaic scores kernel: an XLA pass
-    # over the score slab ("jnp"), or written by the kernel beside the scores ("pallas")
-    "topk_maxima": ("jnp", "pallas"),
     "moe": ("jnp", "pallas"),
     # linear layers whose weights are kept FP8 in 128 × 128 blocks: read dequantized ("jnp"), or W8A8 on the stored
     # values (`dsv4.layers.project`: the grouped-GEMM kernels with one group); weights in the compute dtype take
@@ -61,7 +58,6 @@ class Kernels:
     indexer: str = "auto"
     paged_indexer: str = "auto"
     topk_refine: str = "auto"
-    topk_maxima: str = "auto"
     moe: str = "auto"
     dense: str = "auto"
     kv_write: str = "auto"
@@ -119,7 +115,6 @@ class Kernels:
             indexer=indexer,
             paged_indexer="pallas" if indexer in ("pallas", "pallas-triton") else "jnp",
             topk_refine="pallas" if hopper else "jnp",  # measured on Hopper only
-            topk_maxima="jnp",  # the kernel's maxima measured 0.995-0.998x TTFT at 512K (docs/kernels/indexer.md)
             moe="pallas" if gpu else "jnp",
             dense="jnp",  # W8A8 measured no faster end to end (docs/BENCHMARKS.md, "Dense layers in FP8")
             kv_write="jnp",

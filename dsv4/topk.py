@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["top_k", "top_k_from_maxima"]
+__all__ = ["top_k"]
 
 
 @functools.partial(jax.jit, static_argnames=("k", "group", "direct_max", "refine", "ordered"))
@@ -61,32 +61,3 @@ def top_k(x: jax.Array, k: int, *, group: int = 4, direct_max: int = 2048, refin
     values, pos = lax.top_k(candidates.reshape(*x.shape[:-1], k * group), k)
     indices = jnp.take_along_axis(best_groups, pos // group, axis=-1) * group + pos % group
     return values, indices.astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames=("k", "group", "direct_max", "refine"))
-def top_k_from_maxima(x: jax.Array, maxima: jax.Array, k: int, *, group: int, direct_max: int = 2048,
-                      refine: Callable | None = None) -> tuple[jax.Array, jax.Array]:  # fmt: skip
-    """`top_k` with its first level given: x [..., N] in the interleaved order of `index_scores_mgpu(group_maxima=
-    True)` (`dsv4.pallas.indexer_common.interleave_keys`; element i at `interleaved_position(i)`) and maxima
-    [..., N / group] its groups' maxima (group g: elements group · g .. group · g + group - 1, consecutive in the
-    elements' own order, so the argument of the module docstring holds). → `lax.top_k` of the row in its own order:
-    (values [..., k], indices int32 [..., k]), best first, ties to the lower index.
-
-    The rest runs as `top_k`: the k best groups by their maxima (recursively), then the k best of their elements,
-    read through the interleaved positions (refine: its `interleaved=True` form)."""
-    from dsv4.pallas.indexer_common import GROUP, interleaved_position
-
-    if group != GROUP:
-        raise ValueError(f"top_k_from_maxima: the interleaved order holds groups of {GROUP}, got group={group}")
-    n_groups = maxima.shape[-1]
-    if x.shape[:-1] != maxima.shape[:-1] or x.shape[-1] != n_groups * group:
-        raise ValueError(f"top_k_from_maxima: x {x.shape} must hold group={group} elements per maximum {maxima.shape}")
-    if not 1 <= k <= n_groups:
-        raise ValueError(f"top_k_from_maxima: k={k} must be in [1, groups={n_groups}]")
-    _, best_groups = top_k(maxima, k, group=group, direct_max=direct_max, refine=refine, ordered=False)
-    if refine is not None:
-        return refine(x, best_groups, group=group, ordered=True, interleaved=True)
-    best_groups = jnp.sort(best_groups, axis=-1)  # increasing index order
-    members = (best_groups[..., None] * group + jnp.arange(group)).reshape(*x.shape[:-1], k * group)
-    values, pos = lax.top_k(jnp.take_along_axis(x, interleaved_position(members), axis=-1), k)
-    return values, jnp.take_along_axis(members, pos, axis=-1).astype(jnp.int32)

@@ -45,8 +45,6 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
                           only rotates q and folds its inverse RMS into the attention kernels' logit scale
     chunked-csamgpu  (4c) as (4) with Kernels.csa="pallas": CSA layers' attention on the Mosaic kernel's CSA mode
                           (each listed row gathered by its own TMA) instead of the Triton kernel
-    chunked-kmax     (4k) as (4) with Kernels.topk_maxima="pallas": the indexer's Mosaic scores kernel writes the
-                          top-k's first-level group maxima beside the scores, in place of XLA's pass over the slab
     engine           (4e) the prompt through `dsv4.LLM(model)` with default arguments (kernels "auto", the paged cache)
                           but ``--chunk``; TTFT = the request's own, arrival to first sampled token
     xla-cap          (1c) as (1) with a capacity-padded batched-einsum MoE (defined in this script, not in dsv4:
@@ -209,13 +207,11 @@ class Variant:
     sinkhorn_loop: bool = False  # the mHC Sinkhorn as XLA's while loop (Kernels.sinkhorn="jnp")
     q_norm: str | None = None  # Kernels.q_norm (None: "auto", "fold" under the Pallas core on Hopper)
     csa: str | None = None  # Kernels.csa (None: "auto", the Triton kernel)
-    topk_maxima: str | None = None  # Kernels.topk_maxima (None: "auto", XLA's pass)
     chunks_of: int = 1  # chunked only: chunks of this many times --chunk
 
     def kernel_parts(self) -> dict:
         """The Kernels fields this variant sets beyond attention, moe, indexer and the Sinkhorn (None: left)."""
-        parts = (("dense", self.dense), ("q_norm", self.q_norm), ("csa", self.csa), ("topk_maxima", self.topk_maxima))
-        return {k: v for k, v in parts if v}
+        return {k: v for k, v in (("dense", self.dense), ("q_norm", self.q_norm), ("csa", self.csa)) if v}
 
 
 def variant_kernels(attention: str, moe: str, indexer: str | None = None, sinkhorn_loop: bool = False,
@@ -258,18 +254,16 @@ VARIANTS = {v.key: v for v in [
             q_norm="jnp"),
     Variant("chunked-csamgpu", "(4c)", "(4) with CSA on the Mosaic kernel", "chunked", "pallas", "pallas",
             csa="pallas"),
-    Variant("chunked-kmax", "(4k)", "(4) with the kernel's top-k maxima", "chunked", "pallas", "pallas",
-            topk_maxima="pallas"),
     Variant("engine", "(4e)", "(4) through dsv4.LLM, default arguments", "engine", "auto", "auto"),
     Variant("xla-cap", "(1c)", "XLA, capacity MoE", "full", "jnp", "xla_cap"),
     Variant("pallas-attn-cap", "(2c)", "+ Pallas attn + idx, capacity MoE", "full", "pallas", "xla_cap"),
 ]}  # fmt: skip
 PRIORITY = ["pallas", "chunked", "engine", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn",
             "chunked-fp8idx", "chunked-tritonidx", "chunked-w8a8", "chunked-loop", "chunked-2x",
-            "chunked-qnorm", "chunked-csamgpu", "chunked-kmax"]  # fmt: skip
+            "chunked-qnorm", "chunked-csamgpu"]  # fmt: skip
 TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-loop", "chunked", "chunked-2x",
-               "chunked-qnorm", "chunked-csamgpu", "chunked-kmax", "engine", "chunked-tritonidx", "chunked-fp8idx",
-               "chunked-w8a8", "chunked-fp8"]  # fmt: skip
+               "chunked-qnorm", "chunked-csamgpu", "engine", "chunked-tritonidx", "chunked-fp8idx", "chunked-w8a8",
+               "chunked-fp8"]  # fmt: skip
 BASELINES = ("xla", "xla-cap")  # plain XLA: the speed-ups' denominators
 PAGE_TOKENS = 256  # (5)'s page size: a multiple of both compress rates
 

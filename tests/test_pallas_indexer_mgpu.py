@@ -10,18 +10,15 @@ CPU (not gpu-marked):
 - input errors.
 GPU (`-m gpu`): Gaussian e4m3 inputs at full-range scales, and Gaussian bf16 inputs, against the reference, after a
 NaN-input run of the same shape (so a recycled output buffer holds NaN where the kernel fails to write); the two-pass
-top-k with this kernel; the group-maxima form (scores and the top-k's first-level maxima), and the two-pass top-k
-with and without those maxima.
+top-k with this kernel.
 
 NOTE: the Mosaic GPU interpreter is not a CI test here. `python tests/test_pallas_indexer_mgpu.py` runs
-`_interpreter_case_group_maxima` (the group-maxima form, exact; it passed its first 3 runs on the 2-core box, then
-hung in 5 of 5, so a deeper ring is no cure), `_interpreter_case_bf16` (integer-valued bf16 inputs in one CTA of two
-consumers, so scores must equal the reference bit for bit; on the 2-core CPU box it passed 2 runs of 3 and hung in
-the third, and passed with two queries a wgmma) and `_interpreter_case` (integer-valued e4m3 inputs with
-power-of-two scales; 13 queries in CTAs of 4, 150 keys in spans of 128). The e4m3 case hung there, with two
-warpgroup threads asleep in barrier waits and the third inside an XLA call that never returned; a one-CTA case
-passed twice out of four, and a bf16 CTA of four consumers hung too (docs/kernels/indexer.md; the attention
-kernel's interpreter run hung the same way).
+`_interpreter_case_bf16` (integer-valued bf16 inputs in one CTA of two consumers, so scores must equal the reference
+bit for bit; on the 2-core CPU box it passed 2 runs of 3 and hung in the third, and passed with two queries a wgmma)
+and `_interpreter_case` (integer-valued e4m3 inputs with power-of-two scales; 13 queries in CTAs of 4, 150 keys in
+spans of 128). The e4m3 case hung there, with two warpgroup threads asleep in barrier waits and the third inside an
+XLA call that never returned; a one-CTA case passed twice out of four, and a bf16 CTA of four consumers hung too
+(docs/kernels/indexer.md; the attention kernel's interpreter run hung the same way).
 """
 
 from __future__ import annotations
@@ -92,41 +89,6 @@ def _interpreter_case_bf16() -> None:
     assert np.isneginf(want).any() and np.isfinite(want).any()
     np.testing.assert_array_equal(got, want)
     print("bf16 interpreter case: OK")
-
-
-def _interpreter_case_group_maxima() -> None:
-    """Run by hand: the group-maxima form, bf16, one CTA of 4 queries over 500 keys (two 256-key blocks, a ring as
-    deep as its 8 tiles), once with the second block partly visible and once with it dead; scores (read back through
-    the interleaved positions) and maxima exact."""
-    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
-
-    config = MgpuScoreConfig(tokens=4, span=512, num_slots=8, consumers=2, queries_per_mma=1)
-    for offset in (1598, 898):  # 399-400 visible (a partial block), 224-225 (the second block dead)
-        inputs = integer_inputs(1, batch=1, seq=4, entries=500, offsets=(offset,))
-        one = dict(q=inputs["q"].astype(jnp.bfloat16), keys=inputs["keys"].astype(jnp.bfloat16),
-                   weights=inputs["weights"], positions=inputs["positions"])  # fmt: skip
-        kw = dict(rate=4, softmax_scale=0.25)
-        with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
-            scores, maxima = index_scores_mgpu(**one, **kw, config=config, group_maxima=True,
-                                               interpret=InterpretGPUParams())  # fmt: skip
-        check_group_maxima(np.asarray(scores), np.asarray(maxima), np.asarray(index_scores_reference(**one, **kw)))
-    print("group maxima interpreter case: OK")
-
-
-def check_group_maxima(scores, maxima, want, atol=0.0):
-    """scores [B, S, Cg] interleaved and maxima [B, S, Cg / 4] against the reference scores [B, S, C]: the same
-    scores where they lie, -inf on the padding, maxima of the padded row's groups (exact: the kernel's own)."""
-    *lead, c = want.shape
-    cg = scores.shape[-1]
-    assert cg % 256 == 0 and cg - 256 < c <= cg and maxima.shape == (*lead, cg // 4)
-    from dsv4.pallas.indexer_common import interleaved_position
-
-    got = scores[..., interleaved_position(np.arange(cg))]  # the row in its own order
-    np.testing.assert_array_equal(np.isneginf(got[..., :c]), np.isneginf(want))
-    assert np.isneginf(got[..., c:]).all() and not np.isnan(got).any()
-    finite = np.isfinite(want)
-    np.testing.assert_allclose(got[..., :c][finite], want[finite], rtol=0, atol=atol)
-    np.testing.assert_array_equal(maxima, got.reshape(*lead, cg // 4, 4).max(axis=-1))
 
 
 def test_model_indexer_with_pallas_fp8_keeps_what_jnp_keeps():
@@ -206,28 +168,6 @@ def test_lowers_for_h200(dtype, config):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("dtype", [FP8, jnp.bfloat16])
-def test_lowers_for_h200_with_group_maxima(dtype):
-    """The group-maxima form (keys interleaved, a second output of C / 4 maxima) at V4 shapes, 131136 keys (a 512K
-    prompt's: padded to whole 256-key blocks)."""
-    b, s, c = 1, 256, 131136
-    sds = jax.ShapeDtypeStruct
-    scaled = dtype == FP8
-    args = (sds((b, s, 64, 128), dtype), sds((b, c, 128), dtype), sds((b, s, 64), jnp.float32), sds((b, s), jnp.int32),
-            sds((b, s, 64), jnp.float32), sds((b, c), jnp.float32))  # fmt: skip
-
-    def f(q, keys, weights, positions, q_scale, k_scale):
-        return index_scores_mgpu(q, keys, weights, positions, rate=4, softmax_scale=0.1,
-                                 q_scale=q_scale if scaled else None, k_scale=k_scale if scaled else None,
-                                 group_maxima=True)  # fmt: skip
-
-    with abstract_gpu_mesh():
-        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
-    scores, maxima = lowered.out_info
-    assert scores.shape == (b, s, 131328) and maxima.shape == (b, s, 131328 // 4)
-
-
 @pytest.mark.parametrize("change, match", [
     (dict(q=jnp.zeros((1, 8, 32, 128), FP8), weights=jnp.zeros((1, 8, 32), jnp.float32),
           q_scale=jnp.ones((1, 8, 32), jnp.float32)), "Hi = 64"),
@@ -238,7 +178,6 @@ def test_lowers_for_h200_with_group_maxima(dtype):
           k_scale=None), "a multiple of 64 for bfloat16"),
     (dict(q=jnp.zeros((1, 8, 64, 128), jnp.bfloat16), keys=jnp.zeros((1, 70, 128), jnp.bfloat16), q_scale=None,
           k_scale=None, config=MgpuScoreConfig()), "shared memory at Di=128 in bfloat16"),  # 16 queries' q rows
-    (dict(config=MgpuScoreConfig(span=320), group_maxima=True), "span a multiple of 256, got 320"),
 ])  # fmt: skip
 def test_input_errors(change, match):
     inputs = dict(q=jnp.zeros((1, 8, 64, 128), FP8), keys=jnp.zeros((1, 70, 128), FP8),
@@ -335,59 +274,6 @@ def test_gpu_two_pass_with_mgpu_scores_picks_a_true_top_k():
     np.testing.assert_array_equal(got, np.asarray(index_topk_reference(**inputs, **kw)))
 
 
-@gpu
-@requires_gpu
-@pytest.mark.parametrize("dtype, seq, entries, offset", [
-    (jnp.bfloat16, 300, 4100, 16000), (jnp.bfloat16, 77, 1000, 0), (FP8, 300, 4100, 16000), (FP8, 45, 600, 2000),
-])  # fmt: skip
-def test_gpu_group_maxima_match_reference(dtype, seq, entries, offset):
-    """The group-maxima form: scores (read through the interleaved positions) against the reference, as the plain
-    form's tests hold them, and maxima exactly those of the scores written; after a NaN-input run of the same
-    shape, so unwritten elements show."""
-    keys_ = jax.random.split(jax.random.key(seq + 2), 3)
-    q = jax.random.normal(keys_[0], (1, seq, 64, 128), jnp.float32)
-    kv = jax.random.normal(keys_[1], (1, entries, 128), jnp.float32)
-    inputs = dict(weights=jax.random.normal(keys_[2], (1, seq, 64), jnp.float32),
-                  positions=(offset + jnp.arange(seq, dtype=jnp.int32) * 13)[None])  # fmt: skip
-    if dtype == FP8:
-        q_scale, k_scale = jnp.max(jnp.abs(q), axis=-1) / 448.0, jnp.max(jnp.abs(kv), axis=-1) / 448.0
-        inputs.update(q=(q / q_scale[..., None]).astype(FP8), keys=(kv / k_scale[..., None]).astype(FP8),
-                      q_scale=q_scale, k_scale=k_scale)  # fmt: skip
-    else:
-        inputs.update(q=q.astype(dtype), keys=kv.astype(dtype))
-    kw = dict(rate=4, softmax_scale=128**-0.5)
-    nan_run = index_scores_mgpu(**dict(inputs, weights=jnp.full_like(inputs["weights"], jnp.nan)), **kw,
-                                group_maxima=True)  # fmt: skip
-    jax.block_until_ready(nan_run)
-    scores, maxima = map(np.asarray, index_scores_mgpu(**inputs, **kw, group_maxima=True))
-    want = np.asarray(index_scores_reference(**inputs, **kw))
-    assert np.isfinite(want).any()
-    tol = (4e-3 if dtype == FP8 else 1e-5) * np.abs(want[np.isfinite(want)]).max()
-    check_group_maxima(scores, maxima, want, atol=tol)
-
-
-@gpu
-@requires_gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8])
-def test_gpu_two_pass_with_kernel_maxima_picks_the_same(dtype):
-    """The two-pass indexer with the kernel's maxima picks exactly what it picks without them, over width bands
-    (the causal spread of a 16K chunk's positions at 512K is mimicked by queries far apart: the first see 250
-    entries, so lists end in -1, the last all 9000), integer inputs (every tie resolved by index)."""
-    rng = np.random.default_rng(6)
-    s, c, k = 256, 9000, 512
-    inputs = dict(q=jnp.asarray(rng.integers(-4, 5, (1, s, 64, 128)), dtype),
-                  keys=jnp.asarray(rng.integers(-4, 5, (1, c, 128)), dtype),
-                  weights=jnp.asarray(rng.integers(-2, 3, (1, s, 64)), jnp.float32),
-                  positions=jnp.asarray(1000 + np.arange(s) * 140, jnp.int32)[None])  # fmt: skip
-    if dtype == FP8:
-        inputs.update(q_scale=jnp.float32(0.5), k_scale=jnp.full((1, c), 0.25, jnp.float32))
-    kw = dict(rate=4, k=k, softmax_scale=0.125, scores_impl="mgpu", width_bands=4, query_chunk=64)
-    got = np.asarray(index_topk_two_pass(**inputs, **kw, kernel_maxima=True))
-    want = np.asarray(index_topk_two_pass(**inputs, **kw))
-    np.testing.assert_array_equal(got, want)
-    assert (want >= 2048).any() and (want == -1).any()
-
-
 def test_model_fp8_indexer_on_hopper_lowers_with_both_kernels(monkeypatch):
     """`dsv4.attention.index_topk_fp8` as it runs on a Hopper GPU (is_hopper patched true, lowered for an abstract
     H200): the Mosaic scores kernel and `dsv4.pallas.select`'s refinement kernel both in the module. 2304 keys:
@@ -404,23 +290,6 @@ def test_model_fp8_indexer_on_hopper_lowers_with_both_kernels(monkeypatch):
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "refine_top_k" in text
-
-
-@pytest.mark.parametrize("kernel_maxima", [False, True])
-def test_two_pass_takes_the_kernel_maxima_where_asked(monkeypatch, kernel_maxima):
-    """`index_topk_two_pass(kernel_maxima=True)` with the Mosaic scores (lowered for an abstract H200, the
-    refinement on its kernel as on Hopper) selects from the kernel's maxima (`top_k_from_maxima`) with the
-    interleaved refinement; without it, from XLA's reduction of the slab."""
-    b, s, c = 1, 64, 4100
-    sds = jax.ShapeDtypeStruct
-    args = (sds((b, s, 64, 128), jnp.bfloat16), sds((b, c, 128), jnp.bfloat16), sds((b, s, 64), jnp.float32),
-            sds((b, s), jnp.int32))  # fmt: skip
-    f = functools.partial(index_topk_two_pass, rate=4, k=512, softmax_scale=0.1, scores_impl="mgpu",
-                          selection="kernel", kernel_maxima=kernel_maxima)  # fmt: skip
-    with abstract_gpu_mesh():
-        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and "refine_top_k" in text
-    assert ("top_k_from_maxima" in text) == kernel_maxima
 
 
 def test_model_bf16_mgpu_indexer_on_hopper_lowers_the_mosaic_kernel(monkeypatch):
@@ -460,6 +329,5 @@ def test_model_bf16_mgpu_indexer_on_hopper_lowers_the_mosaic_kernel(monkeypatch)
 
 
 if __name__ == "__main__":
-    _interpreter_case_group_maxima()
     _interpreter_case_bf16()
     _interpreter_case()

@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from dsv4.pallas.indexer_common import interleave_keys
 from dsv4.pallas.select import SelectBlocks, refine_top_k, refine_top_k_reference
-from dsv4.topk import top_k, top_k_from_maxima
+from dsv4.topk import top_k
 
 gpu = pytest.mark.gpu
 requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Triton-compiled kernel)")
@@ -56,13 +55,12 @@ def by_index(values, indices):
     return np.take_along_axis(values, order, -1), np.take_along_axis(indices, order, -1)
 
 
-def check_against_reference(x, groups, group, blocks, ordered, *, interpret, interleaved=False):
+def check_against_reference(x, groups, group, blocks, ordered, *, interpret):
     lead, k = groups.shape[:-1], groups.shape[-1]
     poison = (jnp.full((*lead, k), jnp.nan, jnp.float32), jnp.full((*lead, k), -7, jnp.int32))
-    values, indices = refine_top_k(x, groups, group=group, ordered=ordered, interleaved=interleaved, blocks=blocks,
-                                   interpret=interpret, out_init=poison)  # fmt: skip
-    want_values, want_indices = map(np.asarray, refine_top_k_reference(x, groups, group=group,
-                                                                       interleaved=interleaved))  # fmt: skip
+    values, indices = refine_top_k(x, groups, group=group, ordered=ordered, blocks=blocks, interpret=interpret,
+                                   out_init=poison)  # fmt: skip
+    want_values, want_indices = map(np.asarray, refine_top_k_reference(x, groups, group=group))
     values, indices = np.asarray(values), np.asarray(indices)
     assert not np.isnan(values).any() and (indices != -7).all(), "kernel left elements unwritten (poisoned output)"
     if not ordered:
@@ -70,35 +68,6 @@ def check_against_reference(x, groups, group, blocks, ordered, *, interpret, int
         (values, indices), (want_values, want_indices) = by_index(values, indices), by_index(want_values, want_indices)
     np.testing.assert_array_equal(indices, want_indices)
     np.testing.assert_array_equal(values, want_values)
-
-
-@pytest.mark.parametrize("ordered", [True, False])
-def test_interleaved_rows_match_reference(ordered):
-    """Rows held in the Mosaic scores kernel's interleaved order: the kernel reads each chosen group's members
-    through their positions there, and reports the members' own indices; the reference, worked from the row in its
-    own order, agrees."""
-    x = tied_rows((5, 768), seed=4)
-    groups = chosen_groups((5,), 192, 24, seed=5)
-    check_against_reference(interleave_keys(x[..., None])[..., 0], groups, 4, SelectBlocks(block_rows=2), ordered,
-                            interpret=True, interleaved=True)  # fmt: skip
-    want = refine_top_k_reference(x, groups, group=4)
-    got = refine_top_k_reference(interleave_keys(x[..., None])[..., 0], groups, group=4, interleaved=True)
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_top_k_from_maxima_with_the_kernel_equals_lax_top_k():
-    x = tied_rows((3, 1280), seed=9)
-
-    def refine(x, groups, *, group, ordered, interleaved=False):
-        return refine_top_k(x, groups, group=group, ordered=ordered, interleaved=interleaved, interpret=True)
-
-    maxima = x.reshape(3, 320, 4).max(axis=-1)
-    values, indices = top_k_from_maxima(interleave_keys(x[..., None])[..., 0], maxima, 40, group=4, direct_max=32,
-                                        refine=refine)  # fmt: skip
-    want_values, want_indices = lax.top_k(x, 40)
-    np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices))
-    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
 
 
 def test_order_key_orders_like_floats():
@@ -162,8 +131,6 @@ def test_index_topk_two_pass_with_the_kernel_picks_the_same():
     (lambda: refine_top_k(jnp.zeros((2, 10)), jnp.zeros((2, 4), jnp.int32), group=4), "k=4 chosen groups"),
     (lambda: refine_top_k(jnp.zeros((2, 10)), jnp.zeros((2, 2), jnp.int32), group=4,
                           out_init=(jnp.zeros((2, 3)), jnp.zeros((2, 3), jnp.int32))), "out_init must be"),
-    (lambda: refine_top_k(jnp.zeros((2, 640)), jnp.zeros((2, 2), jnp.int32), group=4, interleaved=True),
-     "N a multiple of 256"),
     (lambda: SelectBlocks(block_rows=3), "block_rows=3"),
 ])  # fmt: skip
 def test_bad_arguments_are_named(call, match):

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from dsv4.pallas.indexer_common import interleave_keys, interleaved_position
-from dsv4.topk import top_k, top_k_from_maxima
+from dsv4.topk import top_k
 
 
 def rows(kind, shape, rng):
@@ -49,37 +48,3 @@ def test_all_minus_inf_rows_pick_the_lowest_indices():
 def test_bad_arguments_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
         top_k(jnp.zeros((2, 10)), **kw)
-
-
-def test_interleaved_order_by_hand():
-    """Blocks of 256 keys as 4 slices of 64: position 64 m + l holds key 4 l + m (so key 1 sits at 64, key 4 at 1),
-    block by block; `interleaved_position` inverts `interleave_keys`."""
-    keys = jnp.arange(512)[None, :, None]
-    order = np.asarray(interleave_keys(keys))[0, :, 0]
-    assert order[:3].tolist() == [0, 4, 8] and order[64:66].tolist() == [1, 5] and order[255] == 255
-    assert order[256:258].tolist() == [256, 260] and order[320] == 257
-    np.testing.assert_array_equal(order[interleaved_position(np.arange(512))], np.arange(512))
-
-
-@pytest.mark.parametrize("kind", ["gaussian", "ties", "masked"])
-@pytest.mark.parametrize("n, k, direct_max", [(1024, 7, 16), (2560, 100, 64), (768, 192, 8)])
-def test_from_maxima_equals_lax_top_k(kind, n, k, direct_max):
-    """A row given interleaved, with its groups' maxima (the Mosaic scores kernel's form): exactly lax.top_k of the
-    row in its own order; k = 192 takes every group at n = 768."""
-    rng = np.random.default_rng(n + k)
-    x = jnp.asarray(rows(kind, (3, n), rng))
-    maxima = x.reshape(3, n // 4, 4).max(axis=-1)
-    values, indices = top_k_from_maxima(interleave_keys(x[..., None])[..., 0], maxima, k, group=4,
-                                        direct_max=direct_max)  # fmt: skip
-    want_values, want_indices = lax.top_k(x, k)
-    np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices))
-    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
-
-
-def test_from_maxima_bad_arguments_are_named():
-    with pytest.raises(ValueError, match="group=4 elements per maximum"):
-        top_k_from_maxima(jnp.zeros((2, 512)), jnp.zeros((2, 100)), 5, group=4)
-    with pytest.raises(ValueError, match="k=129"):
-        top_k_from_maxima(jnp.zeros((2, 512)), jnp.zeros((2, 128)), 129, group=4)
-    with pytest.raises(ValueError, match="groups of 4, got group=2"):
-        top_k_from_maxima(jnp.zeros((2, 512)), jnp.zeros((2, 256)), 5, group=2)

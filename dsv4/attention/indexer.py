@@ -44,7 +44,6 @@ class Indexer(Compressor):
         self.n_heads, self.topk = config.index_n_heads, config.index_topk
         # static choices (`Kernels`): the scores and top-k path, the one-token steps' route, the top-k refinement
         self.impl, self.paged, self.selection = kernels.indexer, kernels.paged_indexer, _SELECTION[kernels.topk_refine]
-        self.kernel_maxima = kernels.topk_maxima == "pallas"
         self.dense = kernels.dense
 
     def keys(self, x: jax.Array, rope: Rope) -> jax.Array:
@@ -75,8 +74,7 @@ class Indexer(Compressor):
             # 1.37x the Triton scores kernel), with the FP8 path's width bands; the Triton kernel elsewhere
             mgpu = (impl == "pallas" and not interpret and is_hopper() and q.shape[2] == 64
                     and q.dtype == keys.dtype == jnp.bfloat16)  # fmt: skip
-            scores = dict(scores_impl="mgpu", width_bands=FP8_WIDTH_BANDS, call_band=one_band,
-                          kernel_maxima=self.kernel_maxima) if mgpu else {}  # fmt: skip
+            scores = dict(scores_impl="mgpu", width_bands=FP8_WIDTH_BANDS, call_band=one_band) if mgpu else {}
 
             def local(q_, weights_, positions_, keys_):  # this shard's queries against all keys
                 return index_topk_two_pass(q_, keys_, weights_, positions_, **kw, interpret=interpret,
@@ -84,7 +82,7 @@ class Indexer(Compressor):
 
             if impl == "pallas-fp8":
                 local = functools.partial(index_topk_fp8, **kw, interpret=interpret, selection=self.selection,
-                                          call_band=one_band, kernel_maxima=self.kernel_maxima)  # fmt: skip
+                                          call_band=one_band)  # fmt: skip
             return per_sequence_shard(local, (q, weights, positions), (keys,), fill=(0, 0, -1))
         if impl == "pallas-stream":
             return index_topk(q, keys, weights, positions, **kw, interpret=not on_gpu())
@@ -133,20 +131,20 @@ def quantize_rows_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def index_topk_fp8(q, weights, positions, keys, *, rate: int, k: int, softmax_scale: float, interpret: bool,
-                   selection: str = "auto", call_band: bool | None = None, kernel_maxima: bool = False):  # fmt: skip
+                   selection: str = "auto", call_band: bool | None = None):  # fmt: skip
     """The lightning indexer in FP8 (as DeepSeek-V3.2's inference code runs it; the transformers V4 spec uses bf16):
     q quantized per (token, head), keys per entry (e4m3, amax scales), scores by the Mosaic FP8 kernel on a Hopper
     GPU (`index_scores_mgpu`) or the Triton kernel elsewhere, then the exact grouped top-k. Arguments as
     `index_topk_jnp` (q, weights, positions first: the per-shard function of `per_sequence_shard`).
     On the Mosaic path each query chunk is scored over one of `FP8_WIDTH_BANDS` width bands (`index_topk_two_pass`,
-    docs/kernels/indexer.md; `call_band` and `kernel_maxima` as there). → [B, S, k] int32."""
+    docs/kernels/indexer.md; `call_band` as there). → [B, S, k] int32."""
     q8, q_scale = quantize_rows_e4m3(q)
     k8, k_scale = quantize_rows_e4m3(keys)
     mgpu = not interpret and is_hopper() and q.shape[2] == 64
     return index_topk_two_pass(q8, k8, weights, positions, rate=rate, k=k, softmax_scale=softmax_scale,
                                q_scale=q_scale, k_scale=k_scale, interpret=interpret, selection=selection,
                                scores_impl="mgpu" if mgpu else "triton", width_bands=FP8_WIDTH_BANDS if mgpu else 1,
-                               call_band=call_band, kernel_maxima=kernel_maxima)  # fmt: skip
+                               call_band=call_band)  # fmt: skip
 
 
 def index_topk_jnp(q, keys, weights, positions, *, rate: int, k: int, softmax_scale: float, query_chunk: int = 512):

@@ -52,8 +52,6 @@ from jax.experimental.pallas import triton as plgpu
 from dsv4.pallas.indexer_common import (
     F32,
     FP8,
-    GROUP,
-    GROUP_BLOCK,
     NEG_INF,
     check_index_inputs,
     fold_scales,
@@ -638,7 +636,7 @@ def one_band_per_call(num_queries: int, rate: int, num_entries: int, bands: int)
 
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "query_chunk", "blocks", "group",
                                              "interpret", "scores_impl", "mgpu_config", "width_bands",
-                                             "selection", "call_band", "kernel_maxima"))  # fmt: skip
+                                             "selection", "call_band"))  # fmt: skip
 def index_topk_two_pass(
     q: jax.Array,
     keys: jax.Array,
@@ -659,7 +657,6 @@ def index_topk_two_pass(
     width_bands: int = 1,
     selection: str = "auto",
     call_band: bool | None = None,
-    kernel_maxima: bool = False,
 ) -> jax.Array:
     """`index_topk` in two passes per chunk of queries: the scores kernel writes a [B, chunk, C] float32 slab
     (never the whole [S, C]), then `dsv4.topk.top_k` picks exactly what `lax.top_k` would while sorting only about
@@ -685,13 +682,8 @@ def index_topk_two_pass(
     `lax.top_k`), "kernel" (`dsv4.pallas.select.refine_top_k`, one pass; interpreted with `interpret`), or "auto"
     (the default: "kernel" on a Hopper GPU, where it is the faster, whatever computes the scores; "xla"
     elsewhere). The same picks either way.
-
-    kernel_maxima: with scores_impl "mgpu" and group 4, the scores kernel also writes the top-k's first level, each
-    group's maximum, beside the scores (`index_scores_mgpu(group_maxima=True)`, keys in its interleaved order), so
-    no XLA pass reduces the slab to them (`dsv4.topk.top_k_from_maxima`); the same picks. Where a band holds fewer
-    than k groups, or another scores kernel runs, it is ignored.
     """
-    from dsv4.topk import top_k, top_k_from_maxima
+    from dsv4.topk import top_k
 
     check_index_inputs(q, keys, weights, positions, rate=rate, k=k, q_scale=q_scale, k_scale=k_scale)
     b, s = positions.shape
@@ -705,43 +697,30 @@ def index_topk_two_pass(
     widths = band_widths(c, width_bands)
     row_k_scale = k_scale is not None and k_scale.ndim == 2
 
-    def blocks_of(width):  # the width of the group-maxima kernel's slab: whole interleaved blocks
-        return -(-width // GROUP_BLOCK) * GROUP_BLOCK
-
-    def maxima_at(width):  # whether the scores kernel writes the first level at this width
-        return kernel_maxima and scores_impl == "mgpu" and group == GROUP and k <= blocks_of(width) // GROUP
-
     def chunk_at_width(width, qc, wc, pc, qsc):
         """Top-k of one chunk over the first `width` keys (its queries see no further)."""
         keys_w = keys[:, :width]
         k_scale_w = k_scale[:, :width] if row_k_scale else k_scale
-        visible = visible_entries(pc, rate, width)
         if scores_impl == "mgpu":
             from jax.experimental.pallas import mosaic_gpu as plmgpu
 
             from dsv4.pallas.indexer_mgpu import index_scores_mgpu
 
-            mgpu = functools.partial(index_scores_mgpu, qc, keys_w, wc, pc, rate=rate, softmax_scale=softmax_scale,
-                                     q_scale=qsc, k_scale=k_scale_w, config=mgpu_config,
-                                     interpret=plmgpu.InterpretGPUParams() if interpret else None)  # fmt: skip
-            if maxima_at(width):
-                scores, maxima = mgpu(group_maxima=True)
-                select = functools.partial(top_k_from_maxima, maxima=maxima, group=group, refine=refine)
-                return topk_of_scores(scores, visible, k, lambda x, kk: select(x, k=kk))
-            scores = mgpu()
+            scores = index_scores_mgpu(qc, keys_w, wc, pc, rate=rate, softmax_scale=softmax_scale, q_scale=qsc,
+                                       k_scale=k_scale_w, config=mgpu_config,
+                                       interpret=plmgpu.InterpretGPUParams() if interpret else None)  # fmt: skip
         else:
             scores = index_scores(qc, keys_w, wc, pc, rate=rate, softmax_scale=softmax_scale, q_scale=qsc,
                                   k_scale=k_scale_w, blocks=blocks, interpret=interpret)  # fmt: skip
         select = functools.partial(top_k, group=group, refine=refine)
-        return topk_of_scores(scores, visible, k, lambda x, kk: select(x, kk))
+        return topk_of_scores(scores, visible_entries(pc, rate, width), k, lambda x, kk: select(x, kk))
 
     def band_of(pos):  # the narrowest width that holds every entry these queries see
         return jnp.sum(jnp.asarray(widths, jnp.int32) < jnp.max(visible_entries(pos, rate, c)))
 
     def all_chunks(width=None):
         """Every query, `chunk` at a time, over the first `width` keys; None: each chunk in its own band."""
-        slab_width = blocks_of(width or c) if maxima_at(width or c) else width or c
-        chunk = min(query_chunk or default_query_chunk(slab_width, b), s)
+        chunk = min(query_chunk or default_query_chunk(width or c, b), s)
         n_chunks = -(-s // chunk)
         # as many steps, evenly filled (less padding in the last), in whole 16-query tiles of the scores kernels
         chunk = min((-(-s // n_chunks) + 15) // 16 * 16, chunk)

@@ -4,8 +4,7 @@ Design notes: docs/kernels/indexer.md.
 
 - input checks and scale folding (every scale of a whole (token, head) row folds into the head weight: ReLU
   commutes with a positive factor);
-- causal visibility (entry c visible to position p iff c < (p + 1) // rate) and the top-k of masked scores;
-- the interleaved key order in which the Mosaic scores kernel also writes the top-k's first-level group maxima.
+- causal visibility (entry c visible to position p iff c < (p + 1) // rate) and the top-k of masked scores.
 The queries-per-step rule of the two-pass indexer lives in `indexer_slab.py` (no jax: the memory plan uses it).
 """
 
@@ -68,29 +67,6 @@ def check_index_inputs(q, keys, weights, positions, *, rate, k, q_scale, k_scale
 def visible_entries(positions, rate: int, num_entries: int):
     """→ int32 visible-entry count per query: min(max((p + 1) // rate, 0), C)."""
     return jnp.clip((positions + 1) // rate, 0, num_entries)
-
-
-# The interleaved order (`index_scores_mgpu(group_maxima=True)`): each block of GROUP_TILE · GROUP keys is stored as
-# GROUP slices of GROUP_TILE keys, slice m holding keys m, m + GROUP, m + 2 · GROUP, ... of the block. A kernel tile
-# of GROUP_TILE keys is one slice, so the maximum of GROUP consecutive tiles, taken elementwise, is the maximum of
-# GROUP consecutive keys: the top-k's first-level group maxima, with no reduction across lanes.
-GROUP = 4
-GROUP_TILE = 64
-GROUP_BLOCK = GROUP * GROUP_TILE
-
-
-def interleave_keys(x):
-    """[B, C, ...] (C a multiple of GROUP_BLOCK) → the same rows in the interleaved order: within each block,
-    position GROUP_TILE · m + l holds key GROUP · l + m."""
-    b, c, *rest = x.shape
-    x = x.reshape(b, c // GROUP_BLOCK, GROUP_TILE, GROUP, *rest)
-    return jnp.swapaxes(x, 2, 3).reshape(b, c, *rest)
-
-
-def interleaved_position(index):
-    """Where key `index` sits in the interleaved order (`interleave_keys`); works on ints and int arrays."""
-    block, within = index // GROUP_BLOCK, index % GROUP_BLOCK
-    return block * GROUP_BLOCK + (within % GROUP) * GROUP_TILE + within // GROUP
 
 
 def fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout):

@@ -27,10 +27,6 @@ Design:
   masked, and written as one row of a [tokens / consumers, 64] float32 staging tile, which a TMA stores. That
   epilogue costs more than an e4m3 wgmma: the consumers' wgmmas and epilogues interleave on the SM.
 - The consumers release a slot (one arrival each) after their last wgmma on it; the producer refills it.
-- `group_maxima=True` also writes the grouped top-k's first level (each 4 consecutive keys' maximum): the keys come
-  interleaved (`indexer_common.interleave_keys`), so a group's members are one row of 4 consecutive tiles and their
-  maximum an elementwise one, carried through a block's 4 tiles and stored once a block (docs/kernels/indexer.md,
-  "Group maxima in the scores kernel").
 
 Restrictions: Hi = 64 (the wgmma N); q and keys both float8_e4m3fn or both bfloat16; Di · itemsize a multiple of
 128 bytes (whole swizzled SMEM rows) and Di <= 256 (tuned at 128, V4's index_head_dim). A bf16 CTA's q rows take
@@ -49,22 +45,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsv4.pallas._device import is_hopper
-from dsv4.pallas.indexer_common import (
-    FP8,
-    GROUP,
-    GROUP_BLOCK,
-    GROUP_TILE,
-    check_index_inputs,
-    fold_scales,
-    interleave_keys,
-    visible_entries,
-)
+from dsv4.pallas.indexer_common import FP8, check_index_inputs, fold_scales, visible_entries
 
 __all__ = ["MgpuScoreConfig", "default_config", "index_scores_mgpu", "is_hopper"]
 
 F32 = jnp.float32
 KEYS_PER_TILE = 64  # M of the wgmma
-assert KEYS_PER_TILE == GROUP_TILE  # a tile is one slice of the interleaved order
 HEADS = 64  # N of the wgmma (V4's index_n_heads)
 _SMEM_LIMIT = 227 * 1024
 _GRID_DIM_MAX = 65535
@@ -122,11 +108,11 @@ class MgpuScoreConfig:
         if set(self.debug) - {"no_mma"}:
             raise ValueError(f"MgpuScoreConfig.debug={self.debug}: unknown flags")
 
-    def smem_bytes(self, index_dim: int, itemsize: int = 1, group_maxima: bool = False) -> int:
+    def smem_bytes(self, index_dim: int, itemsize: int = 1) -> int:
         q = self.tokens * HEADS * index_dim * itemsize
         keys = self.num_slots * KEYS_PER_TILE * (index_dim * itemsize + 4)
         weights = self.tokens * HEADS * 4
-        staging = (3 if group_maxima else 2) * self.tokens * KEYS_PER_TILE * 4
+        staging = 2 * self.tokens * KEYS_PER_TILE * 4
         return q + keys + weights + staging
 
 
@@ -136,14 +122,9 @@ def default_config(dtype) -> MgpuScoreConfig:
     return MgpuScoreConfig() if jnp.dtype(dtype).itemsize == 1 else MgpuScoreConfig(tokens=8)
 
 
-def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, group_maxima: bool = False,
-                 interpret=None):  # fmt: skip
+def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, interpret=None):
     """q [B, S, 64, Di] e4m3 or bf16 (S a multiple of config.tokens); keys [B, C, Di] as q (C a multiple of 64);
-    k_scale [B, C] f32; weights [B, S, 64] f32 (folded); n_vis [B, S] int32. → f32 [B, S, C].
-
-    group_maxima: keys (and k_scale) come in the interleaved order of `indexer_common.interleave_keys` (C and the
-    span multiples of GROUP_BLOCK), the scores go out in that order, and a second output f32 [B, S, C / GROUP] holds
-    each group's maximum (keys GROUP · g .. GROUP · g + GROUP - 1): the elementwise maximum of a block's GROUP tiles."""
+    k_scale [B, C] f32; weights [B, S, 64] f32 (folded); n_vis [B, S] int32. → f32 [B, S, C]."""
     b, s, h, d = q.shape
     c = keys.shape[1]
     t, span, slots, g = config.tokens, config.span, config.num_slots, config.queries_per_mma
@@ -154,13 +135,9 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, g
     n_spans = pl.cdiv(c, span)
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # [64] per key (accumulator rows)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # [64] per head (accumulator columns)
-    tiles_per_group = GROUP if group_maxima else 1  # tiles loaded or skipped together
 
-    def body(q_ref, k_ref, ks_ref, w_ref, nvis_ref, *refs):
-        if group_maxima:
-            o_ref, max_ref, q_smem, k_smem, ks_smem, w_smem, o_smem, max_smem, q_bar, k_bar, ks_bar, consumed = refs
-        else:
-            o_ref, q_smem, k_smem, ks_smem, w_smem, o_smem, q_bar, k_bar, ks_bar, consumed = refs
+    def body(q_ref, k_ref, ks_ref, w_ref, nvis_ref, o_ref, q_smem, k_smem, ks_smem, w_smem, o_smem, q_bar, k_bar,
+             ks_bar, consumed):  # fmt: skip
         ti, ci, bi = lax.axis_index("t"), lax.axis_index("c"), lax.axis_index("b")
         wg = lax.axis_index("wg")
         t0 = ti * t
@@ -169,13 +146,7 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, g
         most = nvis_ref[bi, t0]
         for j in range(1, t):
             most = jnp.maximum(most, nvis_ref[bi, t0 + j])
-        # tiles holding an entry some query of the CTA sees (whole groups of tiles in the interleaved order)
-        group_keys = KEYS_PER_TILE * tiles_per_group
-        n_live = jnp.clip(lax.div(most - c_begin + (group_keys - 1), group_keys), 0, n_tiles // tiles_per_group)
-        n_live = n_live * tiles_per_group
-
-        def neg_inf_row():
-            return plgpu.layout_cast(jnp.full((KEYS_PER_TILE,), -jnp.inf, F32), row_layout)
+        n_live = jnp.clip(lax.div(most - c_begin + (KEYS_PER_TILE - 1), KEYS_PER_TILE), 0, n_tiles)
 
         def consumer(w):
             first = t0 + w * per
@@ -185,94 +156,45 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, g
             plgpu.barrier_wait(q_bar.at[n_cons + w])
             vis = [nvis_ref[bi, first + j] for j in range(per)]
 
-            def buf_of(i):
-                return o_smem.at[w, lax.rem(i, 2)]
-
-            def live_rows(i, key):
-                """Tile i's score rows of this consumer's queries (masked), staged in its buf as they come; releases
-                the tile's slot. → the rows."""
-                slot = lax.rem(i, jnp.int32(slots))
-                plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.barrier_wait(ks_bar.at[slot])
-                kscale = plgpu.load(ks_smem.at[slot], layout=row_layout)
-                rows = []
-                for j0 in range(0, per, g):
-                    def qk(acc_ref, j0=j0):
-                        q_rows = q_smem.at[w, pl.ds(j0 * HEADS, g * HEADS)]  # [64 g, Di]
-                        plgpu.wgmma(acc_ref, k_smem.at[slot], q_rows.transpose((1, 0)))
-                        return acc_ref[...]
-
-                    if no_mma:
-                        acc_g = lax.broadcast_in_dim(kscale, (KEYS_PER_TILE, g * HEADS), [0])
-                    else:
-                        acc_g = pl.run_scoped(qk, plgpu.ACC((KEYS_PER_TILE, g * HEADS), F32))  # [64 keys, 64 g]
-                    for j in range(j0, j0 + g):
-                        acc = acc_g if g == 1 else acc_g[:, (j - j0) * HEADS : (j - j0 + 1) * HEADS]
-                        wj = plgpu.load(w_smem.at[w, j], layout=col_layout)
-                        weighted = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(wj, acc.shape, [1])
-                        score = weighted.sum(axis=1) * kscale
-                        score = jnp.where(score == 0.0, 0.0, score)  # -0.0 → +0.0
-                        rows.append(jnp.where(key < vis[j], score, -jnp.inf))
-                        buf_of(i)[j] = rows[-1]
-                plgpu.barrier_arrive(consumed.at[slot])
-                return rows
-
-            def store_tile(i):
-                plgpu.commit_smem()
+            @pl.loop(0, n_tiles)
+            def _(i):
                 c0 = c_begin + i * KEYS_PER_TILE
-                plgpu.copy_smem_to_gmem(buf_of(i), o_ref.at[bi, pl.ds(first, per), pl.ds(c0, KEYS_PER_TILE)])
+                buf = o_smem.at[w, lax.rem(i, 2)]
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from two tiles ago has read buf
+                key = plgpu.broadcasted_iota(jnp.int32, (KEYS_PER_TILE,), 0, layout=row_layout) + c0
 
-            def dead_tile(i):
-                for j in range(per):
-                    buf_of(i)[j] = neg_inf_row()
-                store_tile(i)
+                @pl.when(i < n_live)
+                def _():
+                    slot = lax.rem(i, jnp.int32(slots))
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.barrier_wait(ks_bar.at[slot])
+                    kscale = plgpu.load(ks_smem.at[slot], layout=row_layout)
+                    for j0 in range(0, per, g):
+                        def qk(acc_ref, j0=j0):
+                            q_rows = q_smem.at[w, pl.ds(j0 * HEADS, g * HEADS)]  # [64 g, Di]
+                            plgpu.wgmma(acc_ref, k_smem.at[slot], q_rows.transpose((1, 0)))
+                            return acc_ref[...]
 
-            key_iota = plgpu.broadcasted_iota(jnp.int32, (KEYS_PER_TILE,), 0, layout=row_layout)
-            if not group_maxima:
-                @pl.loop(0, n_tiles)
-                def _(i):
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from two tiles ago has read its buf
+                        if no_mma:
+                            acc_g = lax.broadcast_in_dim(kscale, (KEYS_PER_TILE, g * HEADS), [0])
+                        else:
+                            acc_g = pl.run_scoped(qk, plgpu.ACC((KEYS_PER_TILE, g * HEADS), F32))  # [64 keys, 64 g]
+                        for j in range(j0, j0 + g):
+                            acc = acc_g if g == 1 else acc_g[:, (j - j0) * HEADS : (j - j0 + 1) * HEADS]
+                            wj = plgpu.load(w_smem.at[w, j], layout=col_layout)
+                            weighted = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(wj, acc.shape, [1])
+                            score = weighted.sum(axis=1) * kscale
+                            score = jnp.where(score == 0.0, 0.0, score)  # -0.0 → +0.0
+                            buf[j] = jnp.where(key < vis[j], score, -jnp.inf)
+                    plgpu.barrier_arrive(consumed.at[slot])
 
-                    @pl.when(i < n_live)
-                    def _():
-                        live_rows(i, key_iota + c_begin + i * KEYS_PER_TILE)
-                        store_tile(i)
-
-                    @pl.when(i >= n_live)
-                    def _():
-                        dead_tile(i)
-            else:
-                def store_maxima(gi, maxima):
-                    """A group of tiles' maxima (every store but the last tile's is done reading max_smem)."""
+                @pl.when(i >= n_live)
+                def _():
                     for j in range(per):
-                        max_smem[w, j] = maxima[j]
-                    plgpu.commit_smem()
-                    col = (c_begin + gi * GROUP_BLOCK) // GROUP
-                    plgpu.copy_smem_to_gmem(max_smem.at[w], max_ref.at[bi, pl.ds(first, per), pl.ds(col, GROUP_TILE)])
+                        buf[j] = plgpu.layout_cast(jnp.full((KEYS_PER_TILE,), -jnp.inf, F32), row_layout)
 
-                @pl.loop(0, n_tiles // GROUP)
-                def _(gi):
-                    @pl.when(gi * GROUP < n_live)
-                    def _():
-                        def tile(m, maxima):
-                            i = gi * GROUP + m
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                            # slice m of the block: keys block_start + GROUP · l + m
-                            rows = live_rows(i, key_iota * GROUP + (c_begin + gi * GROUP_BLOCK + m))
-                            store_tile(i)
-                            return tuple(jnp.maximum(a, r) for a, r in zip(maxima, rows))
-
-                        maxima = lax.fori_loop(0, GROUP, tile, tuple(neg_inf_row() for _ in range(per)))
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        store_maxima(gi, maxima)
-
-                    @pl.when(gi * GROUP >= n_live)
-                    def _():
-                        for m in range(GROUP):
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                            dead_tile(gi * GROUP + m)
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        store_maxima(gi, [neg_inf_row()] * per)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(buf, o_ref.at[bi, pl.ds(first, per), pl.ds(c0, KEYS_PER_TILE)])
 
             plgpu.wait_smem_to_gmem(0)
 
@@ -313,7 +235,6 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, g
         plgpu.SMEM((slots, KEYS_PER_TILE), F32),  # key scales ring
         plgpu.SMEM((n_cons, per, h), F32),  # folded head weights
         plgpu.SMEM((n_cons, 2, per, KEYS_PER_TILE), F32),  # output staging, double-buffered per consumer
-        *([plgpu.SMEM((n_cons, per, GROUP_TILE), F32)] if group_maxima else []),  # group maxima staging
         plgpu.Barrier(num_barriers=2 * n_cons),  # q, weights per consumer
         plgpu.Barrier(num_barriers=slots),  # keys full
         plgpu.Barrier(num_barriers=slots),  # key scales full
@@ -321,8 +242,7 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, g
     ]
     return plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((b, s, c), F32), jax.ShapeDtypeStruct((b, s, c // GROUP), F32))
-        if group_maxima else jax.ShapeDtypeStruct((b, s, c), F32),
+        out_type=jax.ShapeDtypeStruct((b, s, c), F32),
         scratch_types=scratch,
         grid=(s // t, n_spans, b),
         grid_names=("t", "c", "b"),
@@ -333,7 +253,7 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, g
     )(q, keys, k_scale, weights, n_vis)
 
 
-@functools.partial(jax.jit, static_argnames=("rate", "softmax_scale", "config", "group_maxima", "interpret"))
+@functools.partial(jax.jit, static_argnames=("rate", "softmax_scale", "config", "interpret"))
 def index_scores_mgpu(
     q: jax.Array,
     keys: jax.Array,
@@ -345,20 +265,14 @@ def index_scores_mgpu(
     q_scale: jax.Array | None = None,
     k_scale: jax.Array | None = None,
     config: MgpuScoreConfig | None = None,
-    group_maxima: bool = False,
     interpret=None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+) -> jax.Array:
     """`dsv4.pallas.indexer.index_scores` for e4m3 q [B, S, 64, Di] and keys [B, C, Di] (with their scales), or bf16
     ones, on a Hopper GPU. → float32 [B, S, C]: -inf where entry c is not visible (c >= (p + 1) // rate), -0.0 as
     +0.0.
 
-    group_maxima: also the top-k's first level (`dsv4.topk`): → (scores [B, S, Cg] in the interleaved order of
-    `indexer_common.interleave_keys`, maxima [B, S, Cg / GROUP], maxima[..., g] the largest of entries GROUP · g ..
-    GROUP · g + GROUP - 1), Cg = C rounded up to GROUP_BLOCK (the added entries are invisible: -inf). The kernel takes
-    the keys in that order, so a group's entries are GROUP consecutive tiles' same row and their maximum an
-    elementwise one; the XLA pass that reduces the whole [S, C] slab to group maxima goes away.
-    config: None for `default_config(q.dtype)` (with group_maxima its span must be a multiple of GROUP_BLOCK).
-    interpret: passed to plgpu.kernel (an InterpretGPUParams for the CPU interpreter).
+    config: None for `default_config(q.dtype)`. interpret: passed to plgpu.kernel (an InterpretGPUParams for the CPU
+    interpreter).
     """
     q_layout, k_layout = check_index_inputs(q, keys, weights, positions, rate=rate, k=1, q_scale=q_scale,
                                        k_scale=k_scale)  # fmt: skip
@@ -372,20 +286,16 @@ def index_scores_mgpu(
         raise ValueError(f"q.shape={q.shape}: index_scores_mgpu needs Hi = {HEADS} and Di <= 256 a multiple of "
                          f"{128 // itemsize} for {q.dtype}")  # fmt: skip
     config = config or default_config(q.dtype)
-    if config.smem_bytes(d, itemsize, group_maxima) > _SMEM_LIMIT:
-        raise ValueError(f"{config} needs {config.smem_bytes(d, itemsize, group_maxima)} B of shared memory at Di={d} "
-                         f"in {q.dtype}; limit {_SMEM_LIMIT}")  # fmt: skip
-    if group_maxima and config.span % GROUP_BLOCK:
-        raise ValueError(f"group_maxima needs MgpuScoreConfig.span a multiple of {GROUP_BLOCK}, got {config.span}")
+    if config.smem_bytes(d, itemsize) > _SMEM_LIMIT:
+        raise ValueError(f"{config} needs {config.smem_bytes(d, itemsize)} B of shared memory at Di={d} in "
+                         f"{q.dtype}; limit {_SMEM_LIMIT}")  # fmt: skip
     weights, k_scale = fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout)
     weights = jnp.broadcast_to(weights, (b, s, h)).astype(F32)
     k_scale = jnp.ones((b, c), F32) if k_scale is None else jnp.broadcast_to(k_scale, (b, c)).astype(F32)
     n_vis = visible_entries(positions, rate, c).astype(jnp.int32)
-    # Pad queries to whole CTAs (padding sees nothing) and keys to whole tiles (never visible: n_vis <= C), or to
-    # whole interleaved blocks.
+    # Pad queries to whole CTAs (padding sees nothing) and keys to whole tiles (never visible: n_vis <= C).
     s_pad = -(-s // config.tokens) * config.tokens
-    key_block = GROUP_BLOCK if group_maxima else KEYS_PER_TILE
-    c_pad = -(-c // key_block) * key_block
+    c_pad = -(-c // KEYS_PER_TILE) * KEYS_PER_TILE
     if s_pad // config.tokens > _GRID_DIM_MAX:
         raise ValueError(f"{s} queries need {s_pad // config.tokens} CTAs along the grid's first axis (at most "
                          f"{_GRID_DIM_MAX}); pass fewer queries per call")  # fmt: skip
@@ -396,10 +306,6 @@ def index_scores_mgpu(
     if c_pad != c:
         keys = jnp.pad(keys, ((0, 0), (0, c_pad - c), (0, 0)))
         k_scale = jnp.pad(k_scale, ((0, 0), (0, c_pad - c)))
-    if group_maxima:
-        scores, maxima = _scores_call(q, interleave_keys(keys), interleave_keys(k_scale), weights, n_vis,
-                                      config=config, group_maxima=True, interpret=interpret)  # fmt: skip
-        return (scores, maxima) if s_pad == s else (scores[:, :s], maxima[:, :s])
     out = _scores_call(q, keys, k_scale, weights, n_vis, config=config, interpret=interpret)
     # NOTE: when C or S is not a whole number of tiles this slice copies the slab once more. Writing [B, S, C]
     # directly needs TMA stores clipped at C.

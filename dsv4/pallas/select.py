@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dsv4.pallas.indexer_common import GROUP, GROUP_BLOCK, interleaved_position, next_power_of_2
+from dsv4.pallas.indexer_common import next_power_of_2
 
 __all__ = ["SelectBlocks", "refine_for", "refine_top_k", "refine_top_k_kernel", "refine_top_k_reference"]
 
@@ -70,11 +70,9 @@ def order_key(values: jax.Array) -> jax.Array:
     return bits ^ (lax.shift_right_arithmetic(bits, 31) & 0x7FFFFFFF)
 
 
-def refine_top_k_kernel(x_ref, groups_ref, values_ref, indices_ref, *, n_rows: int, group: int,
-                        interleaved: bool = False):  # fmt: skip
+def refine_top_k_kernel(x_ref, groups_ref, values_ref, indices_ref, *, n_rows: int, group: int):
     """x_ref [block_rows, N] float; groups_ref [block_rows, k] int32; values_ref / indices_ref [block_rows, width]
-    (width = k · group padded to a power of two: the k chosen first, the other candidates after them).
-    interleaved: x holds the row in `indexer_common.interleave_keys` order (element i at `interleaved_position(i)`)."""
+    (width = k · group padded to a power of two: the k chosen first, the other candidates after them)."""
     block_rows, n = x_ref.shape
     k = groups_ref.shape[1]
     width = next_power_of_2(k * group)
@@ -87,8 +85,7 @@ def refine_top_k_kernel(x_ref, groups_ref, values_ref, indices_ref, *, n_rows: i
                         mask=row_ok[:, None] & real[None, :], other=0)  # fmt: skip  # [R, width]
     index = jnp.where(real[None, :], chosen * group + (slot % group)[None, :], n + slot[None, :])  # [R, width]
     inside = row_ok[:, None] & (index < n)
-    where = interleaved_position(index) if interleaved else index
-    values = plgpu.load(x_ref.at[local, jnp.minimum(where, n - 1)], mask=inside, other=NEG_INF)
+    values = plgpu.load(x_ref.at[local, jnp.minimum(index, n - 1)], mask=inside, other=NEG_INF)
     key = jnp.where(inside, order_key(values.astype(jnp.float32)), INT32_MIN)  # padding below every real value
 
     def count(pred):  # [R, width] bool → [R] int32
@@ -121,14 +118,13 @@ def refine_top_k_kernel(x_ref, groups_ref, values_ref, indices_ref, *, n_rows: i
     plgpu.store(indices_ref.at[local, out], index, mask=row_ok[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("group", "ordered", "interleaved", "blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("group", "ordered", "blocks", "interpret"))
 def refine_top_k(
     x: jax.Array,
     groups: jax.Array,
     *,
     group: int,
     ordered: bool = True,
-    interleaved: bool = False,
     blocks: SelectBlocks = SelectBlocks(),
     interpret: bool = False,
     out_init: tuple[jax.Array, jax.Array] | None = None,
@@ -137,9 +133,7 @@ def refine_top_k(
 
     x [..., N] float; groups [..., k] int32, distinct group ids in [0, ceil(N / group)), any order. → (values
     [..., k], indices int32 [..., k]): the k best by (value descending, index ascending); ordered: best first,
-    else in the order of `groups`. interleaved: x holds each row in the interleaved order of the Mosaic scores
-    kernel's group maxima (`indexer_common.interleave_keys`: N a multiple of GROUP_BLOCK, group = GROUP); indices
-    are still the elements' own. interpret: the Pallas interpreter (CPU). out_init: testing hook, the kernel's
+    else in the order of `groups`. interpret: the Pallas interpreter (CPU). out_init: testing hook, the kernel's
     output buffers start as these (aliased), so unwritten elements keep them."""
     if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"refine_top_k needs a float x [..., N], got {x.dtype}{list(x.shape)}")
@@ -152,9 +146,6 @@ def refine_top_k(
     k = groups.shape[-1]
     if not 1 <= k <= -(-n // group):
         raise ValueError(f"k={k} chosen groups must be in [1, ceil(N / group) = {-(-n // group)}]")
-    if interleaved and (group != GROUP or n % GROUP_BLOCK):
-        raise ValueError(f"interleaved rows need group={GROUP} and N a multiple of {GROUP_BLOCK}, got group={group}, "
-                         f"N={n}")  # fmt: skip
     rows = math.prod(lead)
     if ordered:
         groups = jnp.sort(groups, axis=-1)  # candidate order = index order (see the module docstring)
@@ -169,7 +160,7 @@ def refine_top_k(
         inits = tuple(jnp.pad(a.reshape(rows, k), ((0, 0), (0, width - k)), mode="edge") for a in out_init)
 
     def kernel(x_ref, g_ref, *refs):  # aliased init buffers (never read) come before the outputs
-        refine_top_k_kernel(x_ref, g_ref, *refs[len(inits):], n_rows=rows, group=group, interleaved=interleaved)
+        refine_top_k_kernel(x_ref, g_ref, *refs[len(inits):], n_rows=rows, group=group)
 
     values, indices = pl.pallas_call(
         kernel,
@@ -189,20 +180,18 @@ def refine_top_k(
     return values, indices
 
 
-def refine_top_k_reference(x: jax.Array, groups: jax.Array, *, group: int,
-                           interleaved: bool = False) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+def refine_top_k_reference(x: jax.Array, groups: jax.Array, *, group: int) -> tuple[jax.Array, jax.Array]:
     """The same in plain jnp: gather the candidates (-inf past N), sort by (value descending, index ascending)."""
     n, k = x.shape[-1], groups.shape[-1]
     index = (groups[..., :, None] * group + jnp.arange(group)).reshape(*groups.shape[:-1], k * group)
-    where = interleaved_position(index) if interleaved else index
-    values = jnp.where(index < n, jnp.take_along_axis(x, jnp.minimum(where, n - 1), axis=-1), NEG_INF)
+    values = jnp.where(index < n, jnp.take_along_axis(x, jnp.minimum(index, n - 1), axis=-1), NEG_INF)
     neg, index = lax.sort((-values, index), dimension=-1, num_keys=2)
     return -neg[..., :k], index[..., :k].astype(jnp.int32)
 
 
-def _refine_interpreted(x, groups, *, group, ordered, interleaved=False):
+def _refine_interpreted(x, groups, *, group, ordered):
     """`refine_top_k` in the Pallas interpreter, one stable callable (`top_k` takes `refine` as a static argument)."""
-    return refine_top_k(x, groups, group=group, ordered=ordered, interleaved=interleaved, interpret=True)
+    return refine_top_k(x, groups, group=group, ordered=ordered, interpret=True)
 
 
 def refine_for(selection: str, interpret: bool):
