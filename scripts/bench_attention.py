@@ -33,9 +33,9 @@ one-token  one-token chunks (a decode step over a dense cache), the Triton kerne
            (as a model step calls its layers), divided by 8: µs per call, Mosaic's speed-up over Triton, and the
            max abs difference between the two outputs.
 csa      CSA layers (rate 4: C = S / 4 entries, 512 listed per token): the Mosaic kernel's CSA mode (each listed
-         row gathered by its own TMA, or by the producer's own loads, ``v4_attention_mgpu(topk_indices=...)``, the
-         mgpu-persistent configuration, once per ``--csa-gathers`` form and ``--csa-gather-batches`` value: row
-         indices the producer loads together) against the Triton kernel. Correctness first (S = 301, 1000 against
+         row gathered by its own TMA, ``v4_attention_mgpu(topk_indices=...)``, the mgpu-persistent configuration,
+         once per ``--csa-barriers`` setting and ``--csa-gather-batches`` value: row indices the producer loads
+         together) against the Triton kernel. Correctness first (S = 301, 1000 against
          the jnp reference; PASS < 3e-2), then timings at --seqs.
          Lists: token p takes min(512, n) of its n = (p + 1) // 4 visible entries, evenly spread and rotated by a
          random offset per token (distinct; neighbours share few rows, so L2 helps less than with an indexer's
@@ -332,12 +332,11 @@ def csa_flops(seq):
 def csa(args):
     batches = [int(x) for x in args.csa_gather_batches.split(",")]
     configs = {}
-    for form in filter(None, args.csa_gathers.split(",")):
-        gather, _, flag = form.partition(":")  # "registers:nobar": without Pallas' automatic SMEM-store barriers
-        name = ("" if gather == "tma" else "reg-") + ("nobar-" if flag == "nobar" else "")
+    for barriers in filter(None, args.csa_barriers.split(",")):  # "off": without Pallas' automatic SMEM barriers
+        name = "" if barriers == "on" else "nobar-"
         for nb in batches:
             configs[f"mosaic-{name}g{nb}"] = dataclasses.replace(VARIANTS["mgpu-persistent"], gather_batch=nb,
-                                                                 csa_gather=gather, auto_barriers=flag != "nobar")
+                                                                 auto_barriers=barriers == "on")
 
     def mosaic_with(config):
         def mosaic(q, kv, q_pos, sinks, comp, topk):
@@ -457,9 +456,8 @@ def main():
                          "and the Triton kernel's in-kernel dequantization (unless --skip-triton)")  # fmt: skip
     ap.add_argument("--csa-gather-batches", default="1,8,16",
                     help="csa: MgpuConfig.gather_batch values to time (row indices loaded together; 1: one a row)")
-    ap.add_argument("--csa-gathers", default="tma,registers,registers:nobar",
-                    help="csa: MgpuConfig.csa_gather forms to time, each at every gather batch (tma: one TMA a row "
-                         "half; registers: the producer's own loads; ':nobar' adds auto_barriers=False)")  # fmt: skip
+    ap.add_argument("--csa-barriers", default="on", help="csa: comma-separated on,off: Pallas' automatic SMEM-store "
+                    "barriers (MgpuConfig.auto_barriers), each at every gather batch")  # fmt: skip
     ap.add_argument("--only", default="prefill", help="comma-separated subset of prefill,one-token,csa")
     ap.add_argument("--one-token-contexts", default="32768,524288", help="one-token: HCA context lengths (window "
                     "layers: the first only, their work does not depend on the context)")  # fmt: skip

@@ -390,15 +390,14 @@ def test_csa_operands_by_hand():
     assert np.asarray(bits).tolist() == [[[-(2**31), 1]]] and np.asarray(slots).tolist() == [[33]]
 
 
-@pytest.mark.parametrize("gather_batch, csa_gather, auto_barriers", [(1, "tma", True), (16, "tma", True),
-                                                                     (8, "registers", False)])  # fmt: skip
-def test_interpreter_csa_matches_reference(gather_batch, csa_gather, auto_barriers):
-    """CSA (each listed entry's row gathered by its own TMA, or through the producer's registers, into a row-major
-    tile, rewritten tiled in place): 2 persistent CTAs walking 7 tokens, 100 slots (2 gathered 64-row tiles, the
-    second part padding) with -1 anywhere, ids past the entries, a token with nothing listed; then the window tiles.
-    Against the jnp reference; the row indices loaded one at a time, or 8 or 16 together (a batch that put a row in
-    the wrong place fails); the register form with the producer's own barriers (the interpreter does not model
-    races: this checks the values and that the form runs)."""
+@pytest.mark.parametrize("gather_batch, auto_barriers", [(1, True), (16, True), (8, False)])
+def test_interpreter_csa_matches_reference(gather_batch, auto_barriers):
+    """CSA (each listed entry's row gathered by its own TMA into a row-major tile, rewritten tiled in place): 2
+    persistent CTAs walking 7 tokens, 100 slots (2 gathered 64-row tiles, the second part padding) with -1 anywhere,
+    ids past the entries, a token with nothing listed; then the window tiles. Against the jnp reference; the row
+    indices loaded one at a time, or 8 or 16 together (a batch that put a row in the wrong place fails); once with
+    the producer's own barriers (the interpreter does not model races: this checks the values and that the form
+    runs)."""
     from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 
     window, seq, c = 16, 7, 45
@@ -406,7 +405,7 @@ def test_interpreter_csa_matches_reference(gather_batch, csa_gather, auto_barrie
     compressed = jnp.asarray(np.random.default_rng(6).standard_normal((1, c, 128)), jnp.bfloat16)
     topk = csa_lists(7, batch=1, seq=seq, k=100, num_entries=c)
     config = MgpuConfig(variant="ws", block_kv=64, pv_form="interpret", num_ctas=2, gather_batch=gather_batch,
-                        csa_gather=csa_gather, auto_barriers=auto_barriers)  # fmt: skip
+                        auto_barriers=auto_barriers)  # fmt: skip
     with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
         out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
                                 topk_indices=topk, config=config, check_positions=False,
@@ -417,12 +416,11 @@ def test_interpreter_csa_matches_reference(gather_batch, csa_gather, auto_barrie
     np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("csa_gather, auto_barriers", [("tma", True), ("registers", True), ("registers", False),
-                                                        ("tma", False)])  # fmt: skip
-def test_csa_lowers_for_cuda_at_real_shapes(csa_gather, auto_barriers):
-    """CSA at V4 shapes (D = 512, 512 slots, persistent "ws"): the per-row TMAs (or the producer's row loads) into
-    the row-major view and the 8-row regrouping through registers build for an abstract H200 (the check_positions
-    fallback compiles Triton's)."""
+@pytest.mark.parametrize("auto_barriers", [True, False])
+def test_csa_lowers_for_cuda_at_real_shapes(auto_barriers):
+    """CSA at V4 shapes (D = 512, 512 slots, persistent "ws"): the per-row TMAs into the row-major view and the
+    8-row regrouping through registers build for an abstract H200, with and without Pallas' automatic barriers (the
+    check_positions fallback compiles Triton's)."""
     b, s, h, d, c = 1, 1024, 64, 512, 256
     sds = jax.ShapeDtypeStruct
     args = (sds((b, s, h, d), jnp.bfloat16), sds((b, s, d), jnp.bfloat16), sds((b, s), jnp.int32),
@@ -431,7 +429,7 @@ def test_csa_lowers_for_cuda_at_real_shapes(csa_gather, auto_barriers):
     def f(q, kv, q_pos, sinks, compressed, topk):
         return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=128, scale=d**-0.5, compressed=compressed,
                                  topk_indices=topk,
-                                 config=MgpuConfig(csa_gather=csa_gather, auto_barriers=auto_barriers))  # fmt: skip
+                                 config=MgpuConfig(auto_barriers=auto_barriers))
 
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -453,8 +451,6 @@ def test_csa_rejects_what_it_cannot_run():
     for bad in (0, 3):
         with pytest.raises(ValueError, match="gather_batch"):
             MgpuConfig(gather_batch=bad)
-    with pytest.raises(ValueError, match="csa_gather='ldmatrix' must be one of"):
-        MgpuConfig(csa_gather="ldmatrix")
 
 
 @pytest.mark.parametrize(
@@ -534,11 +530,10 @@ def _check_on_gpu(config, hca, seq, fold=False, **shape):
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("num_ctas, gather_batch, csa_gather, auto_barriers", [
-    (0, 8, "tma", True), (5, 8, "tma", True), (0, 1, "tma", True), (0, 64, "tma", True), (0, 8, "registers", True),
-    (5, 16, "registers", True), (0, 8, "registers", False), (5, 16, "tma", False)])  # fmt: skip
+@pytest.mark.parametrize("num_ctas, gather_batch, auto_barriers", [
+    (0, 8, True), (5, 8, True), (0, 1, True), (0, 64, True), (5, 16, False)])  # fmt: skip
 @pytest.mark.parametrize("seq, k", [(301, 512), (37, 100)])
-def test_gpu_csa_matches_reference(num_ctas, gather_batch, csa_gather, auto_barriers, seq, k):
+def test_gpu_csa_matches_reference(num_ctas, gather_batch, auto_barriers, seq, k):
     """CSA on the GPU: V4's 512 slots (or 100: a partial gathered tile) over 2000 entries, -1 anywhere, ids past the
     entries; after a NaN-query run of the same shape. This is the first check of the per-row TMAs (1-row boxes at any
     row start into the untransformed view) and of the in-place regrouping on hardware, which the interpreter cannot
@@ -548,8 +543,7 @@ def test_gpu_csa_matches_reference(num_ctas, gather_batch, csa_gather, auto_barr
     compressed = jnp.asarray(np.random.default_rng(12).standard_normal((1, c, d)), jnp.bfloat16)
     topk = csa_lists(13, batch=1, seq=seq, k=k, num_entries=c)
     kwargs = dict(sliding_window=window, scale=d**-0.5, compressed=compressed, topk_indices=topk,
-                  config=MgpuConfig(num_ctas=num_ctas, gather_batch=gather_batch, csa_gather=csa_gather,
-                                    auto_barriers=auto_barriers))  # fmt: skip
+                  config=MgpuConfig(num_ctas=num_ctas, gather_batch=gather_batch, auto_barriers=auto_barriers))
     jax.block_until_ready(v4_attention_mgpu(jnp.full_like(q, jnp.nan), kv, q_pos, sinks, **kwargs))  # poison
     out = np.asarray(v4_attention_mgpu(q, kv, q_pos, sinks, **kwargs), np.float32)
     ref = v4_attention_reference(q, kv, q_pos, q_pos, sinks, sliding_window=window, scale=d**-0.5,

@@ -93,7 +93,6 @@ _ROW_TILE = 8  # rows of the (8, 64) SMEM tile; TMA row starts in a tiled GMEM v
 _PV_FORMS = ("run_state", "store", "p_smem", "interpret")
 _DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump")
 _SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
-_CSA_GATHERS = ("tma", "registers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +115,7 @@ class MgpuConfig:
                 buffer is one; the exchange's mbarriers (each thread arrives after its own write or read) already
                 order it, and O's staging store comes after the wgmmas that read that buffer have completed and
                 before `commit_smem` (fence and barrier). Dropping them gained nothing here, so True stays. CSA's
-                producer then syncs its regrouping itself (`gather_rows`); with `csa_gather="registers"` that
-                drops two barriers from each of a tile's 128 row stores.
+                producer then syncs its regrouping itself (`gather_rows`).
     """
 
     block_kv: int = 64
@@ -148,10 +146,6 @@ class MgpuConfig:
     # CSA: listed rows whose indices the producer loads together before issuing their TMAs, so their GMEM loads'
     # latencies overlap (1: one at a time). 16 measured fastest of 1, 8, 16 (docs/kernels/attention.md).
     gather_batch: int = 16
-    # CSA: how the producer brings a listed row into the ring's row-major view: "tma" (one 1-row TMA a row half) or
-    # "registers" (the producer warpgroup loads the batch's row halves into registers, 4 bytes a thread each, and
-    # stores them; no TMA issue or transaction count a row). Both then re-lay each 8-row group in place.
-    csa_gather: str = "tma"
 
     def __post_init__(self):
         # NOTE: P·V reduces over block_kv; a bf16 wgmma K must be a multiple of 64 (found by lowering, block_kv=32
@@ -171,8 +165,6 @@ class MgpuConfig:
             raise ValueError("MgpuConfig.debug 'no_exchange' needs variant='ws' (consumed barriers guard both halves)")
         if self.variant not in _VARIANTS:
             raise ValueError(f"MgpuConfig.variant={self.variant!r} must be one of {_VARIANTS}")
-        if self.csa_gather not in _CSA_GATHERS:
-            raise ValueError(f"MgpuConfig.csa_gather={self.csa_gather!r} must be one of {_CSA_GATHERS}")
         if self.gather_batch < 1 or self.block_kv % self.gather_batch:
             raise ValueError(f"MgpuConfig.gather_batch={self.gather_batch} must divide block_kv={self.block_kv}")
         if self.num_ctas < 0:
@@ -357,7 +349,6 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         raise ValueError(f"CSA mode needs compressed entries, variant 'ws' and list slots K a multiple of block_kv "
                          f"{bk}; got variant={config.variant!r}, rows {csa[0].shape}")  # fmt: skip
     n_csa_tiles = 0 if csa is None else csa[0].shape[2] // bk
-    by_tma = config.csa_gather == "tma"
     itemsize = jnp.dtype(dtype).itemsize
     elems_128b = 128 // itemsize  # the ring's minor tile: 128 bytes, swizzled over 128 bytes
     # TMA boxes past the last row are zero-filled on the GPU (and masked anyway); only the 8-row tiling of the GMEM
@@ -441,38 +432,26 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
             `kv_bar` arrivals. NOTE: Hopper's TMA has no row gather (`tile::gather4` is sm_100+) and Pallas takes a
             TMA into a tiled, swizzled ref only on whole 8-row tiles, hence the row-major landing and the pass.
             The rows' indices are loaded `gather_batch` at a time, all before the batch's first TMA, so the loads'
-            latencies overlap. `MgpuConfig.csa_gather` "registers": the producer warpgroup loads the batch's row
-            halves itself (a [1, 256] row half is 4 bytes a thread) and stores them into the row-major view, so no
-            TMA and no `landed_bar` (the stores are its own; Pallas' barrier around each SMEM store orders them
-            before the regrouping's reads)."""
+            latencies overlap."""
             nb = config.gather_batch
 
             @pl.loop(0, bk // nb)
             def _(r0):
                 first = r0 * nb
                 rows = [rows_ref[it.bi, it.tok, step * bk + first + r] for r in range(nb)]
-                if by_tma:
-                    for r, row in enumerate(rows):
-                        for half in range(2):
-                            plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(row, 1), pl.ds(half * dh, dh)],
-                                                    kv_raw.at[slot * 2 + half, pl.ds(first + r, 1)],
-                                                    landed_bar.at[slot * 2 + half])  # fmt: skip
-                    return
-                for half in range(2):  # a half's nb loads all issued before its first store, so they overlap
-                    values = [comp_ref[it.bi, pl.ds(row, 1), pl.ds(half * dh, dh)] for row in rows]
-                    for r, value in enumerate(values):
-                        kv_raw[slot * 2 + half, pl.ds(first + r, 1)] = value
+                for r, row in enumerate(rows):
+                    for half in range(2):
+                        plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(row, 1), pl.ds(half * dh, dh)],
+                                                kv_raw.at[slot * 2 + half, pl.ds(first + r, 1)],
+                                                landed_bar.at[slot * 2 + half])  # fmt: skip
 
             group = plgpu.Layout.SMEM_GMEM_COPY((_ROW_TILE, dh), dtype, elems_128b * itemsize)
             # Without Pallas' automatic barriers (`auto_barriers=False`) the warpgroup syncs itself where threads
-            # read what others wrote: the rows stored by registers before their regrouping, and each group's bytes
-            # read before they are overwritten in place (`commit_smem` is a fence and a warpgroup barrier).
+            # read what others wrote: each group's bytes read before they are overwritten in place (`commit_smem` is
+            # a fence and a warpgroup barrier).
             explicit = not config.auto_barriers
-            if explicit and not by_tma:
-                plgpu.commit_smem()
             for half in range(2):
-                if by_tma:
-                    plgpu.barrier_wait(landed_bar.at[slot * 2 + half])
+                plgpu.barrier_wait(landed_bar.at[slot * 2 + half])
                 for g in range(bk // _ROW_TILE):
                     rows = pl.ds(g * _ROW_TILE, _ROW_TILE)
                     value = plgpu.load(kv_raw.at[slot * 2 + half, rows], layout=group)
@@ -723,7 +702,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         plgpu.SMEM((2, HEADS_PER_CTA, bk), dtype, transforms=tiled(min(bk, elems_128b))) if p_via_smem else None,
         plgpu.SMEM((2, 2, HEADS_PER_CTA, bk), F32) if dump else None,  # debug dump staging
         # CSA by TMA: the row gathers of a ring half landed (one arrival per row's TMA)
-        plgpu.Barrier(num_arrivals=bk, num_barriers=2 * slots) if csa is not None and by_tma else None,
+        plgpu.Barrier(num_arrivals=bk, num_barriers=2 * slots) if csa is not None else None,
         plgpu.SMEM((2, HEADS_PER_CTA), F32) if q_scale is not None else None,  # q's row scales, one copy per consumer
         plgpu.Barrier(num_barriers=2) if q_scale is not None else None,  # q's row scales
     ]
