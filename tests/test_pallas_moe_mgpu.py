@@ -103,6 +103,7 @@ def test_lowers_for_h200(w8a8):
 
     # down with bf16 y: a fourth ring slot still fits an H200's shared memory (227 KiB); a fifth does not, and says so
     assert "mosaic_gpu" in lower_down(num_slots=4)
+    assert "mosaic_gpu" in lower_down(fp8_acc="rescale")  # both wgmmas in place (the interpreter adds instead)
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         lower_down(num_slots=5)
 
@@ -129,7 +130,8 @@ def _skewed_layout(experts, top_k=2):
     return jnp.asarray(ids)
 
 
-@pytest.mark.parametrize("mode, form", [("bf16", "in_place"), ("bf16", "per_step"), ("w8a8", "per_step")])
+@pytest.mark.parametrize("mode, form", [("bf16", "in_place"), ("bf16", "per_step"), ("w8a8", "per_step"),
+                                        ("w8a8", "rescale")])  # fmt: skip
 def test_kernels_interpreted(mode, form):
     experts, hidden, inter = 5, 256, 256  # gate_up: 2 column tiles; down: 1; K steps: 4 (bf16) or 2 (fp8)
     ids = _skewed_layout(experts)
@@ -140,7 +142,7 @@ def test_kernels_interpreted(mode, form):
     down = make_weights(5, (experts, hidden, inter), F32, 0.1)
     # Per padded row tile: the reference over "groups" = the used tiles' rows (contiguous, in expert order)
     sizes = jnp.bincount(jnp.where(tiles >= 0, tiles, experts), length=experts) * TILE_M
-    config = MgpuMoeConfig(acc_form=form, num_slots=2, num_ctas=3)
+    config = MgpuMoeConfig(num_slots=2, num_ctas=3, **({"fp8_acc": form} if form == "rescale" else {"acc_form": form}))
     kw, ref_kw = {}, {}
     if mode == "w8a8":
         (gate_up, gs), (down, ds) = quantize_weights(gate_up), quantize_weights(down)
@@ -171,7 +173,7 @@ def test_kernels_interpreted(mode, form):
     y_want = np.asarray(grouped_down_reference(h_in, down, sizes, out_dtype=F32, **dkw), F32)
     assert not np.isnan(y[rows]).any(), "down left rows of a used tile unwritten"
     np.testing.assert_allclose(y[rows], y_want[rows], atol=1e-4 * np.abs(y_want).max(), rtol=0)
-    if form == "per_step":  # y stored in bf16 (routed_experts' form): the same float32 sums, rounded once
+    if form != "in_place":  # y stored in bf16 (routed_experts' form): the same float32 sums, rounded once
         y_bf16 = np.asarray(jnp.asarray(y[rows]).astype(jnp.bfloat16), F32)
         y16 = grouped_down_mgpu(h_in, down, tiles, config=config, interpret=_interpret(), out_dtype=jnp.bfloat16,
                                 **dkw)  # fmt: skip

@@ -63,6 +63,10 @@ F32 = jnp.float32
 TILE_M = 128  # rows per CTA tile: two consumer warpgroups × 64 (one wgmma M)
 PART_N = 128  # weight rows per part; a CTA tile reads two parts
 _ACC_FORMS = ("in_place", "per_step")
+_FP8_ACCS = ("promote", "rescale")
+# The rescale form's floor on a step's combined scale, so that the ratio of two steps' scales stays finite; a block
+# whose weight scale is 0 holds zero weights, whose product is 0 at any scale.
+_RESCALE_FLOOR = 2.0**-64
 # The FP8 down kernel's ring is 2 slots deep below this many row tiles an expert, 3 above: on an H100, with 256
 # experts at 3.4 tiles each (a 16K-token chunk, top-6) 2 slots ran 1.56x faster than 3; with 32 experts at 27 tiles
 # each, 3 ran 1.05x faster than 2 (docs/kernels/moe.md, "Ring depth"). The threshold lies between them.
@@ -91,6 +95,13 @@ class MgpuMoeConfig:
                "per_step": a fresh accumulator per step, added in registers: the form the fp8 path always uses
                (it scales each step), kept for bf16 as the slower alternative measured (docs/kernels/moe.md).
                Both run in the CPU Mosaic interpreter.
+    fp8_acc:   FP8 only: how each K step's block scales enter the float32 total. "promote" (the default, DeepGEMM's
+               form): each part's wgmma into a fresh accumulator, waited for and added as part · scale into the total,
+               one part after the other. "rescale": the totals are kept in units of the current step's scale s_k
+               (x's row scale times the part's weight block scale), so a step multiplies them by s_(k-1) / s_k in
+               registers and both parts' wgmmas accumulate into them in place, issued back to back; the epilogue
+               multiplies by the last s_k. The same sum, rounded differently (one multiply a step instead of one
+               multiply-add). The CPU interpreter runs its in-place wgmmas as a fresh accumulator plus an add.
     profile_dir: measurement switch, off ("") in use: a folder for Mosaic GPU's trace of each warpgroup's phases,
                one JSON a launch (`*-trace.json`; `scripts/bench_moe.py --mosaic-trace` writes and reads them).
                The consumers record each item's "k_loop" and "epilogue", the producer each item's "loads" (issuing
@@ -101,6 +112,7 @@ class MgpuMoeConfig:
     num_slots: int | None = None
     num_ctas: int | None = None
     acc_form: str = "in_place"
+    fp8_acc: str = "promote"
     profile_dir: str = ""
     profile_ranges: int = 256
 
@@ -111,6 +123,8 @@ class MgpuMoeConfig:
             raise ValueError(f"MgpuMoeConfig.num_ctas={self.num_ctas} must be >= 1")
         if self.acc_form not in _ACC_FORMS:
             raise ValueError(f"MgpuMoeConfig.acc_form={self.acc_form!r} must be one of {_ACC_FORMS}")
+        if self.fp8_acc not in _FP8_ACCS:
+            raise ValueError(f"MgpuMoeConfig.fp8_acc={self.fp8_acc!r} must be one of {_FP8_ACCS}")
         if self.profile_ranges < 1:
             raise ValueError(f"MgpuMoeConfig.profile_ranges={self.profile_ranges} must be >= 1")
 
@@ -219,6 +233,40 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
 
                 return pl.run_scoped(run, plgpu.ACC((half_rows, PART_N), F32))
 
+            def accumulate(slot, tot_a, tot_b):
+                """tot_a + x · partAᵀ, tot_b + x · partBᵀ: both wgmmas in place, issued back to back, then waited."""
+                xt = x_smem.at[slot].at[rows]
+                if interpret is not None:  # the CPU interpreter's wgmma takes a fresh accumulator only
+                    return tot_a + fresh(slot, a_smem), tot_b + fresh(slot, b_smem)
+
+                def run(accs):
+                    acc_a, acc_b = accs
+                    plgpu.wgmma(acc_a, xt, a_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_b, xt, b_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+
+                return pl.run_state(run)((plgpu.ACC.init(tot_a), plgpu.ACC.init(tot_b)))
+
+            def rescaled_totals(step, e, a0, b0):
+                """`MgpuMoeConfig.fp8_acc="rescale"`: the K loop with the totals in units of the step's scale."""
+                def row_bcast(v):
+                    return lax.broadcast_in_dim(v, (half_rows, PART_N), [0])
+
+                def k_body(ks, carry):
+                    tot_a, tot_b, s_a, s_b = carry
+                    slot = wait_step(step + ks)
+                    xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)  # [64] this step's x scales
+                    new_a = jnp.maximum(xs * ws_ref[e, lax.div(a0, QUANT_BLOCK), ks], _RESCALE_FLOOR)
+                    new_b = jnp.maximum(xs * ws_ref[e, lax.div(b0, QUANT_BLOCK), ks], _RESCALE_FLOOR)
+                    tot_a, tot_b = accumulate(slot, tot_a * row_bcast(s_a / new_a), tot_b * row_bcast(s_b / new_b))
+                    plgpu.barrier_arrive(consumed_bar.at[slot])
+                    return tot_a, tot_b, new_a, new_b
+
+                zero = plgpu.layout_cast(jnp.zeros((half_rows, PART_N), F32), wgmma_layout)
+                one = plgpu.layout_cast(jnp.ones((half_rows,), F32), row_layout)
+                tot_a, tot_b, s_a, s_b = lax.fori_loop(0, k_steps, k_body, (zero, zero, one, one))
+                return tot_a * row_bcast(s_a), tot_b * row_bcast(s_b)
+
             def tile_result(step, e, nt):
                 """The K loop of one item → (part A, part B) [64, 128] f32 in registers."""
                 if not per_step:
@@ -233,6 +281,8 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                     return pl.run_scoped(run, plgpu.ACC((half_rows, PART_N), F32),
                                          plgpu.ACC((half_rows, PART_N), F32))  # fmt: skip
                 a0, b0 = part_rows(nt)
+                if fp8 and config.fp8_acc == "rescale":
+                    return rescaled_totals(step, e, a0, b0)
 
                 def k_body(ks, totals):
                     tot_a, tot_b = totals
