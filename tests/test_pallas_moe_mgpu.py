@@ -103,7 +103,7 @@ def test_lowers_for_h200(w8a8):
 
     # down with bf16 y: a fourth ring slot still fits an H200's shared memory (227 KiB); a fifth does not, and says so
     assert "mosaic_gpu" in lower_down(num_slots=4)
-    assert "mosaic_gpu" in lower_down(fp8_acc="rescale")  # both wgmmas in place (the interpreter adds instead)
+    assert "mosaic_gpu" in lower_down(fp8_acc="promote")  # the default rescale form lowers above
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         lower_down(num_slots=5)
 
@@ -111,11 +111,14 @@ def test_lowers_for_h200(w8a8):
 
 def test_default_ring_depth_by_regime():
     """The measured depths (docs/kernels/moe.md, "Ring depth"): a 16K-token chunk, top-6, is 864 row tiles; over 256
-    experts that is 3.4 tiles each (FP8 down: 2 slots), over 32 experts 27 each (3). gate_up: 4 in FP8, 3 in bf16."""
+    experts that is 3.4 tiles each (FP8 down: 2 slots under the promote accumulation, 3 under the default rescale),
+    over 32 experts 27 each (3). gate_up: 4 in FP8, 3 in bf16."""
     few, many = dict(m_tiles=864, experts=256), dict(m_tiles=864, experts=32)
-    assert default_num_slots(gate_up=False, fp8=True, **few) == 2
-    assert default_num_slots(gate_up=False, fp8=True, **many) == 3
-    assert default_num_slots(gate_up=False, fp8=True, m_tiles=8 * 256, experts=256) == 3  # the threshold: 8 each
+    promote = dict(fp8_acc="promote")
+    assert default_num_slots(gate_up=False, fp8=True, **few, **promote) == 2
+    assert default_num_slots(gate_up=False, fp8=True, **many, **promote) == 3
+    assert default_num_slots(gate_up=False, fp8=True, m_tiles=8 * 256, experts=256, **promote) == 3  # threshold: 8
+    assert default_num_slots(gate_up=False, fp8=True, **few) == 3  # the rescale form (the default): 3 at 3.4 each
     assert default_num_slots(gate_up=False, fp8=False, **few) == 3
     assert [default_num_slots(gate_up=True, fp8=fp8, **regime) for fp8 in (True, False) for regime in (few, many)] \
         == [4, 4, 3, 3]
@@ -130,7 +133,7 @@ def _skewed_layout(experts, top_k=2):
     return jnp.asarray(ids)
 
 
-@pytest.mark.parametrize("mode, form", [("bf16", "in_place"), ("bf16", "per_step"), ("w8a8", "per_step"),
+@pytest.mark.parametrize("mode, form", [("bf16", "in_place"), ("bf16", "per_step"), ("w8a8", "promote"),
                                         ("w8a8", "rescale")])  # fmt: skip
 def test_kernels_interpreted(mode, form):
     experts, hidden, inter = 5, 256, 256  # gate_up: 2 column tiles; down: 1; K steps: 4 (bf16) or 2 (fp8)
@@ -142,7 +145,7 @@ def test_kernels_interpreted(mode, form):
     down = make_weights(5, (experts, hidden, inter), F32, 0.1)
     # Per padded row tile: the reference over "groups" = the used tiles' rows (contiguous, in expert order)
     sizes = jnp.bincount(jnp.where(tiles >= 0, tiles, experts), length=experts) * TILE_M
-    config = MgpuMoeConfig(num_slots=2, num_ctas=3, **({"fp8_acc": form} if form == "rescale" else {"acc_form": form}))
+    config = MgpuMoeConfig(num_slots=2, num_ctas=3, **({"fp8_acc": form} if mode == "w8a8" else {"acc_form": form}))
     kw, ref_kw = {}, {}
     if mode == "w8a8":
         (gate_up, gs), (down, ds) = quantize_weights(gate_up), quantize_weights(down)
@@ -284,9 +287,9 @@ def test_gpu_w8a8_four_slots():
 @requires_gpu
 @pytest.mark.parametrize("slots", [None, 3])
 def test_gpu_w8a8_rescale_matches_reference(slots):
-    """The rescale accumulation (both parts' wgmmas in place, the totals rescaled between steps) against the
-    reference, as the default form is held, and close to the default form's result (the same sums, rounded
-    differently); after a run whose x is NaN, so rows it fails to write show."""
+    """The rescale accumulation (the default: both parts' wgmmas in place, the totals rescaled between steps)
+    against the reference, as the routed experts are held, and close to the promote form's result (the same sums,
+    rounded differently); after a run whose x is NaN, so rows it fails to write show."""
     experts, hidden, inter, tokens, top_k = 32, 1024, 512, 700, 6
     ids, weights = make_routing(25, tokens, top_k, experts)
     x = make_weights(25, (tokens, hidden), jnp.bfloat16, 1.0)
@@ -299,13 +302,13 @@ def test_gpu_w8a8_rescale_matches_reference(slots):
 
     rescale = MgpuMoeConfig(fp8_acc="rescale", num_slots=slots)
     run(rescale, jnp.full_like(x, jnp.nan))
-    got, default = run(rescale), run(MgpuMoeConfig())
+    got, promote = run(rescale), run(MgpuMoeConfig(fp8_acc="promote"))
     want = np.asarray(routed_experts_reference(x, ids, weights, gate_up, down, LIMIT, gate_up_scales=gs,
                                                down_scales=ds), F32)  # fmt: skip
     assert not np.isnan(got).any()
     assert np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)) < 1e-2
     assert np.mean(np.abs(got - want) > 2**-5 * np.abs(want).max()) < 1e-3
-    assert np.sqrt(np.mean((got - default) ** 2) / np.mean(default**2)) < 1e-2
+    assert np.sqrt(np.mean((got - promote) ** 2) / np.mean(promote**2)) < 1e-2
 
 
 @pytest.mark.parametrize("dtype, d", [(jnp.float8_e4m3fn, 4096), (jnp.float8_e4m3fn, 132), (jnp.bfloat16, 130),

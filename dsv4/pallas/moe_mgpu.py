@@ -27,9 +27,11 @@ of one wave share x tiles and one expert's weights in L2. Items whose m tile is 
 by both sides (their expert id is -1).
 
 FP8 (W8A8, DeepSeek's format): x fp8 with per-token 128-group scales, weights fp8 with 128 × 128 block scales. bk =
-128 = one scale block: each K step's wgmma goes into a fresh accumulator that is promoted into the f32 total as
-`total += part · x_scale[row] · w_scale[block]` (DeepGEMM's promotion per 128 of K). The step's x scales travel
-with the x tile through the ring (one [128] f32 TMA); the weight scale is one scalar load.
+128 = one scale block with scale s_k = x_scale[row] · w_scale[block]. By default ("rescale") the f32 totals are kept
+in units of s_k: a step multiplies them by s_(k-1) / s_k and both parts' wgmmas accumulate into them in place; the
+epilogue multiplies by the last s_k. ("promote", DeepGEMM's form: each step's wgmma into a fresh accumulator,
+`total += part · s_k`, one part after the other; `MgpuMoeConfig.fp8_acc`.) The step's x scales travel with the x
+tile through the ring (one [128] f32 TMA); the weight scale is one scalar load.
 """
 
 from __future__ import annotations
@@ -67,19 +69,21 @@ _FP8_ACCS = ("promote", "rescale")
 # The rescale form's floor on a step's combined scale, so that the ratio of two steps' scales stays finite; a block
 # whose weight scale is 0 holds zero weights, whose product is 0 at any scale.
 _RESCALE_FLOOR = 2.0**-64
-# The FP8 down kernel's ring is 2 slots deep below this many row tiles an expert, 3 above: on an H100, with 256
-# experts at 3.4 tiles each (a 16K-token chunk, top-6) 2 slots ran 1.56x faster than 3; with 32 experts at 27 tiles
-# each, 3 ran 1.05x faster than 2 (docs/kernels/moe.md, "Ring depth"). The threshold lies between them.
+# The promote form's FP8 down ring is 2 slots deep below this many row tiles an expert, 3 above: on an H100, with
+# 256 experts at 3.4 tiles each (a 16K-token chunk, top-6) 2 slots ran 1.56x faster than 3; with 32 experts at 27
+# tiles each, 3 ran 1.05x faster than 2 (docs/kernels/moe.md, "Ring depth"). The threshold lies between them. The
+# rescale form's down ran faster with 3 slots at 3.4 tiles too (1.19x), so it takes 3.
 FEW_TILES_PER_EXPERT = 8
 
 
-def default_num_slots(*, gate_up: bool, fp8: bool, m_tiles: int, experts: int) -> int:
+def default_num_slots(*, gate_up: bool, fp8: bool, m_tiles: int, experts: int, fp8_acc: str = "rescale") -> int:
     """The ring depth `MgpuMoeConfig(num_slots=None)` takes (docs/kernels/moe.md, "Ring depth"): gate_up 4 in FP8,
     3 in bf16 (1.06-1.13x faster than 4 on an H200 at 8K-64K tokens, 1.63x on an H100 at 16K); down 3, but 2 in FP8
-    when its m_tiles row tiles give each of the experts fewer than `FEW_TILES_PER_EXPERT`."""
+    under the promote accumulation when its m_tiles row tiles give each of the experts fewer than
+    `FEW_TILES_PER_EXPERT`."""
     if gate_up:
         return 4 if fp8 else 3
-    return 2 if fp8 and m_tiles < FEW_TILES_PER_EXPERT * experts else 3
+    return 2 if fp8 and fp8_acc == "promote" and m_tiles < FEW_TILES_PER_EXPERT * experts else 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,20 +92,22 @@ class MgpuMoeConfig:
 
     num_slots: ring stages (each holds x [128, bk] and two weight parts [128, bk]: 48 KiB for bf16 at bk = 64 and
                for fp8 at bk = 128). None: `default_num_slots`, the depths measured fastest: gate_up 4 in FP8, 3 in
-               bf16; down 3 (y staging up to 64 KiB; with bf16 y, 4 fit too, and measured slower), but 2 for an
-               FP8 down whose rows give each expert fewer than `FEW_TILES_PER_EXPERT` row tiles.
+               bf16; down 3 (y staging up to 64 KiB; with bf16 y, 4 fit too, and measured slower), but 2 for a
+               promote-form FP8 down whose rows give each expert fewer than `FEW_TILES_PER_EXPERT` row tiles.
     num_ctas:  persistent CTAs (None: the device's SM count).
     acc_form:  bf16 only. "in_place" (the default): the wgmma accumulates over all K steps in its accumulator;
                "per_step": a fresh accumulator per step, added in registers: the form the fp8 path always uses
                (it scales each step), kept for bf16 as the slower alternative measured (docs/kernels/moe.md).
                Both run in the CPU Mosaic interpreter.
-    fp8_acc:   FP8 only: how each K step's block scales enter the float32 total. "promote" (the default, DeepGEMM's
-               form): each part's wgmma into a fresh accumulator, waited for and added as part · scale into the total,
-               one part after the other. "rescale": the totals are kept in units of the current step's scale s_k
-               (x's row scale times the part's weight block scale), so a step multiplies them by s_(k-1) / s_k in
-               registers and both parts' wgmmas accumulate into them in place, issued back to back; the epilogue
-               multiplies by the last s_k. The same sum, rounded differently (one multiply a step instead of one
-               multiply-add). The CPU interpreter runs its in-place wgmmas as a fresh accumulator plus an add.
+    fp8_acc:   FP8 only: how each K step's block scales enter the float32 total. "rescale" (the default): the
+               totals are kept in units of the current step's scale s_k (x's row scale times the part's weight block
+               scale), so a step multiplies them by s_(k-1) / s_k in registers and both parts' wgmmas accumulate into
+               them in place, issued back to back; the epilogue multiplies by the last s_k. "promote" (DeepGEMM's
+               form): each part's wgmma into a fresh accumulator, waited for and added as part · scale into the
+               total, one part after the other. The same sum, rounded differently (one multiply a step instead of
+               one multiply-add); rescale measured 1.16x the promote form on a 16K-token chunk's experts (H100,
+               docs/kernels/moe.md, "Rescaled accumulation"). The CPU interpreter runs the in-place wgmmas as a
+               fresh accumulator plus an add.
     profile_dir: measurement switch, off ("") in use: a folder for Mosaic GPU's trace of each warpgroup's phases,
                one JSON a launch (`*-trace.json`; `scripts/bench_moe.py --mosaic-trace` writes and reads them).
                The consumers record each item's "k_loop" and "epilogue", the producer each item's "loads" (issuing
@@ -112,7 +118,7 @@ class MgpuMoeConfig:
     num_slots: int | None = None
     num_ctas: int | None = None
     acc_form: str = "in_place"
-    fp8_acc: str = "promote"
+    fp8_acc: str = "rescale"
     profile_dir: str = ""
     profile_ranges: int = 256
 
@@ -186,7 +192,8 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
     m_tiles = mp // TILE_M
     items = m_tiles * n_tiles
     num_ctas = max(1, min(config.num_ctas or sm_count(), items))
-    slots = config.num_slots or default_num_slots(gate_up=gate_up, fp8=fp8, m_tiles=m_tiles, experts=w.shape[0])
+    slots = config.num_slots or default_num_slots(gate_up=gate_up, fp8=fp8, m_tiles=m_tiles, experts=w.shape[0],
+                                                      fp8_acc=config.fp8_acc)  # fmt: skip
     per_step = fp8 or config.acc_form == "per_step"
     store_dtype = FP8 if quantize_out else out_dtype
     out_itemsize = jnp.dtype(store_dtype).itemsize
