@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from dsv4.pallas._device import is_hopper, on_gpu
 from dsv4.pallas.moe import grouped_down
@@ -59,7 +60,10 @@ def linear_w8a8(x: jax.Array, q: jax.Array, scale: jax.Array, *, impl: str = "au
         impl = "mgpu" if gpu and not interpret and is_hopper() and mgpu_fits else "triton"
     if impl == "mgpu" and not mgpu_fits:
         raise ValueError(f"linear_w8a8: impl='mgpu' needs N a multiple of 256, got the weight {list(q.shape)}")
-    rows = x.reshape(-1, k)
+    # NOTE: x materialized first. Otherwise XLA fuses x's producer (the mHC pre-mix over 4 residual copies, 4x x's
+    # bytes) into both the scales' reduce and the quantizing pass and computes it twice: 0.39 + 0.33 ms for a 16K
+    # chunk's [16384, 4096] x (H100 profile, docs/kernels/moe.md "W8A8 dense layers").
+    rows = lax.optimization_barrier(x.reshape(-1, k))
     m = rows.shape[0]
     xq, xs = quantize_per_token_group(rows)
     if impl == "mgpu":
