@@ -184,6 +184,27 @@ def test_kernels_interpreted(mode, form):
         np.testing.assert_array_equal(np.asarray(y16, F32)[rows], y_bf16)
 
 
+def test_rescale_takes_zero_weight_blocks():
+    """A weight block stored as zeros with scale 0 (a checkpoint may hold one): the rescale form floors that step's
+    scale, so its totals pass through the step finite and exact up to rounding; the first K step (part A) and the
+    last (part B) of expert 1's gate_up, against the reference on the same stored values."""
+    experts, hidden, inter = 4, 256, 128
+    ids = _skewed_layout(experts)
+    src, _, tiles = padded_layout(ids.reshape(-1), experts)
+    rows = np.repeat(np.asarray(tiles) >= 0, TILE_M)
+    x, xs = quantize_per_token_group(make_weights(8, (ids.shape[0], hidden), jnp.bfloat16, 1.0)[src // 2])
+    q, scales = quantize_weights(make_weights(9, (experts, 2 * inter, hidden), F32, 0.1))
+    q = q.at[1, :128, :128].set(0).at[1, 128:, 128:].set(0)  # gate rows, K block 0; up rows, K block 1
+    scales = scales.at[1, 0, 0].set(0.0).at[1, 1, 1].set(0.0)
+    sizes = jnp.bincount(jnp.where(tiles >= 0, tiles, experts), length=experts) * TILE_M
+    config = MgpuMoeConfig(fp8_acc="rescale", num_ctas=2)
+    h = np.asarray(grouped_gate_up_mgpu(x, q, tiles, limit=LIMIT, x_scales=xs, gate_up_scales=scales, config=config,
+                                        interpret=_interpret()), F32)[rows]  # fmt: skip
+    want = np.asarray(grouped_gate_up_reference(x, q, sizes, limit=LIMIT, x_scales=xs, gate_up_scales=scales), F32)
+    assert np.isfinite(h).all()
+    np.testing.assert_allclose(h, want[rows], atol=1e-4, rtol=2**-7)
+
+
 @pytest.mark.parametrize("mode, tokens", [("bf16", 50), ("w8a8", 50), ("bf16", 1)])  # 1: a decode step, P < E
 def test_routed_experts_interpreted(mode, tokens):
     experts, hidden, inter, top_k = 6, 256, 128, 3
