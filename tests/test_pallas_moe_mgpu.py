@@ -104,6 +104,7 @@ def test_lowers_for_h200(w8a8):
     # down with bf16 y: a fourth ring slot still fits an H200's shared memory (227 KiB); a fifth does not, and says so
     assert "mosaic_gpu" in lower_down(num_slots=4)
     assert "mosaic_gpu" in lower_down(fp8_acc="promote")  # the default rescale form lowers above
+    assert "mosaic_gpu" in lower_down(scales_ahead=True)
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         lower_down(num_slots=5)
 
@@ -134,7 +135,7 @@ def _skewed_layout(experts, top_k=2):
 
 
 @pytest.mark.parametrize("mode, form", [("bf16", "in_place"), ("bf16", "per_step"), ("w8a8", "promote"),
-                                        ("w8a8", "rescale")])  # fmt: skip
+                                        ("w8a8", "rescale"), ("w8a8", "rescale-ahead")])  # fmt: skip
 def test_kernels_interpreted(mode, form):
     experts, hidden, inter = 5, 256, 256  # gate_up: 2 column tiles; down: 1; K steps: 4 (bf16) or 2 (fp8)
     ids = _skewed_layout(experts)
@@ -145,7 +146,9 @@ def test_kernels_interpreted(mode, form):
     down = make_weights(5, (experts, hidden, inter), F32, 0.1)
     # Per padded row tile: the reference over "groups" = the used tiles' rows (contiguous, in expert order)
     sizes = jnp.bincount(jnp.where(tiles >= 0, tiles, experts), length=experts) * TILE_M
-    config = MgpuMoeConfig(num_slots=2, num_ctas=3, **({"fp8_acc": form} if mode == "w8a8" else {"acc_form": form}))
+    kind = {"fp8_acc": form.removesuffix("-ahead"), "scales_ahead": form.endswith("-ahead")} if mode == "w8a8" else {
+        "acc_form": form}
+    config = MgpuMoeConfig(num_slots=2, num_ctas=3, **kind)
     kw, ref_kw = {}, {}
     if mode == "w8a8":
         (gate_up, gs), (down, ds) = quantize_weights(gate_up), quantize_weights(down)
@@ -306,8 +309,8 @@ def test_gpu_w8a8_four_slots():
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("slots", [None, 3])
-def test_gpu_w8a8_rescale_matches_reference(slots):
+@pytest.mark.parametrize("slots, ahead", [(None, False), (3, False), (None, True)])
+def test_gpu_w8a8_rescale_matches_reference(slots, ahead):
     """The rescale accumulation (the default: both parts' wgmmas in place, the totals rescaled between steps)
     against the reference, as the routed experts are held, and close to the promote form's result (the same sums,
     rounded differently); after a run whose x is NaN, so rows it fails to write show."""
@@ -321,7 +324,7 @@ def test_gpu_w8a8_rescale_matches_reference(slots):
         return np.asarray(routed_experts_mgpu(x, ids, weights, gate_up, down, LIMIT, gate_up_scales=gs,
                                               down_scales=ds, config=config), F32)  # fmt: skip
 
-    rescale = MgpuMoeConfig(fp8_acc="rescale", num_slots=slots)
+    rescale = MgpuMoeConfig(fp8_acc="rescale", num_slots=slots, scales_ahead=ahead)
     run(rescale, jnp.full_like(x, jnp.nan))
     got, promote = run(rescale), run(MgpuMoeConfig(fp8_acc="promote"))
     want = np.asarray(routed_experts_reference(x, ids, weights, gate_up, down, LIMIT, gate_up_scales=gs,
