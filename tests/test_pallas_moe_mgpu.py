@@ -138,6 +138,8 @@ def _skewed_layout(experts, top_k=2):
                                         ("w8a8", "rescale"), ("w8a8", "rescale-ahead")])  # fmt: skip
 def test_kernels_interpreted(mode, form):
     experts, hidden, inter = 5, 256, 256  # gate_up: 2 column tiles; down: 1; K steps: 4 (bf16) or 2 (fp8)
+    if form == "rescale-ahead":
+        hidden = 512  # gate_up's 4 fp8 K steps: a look-ahead one step off reads another step's scales
     ids = _skewed_layout(experts)
     src, _, tiles = padded_layout(ids.reshape(-1), experts)
     used = np.asarray(tiles) >= 0
