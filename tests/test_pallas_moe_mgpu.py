@@ -105,6 +105,7 @@ def test_lowers_for_h200(w8a8):
     assert "mosaic_gpu" in lower_down(num_slots=4)
     assert "mosaic_gpu" in lower_down(fp8_acc="promote")  # the default rescale form lowers above
     assert "mosaic_gpu" in lower_down(scales_ahead=True)
+    assert "mosaic_gpu" in lower_down(fp8_acc="pipelined")  # parts read back with wait_n=1 (GPU-only form)
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         lower_down(num_slots=5)
 
@@ -311,11 +312,13 @@ def test_gpu_w8a8_four_slots():
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("slots, ahead", [(None, False), (3, False), (None, True)])
-def test_gpu_w8a8_rescale_matches_reference(slots, ahead):
-    """The rescale accumulation (the default: both parts' wgmmas in place, the totals rescaled between steps)
-    against the reference, as the routed experts are held, and close to the promote form's result (the same sums,
-    rounded differently); after a run whose x is NaN, so rows it fails to write show."""
+@pytest.mark.parametrize("acc, slots, ahead", [("rescale", None, False), ("rescale", 3, False), ("rescale", None, True),
+                                              ("pipelined", None, False), ("pipelined", 2, False)])  # fmt: skip
+def test_gpu_w8a8_rescale_matches_reference(acc, slots, ahead):
+    """The rescale accumulation (the default: both parts' wgmmas in place, the totals rescaled between steps), and
+    its pipelined form (the parts a half step apart), against the reference, as the routed experts are held, and
+    close to the promote form's result (the same sums, rounded differently); after a run whose x is NaN, so rows it
+    fails to write show."""
     experts, hidden, inter, tokens, top_k = 32, 1024, 512, 700, 6
     ids, weights = make_routing(25, tokens, top_k, experts)
     x = make_weights(25, (tokens, hidden), jnp.bfloat16, 1.0)
@@ -326,7 +329,7 @@ def test_gpu_w8a8_rescale_matches_reference(slots, ahead):
         return np.asarray(routed_experts_mgpu(x, ids, weights, gate_up, down, LIMIT, gate_up_scales=gs,
                                               down_scales=ds, config=config), F32)  # fmt: skip
 
-    rescale = MgpuMoeConfig(fp8_acc="rescale", num_slots=slots, scales_ahead=ahead)
+    rescale = MgpuMoeConfig(fp8_acc=acc, num_slots=slots, scales_ahead=ahead)
     run(rescale, jnp.full_like(x, jnp.nan))
     got, promote = run(rescale), run(MgpuMoeConfig(fp8_acc="promote"))
     want = np.asarray(routed_experts_reference(x, ids, weights, gate_up, down, LIMIT, gate_up_scales=gs,

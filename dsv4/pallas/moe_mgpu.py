@@ -65,7 +65,7 @@ F32 = jnp.float32
 TILE_M = 128  # rows per CTA tile: two consumer warpgroups × 64 (one wgmma M)
 PART_N = 128  # weight rows per part; a CTA tile reads two parts
 _ACC_FORMS = ("in_place", "per_step")
-_FP8_ACCS = ("promote", "rescale")
+_FP8_ACCS = ("promote", "rescale", "pipelined")
 # The rescale form's floor on a step's combined scale, so that the ratio of two steps' scales stays finite; a block
 # whose weight scale is 0 holds zero weights, whose product is 0 at any scale.
 _RESCALE_FLOOR = 2.0**-64
@@ -106,8 +106,9 @@ class MgpuMoeConfig:
                form): each part's wgmma into a fresh accumulator, waited for and added as part · scale into the
                total, one part after the other. The same sum, rounded differently (one multiply a step instead of
                one multiply-add); rescale measured 1.16x the promote form on a 16K-token chunk's experts (H100,
-               docs/kernels/moe.md, "Rescaled accumulation"). The CPU interpreter runs the in-place wgmmas as a
-               fresh accumulator plus an add.
+               docs/kernels/moe.md, "Rescaled accumulation"). "pipelined" (not yet timed): the rescale form with
+               the two parts half a step apart, each part's total read back while the other's wgmma runs. The CPU
+               interpreter runs the in-place wgmmas as a fresh accumulator plus an add, and "pipelined" as "rescale".
     profile_dir: measurement switch, off ("") in use: a folder for Mosaic GPU's trace of each warpgroup's phases,
                one JSON a launch (`*-trace.json`; `scripts/bench_moe.py --mosaic-trace` writes and reads them).
                The consumers record each item's "k_loop" and "epilogue", the producer each item's "loads" (issuing
@@ -286,6 +287,49 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                 tot_a, tot_b, s_a, s_b, _, _ = lax.fori_loop(0, k_steps, k_body, init)
                 return tot_a * row_bcast(s_a), tot_b * row_bcast(s_b)
 
+            def pipelined_totals(step, e, a0, b0):
+                """`MgpuMoeConfig.fp8_acc="pipelined"`: the rescale form with the two parts a half step apart. Each
+                part's total is read back (`wgmma_accumulator_load(wait_n=1)`) while the other part's wgmma still
+                runs, rescaled, and its next wgmma issued; a slot is released once both of its parts are read."""
+                def row_bcast(v):
+                    return lax.broadcast_in_dim(v, (half_rows, PART_N), [0])
+
+                def scales(ks, slot):
+                    xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)  # [64] this step's x scales
+                    w_a, w_b = ws_ref[e, lax.div(a0, QUANT_BLOCK), ks], ws_ref[e, lax.div(b0, QUANT_BLOCK), ks]
+                    return jnp.maximum(xs * w_a, _RESCALE_FLOOR), jnp.maximum(xs * w_b, _RESCALE_FLOOR)
+
+                def issue(acc, slot, smem):
+                    plgpu.wgmma(acc, x_smem.at[slot].at[rows], smem.at[slot].transpose((1, 0)))
+
+                def run(accs):
+                    acc_a, acc_b = accs
+                    slot = wait_step(step)
+                    s0 = scales(0, slot)
+                    issue(acc_a, slot, a_smem)
+                    issue(acc_b, slot, b_smem)
+
+                    def k_body(ks, carry):
+                        s_a, s_b = carry
+                        slot = wait_step(step + ks)
+                        new_a, new_b = scales(ks, slot)
+                        total = plgpu.wgmma_accumulator_load(acc_a, wait_n=1)  # part A of step ks - 1 is done
+                        acc_a[...] = total * row_bcast(s_a / new_a)
+                        issue(acc_a, slot, a_smem)
+                        total = plgpu.wgmma_accumulator_load(acc_b, wait_n=1)  # and part B: its slot is free
+                        plgpu.barrier_arrive(consumed_bar.at[lax.rem(step + ks - 1, jnp.int32(slots))])
+                        acc_b[...] = total * row_bcast(s_b / new_b)
+                        issue(acc_b, slot, b_smem)
+                        return new_a, new_b
+
+                    s_a, s_b = lax.fori_loop(1, k_steps, k_body, s0)
+                    acc_a[...] = plgpu.wgmma_accumulator_load(acc_a, wait_n=0) * row_bcast(s_a)
+                    acc_b[...] = plgpu.wgmma_accumulator_load(acc_b, wait_n=0) * row_bcast(s_b)
+                    plgpu.barrier_arrive(consumed_bar.at[lax.rem(step + k_steps - 1, jnp.int32(slots))])
+
+                zero = plgpu.layout_cast(jnp.zeros((half_rows, PART_N), F32), wgmma_layout)
+                return pl.run_state(run)((plgpu.ACC.init(zero), plgpu.ACC.init(zero)))
+
             def tile_result(step, e, nt):
                 """The K loop of one item → (part A, part B) [64, 128] f32 in registers."""
                 if not per_step:
@@ -300,7 +344,9 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                     return pl.run_scoped(run, plgpu.ACC((half_rows, PART_N), F32),
                                          plgpu.ACC((half_rows, PART_N), F32))  # fmt: skip
                 a0, b0 = part_rows(nt)
-                if fp8 and config.fp8_acc == "rescale":
+                if fp8 and config.fp8_acc == "pipelined" and interpret is None:
+                    return pipelined_totals(step, e, a0, b0)
+                if fp8 and config.fp8_acc != "promote":  # (the interpreter runs "pipelined" as "rescale")
                     return rescaled_totals(step, e, a0, b0)
 
                 def k_body(ks, totals):
