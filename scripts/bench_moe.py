@@ -17,12 +17,14 @@ popularity ∝ (rank + 1)^-0.3 (`--zipf`). Per token count (`--tokens`, default 
              uint32 words), and `gather_el` the same gather as XLA runs it on the elements; bytes moved a second
 
 Useful FLOPs = 2 · 3 · D · I · N · top-k for e2e (gate_up: 2/3 of it, down: 1/3), the same for every row.
-"% mm" is against the same run's matmul of that precision (bf16: `a @ b`; w8a8: e4m3 × e4m3 → f32), at 16384³.
-Per token count and mode, every row's function is called once (compile, warm-up, the outputs compared below), then
-timed in `--reps` interleaved rounds (each round calls every row once, synchronized, in the rows' order), so no
-variant is favoured by when it ran (run one after another, the first variant ran up to 11% slower than the same
-configuration timed later); each row gives its median. The first call of each Mosaic e2e row is compared with the
-Triton e2e output of the same mode (relative L2; both dropless, independent code paths).
+"% mm" is against the same rounds' matmul of that precision through XLA (bf16: `a @ b`; w8a8: e4m3 × e4m3 → f32,
+which XLA may run as a Triton GEMM), at 16384³; w8a8 rows also give "% lt", against the e4m3 dot compiled with Triton
+GEMMs off, so that it is cuBLASLt's FP8 matmul (the compiled call is checked). The ceilings are rows of the rounds,
+first in each. Per token count and mode, every row's function is called once (compile, warm-up, the outputs compared
+below), then timed in `--reps` interleaved rounds (each round calls every row once, synchronized, in the rows'
+order), so no variant is favoured by when it ran (run one after another, the first variant ran up to 11% slower than
+the same configuration timed later); each row gives its median. The first call of each Mosaic e2e row is compared
+with the Triton e2e output of the same mode (relative L2; both dropless, independent code paths).
 
 Mosaic variants (`--variants`, applied to every mode): `name:sl=3,form=per_step,ctas=132,acc8=rescale,ahead=1`
 (num_slots, acc_form, num_ctas, fp8_acc, scales_ahead of `MgpuMoeConfig`). The first variant is the default config.
@@ -108,12 +110,26 @@ def timed(fn, reps: int):
     return out, statistics.median(times)
 
 
-def matmul_ceiling(dtype, n: int, reps: int) -> float:
+CEILING_N = 16384
+CUBLASLT_FP8 = "__cublas$lt$matmul$f8"
+
+
+def matmul_ceilings(mode: str):
+    """The matmul ceilings of a mode at CEILING_N³, as (name, call) pairs for the same interleaved rounds as the
+    kernels: bf16 through XLA; for w8a8 the e4m3 dot (f32 out) through XLA's default (which may pick a Triton GEMM)
+    and through cuBLASLt alone (Triton GEMMs off; the compiled call must be a `__cublas$lt$matmul$f8`)."""
+    n = CEILING_N
     k1, k2 = jax.random.split(jax.random.key(7))
-    a, b = randn(k1, (n, n), BF16).astype(dtype), randn(k2, (n, n), BF16).astype(dtype)
-    fn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=F32 if dtype == FP8 else BF16))
-    _, ms = timed(lambda: fn(a, b), reps)
-    return 2.0 * n**3 / (ms * 1e-3) / 1e12
+    a, b = randn(k1, (n, n), BF16), randn(k2, (n, n), BF16)
+    if mode == "bf16":
+        fn = jax.jit(lambda a, b: a @ b)
+        return [("xla", lambda: fn(a, b))]
+    a, b = a.astype(FP8), b.astype(FP8)
+    fn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=F32))
+    lt = fn.lower(a, b).compile(compiler_options={"xla_gpu_enable_triton_gemm": False})
+    if CUBLASLT_FP8 not in lt.as_text():
+        raise RuntimeError(f"the cuBLAS-only FP8 dot did not compile to {CUBLASLT_FP8}")
+    return [("xla", lambda: fn(a, b)), ("cublaslt", lambda: lt(a, b))]
 
 
 def rel_l2(a, b) -> float:
@@ -141,10 +157,7 @@ def main():
     dev = jax.devices()[0]
     say(f"device {dev.device_kind}, jax {jax.__version__}, D={d} I={i} E={e} top-{k}, zipf {args.zipf}, "
         f"tokens {args.tokens}, modes {args.modes}, variants {args.variants}")  # fmt: skip
-    ceil = {}
-    if not smoke:
-        ceil = {"bf16": matmul_ceiling(BF16, 16384, args.reps), "w8a8": matmul_ceiling(FP8, 16384, args.reps)}
-        say(f"same-run matmul 16384^3: bf16 {ceil['bf16']:.0f} TF/s, fp8 {ceil['w8a8']:.0f} TF/s")
+    ceil = {}  # (tokens, mode) → {"xla": TF/s, "cublaslt": TF/s}, timed in that group's rounds
     k1, k2 = jax.random.split(jax.random.key(777))
     weights = {"bf16": dict(gate_up=(randn(k1, (e, 2 * i, d), F32) * d**-0.5).astype(BF16),
                             down=(randn(k2, (e, d, i), F32) * i**-0.5).astype(BF16))}  # fmt: skip
@@ -155,10 +168,18 @@ def main():
 
     def record(n, mode, impl, variant, part, ms, flops, note=""):
         tf = flops / (ms * 1e-3) / 1e12
-        pct = 100 * tf / ceil[mode] if mode in ceil else float("nan")
+        c = ceil.get((n, mode), {})
+        pct = 100 * tf / c["xla"] if "xla" in c else float("nan")
+        pct_lt = 100 * tf / c["cublaslt"] if "cublaslt" in c else None
         rows.append(dict(tokens=n, mode=mode, impl=impl, variant=variant, part=part, ms=ms, tflops=tf, pct_mm=pct,
-                         note=note))  # fmt: skip
-        say(f"{n:>7} {mode:5} {impl:6} {variant:10} {part:8} {ms:9.3f} ms {tf:7.1f} TF/s {pct:5.1f}% mm  {note}")
+                         pct_cublaslt=pct_lt, note=note))  # fmt: skip
+        lt = f" {pct_lt:5.1f}% lt" if pct_lt is not None else ""
+        say(f"{n:>7} {mode:5} {impl:6} {variant:10} {part:8} {ms:9.3f} ms {tf:7.1f} TF/s {pct:5.1f}% mm{lt}  {note}")
+
+    def record_ceiling(n, mode, name, ms):
+        tf = 2.0 * CEILING_N**3 / (ms * 1e-3) / 1e12
+        ceil.setdefault((n, mode), {})[name] = tf
+        say(f"{n:>7} {mode:5} matmul {name:10} {CEILING_N}^3 {ms:9.3f} ms {tf:7.1f} TF/s (ceiling, same rounds)")
 
     for n in args.tokens:
         kx, kr = jax.random.split(jax.random.key(1000 + n))
@@ -171,6 +192,9 @@ def main():
             wts = weights[mode]
             base = None
             rounds = Rounds()
+            if not smoke:  # first in each round, so their medians are recorded before the rows that use them
+                for name, call in matmul_ceilings(mode):
+                    rounds.add(call, lambda ms, n=n, mode=mode, name=name: record_ceiling(n, mode, name, ms))
             if not args.no_triton:
                 try:
                     fn = jax.jit(lambda x, ids, w, wts: pm.routed_experts(x, ids, w, **wts, limit=limit, impl="triton",
@@ -206,7 +230,8 @@ def main():
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "moe.json").write_text(json.dumps(dict(device=dev.device_kind, jax=jax.__version__, ceilings=ceil,
+        ceilings = [dict(tokens=n, mode=mode, n=CEILING_N, **rates) for (n, mode), rates in ceil.items()]
+        (out / "moe.json").write_text(json.dumps(dict(device=dev.device_kind, jax=jax.__version__, ceilings=ceilings,
                                                       rows=rows, log=log), indent=1))  # fmt: skip
 
 
