@@ -37,7 +37,6 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -97,17 +96,6 @@ def parse_variant(text: str):
         field, cast = KEYS[key]
         kw[field] = cast(value)
     return name, kw
-
-
-def timed(fn, reps: int):
-    """→ (first output, median ms over reps synchronized calls after the first)."""
-    out = jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return out, statistics.median(times)
 
 
 CEILING_N = 16384

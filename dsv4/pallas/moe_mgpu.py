@@ -225,6 +225,15 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
             plgpu.set_max_registers(232, action="increase")
             rows = pl.ds(wi * half_rows, half_rows)
 
+            def row_bcast(v):  # a [64] row vector over a part's [64, 128] columns
+                return lax.broadcast_in_dim(v, (half_rows, PART_N), [0])
+
+            def step_scales(slot, w_a, w_b):
+                """The rescale forms' combined scale of a step for each part: x's row scales × the part's weight
+                block scale, floored (`_RESCALE_FLOOR`)."""
+                xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)  # [64] this step's x scales
+                return jnp.maximum(xs * w_a, _RESCALE_FLOOR), jnp.maximum(xs * w_b, _RESCALE_FLOOR)
+
             def wait_step(s):
                 slot = lax.rem(s, jnp.int32(slots))
                 plgpu.barrier_wait(full_bar.at[slot])
@@ -260,9 +269,6 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
 
             def rescaled_totals(step, e, a0, b0):
                 """`MgpuMoeConfig.fp8_acc="rescale"`: the K loop with the totals in units of the step's scale."""
-                def row_bcast(v):
-                    return lax.broadcast_in_dim(v, (half_rows, PART_N), [0])
-
                 def weight_scales(ks):  # the two parts' weight block scales of K step ks (GMEM scalar loads)
                     kc = jnp.minimum(ks, k_steps - 1)  # the last step's look-ahead reads its own again
                     return ws_ref[e, lax.div(a0, QUANT_BLOCK), kc], ws_ref[e, lax.div(b0, QUANT_BLOCK), kc]
@@ -274,16 +280,15 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                     slot = wait_step(step + ks)
                     if not config.scales_ahead:
                         w_a, w_b = next_w = weight_scales(ks)
-                    xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)  # [64] this step's x scales
-                    new_a = jnp.maximum(xs * w_a, _RESCALE_FLOOR)
-                    new_b = jnp.maximum(xs * w_b, _RESCALE_FLOOR)
+                    new_a, new_b = step_scales(slot, w_a, w_b)
                     tot_a, tot_b = accumulate(slot, tot_a * row_bcast(s_a / new_a), tot_b * row_bcast(s_b / new_b))
                     plgpu.barrier_arrive(consumed_bar.at[slot])
                     return tot_a, tot_b, new_a, new_b, *next_w
 
                 zero = plgpu.layout_cast(jnp.zeros((half_rows, PART_N), F32), wgmma_layout)
                 one = plgpu.layout_cast(jnp.ones((half_rows,), F32), row_layout)
-                init = (zero, zero, one, one, *weight_scales(0))
+                ahead = weight_scales(0) if config.scales_ahead else (jnp.float32(0), jnp.float32(0))  # (unused)
+                init = (zero, zero, one, one, *ahead)
                 tot_a, tot_b, s_a, s_b, _, _ = lax.fori_loop(0, k_steps, k_body, init)
                 return tot_a * row_bcast(s_a), tot_b * row_bcast(s_b)
 
@@ -291,13 +296,9 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                 """`MgpuMoeConfig.fp8_acc="pipelined"`: the rescale form with the two parts a half step apart. Each
                 part's total is read back (`wgmma_accumulator_load(wait_n=1)`) while the other part's wgmma still
                 runs, rescaled, and its next wgmma issued; a slot is released once both of its parts are read."""
-                def row_bcast(v):
-                    return lax.broadcast_in_dim(v, (half_rows, PART_N), [0])
-
                 def scales(ks, slot):
-                    xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)  # [64] this step's x scales
-                    w_a, w_b = ws_ref[e, lax.div(a0, QUANT_BLOCK), ks], ws_ref[e, lax.div(b0, QUANT_BLOCK), ks]
-                    return jnp.maximum(xs * w_a, _RESCALE_FLOOR), jnp.maximum(xs * w_b, _RESCALE_FLOOR)
+                    return step_scales(slot, ws_ref[e, lax.div(a0, QUANT_BLOCK), ks],
+                                       ws_ref[e, lax.div(b0, QUANT_BLOCK), ks])  # fmt: skip
 
                 def issue(acc, slot, smem):
                     plgpu.wgmma(acc, x_smem.at[slot].at[rows], smem.at[slot].transpose((1, 0)))
@@ -358,7 +359,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
 
                         def promote(total, part, w_row0):
                             row_scale = xs * ws_ref[e, lax.div(w_row0, QUANT_BLOCK), ks]  # [64]
-                            return total + part * lax.broadcast_in_dim(row_scale, (half_rows, PART_N), [0])
+                            return total + part * row_bcast(row_scale)
 
                         tot_a = promote(tot_a, part_a, a0)
                     else:
