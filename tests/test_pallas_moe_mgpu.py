@@ -110,7 +110,6 @@ def test_lowers_for_h200(w8a8):
         lower_down(num_slots=5)
 
 
-
 def test_default_ring_depth_by_regime():
     """The measured depths (docs/kernels/moe.md, "Ring depth"): a 16K-token chunk, top-6, is 864 row tiles; over 256
     experts that is 3.4 tiles each (FP8 down: 2 slots under the promote accumulation, 3 under the default rescale),
@@ -124,6 +123,7 @@ def test_default_ring_depth_by_regime():
     assert default_num_slots(gate_up=False, fp8=False, **few) == 3
     assert [default_num_slots(gate_up=True, fp8=fp8, **regime) for fp8 in (True, False) for regime in (few, many)] \
         == [4, 4, 3, 3]
+
 
 def _skewed_layout(experts, top_k=2):
     """Routing with empty experts, one expert over several 128-row tiles and one expert with a single pair."""
