@@ -188,6 +188,31 @@ def top_kernels(gpu: dict, top: int) -> tuple[list[dict], dict]:
     return rows, dict(kernels=len(ranked[top:]), ms=rest / 1e3, share=rest / busy)
 
 
+def idle_gaps(path: str, top: int = 10) -> dict[str, dict]:
+    """Per GPU of a trace: where it sat idle between its first and last kernel, by the pair of kernels around each
+    gap (the kernel that ended last before it, the one that started it): a host sync (a conditional's or a loop's
+    predicate read by the host) shows as a gap before the kernels launched after it.
+    → {process name: {idle_us, gaps (count), top: [{after, before, ms, count}] (the `top` pairs by total idle)}}."""
+    out = {}
+    for pname, chosen in _kernel_events(path).items():
+        pairs: dict[tuple[str, str], list] = {}
+        end, last, idle, count = None, "", 0.0, 0
+        for e in sorted(chosen, key=lambda e: float(e["ts"])):
+            ts, name = float(e["ts"]), e.get("name", "?")
+            if end is not None and ts > end:
+                row = pairs.setdefault((last, name), [0.0, 0])
+                row[0] += ts - end
+                row[1] += 1
+                idle += ts - end
+                count += 1
+            if end is None or ts + e["dur"] >= end:
+                end, last = ts + e["dur"], name
+        ranked = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]
+        out[pname] = dict(idle_us=idle, gaps=count, top=[dict(after=a, before=b, ms=t / 1e3, count=n)
+                                                         for (a, b), (t, n) in ranked])  # fmt: skip
+    return out
+
+
 COMM_KINDS = (("gather", ("allgather", "all-gather", "all_gather")),
               ("exchange", ("sendrecv", "alltoall", "all-to-all", "collective-permute", "permute")))  # fmt: skip
 """Communication kernels by what they move: "gather" (all-gathers: a chunk's K=V rows and the compressed entries,

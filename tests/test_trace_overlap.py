@@ -81,6 +81,28 @@ def test_kernel_table_by_hand(tmp_path):
     assert rest == dict(kernels=1, ms=0.01, share=pytest.approx(10 / 55))
 
 
+def test_idle_gaps_by_hand(tmp_path):
+    """Gaps between the union of a GPU's kernels, each charged to the kernel that ended last before it and the one
+    that starts after it (a kernel that ends inside a longer one does not own the gap after the longer one)."""
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "scores", "ts": 0, "dur": 50},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "fusion.1", "ts": 10, "dur": 5},  # inside scores
+        {"ph": "X", "pid": 1, "tid": 7, "name": "select", "ts": 80, "dur": 10},  # 30 after scores
+        {"ph": "X", "pid": 1, "tid": 7, "name": "scores", "ts": 90, "dur": 50},  # touching: no gap
+        {"ph": "X", "pid": 1, "tid": 7, "name": "select", "ts": 160, "dur": 10},  # 20 after scores
+        {"ph": "X", "pid": 1, "tid": 7, "name": "fusion.1", "ts": 171, "dur": 1},  # 1 after select
+    ]
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = trace_overlap.idle_gaps(str(path), top=1)["/device:GPU:0"]
+    assert got["idle_us"] == pytest.approx(30 + 20 + 1)
+    assert got["gaps"] == 3
+    assert got["top"] == [dict(after="scores", before="select", ms=pytest.approx(0.05), count=2)]
+
+
 def test_kernels_of_one_name_split_by_op(tmp_path):
     """Mosaic kernels share a generic name: with op names, launches of one name from different JAX ops rank apart."""
 
