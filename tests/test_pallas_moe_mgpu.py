@@ -106,6 +106,7 @@ def test_lowers_for_h200(w8a8):
     assert "mosaic_gpu" in lower_down(fp8_acc="promote")  # the default rescale form lowers above
     assert "mosaic_gpu" in lower_down(scales_ahead=True)
     assert "mosaic_gpu" in lower_down(fp8_acc="pipelined")  # parts read back with wait_n=1 (GPU-only form)
+    assert "mosaic_gpu" in lower_down(multicast=True)  # clusters of two, x multicast, a cluster consumed barrier
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         lower_down(num_slots=5)
 
@@ -136,11 +137,15 @@ def _skewed_layout(experts, top_k=2):
 
 
 @pytest.mark.parametrize("mode, form", [("bf16", "in_place"), ("bf16", "per_step"), ("w8a8", "promote"),
-                                        ("w8a8", "rescale"), ("w8a8", "rescale-ahead")])  # fmt: skip
+                                        ("w8a8", "rescale"), ("w8a8", "rescale-ahead"), ("bf16", "in_place-multicast"),
+                                        ("w8a8", "rescale-multicast")])  # fmt: skip
 def test_kernels_interpreted(mode, form):
     experts, hidden, inter = 5, 256, 256  # gate_up: 2 column tiles; down: 1; K steps: 4 (bf16) or 2 (fp8)
-    if form == "rescale-ahead":
-        hidden = 512  # gate_up's 4 fp8 K steps: a look-ahead one step off reads another step's scales
+    if form in ("rescale-ahead", "in_place-multicast", "rescale-multicast"):
+        # gate_up's 4 fp8 K steps: a look-ahead one step off reads another step's scales; down's 2 column tiles: a
+        # pair of CTAs to share each x tile (the interpreter loads it in each, so this checks the pairing of items)
+        hidden = 512
+    form, _, extra = form.partition("-")
     ids = _skewed_layout(experts)
     src, _, tiles = padded_layout(ids.reshape(-1), experts)
     used = np.asarray(tiles) >= 0
@@ -149,9 +154,10 @@ def test_kernels_interpreted(mode, form):
     down = make_weights(5, (experts, hidden, inter), F32, 0.1)
     # Per padded row tile: the reference over "groups" = the used tiles' rows (contiguous, in expert order)
     sizes = jnp.bincount(jnp.where(tiles >= 0, tiles, experts), length=experts) * TILE_M
-    kind = {"fp8_acc": form.removesuffix("-ahead"), "scales_ahead": form.endswith("-ahead")} if mode == "w8a8" else {
-        "acc_form": form}
-    config = MgpuMoeConfig(num_slots=2, num_ctas=3, **kind)
+    kind = {"fp8_acc": form, "scales_ahead": extra == "ahead"} if mode == "w8a8" else {"acc_form": form}
+    # multicast: 5 CTAs run as 2 pairs (the fifth dropped), each pair's CTAs on neighbouring column tiles
+    config = MgpuMoeConfig(num_slots=2, num_ctas=5 if extra == "multicast" else 3, multicast=extra == "multicast",
+                           **kind)  # fmt: skip
     kw, ref_kw = {}, {}
     if mode == "w8a8":
         (gate_up, gs), (down, ds) = quantize_weights(gate_up), quantize_weights(down)
@@ -308,6 +314,35 @@ def test_gpu_w8a8_four_slots():
                                               down_scales=ds, config=config), F32)  # fmt: skip
 
     np.testing.assert_array_equal(run(MgpuMoeConfig(num_slots=4)), run(MgpuMoeConfig()))
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("w8a8", [False, True])
+def test_gpu_multicast_is_exact(w8a8):
+    """Clusters of two CTAs sharing each x tile by TMA multicast give the unclustered kernels' result bit for bit
+    (the same tiles, summed in the same order), after a run whose x is NaN, so rows they fail to write show; an odd
+    CTA count (one left out) too."""
+    experts, hidden, inter, tokens, top_k = 32, 1024, 512, 700, 6
+    ids, weights = make_routing(28, tokens, top_k, experts)
+    x = make_weights(28, (tokens, hidden), jnp.bfloat16, 1.0)
+    gate_up = make_weights(29, (experts, 2 * inter, hidden), F32, 0.05)
+    down = make_weights(30, (experts, hidden, inter), F32, 0.05)
+    kw = {}
+    if w8a8:
+        (gate_up, gs), (down, ds) = quantize_weights(gate_up), quantize_weights(down)
+        kw = dict(gate_up_scales=gs, down_scales=ds)
+    else:
+        gate_up, down = gate_up.astype(jnp.bfloat16), down.astype(jnp.bfloat16)
+
+    def run(config, x=x):
+        return np.asarray(routed_experts_mgpu(x, ids, weights, gate_up, down, LIMIT, config=config, **kw), F32)
+
+    run(MgpuMoeConfig(multicast=True), jnp.full_like(x, jnp.nan))
+    want = run(MgpuMoeConfig())
+    assert not np.isnan(want).any()
+    np.testing.assert_array_equal(run(MgpuMoeConfig(multicast=True)), want)
+    np.testing.assert_array_equal(run(MgpuMoeConfig(multicast=True, num_ctas=37)), want)
 
 
 @gpu

@@ -123,6 +123,11 @@ class MgpuMoeConfig:
     # rescale form: each K step's two weight block scales (GMEM scalar loads the step's rescale waits on) loaded
     # one step ahead, so their latency hides under the step before. Not yet timed; off.
     scales_ahead: bool = False
+    # CTAs in clusters of two on the same row tile and neighbouring column tiles, each step's x tile loaded once for
+    # both (TMA multicast, each CTA loading half) with a slot refilled only once both CTAs' consumers released it
+    # (a cluster barrier): 40 instead of 48 KiB a CTA's step from L2. Shapes with an odd number of column tiles run
+    # unclustered. Not yet timed; off.
+    multicast: bool = False
     profile_dir: str = ""
     profile_ranges: int = 256
 
@@ -196,6 +201,11 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
     m_tiles = mp // TILE_M
     items = m_tiles * n_tiles
     num_ctas = max(1, min(config.num_ctas or sm_count(), items))
+    # multicast pairs CTAs 2q and 2q + 1: with an even CTA count and an even number of column tiles a row, the two
+    # always hold the same row tile (and expert) at the same step, on neighbouring column tiles
+    pairs = config.multicast and n_tiles % 2 == 0 and num_ctas >= 2
+    if pairs:
+        num_ctas -= num_ctas % 2
     slots = config.num_slots or default_num_slots(gate_up=gate_up, fp8=fp8, m_tiles=m_tiles, experts=w.shape[0],
                                                       fp8_acc=config.fp8_acc)  # fmt: skip
     per_step = fp8 or config.acc_form == "per_step"
@@ -214,6 +224,8 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
     def body(te_ref, x_ref, w_ref, xs_ref, ws_ref, out_ref, os_ref, x_smem, a_smem, b_smem, xs_smem, o_smem, os_smem,
              full_bar, consumed_bar):  # fmt: skip
         c, wg = lax.axis_index("c"), lax.axis_index("wg")
+        if pairs:
+            c = c * 2 + lax.axis_index("pair")
         n_mine = lax.div(jnp.int32(items) - c + (num_ctas - 1), jnp.int32(num_ctas))
 
         def item_at(j):
@@ -441,7 +453,8 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
 
                         cols = pl.ds(ks * bk, bk)
                         bar = full_bar.at[slot]
-                        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(mt * TILE_M, TILE_M), cols], x_smem.at[slot], bar)
+                        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(mt * TILE_M, TILE_M), cols], x_smem.at[slot], bar,
+                                                collective_axes="pair" if pairs else None)  # fmt: skip
                         plgpu.copy_gmem_to_smem(w_ref.at[e, pl.ds(a0, PART_N), cols], a_smem.at[slot], bar)
                         plgpu.copy_gmem_to_smem(w_ref.at[e, pl.ds(b0, PART_N), cols], b_smem.at[slot], bar)
                         if fp8:
@@ -458,13 +471,16 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
     tiled_in = _tiled(bk, itemsize)
     out_minor = 128 // out_itemsize
     copies = 4 if fp8 else 3
+    # slot consumed by both consumer warpgroups (of both CTAs of a pair: the multicast writes into both)
+    consumed = dict(num_arrivals=2, num_barriers=slots)
+    consumed = plgpu.ClusterBarrier(collective_axes=("pair",), **consumed) if pairs else plgpu.Barrier(**consumed)
     scratch = [
         plgpu.SMEM((slots, TILE_M, bk), x.dtype, transforms=tiled_in),
         plgpu.SMEM((slots, PART_N, bk), w.dtype, transforms=tiled_in),
         plgpu.SMEM((slots, PART_N, bk), w.dtype, transforms=tiled_in),
         plgpu.SMEM((2, half_rows, PART_N), store_dtype, transforms=_tiled(out_minor, out_itemsize)),
         plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # slot full: every TMA of the step has landed
-        plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # slot consumed by both consumer warpgroups
+        consumed,
     ]
     # Only the buffers this build uses: every buffer is aligned to 1 KiB, and with a stub down's fourth ring slot
     # (bf16 y) missed an H200's shared memory by 64 bytes.
@@ -489,12 +505,13 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
     out_type = jax.ShapeDtypeStruct((mp, n_out), store_dtype)
     if quantize_out:
         out_type = (out_type, jax.ShapeDtypeStruct((n_out // QUANT_BLOCK, mp), F32))
+    cluster = dict(grid=(num_ctas // 2,), cluster=(2,), cluster_names=("pair",)) if pairs else dict(grid=(num_ctas,))
     return plgpu.kernel(
         kernel_body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(num_ctas,),
         grid_names=("c",),
+        **cluster,
         num_threads=3,
         thread_name="wg",
         # NOTE: exact math: the quantizing epilogue divides by the scale exactly as quantize_per_token_group does.
