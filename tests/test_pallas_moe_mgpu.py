@@ -272,21 +272,26 @@ def test_mgpu_refuses_what_it_cannot_run(change, match):
                        jnp.zeros((experts, hidden, inter), wd), LIMIT, impl="cuda", **kw)  # fmt: skip
 
 
+def _gpu_problem(seed, w8a8: bool):
+    """The GPU tests' layer: 32 experts, hidden 1024, intermediate 512 (gate_up 4 column tiles, down 2; 16 / 8 K
+    steps in bf16), 700 tokens top-6. → (x, ids, weights, gate_up, down, kw: the weights' block scales for W8A8)."""
+    experts, hidden, inter, tokens, top_k = 32, 1024, 512, 700, 6
+    ids, weights = make_routing(seed, tokens, top_k, experts)
+    x = make_weights(seed, (tokens, hidden), jnp.bfloat16, 1.0)
+    gate_up = make_weights(seed + 1, (experts, 2 * inter, hidden), F32, 0.05)
+    down = make_weights(seed + 2, (experts, hidden, inter), F32, 0.05)
+    if not w8a8:
+        return x, ids, weights, gate_up.astype(jnp.bfloat16), down.astype(jnp.bfloat16), {}
+    (gate_up, gs), (down, ds) = quantize_weights(gate_up), quantize_weights(down)
+    return x, ids, weights, gate_up, down, dict(gate_up_scales=gs, down_scales=ds)
+
+
 @gpu
 @requires_gpu
 @pytest.mark.parametrize("mode", ["bf16", "w8a8"])
 def test_gpu_routed_experts_default_impl(mode):
     """On Hopper the default impl is the Mosaic path: 4 column tiles of gate_up, 2 of down, 16 / 8 K steps."""
-    experts, hidden, inter, tokens, top_k = 32, 1024, 512, 700, 6
-    ids, weights = make_routing(19, tokens, top_k, experts)
-    x = make_weights(19, (tokens, hidden), jnp.bfloat16, 1.0)
-    gate_up = make_weights(20, (experts, 2 * inter, hidden), F32, 0.05)
-    down = make_weights(21, (experts, hidden, inter), F32, 0.05)
-    kw = {}
-    if mode == "bf16":
-        gate_up, down = gate_up.astype(jnp.bfloat16), down.astype(jnp.bfloat16)
-    else:
-        (gate_up, kw["gate_up_scales"]), (down, kw["down_scales"]) = quantize_weights(gate_up), quantize_weights(down)
+    x, ids, weights, gate_up, down, kw = _gpu_problem(19, mode == "w8a8")
     got = np.asarray(routed_experts(x, ids, weights, gate_up, down, LIMIT, **kw), F32)
     mgpu = np.asarray(routed_experts(x, ids, weights, gate_up, down, LIMIT, impl="mgpu", **kw), F32)
     np.testing.assert_array_equal(got, mgpu)
@@ -303,15 +308,10 @@ def test_gpu_routed_experts_default_impl(mode):
 @requires_gpu
 def test_gpu_w8a8_four_slots():
     """down with a fourth ring slot (bf16 y) compiles on Hopper and gives the default's result: the same sums."""
-    experts, hidden, inter, tokens, top_k = 32, 1024, 512, 700, 6
-    ids, weights = make_routing(22, tokens, top_k, experts)
-    x = make_weights(22, (tokens, hidden), jnp.bfloat16, 1.0)
-    (gate_up, gs), (down, ds) = (quantize_weights(make_weights(23, (experts, 2 * inter, hidden), F32, 0.05)),
-                                 quantize_weights(make_weights(24, (experts, hidden, inter), F32, 0.05)))  # fmt: skip
+    x, ids, weights, gate_up, down, kw = _gpu_problem(22, w8a8=True)
 
     def run(config):
-        return np.asarray(routed_experts_mgpu(x, ids, weights, gate_up, down, LIMIT, gate_up_scales=gs,
-                                              down_scales=ds, config=config), F32)  # fmt: skip
+        return np.asarray(routed_experts_mgpu(x, ids, weights, gate_up, down, LIMIT, config=config, **kw), F32)
 
     np.testing.assert_array_equal(run(MgpuMoeConfig(num_slots=4)), run(MgpuMoeConfig()))
 
@@ -323,17 +323,7 @@ def test_gpu_multicast_is_exact(w8a8):
     """Clusters of two CTAs sharing each x tile by TMA multicast give the unclustered kernels' result bit for bit
     (the same tiles, summed in the same order), after a run whose x is NaN, so rows they fail to write show; an odd
     CTA count (one left out) too."""
-    experts, hidden, inter, tokens, top_k = 32, 1024, 512, 700, 6
-    ids, weights = make_routing(28, tokens, top_k, experts)
-    x = make_weights(28, (tokens, hidden), jnp.bfloat16, 1.0)
-    gate_up = make_weights(29, (experts, 2 * inter, hidden), F32, 0.05)
-    down = make_weights(30, (experts, hidden, inter), F32, 0.05)
-    kw = {}
-    if w8a8:
-        (gate_up, gs), (down, ds) = quantize_weights(gate_up), quantize_weights(down)
-        kw = dict(gate_up_scales=gs, down_scales=ds)
-    else:
-        gate_up, down = gate_up.astype(jnp.bfloat16), down.astype(jnp.bfloat16)
+    x, ids, weights, gate_up, down, kw = _gpu_problem(28, w8a8)
 
     def run(config, x=x):
         return np.asarray(routed_experts_mgpu(x, ids, weights, gate_up, down, LIMIT, config=config, **kw), F32)
@@ -354,21 +344,15 @@ def test_gpu_w8a8_rescale_matches_reference(acc, slots, ahead):
     its pipelined form (the parts a half step apart), against the reference, as the routed experts are held, and
     close to the promote form's result (the same sums, rounded differently); after a run whose x is NaN, so rows it
     fails to write show."""
-    experts, hidden, inter, tokens, top_k = 32, 1024, 512, 700, 6
-    ids, weights = make_routing(25, tokens, top_k, experts)
-    x = make_weights(25, (tokens, hidden), jnp.bfloat16, 1.0)
-    (gate_up, gs), (down, ds) = (quantize_weights(make_weights(26, (experts, 2 * inter, hidden), F32, 0.05)),
-                                 quantize_weights(make_weights(27, (experts, hidden, inter), F32, 0.05)))  # fmt: skip
+    x, ids, weights, gate_up, down, kw = _gpu_problem(25, w8a8=True)
 
     def run(config, x=x):
-        return np.asarray(routed_experts_mgpu(x, ids, weights, gate_up, down, LIMIT, gate_up_scales=gs,
-                                              down_scales=ds, config=config), F32)  # fmt: skip
+        return np.asarray(routed_experts_mgpu(x, ids, weights, gate_up, down, LIMIT, config=config, **kw), F32)
 
     rescale = MgpuMoeConfig(fp8_acc=acc, num_slots=slots, scales_ahead=ahead)
     run(rescale, jnp.full_like(x, jnp.nan))
     got, promote = run(rescale), run(MgpuMoeConfig(fp8_acc="promote"))
-    want = np.asarray(routed_experts_reference(x, ids, weights, gate_up, down, LIMIT, gate_up_scales=gs,
-                                               down_scales=ds), F32)  # fmt: skip
+    want = np.asarray(routed_experts_reference(x, ids, weights, gate_up, down, LIMIT, **kw), F32)
     assert not np.isnan(got).any()
     assert np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)) < 1e-2
     assert np.mean(np.abs(got - want) > 2**-5 * np.abs(want).max()) < 1e-3
