@@ -240,6 +240,12 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
             def row_bcast(v):  # a [64] row vector over a part's [64, 128] columns
                 return lax.broadcast_in_dim(v, (half_rows, PART_N), [0])
 
+            def zeros():  # a part's [64, 128] f32 total, empty
+                return plgpu.layout_cast(jnp.zeros((half_rows, PART_N), F32), wgmma_layout)
+
+            def weight_scale(e, row0, ks):  # the block scale of expert e's weight rows row0.. at K step ks (GMEM)
+                return ws_ref[e, lax.div(row0, QUANT_BLOCK), ks]
+
             def step_scales(slot, w_a, w_b):
                 """The rescale forms' combined scale of a step for each part: x's row scales × the part's weight
                 block scale, floored (`_RESCALE_FLOOR`)."""
@@ -283,7 +289,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                 """`MgpuMoeConfig.fp8_acc="rescale"`: the K loop with the totals in units of the step's scale."""
                 def weight_scales(ks):  # the two parts' weight block scales of K step ks (GMEM scalar loads)
                     kc = jnp.minimum(ks, k_steps - 1)  # the last step's look-ahead reads its own again
-                    return ws_ref[e, lax.div(a0, QUANT_BLOCK), kc], ws_ref[e, lax.div(b0, QUANT_BLOCK), kc]
+                    return weight_scale(e, a0, kc), weight_scale(e, b0, kc)
 
                 def k_body(ks, carry):
                     tot_a, tot_b, s_a, s_b, w_a, w_b = carry
@@ -297,10 +303,9 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                     plgpu.barrier_arrive(consumed_bar.at[slot])
                     return tot_a, tot_b, new_a, new_b, *next_w
 
-                zero = plgpu.layout_cast(jnp.zeros((half_rows, PART_N), F32), wgmma_layout)
                 one = plgpu.layout_cast(jnp.ones((half_rows,), F32), row_layout)
                 ahead = weight_scales(0) if config.scales_ahead else (jnp.float32(0), jnp.float32(0))  # (unused)
-                init = (zero, zero, one, one, *ahead)
+                init = (zeros(), zeros(), one, one, *ahead)
                 tot_a, tot_b, s_a, s_b, _, _ = lax.fori_loop(0, k_steps, k_body, init)
                 return tot_a * row_bcast(s_a), tot_b * row_bcast(s_b)
 
@@ -309,8 +314,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                 part's total is read back (`wgmma_accumulator_load(wait_n=1)`) while the other part's wgmma still
                 runs, rescaled, and its next wgmma issued; a slot is released once both of its parts are read."""
                 def scales(ks, slot):
-                    return step_scales(slot, ws_ref[e, lax.div(a0, QUANT_BLOCK), ks],
-                                       ws_ref[e, lax.div(b0, QUANT_BLOCK), ks])  # fmt: skip
+                    return step_scales(slot, weight_scale(e, a0, ks), weight_scale(e, b0, ks))
 
                 def issue(acc, slot, smem):
                     plgpu.wgmma(acc, x_smem.at[slot].at[rows], smem.at[slot].transpose((1, 0)))
@@ -340,8 +344,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                     acc_b[...] = plgpu.wgmma_accumulator_load(acc_b, wait_n=0) * row_bcast(s_b)
                     plgpu.barrier_arrive(consumed_bar.at[lax.rem(step + k_steps - 1, jnp.int32(slots))])
 
-                zero = plgpu.layout_cast(jnp.zeros((half_rows, PART_N), F32), wgmma_layout)
-                return pl.run_state(run)((plgpu.ACC.init(zero), plgpu.ACC.init(zero)))
+                return pl.run_state(run)((plgpu.ACC.init(zeros()), plgpu.ACC.init(zeros())))
 
             def tile_result(step, e, nt):
                 """The K loop of one item → (part A, part B) [64, 128] f32 in registers."""
@@ -370,7 +373,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                         xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)  # [64] this step's x scales
 
                         def promote(total, part, w_row0):
-                            row_scale = xs * ws_ref[e, lax.div(w_row0, QUANT_BLOCK), ks]  # [64]
+                            row_scale = xs * weight_scale(e, w_row0, ks)  # [64]
                             return total + part * row_bcast(row_scale)
 
                         tot_a = promote(tot_a, part_a, a0)
@@ -384,8 +387,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                         tot_b = tot_b + part_b
                     return tot_a, tot_b
 
-                zero = plgpu.layout_cast(jnp.zeros((half_rows, PART_N), F32), wgmma_layout)
-                return lax.fori_loop(0, k_steps, k_body, (zero, zero))
+                return lax.fori_loop(0, k_steps, k_body, (zeros(), zeros()))
 
             def store(value, mt, col):
                 """value [64, 128] f32 → out rows of this warpgroup, columns col.. (fp8 + scales if quantize_out),
