@@ -60,9 +60,14 @@ import dsv4.pallas.moe_mgpu as mm  # noqa: E402
 from dsv4.pallas._device import sm_count  # noqa: E402
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
+
+
+def _flag(v: str) -> bool:
+    return v not in ("0", "false", "False")
+
+
 KEYS = {"sl": ("num_slots", int), "form": ("acc_form", str), "ctas": ("num_ctas", int), "acc8": ("fp8_acc", str),
-        "ahead": ("scales_ahead", lambda v: v not in ("0", "false", "False")),
-        "mc": ("multicast", lambda v: v not in ("0", "false", "False"))}
+        "ahead": ("scales_ahead", _flag), "mc": ("multicast", _flag)}
 
 
 def parse_args():
