@@ -109,7 +109,8 @@ def test_top_k_with_the_kernel_equals_lax_top_k(n, k, group, direct_max):
 
 def test_index_topk_two_pass_with_the_kernel_picks_the_same():
     """The two-pass indexer with selection="kernel" returns exactly what selection="xla" returns, on widths past
-    2048 keys (so the selection groups) in two width bands."""
+    2048 keys (so the selection groups) in two width bands; with ordered=False, the same picks per query in another
+    order."""
     from dsv4.pallas.indexer import index_topk_two_pass
 
     rng = np.random.default_rng(7)
@@ -123,6 +124,9 @@ def test_index_topk_two_pass_with_the_kernel_picks_the_same():
     want = np.asarray(index_topk_two_pass(**inputs, **kw, selection="xla"))
     np.testing.assert_array_equal(got, want)
     assert (want >= 2048).any()  # picks past the first 2048 keys: the grouped path ran
+    unordered = np.asarray(index_topk_two_pass(**inputs, **kw, selection="kernel", ordered=False))
+    np.testing.assert_array_equal(np.sort(unordered, -1), np.sort(want, -1))
+    assert (unordered != want).any()  # not best first: the unordered selection ran
 
 
 @pytest.mark.parametrize("call, match", [

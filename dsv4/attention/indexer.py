@@ -59,7 +59,8 @@ class Indexer(Compressor):
 
     def select(self, x: jax.Array, q_residual: jax.Array, positions: jax.Array, keys: jax.Array, rope: Rope,
                query_chunk: int = 512) -> jax.Array:  # fmt: skip
-        """→ topk_indices [B, S, min(index_topk, C)] int32, -1 where fewer entries are visible."""
+        """→ topk_indices [B, S, min(index_topk, C)] int32, -1 where fewer entries are visible; on the Pallas paths
+        in no particular order (the attention takes them as a set: `index_topk_two_pass(ordered=False)`)."""
         n_keys = keys.shape[1]
         q, weights = self._queries(x, q_residual, positions, rope)
         k = min(self.topk, n_keys)
@@ -78,11 +79,11 @@ class Indexer(Compressor):
 
             def local(q_, weights_, positions_, keys_):  # this shard's queries against all keys
                 return index_topk_two_pass(q_, keys_, weights_, positions_, **kw, interpret=interpret,
-                                           selection=self.selection, **scores)  # fmt: skip
+                                           selection=self.selection, ordered=False, **scores)  # fmt: skip
 
             if impl == "pallas-fp8":
                 local = functools.partial(index_topk_fp8, **kw, interpret=interpret, selection=self.selection,
-                                          call_band=one_band)  # fmt: skip
+                                          call_band=one_band, ordered=False)  # fmt: skip
             return per_sequence_shard(local, (q, weights, positions), (keys,), fill=(0, 0, -1))
         if impl == "pallas-stream":
             return index_topk(q, keys, weights, positions, **kw, interpret=not on_gpu())
@@ -120,7 +121,7 @@ class Indexer(Compressor):
         return index_topk_paged(q, weights, positions, rows["pages"], table, rate=self.rate,
                                 k=min(self.topk, store.capacity(block_table)), softmax_scale=self.head_dim**-0.5,
                                 key_scales=rows["scales"], key_rope_pages=rows["rope"], interpret=not on_gpu(),
-                                selection=self.selection)  # fmt: skip
+                                selection=self.selection, ordered=False)  # fmt: skip
 
 
 def quantize_rows_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -131,20 +132,20 @@ def quantize_rows_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def index_topk_fp8(q, weights, positions, keys, *, rate: int, k: int, softmax_scale: float, interpret: bool,
-                   selection: str = "auto", call_band: bool | None = None):  # fmt: skip
+                   selection: str = "auto", call_band: bool | None = None, ordered: bool = True):  # fmt: skip
     """The lightning indexer in FP8 (as DeepSeek-V3.2's inference code runs it; the transformers V4 spec uses bf16):
     q quantized per (token, head), keys per entry (e4m3, amax scales), scores by the Mosaic FP8 kernel on a Hopper
     GPU (`index_scores_mgpu`) or the Triton kernel elsewhere, then the exact grouped top-k. Arguments as
     `index_topk_jnp` (q, weights, positions first: the per-shard function of `per_sequence_shard`).
     On the Mosaic path each query chunk is scored over one of `FP8_WIDTH_BANDS` width bands (`index_topk_two_pass`,
-    docs/kernels/indexer.md; `call_band` as there). → [B, S, k] int32."""
+    docs/kernels/indexer.md; `call_band` and `ordered` as there). → [B, S, k] int32."""
     q8, q_scale = quantize_rows_e4m3(q)
     k8, k_scale = quantize_rows_e4m3(keys)
     mgpu = not interpret and is_hopper() and q.shape[2] == 64
     return index_topk_two_pass(q8, k8, weights, positions, rate=rate, k=k, softmax_scale=softmax_scale,
                                q_scale=q_scale, k_scale=k_scale, interpret=interpret, selection=selection,
                                scores_impl="mgpu" if mgpu else "triton", width_bands=FP8_WIDTH_BANDS if mgpu else 1,
-                               call_band=call_band)  # fmt: skip
+                               call_band=call_band, ordered=ordered)  # fmt: skip
 
 
 def index_topk_jnp(q, keys, weights, positions, *, rate: int, k: int, softmax_scale: float, query_chunk: int = 512):

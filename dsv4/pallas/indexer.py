@@ -636,7 +636,7 @@ def one_band_per_call(num_queries: int, rate: int, num_entries: int, bands: int)
 
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "query_chunk", "blocks", "group",
                                              "interpret", "scores_impl", "mgpu_config", "width_bands",
-                                             "selection", "call_band"))  # fmt: skip
+                                             "selection", "call_band", "ordered"))  # fmt: skip
 def index_topk_two_pass(
     q: jax.Array,
     keys: jax.Array,
@@ -657,6 +657,7 @@ def index_topk_two_pass(
     width_bands: int = 1,
     selection: str = "auto",
     call_band: bool | None = None,
+    ordered: bool = True,
 ) -> jax.Array:
     """`index_topk` in two passes per chunk of queries: the scores kernel writes a [B, chunk, C] float32 slab
     (never the whole [S, C]), then `dsv4.topk.top_k` picks exactly what `lax.top_k` would while sorting only about
@@ -682,6 +683,10 @@ def index_topk_two_pass(
     `lax.top_k`), "kernel" (`dsv4.pallas.select.refine_top_k`, one pass; interpreted with `interpret`), or "auto"
     (the default: "kernel" on a Hopper GPU, where it is the faster, whatever computes the scores; "xla"
     elsewhere). The same picks either way.
+
+    ordered=False: each query's same k picks in no particular order (its -1s anywhere among them), for a caller that
+    uses them as a set, as the attention does: the refinement kernel then skips the last level's sort of the chosen
+    groups and the top-k that puts its picks best first (two sorts of k per query). "xla" picks come ordered anyway.
     """
     from dsv4.topk import top_k
 
@@ -712,7 +717,7 @@ def index_topk_two_pass(
         else:
             scores = index_scores(qc, keys_w, wc, pc, rate=rate, softmax_scale=softmax_scale, q_scale=qsc,
                                   k_scale=k_scale_w, blocks=blocks, interpret=interpret)  # fmt: skip
-        select = functools.partial(top_k, group=group, refine=refine)
+        select = functools.partial(top_k, group=group, refine=refine, ordered=ordered)
         return topk_of_scores(scores, visible_entries(pc, rate, width), k, lambda x, kk: select(x, kk))
 
     def band_of(pos):  # the narrowest width that holds every entry these queries see

@@ -278,7 +278,7 @@ def index_scores_paged(
 
 
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "blocks", "group", "interpret",
-                                             "selection"))  # fmt: skip
+                                             "selection", "ordered"))  # fmt: skip
 def index_topk_paged(
     q: jax.Array,
     weights: jax.Array,
@@ -295,18 +295,19 @@ def index_topk_paged(
     group: int = 4,
     interpret: bool = False,
     selection: str = "auto",
+    ordered: bool = True,
 ) -> jax.Array:
     """The indexer's top-k over its paged key cache: `index_scores_paged`, then `dsv4.topk.top_k` (group,
-    selection as `dsv4.pallas.indexer.index_topk_two_pass`: "auto" refines by the `select.py` kernel on Hopper).
-    → int32 [B, S, k], ordered as `index_topk` (score descending, ties to the lower index, -1 past the visible
-    count; k may exceed C)."""
+    selection, ordered as `dsv4.pallas.indexer.index_topk_two_pass`: "auto" refines by the `select.py` kernel on
+    Hopper). → int32 [B, S, k], ordered as `index_topk` (score descending, ties to the lower index, -1 past the
+    visible count; k may exceed C), or the same picks in any order (ordered=False)."""
     from dsv4.topk import top_k
 
     refine = refine_for(selection, interpret)
     scores = index_scores_paged(q, weights, positions, key_pages, block_table, rate=rate, softmax_scale=softmax_scale,
                                 key_scales=key_scales, key_rope_pages=key_rope_pages, blocks=blocks,
                                 interpret=interpret)  # fmt: skip
-    select = functools.partial(top_k, group=group, refine=refine)
+    select = functools.partial(top_k, group=group, refine=refine, ordered=ordered)
     return topk_of_scores(scores, visible_entries(positions, rate, scores.shape[-1]), k, lambda x, kk: select(x, kk))
 
 
