@@ -36,11 +36,12 @@ def top_k(x: jax.Array, k: int, *, group: int = 4, direct_max: int = 2048, refin
     """`lax.top_k(x, k)` for float rows, exactly. x [..., N] (k <= N) → (values [..., k], indices int32 [..., k]).
 
     group: elements per group (>= 2). direct_max: rows this long or shorter (or no longer than k · group, where
-    grouping gains nothing) go to `lax.top_k` directly. refine: optional `refine(x, groups, group=, ordered=)` →
-    (values, indices), the k best elements of the chosen groups (any order of group ids, ties to the lower index;
-    best first when ordered, else in any order), used at each level instead of the sort, gather and `lax.top_k`
-    below (`dsv4.pallas.select.refine_top_k` does it in one kernel). ordered=False: with refine, the k best in
-    any order (the inner levels ask for that: they only need the set of groups); without, ignored.
+    grouping gains nothing) go to `lax.top_k` directly. refine: optional `refine(x, groups, group=, ordered=,
+    group_max=)` → (values, indices), the k best elements of the chosen groups (any order of group ids, ties to the
+    lower index; best first when ordered, else in any order; group_max: the chosen groups' maxima, in the order of
+    `groups`), used at each level instead of the sort, gather and `lax.top_k` below
+    (`dsv4.pallas.select.refine_top_k` does it in one kernel). ordered=False: with refine, the k best in any order
+    (the inner levels ask for that: they only need the set of groups); without, ignored.
     """
     n = x.shape[-1]
     if not 1 <= k <= n:
@@ -52,10 +53,10 @@ def top_k(x: jax.Array, k: int, *, group: int = 4, direct_max: int = 2048, refin
     n_groups = -(-n // group)
     padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n_groups * group - n)], constant_values=-jnp.inf)
     groups = padded.reshape(*x.shape[:-1], n_groups, group)  # padding: -inf at the highest indices, never preferred
-    _, best_groups = top_k(groups.max(axis=-1), k, group=group, direct_max=direct_max, refine=refine,
-                           ordered=False)  # the set of the k best groups (by rank, unless refine reorders)
+    group_max, best_groups = top_k(groups.max(axis=-1), k, group=group, direct_max=direct_max, refine=refine,
+                                   ordered=False)  # the set of the k best groups (by rank, unless refine reorders)
     if refine is not None:
-        return refine(x, best_groups, group=group, ordered=ordered)
+        return refine(x, best_groups, group=group, ordered=ordered, group_max=group_max)
     best_groups = jnp.sort(best_groups, axis=-1)  # increasing index order (see the module docstring)
     candidates = jnp.take_along_axis(groups, best_groups[..., None], axis=-2)  # [..., k, group]
     values, pos = lax.top_k(candidates.reshape(*x.shape[:-1], k * group), k)

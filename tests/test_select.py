@@ -43,10 +43,54 @@ def chosen_groups(lead, n_groups, k, seed):
     ((1,), 40, 10, 4, SelectBlocks()),  # every group chosen
 ])  # fmt: skip
 @pytest.mark.parametrize("ordered", [True, False])
-def test_matches_reference(lead, n, k, group, blocks, ordered):
+@pytest.mark.parametrize("bounded", [False, True])
+def test_matches_reference(lead, n, k, group, blocks, ordered, bounded):
+    """Tied rows with -inf: the index search runs, and the maxima (bounded) straddle the sign."""
     x = tied_rows((*lead, n), seed=n + k)
     groups = chosen_groups(lead, -(-n // group), k, seed=n)
-    check_against_reference(x, groups, group, blocks, ordered, interpret=True)
+    check_against_reference(x, groups, group, blocks, ordered, interpret=True,
+                            group_max=group_maxima(x, groups, group) if bounded else None)  # fmt: skip
+
+
+def group_maxima(x, groups, group):
+    """Each chosen group's maximum over x (-inf past N), as `top_k` hands them to the kernel."""
+    n = x.shape[-1]
+    index = groups[..., None] * group + jnp.arange(group)
+    values = jnp.where(index < n, jnp.take_along_axis(x, jnp.minimum(index, n - 1).reshape(*groups.shape[:-1], -1),
+                                                      axis=-1).reshape(index.shape), -jnp.inf)  # fmt: skip
+    return values.max(-1)
+
+
+@pytest.mark.parametrize("values", ["positive", "negative", "wide", "signs", "equal", "top-ties"])
+def test_bounded_search_matches_reference(values):
+    """With the chosen groups' maxima given, the threshold search runs between the smallest and the largest of them:
+    distinct scores within a factor of 3 (positive or negative), spread over 12 decades, of both signs (no common
+    sign: the full search), rows of one value (the maxima equal: nothing to search, every candidate a tie), and
+    rows whose k-th best is their maximum (values 1 or 2, about 29 twos among 96 candidates for k = 24: the search
+    ends at the top of its range) paired in a program with rows of a much wider range. 6 rows of 300, 24 groups
+    of 4 chosen."""
+    rng = np.random.default_rng(len(values))
+    shape = (6, 300)
+    top_ties = np.where(rng.random(shape) < 0.3, 2.0, 1.0)
+    top_ties[1::2] = 10.0 ** rng.uniform(-6, 6, (3, 300))
+    x = {"positive": rng.uniform(1.0, 3.0, shape), "negative": -rng.uniform(1.0, 3.0, shape),
+         "wide": 10.0 ** rng.uniform(-6, 6, shape), "signs": rng.standard_normal(shape),
+         "equal": np.full(shape, 2.5), "top-ties": top_ties}[values]  # fmt: skip
+    x = jnp.asarray(x, jnp.float32)
+    groups = chosen_groups((6,), 75, 24, seed=3)
+    for ordered in (True, False):
+        check_against_reference(x, groups, 4, SelectBlocks(block_rows=2), ordered, interpret=True,
+                                group_max=group_maxima(x, groups, 4))  # fmt: skip
+
+
+def test_highest_bit_is_an_upper_bound_within_one():
+    from dsv4.pallas.select import highest_bit
+
+    x = np.asarray([0, 1, 2, 3, 255, 256, 2**24 - 1, 2**24 + 1, 2**30, 2**31 - 1], np.int32)
+    got = np.asarray(highest_bit(jnp.asarray(x)))
+    true = np.asarray([int(v).bit_length() - 1 for v in x])
+    assert got[0] == -1 and ((got == true) | (got == true + 1)).all(), (got, true)
+    assert (got[:6] == true[:6]).all()  # exact where float32 holds x exactly
 
 
 def by_index(values, indices):
@@ -55,11 +99,11 @@ def by_index(values, indices):
     return np.take_along_axis(values, order, -1), np.take_along_axis(indices, order, -1)
 
 
-def check_against_reference(x, groups, group, blocks, ordered, *, interpret):
+def check_against_reference(x, groups, group, blocks, ordered, *, interpret, group_max=None):
     lead, k = groups.shape[:-1], groups.shape[-1]
     poison = (jnp.full((*lead, k), jnp.nan, jnp.float32), jnp.full((*lead, k), -7, jnp.int32))
     values, indices = refine_top_k(x, groups, group=group, ordered=ordered, blocks=blocks, interpret=interpret,
-                                   out_init=poison)  # fmt: skip
+                                   group_max=group_max, out_init=poison)  # fmt: skip
     want_values, want_indices = map(np.asarray, refine_top_k_reference(x, groups, group=group))
     values, indices = np.asarray(values), np.asarray(indices)
     assert not np.isnan(values).any() and (indices != -7).all(), "kernel left elements unwritten (poisoned output)"
@@ -98,8 +142,8 @@ def test_top_k_with_the_kernel_equals_lax_top_k(n, k, group, direct_max):
     """Several levels of recursion, each refined by the kernel: exactly lax.top_k's values and indices."""
     x = tied_rows((3, n), seed=n)
 
-    def refine(x, groups, *, group, ordered):
-        return refine_top_k(x, groups, group=group, ordered=ordered, interpret=True)
+    def refine(x, groups, *, group, ordered, group_max):
+        return refine_top_k(x, groups, group=group, ordered=ordered, group_max=group_max, interpret=True)
 
     values, indices = top_k(x, k, group=group, direct_max=direct_max, refine=refine)
     want_values, want_indices = lax.top_k(x, k)
@@ -135,6 +179,8 @@ def test_index_topk_two_pass_with_the_kernel_picks_the_same():
     (lambda: refine_top_k(jnp.zeros((2, 10)), jnp.zeros((2, 4), jnp.int32), group=4), "k=4 chosen groups"),
     (lambda: refine_top_k(jnp.zeros((2, 10)), jnp.zeros((2, 2), jnp.int32), group=4,
                           out_init=(jnp.zeros((2, 3)), jnp.zeros((2, 3), jnp.int32))), "out_init must be"),
+    (lambda: refine_top_k(jnp.zeros((2, 10)), jnp.zeros((2, 2), jnp.int32), group=4,
+                          group_max=jnp.zeros((2, 3))), "group_max must be"),
     (lambda: SelectBlocks(block_rows=3), "block_rows=3"),
 ])  # fmt: skip
 def test_bad_arguments_are_named(call, match):
@@ -144,14 +190,17 @@ def test_bad_arguments_are_named(call, match):
 
 def test_lowers_to_triton_at_v4_shapes():
     """The kernel lowers for CUDA at the indexer's shapes (512 queries, a 512K prompt's 131136 keys, k = 512 of
-    2048 candidates) inside an abstract H200 mesh (Pallas' Triton lowering: shapes, gathers, the network)."""
+    2048 candidates) inside an abstract H200 mesh (Pallas' Triton lowering: shapes, gathers, the searches), with
+    and without the groups' maxima (the searches' dynamic trip counts)."""
     from gpu_mesh import abstract_gpu_mesh
 
     sds = jax.ShapeDtypeStruct
+    args = (sds((1, 512, 131136), jnp.float32), sds((1, 512, 512), jnp.int32), sds((1, 512, 512), jnp.float32))
     with abstract_gpu_mesh():
-        lowered = jax.jit(lambda x, g: refine_top_k(x, g, group=4)).trace(
-            sds((1, 512, 131136), jnp.float32), sds((1, 512, 512), jnp.int32)).lower(lowering_platforms=("cuda",))
-    assert "triton" in lowered.as_text().lower()
+        for f in (lambda x, g, m: refine_top_k(x, g, group=4), lambda x, g, m: refine_top_k(x, g, group=4,
+                                                                                            group_max=m)):
+            lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+            assert "triton" in lowered.as_text().lower()
 
 
 @gpu

@@ -86,10 +86,13 @@ def _paged_indexer():
                                                       selection="xla")), args  # fmt: skip
 
 
-def _refine():
+def _refine(bounded=False):
     blocks = select.SelectBlocks(block_rows=2)  # 301 rows in pairs
     args = dict(x=sds((1, 301, 10001), F32), groups=sds((1, 301, 512), I32))
-    return (lambda x, g: select.refine_top_k(x, g, group=4, blocks=blocks)), args
+    if not bounded:
+        return (lambda x, g: select.refine_top_k(x, g, group=4, blocks=blocks)), args
+    args["group_max"] = sds((1, 301, 512), F32)  # as the model's top-k calls it
+    return (lambda x, g, m: select.refine_top_k(x, g, group=4, blocks=blocks, group_max=m)), args
 
 
 def _sinkhorn():
@@ -142,6 +145,7 @@ OVERHANGING = {  # kernels whose last block overhangs at these shapes: every loa
     "index_scores": lambda: _indexer("index_scores"),
     "index_scores_paged": _paged_indexer,
     "refine_top_k": _refine,
+    "refine_top_k-bounded": lambda: _refine(bounded=True),
     "sinkhorn": _sinkhorn,
 }
 WHOLE_BLOCKS = {  # kernels whose wrappers give every operand whole blocks, whatever the lengths
