@@ -9,6 +9,7 @@ indexer scores), widths not multiples of the group, and k · group not a power o
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -207,13 +208,15 @@ def test_lowers_to_triton_at_v4_shapes():
 @requires_gpu
 @pytest.mark.parametrize("blocks", [SelectBlocks(), SelectBlocks(block_rows=2, num_warps=8)])
 def test_gpu_matches_reference(blocks):
-    """Compiled: the small tied cases above, then top_k with the kernel at each level equals lax.top_k at the
-    indexer's shapes (64 queries over a 512K prompt's 131136 keys, ragged -inf tails as causal masking makes)."""
+    """Compiled: the small tied cases above (with and without the groups' maxima), then top_k with the kernel at
+    each level (given the maxima) equals lax.top_k at the indexer's shapes (64 queries over a 512K prompt's 131136
+    keys, ragged -inf tails as causal masking makes)."""
     for lead, n, k, group in (((5,), 101, 8, 4), ((3,), 37, 6, 3), ((2, 2), 64, 16, 4)):
         x = tied_rows((*lead, n), seed=n + k)
         groups = chosen_groups(lead, -(-n // group), k, seed=n)
-        for ordered in (True, False):
-            check_against_reference(x, groups, group, blocks, ordered, interpret=False)
+        for ordered, bounded in itertools.product((True, False), (False, True)):
+            check_against_reference(x, groups, group, blocks, ordered, interpret=False,
+                                    group_max=group_maxima(x, groups, group) if bounded else None)  # fmt: skip
     rng = np.random.default_rng(11)
     n, rows = 131136, 64
     x = rng.standard_normal((1, rows, n)).astype(np.float32)
