@@ -17,7 +17,12 @@ slower), each from its own tree (`PYTHONPATH` and working directory), each with 
 It prints, per variant and length, each process's TTFT, the medians and the ratio base / this tree (> 1: this tree is
 faster), with compile times and MFUx beside; and writes OUT/ab_ttft.json with every process's own bench_ttft.json,
 after every process, so a command stopped by its time limit keeps what finished (each process's TTFT is printed as it
-ends, too). `--new DIR` times another prepared tree in place of this one.
+ends, too). `--new DIR` times another prepared tree in place of this one. `--new-env KEY=VALUE` (repeatable) sets
+variables for the new side's processes only: with `--base .` the two sides are this tree with and without them, an
+A/B of XLA flags:
+
+    python3 scripts/ab_ttft.py run --base . --new-env XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,WHILE \
+        --rounds 1 --out $OUT -- --lengths 512k --chunk 16384 --variants chunked ...
 """
 
 from __future__ import annotations
@@ -55,11 +60,11 @@ def order(rounds: int) -> list[tuple[int, str]]:
     return [(r, name) for r in range(1, rounds + 1) for name in (("base", "new") if r % 2 else ("new", "base"))]
 
 
-def run_one(tree: Path, bench_args: list[str], out: Path, timeout_s: float) -> dict:
-    """One bench_ttft.py process from `tree`. → its bench_ttft.json (or {"error": ...})."""
+def run_one(tree: Path, bench_args: list[str], out: Path, timeout_s: float, extra_env: dict | None = None) -> dict:
+    """One bench_ttft.py process from `tree`, with `extra_env` set. → its bench_ttft.json (or {"error": ...})."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(tree / "scripts" / "bench_ttft.py"), *bench_args, "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, "PYTHONPATH": str(tree), **(extra_env or {})}
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -130,6 +135,8 @@ def main(argv=None):
     run = sub.add_parser("run", help="alternate bench_ttft.py processes of the base and this tree")
     run.add_argument("--base", type=Path, required=True, help="a folder made by `prepare` (.ab/REV)")
     run.add_argument("--new", type=Path, default=ROOT, help="the other tree (default: this one)")
+    run.add_argument("--new-env", action="append", default=[], metavar="KEY=VALUE",
+                     help="an environment variable for the new side's processes only (repeatable)")
     run.add_argument("--rounds", type=int, default=2, help="processes per version (default 2)")
     run.add_argument("--out", type=Path, required=True)
     run.add_argument("--timeout", type=float, default=300.0, help="seconds a process (default 300)")
@@ -145,20 +152,23 @@ def main(argv=None):
         raise SystemExit(f"{args.base} holds no scripts/bench_ttft.py: make it with `ab_ttft.py prepare REV`")
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: at least 1")
+    if any("=" not in item for item in args.new_env):
+        raise SystemExit(f"--new-env {args.new_env}: each is KEY=VALUE")
+    new_env = dict(item.split("=", 1) for item in args.new_env)
     trees = {"base": args.base.resolve(), "new": args.new.resolve()}
     runs, table = [], []
     args.out.mkdir(parents=True, exist_ok=True)
 
     def save():  # after every process, so a command cut off by its time limit keeps what finished
-        record = {"bench_args": bench_args, "base": str(args.base), "rounds": args.rounds, "summary": table,
-                  "runs": runs}  # fmt: skip
+        record = {"bench_args": bench_args, "base": str(args.base), "new_env": new_env, "rounds": args.rounds,
+                  "summary": table, "runs": runs}  # fmt: skip
         (args.out / "ab_ttft.json").write_text(json.dumps(record, indent=1))
 
     save()
     for rnd, version in order(args.rounds):
         out = args.out / f"{version}{rnd}"
         print(f"round {rnd}: {version} ({trees[version]})", flush=True)
-        data = run_one(trees[version], bench_args, out, args.timeout)
+        data = run_one(trees[version], bench_args, out, args.timeout, new_env if version == "new" else None)
         if "error" in data:
             print(f"  {data['error']}", flush=True)
             continue

@@ -17,7 +17,8 @@ spec = importlib.util.spec_from_file_location("ab_ttft", ROOT / "scripts" / "ab_
 ab_ttft = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ab_ttft)
 
-# A stand-in bench_ttft.py: appends "<tree> <out>" to LOG, and writes a bench_ttft.json whose TTFT of each variant is
+# A stand-in bench_ttft.py: appends "<tree> <out> <PYTHONPATH is its tree> [AB_TEST_FLAG]" to LOG, and writes a
+# bench_ttft.json whose TTFT of each variant is
 # TTFT[tree][round - 1] (the round is the digit its --out folder ends with); "fails" in its args: exit 3.
 FAKE = """
 import json, os, sys
@@ -26,7 +27,8 @@ args = sys.argv[1:]
 out = Path(args[args.index("--out") + 1])
 tree = Path(__file__).resolve().parents[1].name
 with open(os.environ["AB_TEST_LOG"], "a") as f:
-    f.write(f"{tree} {out.name} {os.environ['PYTHONPATH'] == str(Path(__file__).resolve().parents[1])}\\n")
+    f.write(f"{tree} {out.name} {os.environ['PYTHONPATH'] == str(Path(__file__).resolve().parents[1])}"
+            f"{' ' + os.environ['AB_TEST_FLAG'] if 'AB_TEST_FLAG' in os.environ else ''}\\n")
 if "fails" in args and tree == "new":
     sys.exit(3)
 ttft = json.loads(os.environ["AB_TEST_TTFT"])[tree][int(out.name[-1]) - 1]
@@ -71,6 +73,20 @@ def test_run_alternates_and_gives_the_medians_ratio(trees, capsys):
     assert len(record["runs"]) == 6 and record["bench_args"] == ["--lengths", "512k"]
     printed = capsys.readouterr().out
     assert "1.129x" in printed and "chunked-fp8idx: TTFT 3600.0 ms" in printed  # each process's TTFT as it ends
+
+
+def test_new_env_reaches_the_new_side_only(trees):
+    """--new-env sets its variables in the new side's processes and nowhere else (an A/B of XLA flags with one
+    tree on both sides), and the record names them."""
+    base, new, tmp = trees
+    rc = ab_ttft.main(["run", "--base", str(base), "--new", str(new), "--new-env", "AB_TEST_FLAG=--xla_x=A,B",
+                       "--rounds", "2", "--out", str(tmp / "o"), "--"])  # fmt: skip
+    assert rc == 0
+    log = (tmp / "log").read_text().split("\n")[:-1]
+    assert log == ["base base1 True", "new new1 True --xla_x=A,B", "new new2 True --xla_x=A,B", "base base2 True"]
+    assert json.loads((tmp / "o" / "ab_ttft.json").read_text())["new_env"] == {"AB_TEST_FLAG": "--xla_x=A,B"}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        ab_ttft.main(["run", "--base", str(base), "--new-env", "NOVALUE", "--out", str(tmp / "p")])
 
 
 def test_a_run_cut_off_keeps_what_finished(trees, monkeypatch):
