@@ -18,8 +18,8 @@ ab_ttft = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ab_ttft)
 
 # A stand-in bench_ttft.py: appends "<tree> <out> <PYTHONPATH is its tree> [AB_TEST_FLAG]" to LOG, and writes a
-# bench_ttft.json whose TTFT of each variant is
-# TTFT[tree][round - 1] (the round is the digit its --out folder ends with); "fails" in its args: exit 3.
+# bench_ttft.json whose TTFT of each variant is TTFT[tree][round - 1] (the round is the digit its --out folder ends
+# with); "fails" in its args: exit 3.
 FAKE = """
 import json, os, sys
 from pathlib import Path
