@@ -113,8 +113,8 @@ def refine_top_k_kernel(x_ref, groups_ref, *refs, n_rows: int, group: int, bound
     span = jnp.full_like(base, INT32_MAX)  # d's range, per row
     if bounded:
         # loaded per candidate slot as the group ids are (a [R, k] block need not be a power of two wide)
-        rows_ok = jnp.broadcast_to(row_ok[:, None], (block_rows, width))
-        bound = order_key(plgpu.load(group_max_ref.at[of_group], mask=rows_ok, other=0.0).astype(jnp.float32))
+        row_mask = jnp.broadcast_to(row_ok[:, None], (block_rows, width))
+        bound = order_key(plgpu.load(group_max_ref.at[of_group], mask=row_mask, other=0.0).astype(jnp.float32))
         lo, hi = jnp.min(bound, axis=1), jnp.max(bound, axis=1)  # padding slots repeat group k - 1: no effect
         same_sign = (lo ^ hi) >= 0  # then hi - lo cannot overflow
         base = jnp.where(same_sign, lo, base)
@@ -170,10 +170,10 @@ def refine_top_k(
     x [..., N] float; groups [..., k] int32, distinct group ids in [0, ceil(N / group)), any order. → (values
     [..., k], indices int32 [..., k]): the k best by (value descending, index ascending); ordered: best first,
     else in the order of `groups`. interpret: the Pallas interpreter (CPU). group_max: [..., k], each chosen
-    group's maximum over x (any order), as `dsv4.topk.top_k` has them from the level below: they bound the k-th
-    best, so the threshold search starts from the bits they share. They must be exact: other values give other
-    picks. out_init: testing hook, the kernel's output buffers start as these (aliased), so unwritten elements keep
-    them."""
+    group's maximum over x (any order), as `dsv4.topk.top_k` has them from the level below: the k-th best lies
+    between their smallest and largest, so the threshold search covers only that range. They must be exact: other
+    values give other picks. out_init: testing hook, the kernel's output buffers start as these (aliased), so
+    unwritten elements keep them."""
     if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"refine_top_k needs a float x [..., N], got {x.dtype}{list(x.shape)}")
     if groups.shape[:-1] != x.shape[:-1] or groups.dtype != jnp.int32:
