@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from dsv4.pallas.select import SelectBlocks, refine_top_k, refine_top_k_reference
+from dsv4.pallas.select import SelectBlocks, chosen_candidates, refine_top_k, refine_top_k_reference
 from dsv4.topk import top_k
 
 gpu = pytest.mark.gpu
@@ -55,11 +55,8 @@ def test_matches_reference(lead, n, k, group, blocks, ordered, bounded):
 
 def group_maxima(x, groups, group):
     """Each chosen group's maximum over x (-inf past N), as `top_k` hands them to the kernel."""
-    n = x.shape[-1]
-    index = groups[..., None] * group + jnp.arange(group)
-    values = jnp.where(index < n, jnp.take_along_axis(x, jnp.minimum(index, n - 1).reshape(*groups.shape[:-1], -1),
-                                                      axis=-1).reshape(index.shape), -jnp.inf)  # fmt: skip
-    return values.max(-1)
+    values, _ = chosen_candidates(x, groups, group=group)
+    return values.reshape(*groups.shape, group).max(-1)
 
 
 @pytest.mark.parametrize("values", ["positive", "negative", "wide", "signs", "equal", "top-ties"])

@@ -46,7 +46,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from dsv4.pallas.indexer_common import next_power_of_2
 
-__all__ = ["SelectBlocks", "refine_for", "refine_top_k", "refine_top_k_kernel", "refine_top_k_reference"]
+__all__ = ["SelectBlocks", "chosen_candidates", "refine_for", "refine_top_k", "refine_top_k_kernel",
+           "refine_top_k_reference"]
 
 NEG_INF = float("-inf")
 INT32_MIN = -(2**31)
@@ -227,11 +228,18 @@ def refine_top_k(
     return values, indices
 
 
-def refine_top_k_reference(x: jax.Array, groups: jax.Array, *, group: int) -> tuple[jax.Array, jax.Array]:
-    """The same in plain jnp: gather the candidates (-inf past N), sort by (value descending, index ascending)."""
+def chosen_candidates(x: jax.Array, groups: jax.Array, *, group: int) -> tuple[jax.Array, jax.Array]:
+    """The chosen groups' elements in plain jnp: (values [..., k · group], -inf past N; their indices), group by
+    group in the order of `groups`."""
     n, k = x.shape[-1], groups.shape[-1]
     index = (groups[..., :, None] * group + jnp.arange(group)).reshape(*groups.shape[:-1], k * group)
-    values = jnp.where(index < n, jnp.take_along_axis(x, jnp.minimum(index, n - 1), axis=-1), NEG_INF)
+    return jnp.where(index < n, jnp.take_along_axis(x, jnp.minimum(index, n - 1), axis=-1), NEG_INF), index
+
+
+def refine_top_k_reference(x: jax.Array, groups: jax.Array, *, group: int) -> tuple[jax.Array, jax.Array]:
+    """The same in plain jnp: gather the candidates (-inf past N), sort by (value descending, index ascending)."""
+    k = groups.shape[-1]
+    values, index = chosen_candidates(x, groups, group=group)
     neg, index = lax.sort((-values, index), dimension=-1, num_keys=2)
     return -neg[..., :k], index[..., :k].astype(jnp.int32)
 
