@@ -36,7 +36,9 @@ csa      CSA layers (rate 4: C = S / 4 entries, 512 listed per token): the Mosai
          row gathered by its own TMA, ``v4_attention_mgpu(topk_indices=...)``, the mgpu-persistent configuration,
          once per ``--csa-barriers`` setting and ``--csa-gather-batches`` value: row indices the producer loads
          together) against the Triton kernel. Correctness first (S = 301, 1000 against the jnp reference; PASS
-         < 3e-2), then timings at --seqs.
+         < 3e-2), then timings at --seqs. ``--csa-debug no_regroup,contiguous`` adds timing probes (wrong results,
+         not checked) that locate a gathered step's cost: rows landed but not re-laid, and contiguous tiles in place
+         of gathered rows (the consumers' side alone).
          Lists: token p takes min(512, n) of its n = (p + 1) // 4 visible entries, evenly spread and rotated by a
          random offset per token (distinct; neighbours share few rows, so L2 helps less than with an indexer's
          picks). Useful FLOPs = 4·H·D per (query, key) pair: window keys plus listed entries.
@@ -338,6 +340,11 @@ def csa(args):
             configs[f"mosaic-{name}g{nb}"] = dataclasses.replace(VARIANTS["mgpu-persistent"], gather_batch=nb,
                                                                  auto_barriers=barriers == "on")
 
+    probes = {}  # timing probes with wrong results (MgpuConfig.debug "csa_*"), at the last gather batch
+    for probe in filter(None, args.csa_debug.split(",")):
+        probes[f"mosaic-g{batches[-1]}-{probe}"] = dataclasses.replace(
+            VARIANTS["mgpu-persistent"], gather_batch=batches[-1], debug=(f"csa_{probe}",))
+
     def mosaic_with(config):
         def mosaic(q, kv, q_pos, sinks, comp, topk):
             return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=W, scale=D**-0.5, compressed=comp,
@@ -374,6 +381,7 @@ def csa(args):
         data = csa_inputs(seq)
         flops = csa_flops(seq)
         runners = [(name, jax.jit(mosaic_with(c))) for name, c in configs.items() if name in passed]
+        runners += [(name, jax.jit(mosaic_with(c))) for name, c in probes.items()]
         runners.append(("triton", jax.jit(triton)))
         times = {}
         for name, fn in runners:
@@ -458,6 +466,8 @@ def main():
                     help="csa: MgpuConfig.gather_batch values to time (row indices loaded together; 1: one a row)")
     ap.add_argument("--csa-barriers", default="on", help="csa: comma-separated on,off: Pallas' automatic SMEM-store "
                     "barriers (MgpuConfig.auto_barriers), each at every gather batch")  # fmt: skip
+    ap.add_argument("--csa-debug", default="", help="csa: comma-separated timing probes no_regroup,contiguous "
+                    "(MgpuConfig.debug csa_*: wrong results, timed only)")  # fmt: skip
     ap.add_argument("--only", default="prefill", help="comma-separated subset of prefill,one-token,csa")
     ap.add_argument("--one-token-contexts", default="32768,524288", help="one-token: HCA context lengths (window "
                     "layers: the first only, their work does not depend on the context)")  # fmt: skip

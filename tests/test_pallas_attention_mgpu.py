@@ -416,11 +416,35 @@ def test_interpreter_csa_matches_reference(gather_batch, auto_barriers):
     np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("auto_barriers", [True, False])
-def test_csa_lowers_for_cuda_at_real_shapes(auto_barriers):
+def test_interpreter_csa_contiguous_probe_reads_entries_in_slot_order():
+    """The "csa_contiguous" timing probe (bench_attention.py --csa-debug) loads gathered step i as entries
+    [64 i, 64 i + 64) by one TMA a half: exact where slot j lists entry j, so the probe runs the consumers on the
+    rows it claims to (and its barrier protocol completes)."""
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+
+    window, seq, c = 16, 7, 45
+    q, kv, q_pos, sinks, _ = make_inputs(8, seq=seq, head_dim=128)
+    compressed = jnp.asarray(np.random.default_rng(9).standard_normal((1, c, 128)), jnp.bfloat16)
+    slot = np.arange(100)[None, None, :]
+    n = np.array([0, 1, 5, 20, 33, 44, 45])[None, :, None]  # entries listed by each token, in slot order
+    topk = jnp.asarray(np.where(slot < n, slot, -1), jnp.int32)
+    config = MgpuConfig(variant="ws", block_kv=64, pv_form="interpret", num_ctas=2, debug=("csa_contiguous",))
+    with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
+        out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
+                                topk_indices=topk, config=config, check_positions=False,
+                                interpret=InterpretGPUParams())  # fmt: skip
+        out = np.asarray(jax.block_until_ready(out), np.float32)
+    ref = v4_attention_reference(q, kv, q_pos, q_pos, sinks, sliding_window=window, scale=128**-0.5,
+                                 compressed=compressed, topk_indices=topk)  # fmt: skip
+    np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("auto_barriers, debug", [(True, ()), (False, ()), (True, ("csa_no_regroup",)),
+                                                  (True, ("csa_contiguous",))])  # fmt: skip
+def test_csa_lowers_for_cuda_at_real_shapes(auto_barriers, debug):
     """CSA at V4 shapes (D = 512, 512 slots, persistent "ws"): the per-row TMAs into the row-major view and the
     8-row regrouping through registers build for an abstract H200, with and without Pallas' automatic barriers (the
-    check_positions fallback compiles Triton's)."""
+    check_positions fallback compiles Triton's); so do the timing probes."""
     b, s, h, d, c = 1, 1024, 64, 512, 256
     sds = jax.ShapeDtypeStruct
     args = (sds((b, s, h, d), jnp.bfloat16), sds((b, s, d), jnp.bfloat16), sds((b, s), jnp.int32),
@@ -429,7 +453,7 @@ def test_csa_lowers_for_cuda_at_real_shapes(auto_barriers):
     def f(q, kv, q_pos, sinks, compressed, topk):
         return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=128, scale=d**-0.5, compressed=compressed,
                                  topk_indices=topk,
-                                 config=MgpuConfig(auto_barriers=auto_barriers))
+                                 config=MgpuConfig(auto_barriers=auto_barriers, debug=debug))
 
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -91,7 +91,7 @@ _TOKEN_BLOCK = 32768  # tokens per grid row when the prompt is longer than that
 _VARIANTS = ("ws", "prefetch")
 _ROW_TILE = 8  # rows of the (8, 64) SMEM tile; TMA row starts in a tiled GMEM view must be multiples of it
 _PV_FORMS = ("run_state", "store", "p_smem", "interpret")
-_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump")
+_DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump", "csa_no_regroup", "csa_contiguous")
 _SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
 
 
@@ -138,7 +138,10 @@ class MgpuConfig:
     #   "no_exchange": each consumer computes the full S = Q·Kᵀ from both halves (no SMEM exchange; "ws" only);
     #   "plain_exchange": the exchange buffer without tiling/swizzle transforms;
     #   "dump": a second output [B, S, 2 (wg), 2 (S unscaled, P f32), H, block_kv] f32 with the last step's tiles
-    #           (call v4_attention_mgpu_kernel_call directly; +32 KiB SMEM at block_kv 64).
+    #           (call v4_attention_mgpu_kernel_call directly; +32 KiB SMEM at block_kv 64);
+    #   "csa_no_regroup", "csa_contiguous": CSA timing probes with wrong results (bench_attention.py --csa-debug):
+    #           the listed rows land but are not re-laid tiled; or each gathered step loads entries
+    #           [step · block_kv, (step + 1) · block_kv) by one TMA a half as HCA does (no per-row TMAs, no pass).
     debug: tuple = ()
     persistent: bool | None = None
     num_ctas: int = 0
@@ -343,6 +346,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     no_exchange = "no_exchange" in dbg
     plain_exchange = "plain_exchange" in dbg
     dump = "dump" in dbg
+    no_regroup, contiguous = "csa_no_regroup" in dbg, "csa_contiguous" in dbg
     n_win_max = pl.cdiv(sliding_window, bk) if unaligned else pl.cdiv(sliding_window + _ROW_TILE - 1, bk)
     hca = compressed is not None  # compressed steps come first: HCA tiles, or (csa) tiles of listed entries
     if csa is not None and (not hca or config.variant != "ws" or csa[0].shape[2] % bk):
@@ -433,6 +437,11 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
             TMA into a tiled, swizzled ref only on whole 8-row tiles, hence the row-major landing and the pass.
             The rows' indices are loaded `gather_batch` at a time, all before the batch's first TMA, so the loads'
             latencies overlap."""
+            if contiguous:  # debug probe: the consumers' side alone
+                for half in range(2):
+                    plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(step * bk, bk), pl.ds(half * dh, dh)],
+                                            kv_smem.at[slot * 2 + half], kv_bar.at[slot * 2 + half])  # fmt: skip
+                return
             nb = config.gather_batch
 
             @pl.loop(0, bk // nb)
@@ -452,7 +461,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
             explicit = not config.auto_barriers
             for half in range(2):
                 plgpu.barrier_wait(landed_bar.at[slot * 2 + half])
-                for g in range(bk // _ROW_TILE):
+                for g in range(0 if no_regroup else bk // _ROW_TILE):
                     rows = pl.ds(g * _ROW_TILE, _ROW_TILE)
                     value = plgpu.load(kv_raw.at[slot * 2 + half, rows], layout=group)
                     if explicit:
