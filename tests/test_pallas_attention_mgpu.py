@@ -439,12 +439,14 @@ def test_interpreter_csa_contiguous_probe_reads_entries_in_slot_order():
     np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("auto_barriers, debug", [(True, ()), (False, ()), (True, ("csa_no_regroup",)),
-                                                  (True, ("csa_contiguous",))])  # fmt: skip
-def test_csa_lowers_for_cuda_at_real_shapes(auto_barriers, debug):
+@pytest.mark.parametrize("auto_barriers, debug, landing", [
+    (True, (), "regroup"), (False, (), "regroup"), (True, ("csa_no_regroup",), "regroup"),
+    (True, ("csa_contiguous",), "regroup"), (True, (), "swizzled"), (False, (), "swizzled")])  # fmt: skip
+def test_csa_lowers_for_cuda_at_real_shapes(auto_barriers, debug, landing):
     """CSA at V4 shapes (D = 512, 512 slots, persistent "ws"): the per-row TMAs into the row-major view and the
     8-row regrouping through registers build for an abstract H200, with and without Pallas' automatic barriers (the
-    check_positions fallback compiles Triton's); so do the timing probes."""
+    check_positions fallback compiles Triton's); so do the timing probes, and the swizzled landing's 1-row TMAs into
+    a swizzle-only view."""
     b, s, h, d, c = 1, 1024, 64, 512, 256
     sds = jax.ShapeDtypeStruct
     args = (sds((b, s, h, d), jnp.bfloat16), sds((b, s, d), jnp.bfloat16), sds((b, s), jnp.int32),
@@ -453,7 +455,7 @@ def test_csa_lowers_for_cuda_at_real_shapes(auto_barriers, debug):
     def f(q, kv, q_pos, sinks, compressed, topk):
         return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=128, scale=d**-0.5, compressed=compressed,
                                  topk_indices=topk,
-                                 config=MgpuConfig(auto_barriers=auto_barriers, debug=debug))
+                                 config=MgpuConfig(auto_barriers=auto_barriers, debug=debug, csa_landing=landing))
 
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -475,6 +477,11 @@ def test_csa_rejects_what_it_cannot_run():
     for bad in (0, 3):
         with pytest.raises(ValueError, match="gather_batch"):
             MgpuConfig(gather_batch=bad)
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+
+    with pytest.raises(ValueError, match="GPU only"):  # the interpreter cannot alias the swizzle-only view
+        v4_attention_mgpu(q, kv, q_pos, sinks, config=MgpuConfig(csa_landing="swizzled", pv_form="interpret"),
+                          interpret=InterpretGPUParams(), **kw)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -500,6 +507,8 @@ def test_rejects_bad_config():
     assert not MgpuConfig(block_kv=32, pv_form="interpret").is_persistent  # O is staged in a 64-row KV tile
     with pytest.raises(ValueError, match="num_ctas"):
         MgpuConfig(num_ctas=-1)
+    with pytest.raises(ValueError, match="csa_landing"):
+        MgpuConfig(csa_landing="gather4")
     with pytest.raises(ValueError, match="shared memory"):
         v4_attention_mgpu(jnp.zeros((1, 8, 64, 512), jnp.bfloat16), jnp.zeros((1, 8, 512), jnp.bfloat16),
                           jnp.zeros((1, 8), jnp.int32), jnp.zeros((64,), jnp.float32), sliding_window=128, scale=1.0,
@@ -554,20 +563,23 @@ def _check_on_gpu(config, hca, seq, fold=False, **shape):
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("num_ctas, gather_batch, auto_barriers", [
-    (0, 8, True), (5, 8, True), (0, 1, True), (0, 64, True), (5, 16, False)])  # fmt: skip
+@pytest.mark.parametrize("num_ctas, gather_batch, auto_barriers, landing", [
+    (0, 8, True, "regroup"), (5, 8, True, "regroup"), (0, 1, True, "regroup"), (0, 64, True, "regroup"),
+    (5, 16, False, "regroup"), (0, 16, True, "swizzled"), (5, 1, True, "swizzled"),
+    (0, 8, False, "swizzled")])  # fmt: skip
 @pytest.mark.parametrize("seq, k", [(301, 512), (37, 100)])
-def test_gpu_csa_matches_reference(num_ctas, gather_batch, auto_barriers, seq, k):
+def test_gpu_csa_matches_reference(num_ctas, gather_batch, auto_barriers, landing, seq, k):
     """CSA on the GPU: V4's 512 slots (or 100: a partial gathered tile) over 2000 entries, -1 anywhere, ids past the
-    entries; after a NaN-query run of the same shape. This is the first check of the per-row TMAs (1-row boxes at any
-    row start into the untransformed view) and of the in-place regrouping on hardware, which the interpreter cannot
-    model."""
+    entries; after a NaN-query run of the same shape. This is the check of the per-row TMAs (1-row boxes at any row
+    start into the untransformed view) and of the in-place regrouping on hardware, and of the swizzled landing (each
+    128-byte piece of a row TMA'd to its place in the tiled layout), which the interpreter cannot model."""
     window, d, c = 128, 512, 2000
     q, kv, q_pos, sinks, _ = make_inputs(11, seq=seq)
     compressed = jnp.asarray(np.random.default_rng(12).standard_normal((1, c, d)), jnp.bfloat16)
     topk = csa_lists(13, batch=1, seq=seq, k=k, num_entries=c)
     kwargs = dict(sliding_window=window, scale=d**-0.5, compressed=compressed, topk_indices=topk,
-                  config=MgpuConfig(num_ctas=num_ctas, gather_batch=gather_batch, auto_barriers=auto_barriers))
+                  config=MgpuConfig(num_ctas=num_ctas, gather_batch=gather_batch, auto_barriers=auto_barriers,
+                                    csa_landing=landing))  # fmt: skip
     jax.block_until_ready(v4_attention_mgpu(jnp.full_like(q, jnp.nan), kv, q_pos, sinks, **kwargs))  # poison
     out = np.asarray(v4_attention_mgpu(q, kv, q_pos, sinks, **kwargs), np.float32)
     ref = v4_attention_reference(q, kv, q_pos, q_pos, sinks, sliding_window=window, scale=d**-0.5,
