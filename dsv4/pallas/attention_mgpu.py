@@ -449,7 +449,8 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
             entry and half, each a 1-row box into the slot's row-major view, then each 8-row group (the same 4 KiB
             in both views) read into registers and written back tiled and swizzled, in place; then the halves'
             `kv_bar` arrivals. NOTE: Hopper's TMA has no row gather (`tile::gather4` is sm_100+) and Pallas takes a
-            TMA into a tiled, swizzled ref only on whole 8-row tiles, hence the row-major landing and the pass.
+            TMA into a tiled, swizzled ref only on whole 8-row tiles, hence the row-major landing and the pass
+            (`csa_landing="swizzled"`: a TMA a row and column tile straight to its tiled bytes, and no pass).
             The rows' indices are loaded `gather_batch` at a time, all before the batch's first TMA, so the loads'
             latencies overlap."""
             if contiguous:  # debug probe: the consumers' side alone
@@ -739,7 +740,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         # P for the P·V wgmma (pv_form "p_smem" / "interpret")
         plgpu.SMEM((2, HEADS_PER_CTA, bk), dtype, transforms=tiled(min(bk, elems_128b))) if p_via_smem else None,
         plgpu.SMEM((2, 2, HEADS_PER_CTA, bk), F32) if dump else None,  # debug dump staging
-        # CSA by TMA: the row gathers of a ring half landed (one arrival per row's TMA)
+        # CSA by TMA: the row gathers of a ring half landed (one arrival per TMA: a row's, or its column tile's)
         plgpu.Barrier(num_arrivals=bk * (col_tiles if swizzled else 1), num_barriers=2 * slots) if csa is not None
         else None,
         plgpu.SMEM((2, HEADS_PER_CTA), F32) if q_scale is not None else None,  # q's row scales, one copy per consumer
