@@ -398,14 +398,19 @@ def test_interpreter_csa_matches_reference(gather_batch, auto_barriers):
     indices loaded one at a time, or 8 or 16 together (a batch that put a row in the wrong place fails); once with
     the producer's own barriers (the interpreter does not model races: this checks the values and that the form
     runs)."""
+    topk = csa_lists(7, batch=1, seq=7, k=100, num_entries=45)
+    _check_csa_interpreted(5, topk, MgpuConfig(variant="ws", block_kv=64, pv_form="interpret", num_ctas=2,
+                                               gather_batch=gather_batch, auto_barriers=auto_barriers))  # fmt: skip
+
+
+def _check_csa_interpreted(seed, topk, config):
+    """The Mosaic kernel's CSA mode in the interpreter against the jnp reference: 7 tokens, window 16, 45 entries
+    of D = 128, lists topk [1, 7, K]."""
     from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 
     window, seq, c = 16, 7, 45
-    q, kv, q_pos, sinks, _ = make_inputs(5, seq=seq, head_dim=128)
-    compressed = jnp.asarray(np.random.default_rng(6).standard_normal((1, c, 128)), jnp.bfloat16)
-    topk = csa_lists(7, batch=1, seq=seq, k=100, num_entries=c)
-    config = MgpuConfig(variant="ws", block_kv=64, pv_form="interpret", num_ctas=2, gather_batch=gather_batch,
-                        auto_barriers=auto_barriers)  # fmt: skip
+    q, kv, q_pos, sinks, _ = make_inputs(seed, seq=seq, head_dim=128)
+    compressed = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((1, c, 128)), jnp.bfloat16)
     with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
         out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
                                 topk_indices=topk, config=config, check_positions=False,
@@ -420,23 +425,11 @@ def test_interpreter_csa_contiguous_probe_reads_entries_in_slot_order():
     """The "csa_contiguous" timing probe (bench_attention.py --csa-debug) loads gathered step i as entries
     [64 i, 64 i + 64) by one TMA a half: exact where slot j lists entry j, so the probe runs the consumers on the
     rows it claims to (and its barrier protocol completes)."""
-    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
-
-    window, seq, c = 16, 7, 45
-    q, kv, q_pos, sinks, _ = make_inputs(8, seq=seq, head_dim=128)
-    compressed = jnp.asarray(np.random.default_rng(9).standard_normal((1, c, 128)), jnp.bfloat16)
     slot = np.arange(100)[None, None, :]
     n = np.array([0, 1, 5, 20, 33, 44, 45])[None, :, None]  # entries listed by each token, in slot order
     topk = jnp.asarray(np.where(slot < n, slot, -1), jnp.int32)
-    config = MgpuConfig(variant="ws", block_kv=64, pv_form="interpret", num_ctas=2, debug=("csa_contiguous",))
-    with abstract_gpu_mesh("NVIDIA H100 80GB HBM3", 8):
-        out = v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=window, scale=128**-0.5, compressed=compressed,
-                                topk_indices=topk, config=config, check_positions=False,
-                                interpret=InterpretGPUParams())  # fmt: skip
-        out = np.asarray(jax.block_until_ready(out), np.float32)
-    ref = v4_attention_reference(q, kv, q_pos, q_pos, sinks, sliding_window=window, scale=128**-0.5,
-                                 compressed=compressed, topk_indices=topk)  # fmt: skip
-    np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=TOL, rtol=0)
+    _check_csa_interpreted(8, topk, MgpuConfig(variant="ws", block_kv=64, pv_form="interpret", num_ctas=2,
+                                               debug=("csa_contiguous",)))  # fmt: skip
 
 
 @pytest.mark.parametrize("auto_barriers, debug, landing", [
