@@ -336,10 +336,15 @@ def csa(args):
     configs = {}
     for landing in filter(None, args.csa_landings.split(",")):  # MgpuConfig.csa_landing
         for barriers in filter(None, args.csa_barriers.split(",")):  # "off": without Pallas' automatic SMEM barriers
-            name = ("" if landing == "regroup" else "swz-") + ("" if barriers == "on" else "nobar-")
-            for nb in batches:
-                configs[f"mosaic-{name}g{nb}"] = dataclasses.replace(
-                    VARIANTS["mgpu-persistent"], gather_batch=nb, auto_barriers=barriers == "on", csa_landing=landing)
+            for warps in (int(x) for x in args.csa_warps.split(",")):  # MgpuConfig.csa_warps: TMA-issuing warps
+                name = ("" if landing == "regroup" else "swz-") + ("" if barriers == "on" else "nobar-")
+                name += "" if warps == 1 else f"w{warps}-"
+                for nb in batches:
+                    if (VARIANTS["mgpu-persistent"].block_kv // warps) % nb:
+                        continue  # a warp's share of the rows is not a whole number of batches
+                    configs[f"mosaic-{name}g{nb}"] = dataclasses.replace(
+                        VARIANTS["mgpu-persistent"], gather_batch=nb, auto_barriers=barriers == "on",
+                        csa_landing=landing, csa_warps=warps)  # fmt: skip
 
     probes = {}  # timing probes with wrong results (MgpuConfig.debug "csa_*"), at the last gather batch
     for probe in filter(None, args.csa_debug.split(",")):
@@ -469,6 +474,8 @@ def main():
                     "barriers (MgpuConfig.auto_barriers), each at every gather batch")  # fmt: skip
     ap.add_argument("--csa-landings", default="regroup", help="csa: comma-separated regroup,swizzled "
                     "(MgpuConfig.csa_landing), each at every barrier setting and gather batch")  # fmt: skip
+    ap.add_argument("--csa-warps", default="1", help="csa: comma-separated 1,2,4: producer warps issuing the row "
+                    "TMAs (MgpuConfig.csa_warps), each at every landing, barrier setting and gather batch")  # fmt: skip
     ap.add_argument("--csa-debug", default="", help="csa: comma-separated timing probes no_regroup,contiguous "
                     "(MgpuConfig.debug csa_*: wrong results, timed only)")  # fmt: skip
     ap.add_argument("--only", default="prefill", help="comma-separated subset of prefill,one-token,csa")

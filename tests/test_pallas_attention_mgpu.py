@@ -390,17 +390,20 @@ def test_csa_operands_by_hand():
     assert np.asarray(bits).tolist() == [[[-(2**31), 1]]] and np.asarray(slots).tolist() == [[33]]
 
 
-@pytest.mark.parametrize("gather_batch, auto_barriers", [(1, True), (16, True), (8, False)])
-def test_interpreter_csa_matches_reference(gather_batch, auto_barriers):
+@pytest.mark.parametrize("gather_batch, auto_barriers, warps", [(1, True, 1), (16, True, 1), (8, False, 1),
+                                                                (8, True, 4), (16, False, 2)])  # fmt: skip
+def test_interpreter_csa_matches_reference(gather_batch, auto_barriers, warps):
     """CSA (each listed entry's row gathered by its own TMA into a row-major tile, rewritten tiled in place): 2
     persistent CTAs walking 7 tokens, 100 slots (2 gathered 64-row tiles, the second part padding) with -1 anywhere,
     ids past the entries, a token with nothing listed; then the window tiles. Against the jnp reference; the row
     indices loaded one at a time, or 8 or 16 together (a batch that put a row in the wrong place fails); once with
     the producer's own barriers (the interpreter does not model races: this checks the values and that the form
-    runs)."""
+    runs); and the TMAs issued by 2 or 4 warps, each its share of the rows (a share in the wrong rows, or a warp's
+    arrivals miscounted, fails or hangs)."""
     topk = csa_lists(7, batch=1, seq=7, k=100, num_entries=45)
     _check_csa_interpreted(5, topk, MgpuConfig(variant="ws", block_kv=64, pv_form="interpret", num_ctas=2,
-                                               gather_batch=gather_batch, auto_barriers=auto_barriers))  # fmt: skip
+                                               gather_batch=gather_batch, auto_barriers=auto_barriers,
+                                               csa_warps=warps))  # fmt: skip
 
 
 def _check_csa_interpreted(seed, topk, config):
@@ -432,14 +435,15 @@ def test_interpreter_csa_contiguous_probe_reads_entries_in_slot_order():
                                                debug=("csa_contiguous",)))  # fmt: skip
 
 
-@pytest.mark.parametrize("auto_barriers, debug, landing", [
-    (True, (), "regroup"), (False, (), "regroup"), (True, ("csa_no_regroup",), "regroup"),
-    (True, ("csa_contiguous",), "regroup"), (True, (), "swizzled"), (False, (), "swizzled")])  # fmt: skip
-def test_csa_lowers_for_cuda_at_real_shapes(auto_barriers, debug, landing):
+@pytest.mark.parametrize("auto_barriers, debug, landing, warps", [
+    (True, (), "regroup", 1), (False, (), "regroup", 1), (True, ("csa_no_regroup",), "regroup", 1),
+    (True, ("csa_contiguous",), "regroup", 1), (True, (), "swizzled", 1), (False, (), "swizzled", 1),
+    (True, (), "regroup", 4), (False, (), "swizzled", 4)])  # fmt: skip
+def test_csa_lowers_for_cuda_at_real_shapes(auto_barriers, debug, landing, warps):
     """CSA at V4 shapes (D = 512, 512 slots, persistent "ws"): the per-row TMAs into the row-major view and the
     8-row regrouping through registers build for an abstract H200, with and without Pallas' automatic barriers (the
     check_positions fallback compiles Triton's); so do the timing probes, and the swizzled landing's 1-row TMAs into
-    a swizzle-only view."""
+    a swizzle-only view, and either form with its TMAs issued by the producer's 4 warps."""
     b, s, h, d, c = 1, 1024, 64, 512, 256
     sds = jax.ShapeDtypeStruct
     args = (sds((b, s, h, d), jnp.bfloat16), sds((b, s, d), jnp.bfloat16), sds((b, s), jnp.int32),
@@ -448,7 +452,8 @@ def test_csa_lowers_for_cuda_at_real_shapes(auto_barriers, debug, landing):
     def f(q, kv, q_pos, sinks, compressed, topk):
         return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=128, scale=d**-0.5, compressed=compressed,
                                  topk_indices=topk,
-                                 config=MgpuConfig(auto_barriers=auto_barriers, debug=debug, csa_landing=landing))
+                                 config=MgpuConfig(auto_barriers=auto_barriers, debug=debug, csa_landing=landing,
+                                                   csa_warps=warps))  # fmt: skip
 
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -470,6 +475,9 @@ def test_csa_rejects_what_it_cannot_run():
     for bad in (0, 3):
         with pytest.raises(ValueError, match="gather_batch"):
             MgpuConfig(gather_batch=bad)
+    for bad in (dict(csa_warps=3), dict(csa_warps=4, gather_batch=32)):  # not 1, 2, 4; a share of 16 rows < 32
+        with pytest.raises(ValueError, match="csa_warps"):
+            MgpuConfig(**bad)
     from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 
     with pytest.raises(ValueError, match="GPU only"):  # the interpreter cannot alias the swizzle-only view

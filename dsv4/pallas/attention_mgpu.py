@@ -158,6 +158,10 @@ class MgpuConfig:
     # by one thread (docs/kernels/attention.md). GPU only: the CPU interpreter keeps a RefUnion's views in separate
     # buffers, so only the regrouping form can be checked there.
     csa_landing: str = "regroup"
+    # CSA: warps of the producer warpgroup that issue the row TMAs, each its share of a step's rows (1: one elected
+    # thread of the warpgroup issues them all; 2 or 4: `plgpu.warp_map`, one elected thread a warp), so that the
+    # issue of the many 1-row TMAs, the step's limit, runs in parallel.
+    csa_warps: int = 1
 
     def __post_init__(self):
         # NOTE: P·V reduces over block_kv; a bf16 wgmma K must be a multiple of 64 (found by lowering, block_kv=32
@@ -181,6 +185,9 @@ class MgpuConfig:
             raise ValueError(f"MgpuConfig.csa_landing={self.csa_landing!r} must be one of {_CSA_LANDINGS}")
         if self.gather_batch < 1 or self.block_kv % self.gather_batch:
             raise ValueError(f"MgpuConfig.gather_batch={self.gather_batch} must divide block_kv={self.block_kv}")
+        if self.csa_warps not in (1, 2, 4) or (self.block_kv // self.csa_warps) % self.gather_batch:
+            raise ValueError(f"MgpuConfig.csa_warps={self.csa_warps} must be 1, 2 or 4, each warp's share of "
+                             f"block_kv={self.block_kv} rows a multiple of gather_batch={self.gather_batch}")
         if self.num_ctas < 0:
             raise ValueError(f"MgpuConfig.num_ctas={self.num_ctas} must be >= 0 (0: one per SM)")
         if self.persistent and not self._persistent_applies():
@@ -459,11 +466,15 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                     plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(step * bk, bk), pl.ds(half * dh, dh)],
                                             kv_smem.at[slot * 2 + half], kv_bar.at[slot * 2 + half])  # fmt: skip
                 return
-            nb = config.gather_batch
+            nb, n_warps = config.gather_batch, config.csa_warps
+            share = bk // n_warps  # rows a warp issues
 
-            @pl.loop(0, bk // nb)
-            def _(r0):
-                first = r0 * nb
+            def issue_rows(warp):
+                @pl.loop(0, share // nb)
+                def _(r0):
+                    land(warp * share + r0 * nb)
+
+            def land(first):
                 rows = [rows_ref[it.bi, it.tok, step * bk + first + r] for r in range(nb)]
                 for r, row in enumerate(rows):
                     for half in range(2):
@@ -481,6 +492,15 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                             plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(row, 1), cols],
                                                     kv_raw.at[slot * 2 + half, pl.ds(at, 1)],
                                                     landed_bar.at[slot * 2 + half])  # fmt: skip
+
+            if n_warps == 1:
+                issue_rows(0)
+            else:
+                @plgpu.warp_map
+                def _(warp):
+                    @pl.when(warp < n_warps)
+                    def _():
+                        issue_rows(warp)
 
             group = plgpu.Layout.SMEM_GMEM_COPY((_ROW_TILE, dh), dtype, elems_128b * itemsize)
             # Without Pallas' automatic barriers (`auto_barriers=False`) the warpgroup syncs itself where threads
