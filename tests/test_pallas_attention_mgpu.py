@@ -564,23 +564,25 @@ def _check_on_gpu(config, hca, seq, fold=False, **shape):
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("num_ctas, gather_batch, auto_barriers, landing", [
-    (0, 8, True, "regroup"), (5, 8, True, "regroup"), (0, 1, True, "regroup"), (0, 64, True, "regroup"),
-    (5, 16, False, "regroup"), (0, 16, True, "swizzled"), (5, 1, True, "swizzled"),
-    (0, 8, False, "swizzled")])  # fmt: skip
+@pytest.mark.parametrize("num_ctas, gather_batch, auto_barriers, landing, warps", [
+    (0, 8, True, "regroup", 1), (5, 8, True, "regroup", 1), (0, 1, True, "regroup", 1), (0, 64, True, "regroup", 1),
+    (5, 16, False, "regroup", 1), (0, 16, True, "swizzled", 1), (5, 1, True, "swizzled", 1),
+    (0, 8, False, "swizzled", 1), (0, 16, True, "regroup", 4), (5, 8, False, "regroup", 2),
+    (0, 16, True, "swizzled", 4)])  # fmt: skip
 @pytest.mark.parametrize("seq, k", [(301, 512), (37, 100)])
-def test_gpu_csa_matches_reference(num_ctas, gather_batch, auto_barriers, landing, seq, k):
+def test_gpu_csa_matches_reference(num_ctas, gather_batch, auto_barriers, landing, warps, seq, k):
     """CSA on the GPU: V4's 512 slots (or 100: a partial gathered tile) over 2000 entries, -1 anywhere, ids past the
     entries; after a NaN-query run of the same shape. This is the check of the per-row TMAs (1-row boxes at any row
     start into the untransformed view) and of the in-place regrouping on hardware, and of the swizzled landing (each
-    128-byte piece of a row TMA'd to its place in the tiled layout), which the interpreter cannot model."""
+    128-byte piece of a row TMA'd to its place in the tiled layout), which the interpreter cannot model; with the
+    TMAs issued by one thread, or by 2 or 4 warps."""
     window, d, c = 128, 512, 2000
     q, kv, q_pos, sinks, _ = make_inputs(11, seq=seq)
     compressed = jnp.asarray(np.random.default_rng(12).standard_normal((1, c, d)), jnp.bfloat16)
     topk = csa_lists(13, batch=1, seq=seq, k=k, num_entries=c)
     kwargs = dict(sliding_window=window, scale=d**-0.5, compressed=compressed, topk_indices=topk,
                   config=MgpuConfig(num_ctas=num_ctas, gather_batch=gather_batch, auto_barriers=auto_barriers,
-                                    csa_landing=landing))  # fmt: skip
+                                    csa_landing=landing, csa_warps=warps))  # fmt: skip
     jax.block_until_ready(v4_attention_mgpu(jnp.full_like(q, jnp.nan), kv, q_pos, sinks, **kwargs))  # poison
     out = np.asarray(v4_attention_mgpu(q, kv, q_pos, sinks, **kwargs), np.float32)
     ref = v4_attention_reference(q, kv, q_pos, q_pos, sinks, sliding_window=window, scale=d**-0.5,
