@@ -161,7 +161,7 @@ class MgpuConfig:
     # CSA: warps of the producer warpgroup that issue the row TMAs, each its share of a step's rows (1: one elected
     # thread of the warpgroup issues them all; 2 or 4: `plgpu.warp_map`, one elected thread a warp), so that the
     # issue of the many 1-row TMAs, the step's limit, runs in parallel.
-    csa_warps: int = 1
+    csa_warps: int = 4
 
     def __post_init__(self):
         # NOTE: P·V reduces over block_kv; a bf16 wgmma K must be a multiple of 64 (found by lowering, block_kv=32
