@@ -43,8 +43,9 @@ CHOICES = {
     # whole-prompt sequence-parallel core applies it to q); one-token steps always take q normalized. "auto": "fold"
     # under the Pallas core on Hopper.
     "q_norm": ("jnp", "fold"),
-    # CSA layers' prefill under the Pallas core: "pallas-triton" the Triton kernel; "pallas" the Mosaic kernel's CSA
-    # mode on Hopper (each listed row gathered by its own TMA; measured slower, docs/kernels/attention.md)
+    # CSA layers' prefill under the Pallas core: "pallas" the Mosaic kernel's CSA mode on Hopper (each listed row
+    # gathered by its own TMA, issued by 4 warps; docs/kernels/attention.md), the Triton kernel elsewhere;
+    # "pallas-triton" the Triton kernel. "auto": "pallas" on Hopper.
     "csa": ("pallas", "pallas-triton"),
 }
 SEQUENCE_PARALLEL_CORES = ("sp", "sp-pallas")
@@ -74,11 +75,10 @@ class Kernels:
     @classmethod
     def all(cls, impl: str) -> Kernels:
         """Every part on `impl` ("jnp" or "pallas"): the XLA reference, or every Pallas kernel (interpreted off a
-        GPU); q's normalization "jnp" either way (it is a route, not a kernel), CSA layers on the Triton kernel
-        (used only under the Pallas core)."""
+        GPU); q's normalization "jnp" either way (it is a route, not a kernel)."""
         if impl not in ("jnp", "pallas"):
             raise ValueError(f"Kernels.all({impl!r}): 'jnp' or 'pallas'")
-        return cls(**{**dict.fromkeys(CHOICES, impl), "q_norm": "jnp", "csa": "pallas-triton"})
+        return cls(**{**dict.fromkeys(CHOICES, impl), "q_norm": "jnp"})
 
     @classmethod
     def parse(cls, spec: str) -> Kernels:
@@ -102,8 +102,8 @@ class Kernels:
 
         On a GPU: the Pallas kernels wherever they are measured faster than XLA, for 16-bit models (a float32
         model keeps XLA's full-precision dots in attention and the indexer); decode steps and cache writes stay on
-        XLA, whose step measured as fast as the kernels' (the step is host-bound); q's normalization folds into the
-        Mosaic attention kernel on Hopper. Off a GPU: jnp everywhere."""
+        XLA, whose step measured as fast as the kernels' (the step is host-bound); on Hopper q's normalization folds
+        into the Mosaic attention kernel, whose CSA mode takes the CSA layers too. Off a GPU: jnp everywhere."""
         gpu = on_gpu() if gpu is None else gpu
         hopper = gpu and (is_hopper() if hopper is None else hopper)
         fast = gpu and jnp.dtype(dtype) in _FAST_DTYPES
@@ -121,7 +121,8 @@ class Kernels:
             sinkhorn="pallas" if gpu else "jnp",
             # the fold saves the normalized q's write and read: 1.007-1.012x TTFT at 512K (docs/BENCHMARKS.md)
             q_norm="fold" if hopper and attention == "pallas" else "jnp",
-            csa="pallas-triton",  # the Mosaic CSA mode measured 0.67-0.74x the Triton kernel
+            # the Mosaic CSA mode: 1.45x the Triton kernel at 128K, TTFT 512K 1.037x (docs/BENCHMARKS.md)
+            csa="pallas" if hopper else "pallas-triton",
         )
         return Kernels(**{name: _pick(getattr(self, name), auto[name]) for name in CHOICES})
 

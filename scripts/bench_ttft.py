@@ -43,8 +43,9 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
     chunked-2x       (4x) as (4) in chunks of twice ``--chunk`` (the chunk size's effect, side by side in one process)
     chunked-qnorm    (4n) as (4) with Kernels.q_norm="jnp": q normalized by XLA before the core, where (4) on Hopper
                           only rotates q and folds its inverse RMS into the attention kernels' logit scale
-    chunked-csamgpu  (4c) as (4) with Kernels.csa="pallas": CSA layers' attention on the Mosaic kernel's CSA mode
-                          (each listed row gathered by its own TMA) instead of the Triton kernel
+    chunked-csatriton (4c) as (4) with Kernels.csa="pallas-triton": CSA layers' attention on the Triton kernel
+                          instead of the Mosaic kernel's CSA mode (the default on Hopper: each listed row gathered by
+                          its own TMA)
     engine           (4e) the prompt through `dsv4.LLM(model)` with default arguments (kernels "auto", the paged cache)
                           but ``--chunk``; TTFT = the request's own, arrival to first sampled token
     xla-cap          (1c) as (1) with a capacity-padded batched-einsum MoE (defined in this script, not in dsv4:
@@ -206,7 +207,7 @@ class Variant:
     dense: str | None = None  # Kernels.dense (None: "jnp")
     sinkhorn_loop: bool = False  # the mHC Sinkhorn as XLA's while loop (Kernels.sinkhorn="jnp")
     q_norm: str | None = None  # Kernels.q_norm (None: "auto", "fold" under the Pallas core on Hopper)
-    csa: str | None = None  # Kernels.csa (None: "auto", the Triton kernel)
+    csa: str | None = None  # Kernels.csa (None: "auto", the Mosaic kernel's CSA mode on Hopper)
     chunks_of: int = 1  # chunked only: chunks of this many times --chunk
 
     def kernel_parts(self) -> dict:
@@ -252,17 +253,17 @@ VARIANTS = {v.key: v for v in [
     Variant("chunked-2x", "(4x)", "(4) in chunks of 2 x --chunk", "chunked", "pallas", "pallas", chunks_of=2),
     Variant("chunked-qnorm", "(4n)", "(4) with q normalized before the core", "chunked", "pallas", "pallas",
             q_norm="jnp"),
-    Variant("chunked-csamgpu", "(4c)", "(4) with CSA on the Mosaic kernel", "chunked", "pallas", "pallas",
-            csa="pallas"),
+    Variant("chunked-csatriton", "(4c)", "(4) with CSA on the Triton kernel", "chunked", "pallas", "pallas",
+            csa="pallas-triton"),
     Variant("engine", "(4e)", "(4) through dsv4.LLM, default arguments", "engine", "auto", "auto"),
     Variant("xla-cap", "(1c)", "XLA, capacity MoE", "full", "jnp", "xla_cap"),
     Variant("pallas-attn-cap", "(2c)", "+ Pallas attn + idx, capacity MoE", "full", "pallas", "xla_cap"),
 ]}  # fmt: skip
 PRIORITY = ["pallas", "chunked", "engine", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn",
             "chunked-fp8idx", "chunked-tritonidx", "chunked-w8a8", "chunked-loop", "chunked-2x",
-            "chunked-qnorm", "chunked-csamgpu"]  # fmt: skip
+            "chunked-qnorm", "chunked-csatriton"]  # fmt: skip
 TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-loop", "chunked", "chunked-2x",
-               "chunked-qnorm", "chunked-csamgpu", "engine", "chunked-tritonidx", "chunked-fp8idx", "chunked-w8a8",
+               "chunked-qnorm", "chunked-csatriton", "engine", "chunked-tritonidx", "chunked-fp8idx", "chunked-w8a8",
                "chunked-fp8"]  # fmt: skip
 BASELINES = ("xla", "xla-cap")  # plain XLA: the speed-ups' denominators
 PAGE_TOKENS = 256  # (5)'s page size: a multiple of both compress rates

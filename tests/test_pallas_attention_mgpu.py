@@ -475,7 +475,7 @@ def test_csa_rejects_what_it_cannot_run():
     for bad in (0, 3):
         with pytest.raises(ValueError, match="gather_batch"):
             MgpuConfig(gather_batch=bad)
-    for bad in (dict(csa_warps=3), dict(csa_warps=4, gather_batch=32)):  # not 1, 2, 4; a share of 16 rows < 32
+    for bad in (dict(csa_warps=3), dict(block_kv=192, csa_warps=4, gather_batch=32)):  # a share of 48 rows
         with pytest.raises(ValueError, match="csa_warps"):
             MgpuConfig(**bad)
     from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams

@@ -183,7 +183,9 @@ def test_q_norm_folds_by_default_only_under_the_pallas_core_on_hopper():
     assert resolve(dsv4.Kernels(), jnp.float32, gpu=True, hopper=True).q_norm == "jnp"  # the jnp core
     assert resolve(dsv4.Kernels(attention="sp-pallas"), jnp.bfloat16, gpu=True, hopper=True).q_norm == "jnp"
     assert resolve(dsv4.Kernels(), jnp.bfloat16, gpu=False).q_norm == "jnp"
-    assert resolve(dsv4.Kernels(), jnp.bfloat16, gpu=True, hopper=True).csa == "pallas-triton"  # measured faster
+    assert resolve(dsv4.Kernels(), jnp.bfloat16, gpu=True, hopper=True).csa == "pallas"  # measured faster there
+    assert resolve(dsv4.Kernels(), jnp.bfloat16, gpu=True, hopper=False).csa == "pallas-triton"
+    assert resolve(dsv4.Kernels(csa="pallas-triton"), jnp.bfloat16, gpu=True, hopper=True).csa == "pallas-triton"
 
 
 @pytest.mark.parametrize("name", ["tiny_long", "tiny_mixed"])

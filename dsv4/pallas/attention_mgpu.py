@@ -148,7 +148,8 @@ class MgpuConfig:
     num_ctas: int = 0
     auto_barriers: bool = True
     # CSA: listed rows whose indices the producer loads together before issuing their TMAs, so their GMEM loads'
-    # latencies overlap (1: one at a time). 16 measured fastest of 1, 8, 16 (docs/kernels/attention.md).
+    # latencies overlap (1: one at a time; at most a warp's share of block_kv, see csa_warps). 16 measured fastest
+    # of 1, 8, 16 (docs/kernels/attention.md).
     gather_batch: int = 16
     # CSA: how a listed row reaches the tiled, swizzled tile the consumers' wgmmas read. "regroup": one TMA a row
     # half into a row-major view of the slot, then each 8-row group re-laid through registers, in place. "swizzled":
@@ -160,7 +161,8 @@ class MgpuConfig:
     csa_landing: str = "regroup"
     # CSA: warps of the producer warpgroup that issue the row TMAs, each its share of a step's rows (1: one elected
     # thread of the warpgroup issues them all; 2 or 4: `plgpu.warp_map`, one elected thread a warp), so that the
-    # issue of the many 1-row TMAs, the step's limit, runs in parallel.
+    # issue of the many 1-row TMAs, the step's limit, runs in parallel. 4 measured 1.91x one thread at 128K
+    # (1.45x the Triton kernel; docs/kernels/attention.md).
     csa_warps: int = 4
 
     def __post_init__(self):
@@ -185,9 +187,10 @@ class MgpuConfig:
             raise ValueError(f"MgpuConfig.csa_landing={self.csa_landing!r} must be one of {_CSA_LANDINGS}")
         if self.gather_batch < 1 or self.block_kv % self.gather_batch:
             raise ValueError(f"MgpuConfig.gather_batch={self.gather_batch} must divide block_kv={self.block_kv}")
-        if self.csa_warps not in (1, 2, 4) or (self.block_kv // self.csa_warps) % self.gather_batch:
+        share = self.block_kv // self.csa_warps
+        if self.csa_warps not in (1, 2, 4) or share % min(self.gather_batch, share):
             raise ValueError(f"MgpuConfig.csa_warps={self.csa_warps} must be 1, 2 or 4, each warp's share of "
-                             f"block_kv={self.block_kv} rows a multiple of gather_batch={self.gather_batch}")
+                             f"block_kv={self.block_kv} rows whole batches of gather_batch={self.gather_batch}")
         if self.num_ctas < 0:
             raise ValueError(f"MgpuConfig.num_ctas={self.num_ctas} must be >= 0 (0: one per SM)")
         if self.persistent and not self._persistent_applies():
@@ -466,8 +469,9 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                     plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(step * bk, bk), pl.ds(half * dh, dh)],
                                             kv_smem.at[slot * 2 + half], kv_bar.at[slot * 2 + half])  # fmt: skip
                 return
-            nb, n_warps = config.gather_batch, config.csa_warps
+            n_warps = config.csa_warps
             share = bk // n_warps  # rows a warp issues
+            nb = min(config.gather_batch, share)
 
             def issue_rows(warp):
                 @pl.loop(0, share // nb)
