@@ -34,8 +34,8 @@ one-token  one-token chunks (a decode step over a dense cache), the Triton kerne
            max abs difference between the two outputs.
 csa      CSA layers (rate 4: C = S / 4 entries, 512 listed per token): the Mosaic kernel's CSA mode (each listed
          row gathered by TMA, ``v4_attention_mgpu(topk_indices=...)``, the mgpu-persistent configuration, once per
-         ``--csa-landings`` form, ``--csa-barriers`` setting and ``--csa-gather-batches`` value: row indices the
-         producer loads together) against the Triton kernel. Correctness first (S = 301, 1000 against the jnp
+         ``--csa-warps`` count (producer warps issuing the row TMAs), ``--csa-barriers`` setting and
+         ``--csa-gather-batches`` value: row indices a warp loads together) against the Triton kernel. Correctness first (S = 301, 1000 against the jnp
          reference; PASS < 3e-2), then timings at --seqs. ``--csa-debug no_regroup,contiguous`` adds timing probes
          (wrong results, not checked) that locate a gathered step's cost: rows landed but not re-laid, and
          contiguous tiles in place of gathered rows (the consumers' side alone).
@@ -334,17 +334,14 @@ def csa_flops(seq):
 def csa(args):
     batches = [int(x) for x in args.csa_gather_batches.split(",")]
     configs = {}
-    for landing in filter(None, args.csa_landings.split(",")):  # MgpuConfig.csa_landing
-        for barriers in filter(None, args.csa_barriers.split(",")):  # "off": without Pallas' automatic SMEM barriers
-            for warps in (int(x) for x in args.csa_warps.split(",")):  # MgpuConfig.csa_warps: TMA-issuing warps
-                name = ("" if landing == "regroup" else "swz-") + ("" if barriers == "on" else "nobar-")
-                name += "" if warps == 1 else f"w{warps}-"
-                for nb in batches:
-                    if (VARIANTS["mgpu-persistent"].block_kv // warps) % nb:
-                        continue  # a warp's share of the rows is not a whole number of batches
-                    configs[f"mosaic-{name}g{nb}"] = dataclasses.replace(
-                        VARIANTS["mgpu-persistent"], gather_batch=nb, auto_barriers=barriers == "on",
-                        csa_landing=landing, csa_warps=warps)  # fmt: skip
+    for barriers in filter(None, args.csa_barriers.split(",")):  # "off": without Pallas' automatic SMEM barriers
+        for warps in (int(x) for x in args.csa_warps.split(",")):  # MgpuConfig.csa_warps: TMA-issuing warps
+            name = ("" if barriers == "on" else "nobar-") + f"w{warps}-"
+            for nb in batches:
+                if (VARIANTS["mgpu-persistent"].block_kv // warps) % nb:
+                    continue  # a warp's share of the rows is not a whole number of batches
+                configs[f"mosaic-{name}g{nb}"] = dataclasses.replace(
+                    VARIANTS["mgpu-persistent"], gather_batch=nb, auto_barriers=barriers == "on", csa_warps=warps)
 
     probes = {}  # timing probes with wrong results (MgpuConfig.debug "csa_*"), at the last gather batch
     for probe in filter(None, args.csa_debug.split(",")):
@@ -472,10 +469,8 @@ def main():
                     help="csa: MgpuConfig.gather_batch values to time (row indices loaded together; 1: one a row)")
     ap.add_argument("--csa-barriers", default="on", help="csa: comma-separated on,off: Pallas' automatic SMEM-store "
                     "barriers (MgpuConfig.auto_barriers), each at every gather batch")  # fmt: skip
-    ap.add_argument("--csa-landings", default="regroup", help="csa: comma-separated regroup,swizzled "
-                    "(MgpuConfig.csa_landing), each at every barrier setting and gather batch")  # fmt: skip
-    ap.add_argument("--csa-warps", default="1", help="csa: comma-separated 1,2,4: producer warps issuing the row "
-                    "TMAs (MgpuConfig.csa_warps), each at every landing, barrier setting and gather batch")  # fmt: skip
+    ap.add_argument("--csa-warps", default="4", help="csa: comma-separated 1,2,4: producer warps issuing the row "
+                    "TMAs (MgpuConfig.csa_warps), each at every barrier setting and gather batch")  # fmt: skip
     ap.add_argument("--csa-debug", default="", help="csa: comma-separated timing probes no_regroup,contiguous "
                     "(MgpuConfig.debug csa_*: wrong results, timed only)")  # fmt: skip
     ap.add_argument("--only", default="prefill", help="comma-separated subset of prefill,one-token,csa")

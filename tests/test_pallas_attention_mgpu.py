@@ -435,15 +435,14 @@ def test_interpreter_csa_contiguous_probe_reads_entries_in_slot_order():
                                                debug=("csa_contiguous",)))  # fmt: skip
 
 
-@pytest.mark.parametrize("auto_barriers, debug, landing, warps", [
-    (True, (), "regroup", 1), (False, (), "regroup", 1), (True, ("csa_no_regroup",), "regroup", 1),
-    (True, ("csa_contiguous",), "regroup", 1), (True, (), "swizzled", 1), (False, (), "swizzled", 1),
-    (True, (), "regroup", 4), (False, (), "swizzled", 4)])  # fmt: skip
-def test_csa_lowers_for_cuda_at_real_shapes(auto_barriers, debug, landing, warps):
-    """CSA at V4 shapes (D = 512, 512 slots, persistent "ws"): the per-row TMAs into the row-major view and the
-    8-row regrouping through registers build for an abstract H200, with and without Pallas' automatic barriers (the
-    check_positions fallback compiles Triton's); so do the timing probes, and the swizzled landing's 1-row TMAs into
-    a swizzle-only view, and either form with its TMAs issued by the producer's 4 warps."""
+@pytest.mark.parametrize("auto_barriers, debug, warps", [
+    (True, (), 4), (False, (), 4), (True, (), 1), (False, (), 2), (True, ("csa_no_regroup",), 4),
+    (True, ("csa_contiguous",), 4)])  # fmt: skip
+def test_csa_lowers_for_cuda_at_real_shapes(auto_barriers, debug, warps):
+    """CSA at V4 shapes (D = 512, 512 slots, persistent "ws"): the per-row TMAs into the row-major view, issued by
+    the producer's 4 warps, 2, or one thread, and the 8-row regrouping through registers build for an abstract H200,
+    with and without Pallas' automatic barriers (the check_positions fallback compiles Triton's); so do the timing
+    probes."""
     b, s, h, d, c = 1, 1024, 64, 512, 256
     sds = jax.ShapeDtypeStruct
     args = (sds((b, s, h, d), jnp.bfloat16), sds((b, s, d), jnp.bfloat16), sds((b, s), jnp.int32),
@@ -452,8 +451,7 @@ def test_csa_lowers_for_cuda_at_real_shapes(auto_barriers, debug, landing, warps
     def f(q, kv, q_pos, sinks, compressed, topk):
         return v4_attention_mgpu(q, kv, q_pos, sinks, sliding_window=128, scale=d**-0.5, compressed=compressed,
                                  topk_indices=topk,
-                                 config=MgpuConfig(auto_barriers=auto_barriers, debug=debug, csa_landing=landing,
-                                                   csa_warps=warps))  # fmt: skip
+                                 config=MgpuConfig(auto_barriers=auto_barriers, debug=debug, csa_warps=warps))
 
     with abstract_gpu_mesh():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -478,11 +476,6 @@ def test_csa_rejects_what_it_cannot_run():
     for bad in (dict(csa_warps=3), dict(block_kv=192, csa_warps=4, gather_batch=32)):  # a share of 48 rows
         with pytest.raises(ValueError, match="csa_warps"):
             MgpuConfig(**bad)
-    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
-
-    with pytest.raises(ValueError, match="GPU only"):  # the interpreter cannot alias the swizzle-only view
-        v4_attention_mgpu(q, kv, q_pos, sinks, config=MgpuConfig(csa_landing="swizzled", pv_form="interpret"),
-                          interpret=InterpretGPUParams(), **kw)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -508,8 +501,6 @@ def test_rejects_bad_config():
     assert not MgpuConfig(block_kv=32, pv_form="interpret").is_persistent  # O is staged in a 64-row KV tile
     with pytest.raises(ValueError, match="num_ctas"):
         MgpuConfig(num_ctas=-1)
-    with pytest.raises(ValueError, match="csa_landing"):
-        MgpuConfig(csa_landing="gather4")
     with pytest.raises(ValueError, match="shared memory"):
         v4_attention_mgpu(jnp.zeros((1, 8, 64, 512), jnp.bfloat16), jnp.zeros((1, 8, 512), jnp.bfloat16),
                           jnp.zeros((1, 8), jnp.int32), jnp.zeros((64,), jnp.float32), sliding_window=128, scale=1.0,
@@ -564,25 +555,22 @@ def _check_on_gpu(config, hca, seq, fold=False, **shape):
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("num_ctas, gather_batch, auto_barriers, landing, warps", [
-    (0, 8, True, "regroup", 1), (5, 8, True, "regroup", 1), (0, 1, True, "regroup", 1), (0, 64, True, "regroup", 1),
-    (5, 16, False, "regroup", 1), (0, 16, True, "swizzled", 1), (5, 1, True, "swizzled", 1),
-    (0, 8, False, "swizzled", 1), (0, 16, True, "regroup", 4), (5, 8, False, "regroup", 2),
-    (0, 16, True, "swizzled", 4)])  # fmt: skip
+@pytest.mark.parametrize("num_ctas, gather_batch, auto_barriers, warps", [
+    (0, 16, True, 4), (5, 8, False, 2), (0, 8, True, 1), (5, 8, True, 1), (0, 1, True, 1), (0, 64, True, 1),
+    (5, 16, False, 1)])  # fmt: skip
 @pytest.mark.parametrize("seq, k", [(301, 512), (37, 100)])
-def test_gpu_csa_matches_reference(num_ctas, gather_batch, auto_barriers, landing, warps, seq, k):
+def test_gpu_csa_matches_reference(num_ctas, gather_batch, auto_barriers, warps, seq, k):
     """CSA on the GPU: V4's 512 slots (or 100: a partial gathered tile) over 2000 entries, -1 anywhere, ids past the
     entries; after a NaN-query run of the same shape. This is the check of the per-row TMAs (1-row boxes at any row
-    start into the untransformed view) and of the in-place regrouping on hardware, and of the swizzled landing (each
-    128-byte piece of a row TMA'd to its place in the tiled layout), which the interpreter cannot model; with the
-    TMAs issued by one thread, or by 2 or 4 warps."""
+    start into the untransformed view, issued by 4 or 2 warps or one thread) and of the in-place regrouping on
+    hardware."""
     window, d, c = 128, 512, 2000
     q, kv, q_pos, sinks, _ = make_inputs(11, seq=seq)
     compressed = jnp.asarray(np.random.default_rng(12).standard_normal((1, c, d)), jnp.bfloat16)
     topk = csa_lists(13, batch=1, seq=seq, k=k, num_entries=c)
     kwargs = dict(sliding_window=window, scale=d**-0.5, compressed=compressed, topk_indices=topk,
                   config=MgpuConfig(num_ctas=num_ctas, gather_batch=gather_batch, auto_barriers=auto_barriers,
-                                    csa_landing=landing, csa_warps=warps))  # fmt: skip
+                                    csa_warps=warps))  # fmt: skip
     jax.block_until_ready(v4_attention_mgpu(jnp.full_like(q, jnp.nan), kv, q_pos, sinks, **kwargs))  # poison
     out = np.asarray(v4_attention_mgpu(q, kv, q_pos, sinks, **kwargs), np.float32)
     ref = v4_attention_reference(q, kv, q_pos, q_pos, sinks, sliding_window=window, scale=d**-0.5,

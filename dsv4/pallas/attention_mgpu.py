@@ -91,7 +91,6 @@ _TOKEN_BLOCK = 32768  # tokens per grid row when the prompt is longer than that
 _VARIANTS = ("ws", "prefetch")
 _ROW_TILE = 8  # rows of the (8, 64) SMEM tile; TMA row starts in a tiled GMEM view must be multiples of it
 _PV_FORMS = ("run_state", "store", "p_smem", "interpret")
-_CSA_LANDINGS = ("regroup", "swizzled")
 _DEBUG_FLAGS = ("unaligned_window", "no_exchange", "plain_exchange", "dump", "csa_no_regroup", "csa_contiguous")
 _SEMANTICS = {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
 
@@ -151,14 +150,6 @@ class MgpuConfig:
     # latencies overlap (1: one at a time; at most a warp's share of block_kv, see csa_warps). 16 measured fastest
     # of 1, 8, 16 (docs/kernels/attention.md).
     gather_batch: int = 16
-    # CSA: how a listed row reaches the tiled, swizzled tile the consumers' wgmmas read. "regroup": one TMA a row
-    # half into a row-major view of the slot, then each 8-row group re-laid through registers, in place. "swizzled":
-    # one 1-row TMA a row and 128-byte column tile, straight to the bytes that tile occupies in the tiled layout,
-    # addressed through a swizzle-only [rows · tiles, 64] view of the same slot (TMA swizzles by the SMEM address, as
-    # wgmma reads): 4 TMAs a row half instead of 1, no pass; measured 0.44x the regrouping form, the TMAs being issued
-    # by one thread (docs/kernels/attention.md). GPU only: the CPU interpreter keeps a RefUnion's views in separate
-    # buffers, so only the regrouping form can be checked there.
-    csa_landing: str = "regroup"
     # CSA: warps of the producer warpgroup that issue the row TMAs, each its share of a step's rows (1: one elected
     # thread of the warpgroup issues them all; 2 or 4: `plgpu.warp_map`, one elected thread a warp), so that the
     # issue of the many 1-row TMAs, the step's limit, runs in parallel. 4 measured 1.91x one thread at 128K
@@ -183,8 +174,6 @@ class MgpuConfig:
             raise ValueError("MgpuConfig.debug 'no_exchange' needs variant='ws' (consumed barriers guard both halves)")
         if self.variant not in _VARIANTS:
             raise ValueError(f"MgpuConfig.variant={self.variant!r} must be one of {_VARIANTS}")
-        if self.csa_landing not in _CSA_LANDINGS:
-            raise ValueError(f"MgpuConfig.csa_landing={self.csa_landing!r} must be one of {_CSA_LANDINGS}")
         if self.gather_batch < 1 or self.block_kv % self.gather_batch:
             raise ValueError(f"MgpuConfig.gather_batch={self.gather_batch} must divide block_kv={self.block_kv}")
         share = self.block_kv // self.csa_warps
@@ -376,11 +365,6 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
     n_csa_tiles = 0 if csa is None else csa[0].shape[2] // bk
     itemsize = jnp.dtype(dtype).itemsize
     elems_128b = 128 // itemsize  # the ring's minor tile: 128 bytes, swizzled over 128 bytes
-    col_tiles = dh // elems_128b  # 128-byte column tiles of a ring half
-    swizzled = csa is not None and config.csa_landing == "swizzled"
-    if swizzled and interpret is not None:
-        raise ValueError("MgpuConfig.csa_landing='swizzled' is GPU only: the CPU interpreter keeps a RefUnion's "
-                         "views in separate buffers (use 'regroup' there)")  # fmt: skip
     # TMA boxes past the last row are zero-filled on the GPU (and masked anyway); only the 8-row tiling of the GMEM
     # view (and one whole tile) is needed. The CPU interpreter slices like lax.dynamic_slice (clamping), so there
     # every box must stay in bounds: window tiles reach row tok + block_kv - 1 (+ W in the unaligned debug form).
@@ -460,10 +444,9 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
             entry and half, each a 1-row box into the slot's row-major view, then each 8-row group (the same 4 KiB
             in both views) read into registers and written back tiled and swizzled, in place; then the halves'
             `kv_bar` arrivals. NOTE: Hopper's TMA has no row gather (`tile::gather4` is sm_100+) and Pallas takes a
-            TMA into a tiled, swizzled ref only on whole 8-row tiles, hence the row-major landing and the pass
-            (`csa_landing="swizzled"`: a TMA a row and column tile straight to its tiled bytes, and no pass).
-            The rows' indices are loaded `gather_batch` at a time, all before the batch's first TMA, so the loads'
-            latencies overlap."""
+            TMA into a tiled, swizzled ref only on whole 8-row tiles, hence the row-major landing and the pass.
+            The TMAs are issued by `csa_warps` warps, each its share of the rows; each warp loads its rows' indices
+            `gather_batch` at a time, all before the batch's first TMA, so the loads' latencies overlap."""
             if contiguous:  # debug probe: the consumers' side alone
                 for half in range(2):
                     plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(step * bk, bk), pl.ds(half * dh, dh)],
@@ -482,20 +465,9 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                 rows = [rows_ref[it.bi, it.tok, step * bk + first + r] for r in range(nb)]
                 for r, row in enumerate(rows):
                     for half in range(2):
-                        if not swizzled:
-                            plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(row, 1), pl.ds(half * dh, dh)],
-                                                    kv_raw.at[slot * 2 + half, pl.ds(first + r, 1)],
-                                                    landed_bar.at[slot * 2 + half])  # fmt: skip
-                            continue
-                        # tile row t of the slot: its column tile c lies at 128-byte row ((t // 8) · tiles + c) · 8
-                        # + t % 8 of the tiled layout ([rows / 8, tiles, 8, 64], row-major)
-                        t = first + r
-                        for c in range(col_tiles):
-                            at = (lax.div(t, _ROW_TILE) * col_tiles + c) * _ROW_TILE + lax.rem(t, _ROW_TILE)
-                            cols = pl.ds(half * dh + c * elems_128b, elems_128b)
-                            plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(row, 1), cols],
-                                                    kv_raw.at[slot * 2 + half, pl.ds(at, 1)],
-                                                    landed_bar.at[slot * 2 + half])  # fmt: skip
+                        plgpu.copy_gmem_to_smem(comp_ref.at[it.bi, pl.ds(row, 1), pl.ds(half * dh, dh)],
+                                                kv_raw.at[slot * 2 + half, pl.ds(first + r, 1)],
+                                                landed_bar.at[slot * 2 + half])  # fmt: skip
 
             if n_warps == 1:
                 issue_rows(0)
@@ -513,7 +485,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
             explicit = not config.auto_barriers
             for half in range(2):
                 plgpu.barrier_wait(landed_bar.at[slot * 2 + half])
-                for g in range(0 if no_regroup or swizzled else bk // _ROW_TILE):
+                for g in range(0 if no_regroup else bk // _ROW_TILE):
                     rows = pl.ds(g * _ROW_TILE, _ROW_TILE)
                     value = plgpu.load(kv_raw.at[slot * 2 + half, rows], layout=group)
                     if explicit:
@@ -745,10 +717,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         return smem_tiling(minor, itemsize)
 
     ring = plgpu.SMEM((slots * 2, bk, dh), dtype, transforms=tiled(elems_128b))  # KV ring: [slot · 2 + half]
-    if csa is not None and swizzled:  # the same bytes as 128-byte rows (tile-major), swizzled as the tiles are
-        ring = plgpu.RefUnion(plgpu.SMEM((slots * 2, bk * col_tiles, elems_128b), dtype,
-                                         transforms=(plgpu.SwizzleTransform(128),)), ring)  # fmt: skip
-    elif csa is not None:  # the same bytes, row-major too
+    if csa is not None:  # the same bytes, row-major too
         ring = plgpu.RefUnion(plgpu.SMEM((slots * 2, bk, dh), dtype), ring)
     scratch = [
         plgpu.SMEM((2, HEADS_PER_CTA, dh), dtype, transforms=tiled(elems_128b)),  # Q halves, then O halves
@@ -765,9 +734,8 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
         # P for the P·V wgmma (pv_form "p_smem" / "interpret")
         plgpu.SMEM((2, HEADS_PER_CTA, bk), dtype, transforms=tiled(min(bk, elems_128b))) if p_via_smem else None,
         plgpu.SMEM((2, 2, HEADS_PER_CTA, bk), F32) if dump else None,  # debug dump staging
-        # CSA by TMA: the row gathers of a ring half landed (one arrival per TMA: a row's, or its column tile's)
-        plgpu.Barrier(num_arrivals=bk * (col_tiles if swizzled else 1), num_barriers=2 * slots) if csa is not None
-        else None,
+        # CSA by TMA: the row gathers of a ring half landed (one arrival per row's TMA)
+        plgpu.Barrier(num_arrivals=bk, num_barriers=2 * slots) if csa is not None else None,
         plgpu.SMEM((2, HEADS_PER_CTA), F32) if q_scale is not None else None,  # q's row scales, one copy per consumer
         plgpu.Barrier(num_barriers=2) if q_scale is not None else None,  # q's row scales
     ]
