@@ -35,10 +35,11 @@ one-token  one-token chunks (a decode step over a dense cache), the Triton kerne
 csa      CSA layers (rate 4: C = S / 4 entries, 512 listed per token): the Mosaic kernel's CSA mode (each listed
          row gathered by TMA, ``v4_attention_mgpu(topk_indices=...)``, the mgpu-persistent configuration, once per
          ``--csa-warps`` count (producer warps issuing the row TMAs), ``--csa-barriers`` setting and
-         ``--csa-gather-batches`` value: row indices a warp loads together) against the Triton kernel. Correctness first (S = 301, 1000 against the jnp
-         reference; PASS < 3e-2), then timings at --seqs. ``--csa-debug no_regroup,contiguous`` adds timing probes
-         (wrong results, not checked) that locate a gathered step's cost: rows landed but not re-laid, and
-         contiguous tiles in place of gathered rows (the consumers' side alone).
+         ``--csa-gather-batches`` value: row indices a warp loads together) against the Triton kernel. Correctness
+         first (S = 301, 1000 against the jnp reference; PASS < 3e-2), then timings at --seqs. ``--csa-debug
+         no_regroup,contiguous`` adds timing probes (wrong results, not checked) that locate a gathered step's
+         cost: rows landed but not re-laid, and contiguous tiles in place of gathered rows (the consumers' side
+         alone).
          Lists: token p takes min(512, n) of its n = (p + 1) // 4 visible entries, evenly spread and rotated by a
          random offset per token (distinct; neighbours share few rows, so L2 helps less than with an indexer's
          picks). Useful FLOPs = 4·H·D per (query, key) pair: window keys plus listed entries.
