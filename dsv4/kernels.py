@@ -75,10 +75,11 @@ class Kernels:
     @classmethod
     def all(cls, impl: str) -> Kernels:
         """Every part on `impl` ("jnp" or "pallas"): the XLA reference, or every Pallas kernel (interpreted off a
-        GPU); q's normalization "jnp" either way (it is a route, not a kernel)."""
+        GPU); q's normalization "jnp" either way (it is a route, not a kernel), and CSA's kernel "pallas" (it
+        matters only under the Pallas core)."""
         if impl not in ("jnp", "pallas"):
             raise ValueError(f"Kernels.all({impl!r}): 'jnp' or 'pallas'")
-        return cls(**{**dict.fromkeys(CHOICES, impl), "q_norm": "jnp"})
+        return cls(**{**dict.fromkeys(CHOICES, impl), "q_norm": "jnp", "csa": "pallas"})
 
     @classmethod
     def parse(cls, spec: str) -> Kernels:

@@ -186,6 +186,7 @@ def test_q_norm_folds_by_default_only_under_the_pallas_core_on_hopper():
     assert resolve(dsv4.Kernels(), jnp.bfloat16, gpu=True, hopper=True).csa == "pallas"  # measured faster there
     assert resolve(dsv4.Kernels(), jnp.bfloat16, gpu=True, hopper=False).csa == "pallas-triton"
     assert resolve(dsv4.Kernels(csa="pallas-triton"), jnp.bfloat16, gpu=True, hopper=True).csa == "pallas-triton"
+    assert dsv4.Kernels.parse("jnp").csa == dsv4.Kernels.parse("pallas").csa == "pallas"  # a valid choice either way
 
 
 @pytest.mark.parametrize("name", ["tiny_long", "tiny_mixed"])
