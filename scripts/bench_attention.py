@@ -340,7 +340,7 @@ def csa(args):
             name = ("" if barriers == "on" else "nobar-") + f"w{warps}-"
             for nb in batches:
                 if (VARIANTS["mgpu-persistent"].block_kv // warps) % nb:
-                    continue  # a warp's share of the rows is not a whole number of batches
+                    continue  # a batch past a warp's share: MgpuConfig caps it there, the form of a smaller batch
                 configs[f"mosaic-{name}g{nb}"] = dataclasses.replace(
                     VARIANTS["mgpu-persistent"], gather_batch=nb, auto_barriers=barriers == "on", csa_warps=warps)
 
