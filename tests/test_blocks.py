@@ -21,7 +21,9 @@ from dsv4.layers import (
     linear,
     normalize_and_rope,
     normalized_mixes,
+    inverse_rms,
     rms_normalize,
+    rope_in_place_with_scale,
     rope_inv_freq,
 )
 from dsv4.moe import MoE, routed_experts_jnp, swiglu
@@ -81,6 +83,41 @@ def test_rope_in_place_equals_rope(dtype):
     row = jnp.array([[[3.0, -2.0, 1.5, 0.25, -7.0, 6.0]]], dtype)  # [B=1, S=1, D=6]: 2 channels kept, 2 pairs
     turned = apply_rope_in_place(row, jnp.array([[[0.0, 1.0]]]), jnp.array([[[1.0, 0.0]]]))
     np.testing.assert_array_equal(np.asarray(turned, np.float32), [[[3.0, -2.0, -0.25, 1.5, -7.0, 6.0]]])
+
+
+def _rope_with_scale_args(s=7, heads=3, dim=24):
+    x = (jax.random.normal(jax.random.key(8), (1, s, heads, dim)) * 4.0).astype(jnp.bfloat16)
+    angles = jax.random.uniform(jax.random.key(9), (1, s, 4), maxval=6.0)
+    return x, (jnp.cos(angles) * 1.2).astype(jnp.bfloat16), (jnp.sin(angles) * 1.2).astype(jnp.bfloat16)
+
+
+def test_rope_in_place_with_scale_takes_the_rms_before_rotating():
+    """Rotated rows as apply_rope's, bit for bit, and the factor of the rows before the rotation (cos and sin scaled
+    by 1.2, as YaRN's magnitude factor scales them, so the rotated rows' RMS is another); x made in the jit."""
+    x, cos, sin = _rope_with_scale_args()
+    got, scale = jax.jit(lambda x, c, s: rope_in_place_with_scale(-x, c, s, 1e-6))(x, cos, sin)  # -x: exact
+    x = -x
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(apply_rope(x, cos, sin), np.float32))
+    np.testing.assert_allclose(scale, inverse_rms(x.astype(jnp.float32), 1e-6), rtol=1e-6)
+    rotated_rms = inverse_rms(got.astype(jnp.float32), 1e-6)
+    assert float(jnp.max(jnp.abs(rotated_rms / scale - 1))) > 1e-2  # the order matters in this test
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_gpu_rope_in_place_with_scale_copies_nothing():
+    """On a GPU the rope update runs in the buffer of the projection that made q: the compiled program holds no
+    copy the size of q (XLA adds one when the RMS's read of q is not ordered before the update)."""
+    x, cos, sin = _rope_with_scale_args(s=512, heads=64, dim=512)
+    w = jax.random.normal(jax.random.key(10), (512, 64 * 512), jnp.bfloat16)
+
+    def step(x, w, cos, sin):
+        q = (x[0, :, 0] @ w).reshape(1, 512, 64, 512)  # a fresh buffer, as the q projection's is
+        return rope_in_place_with_scale(q, cos, sin, 1e-6)
+
+    text = jax.jit(step).lower(x, w, cos, sin).compile().as_text()
+    big = [line.strip()[:160] for line in text.splitlines() if " copy(" in line and "512,64," in line]
+    assert not big, big
 
 
 def test_normalize_and_rope_is_rope_of_the_normalized_rows():

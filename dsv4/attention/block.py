@@ -28,11 +28,11 @@ from dsv4.layers import (
     Rope,
     apply_rope,
     apply_rope_in_place,
-    inverse_rms,
     matmul_in_dtype,
     normalize_and_rope,
     param,
     project,
+    rope_in_place_with_scale,
 )
 from dsv4.pallas._device import on_gpu
 from dsv4.pallas.attention import SCALE_TILE
@@ -83,9 +83,9 @@ class Attention(nnx.Module):
         q_residual = self.q_a_norm(project(x, self.q_a_proj["weight"], dense))
         q = project(q_residual, self.q_b_proj["weight"], dense).reshape(b, s, self.n_heads, self.head_dim)
         q_scale = None
-        if fold:  # the RMS of q before its rotation: YaRN's cos and sin carry a magnitude factor too
-            q_scale = inverse_rms(q.astype(F32), self.eps)[..., 0]
-            q = apply_rope_in_place(q, cos, sin)
+        if fold:
+            q, q_scale = rope_in_place_with_scale(q, cos, sin, self.eps)
+            q_scale = q_scale[..., 0]
         else:
             q = normalize_and_rope(q, cos, sin, self.eps)
         kv = apply_rope(self.kv_norm(project(x, self.kv_proj["weight"], dense)), cos, sin)
