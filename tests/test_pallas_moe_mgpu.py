@@ -104,9 +104,6 @@ def test_lowers_for_h200(w8a8):
     # down with bf16 y: a fourth ring slot still fits an H200's shared memory (227 KiB); a fifth does not, and says so
     assert "mosaic_gpu" in lower_down(num_slots=4)
     assert "mosaic_gpu" in lower_down(fp8_acc="promote")  # the default rescale form lowers above
-    assert "mosaic_gpu" in lower_down(scales_ahead=True)
-    assert "mosaic_gpu" in lower_down(fp8_acc="pipelined")  # parts read back with wait_n=1 (GPU-only form)
-    assert "mosaic_gpu" in lower_down(multicast=True)  # clusters of two, x multicast, a cluster consumed barrier
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         lower_down(num_slots=5)
 
@@ -137,15 +134,9 @@ def _skewed_layout(experts, top_k=2):
 
 
 @pytest.mark.parametrize("mode, form", [("bf16", "in_place"), ("bf16", "per_step"), ("w8a8", "promote"),
-                                        ("w8a8", "rescale"), ("w8a8", "rescale-ahead"), ("bf16", "in_place-multicast"),
-                                        ("w8a8", "rescale-multicast")])  # fmt: skip
+                                        ("w8a8", "rescale")])  # fmt: skip
 def test_kernels_interpreted(mode, form):
     experts, hidden, inter = 5, 256, 256  # gate_up: 2 column tiles; down: 1; K steps: 4 (bf16) or 2 (fp8)
-    if form in ("rescale-ahead", "in_place-multicast", "rescale-multicast"):
-        # gate_up's 4 fp8 K steps: a look-ahead one step off reads another step's scales; down's 2 column tiles: a
-        # pair of CTAs to share each x tile (the interpreter loads it in each, so this checks the pairing of items)
-        hidden = 512
-    form, _, extra = form.partition("-")
     ids = _skewed_layout(experts)
     src, _, tiles = padded_layout(ids.reshape(-1), experts)
     used = np.asarray(tiles) >= 0
@@ -154,10 +145,7 @@ def test_kernels_interpreted(mode, form):
     down = make_weights(5, (experts, hidden, inter), F32, 0.1)
     # Per padded row tile: the reference over "groups" = the used tiles' rows (contiguous, in expert order)
     sizes = jnp.bincount(jnp.where(tiles >= 0, tiles, experts), length=experts) * TILE_M
-    kind = {"fp8_acc": form, "scales_ahead": extra == "ahead"} if mode == "w8a8" else {"acc_form": form}
-    # multicast: 5 CTAs run as 2 pairs (the fifth dropped), each pair's CTAs on neighbouring column tiles
-    config = MgpuMoeConfig(num_slots=2, num_ctas=5 if extra == "multicast" else 3, multicast=extra == "multicast",
-                           **kind)  # fmt: skip
+    config = MgpuMoeConfig(num_slots=2, num_ctas=3, **({"fp8_acc": form} if mode == "w8a8" else {"acc_form": form}))
     kw, ref_kw = {}, {}
     if mode == "w8a8":
         (gate_up, gs), (down, ds) = quantize_weights(gate_up), quantize_weights(down)
@@ -318,38 +306,17 @@ def test_gpu_w8a8_four_slots():
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("w8a8", [False, True])
-def test_gpu_multicast_is_exact(w8a8):
-    """Clusters of two CTAs sharing each x tile by TMA multicast give the unclustered kernels' result bit for bit
-    (the same tiles, summed in the same order), after a run whose x is NaN, so rows they fail to write show; an odd
-    CTA count (one left out) too."""
-    x, ids, weights, gate_up, down, kw = _gpu_problem(28, w8a8)
-
-    def run(config, x=x):
-        return np.asarray(routed_experts_mgpu(x, ids, weights, gate_up, down, LIMIT, config=config, **kw), F32)
-
-    run(MgpuMoeConfig(multicast=True), jnp.full_like(x, jnp.nan))
-    want = run(MgpuMoeConfig())
-    assert not np.isnan(want).any()
-    np.testing.assert_array_equal(run(MgpuMoeConfig(multicast=True)), want)
-    np.testing.assert_array_equal(run(MgpuMoeConfig(multicast=True, num_ctas=37)), want)
-
-
-@gpu
-@requires_gpu
-@pytest.mark.parametrize("acc, slots, ahead", [("rescale", None, False), ("rescale", 3, False), ("rescale", None, True),
-                                              ("pipelined", None, False), ("pipelined", 2, False)])  # fmt: skip
-def test_gpu_w8a8_rescale_matches_reference(acc, slots, ahead):
-    """The rescale accumulation (the default: both parts' wgmmas in place, the totals rescaled between steps), and
-    its pipelined form (the parts a half step apart), against the reference, as the routed experts are held, and
-    close to the promote form's result (the same sums, rounded differently); after a run whose x is NaN, so rows it
-    fails to write show."""
+@pytest.mark.parametrize("slots", [None, 3])
+def test_gpu_w8a8_rescale_matches_reference(slots):
+    """The rescale accumulation (the default: both parts' wgmmas in place, the totals rescaled between steps)
+    against the reference, as the routed experts are held, and close to the promote form's result (the same sums,
+    rounded differently); after a run whose x is NaN, so rows it fails to write show."""
     x, ids, weights, gate_up, down, kw = _gpu_problem(25, w8a8=True)
 
     def run(config, x=x):
         return np.asarray(routed_experts_mgpu(x, ids, weights, gate_up, down, LIMIT, config=config, **kw), F32)
 
-    rescale = MgpuMoeConfig(fp8_acc=acc, num_slots=slots, scales_ahead=ahead)
+    rescale = MgpuMoeConfig(fp8_acc="rescale", num_slots=slots)
     run(rescale, jnp.full_like(x, jnp.nan))
     got, promote = run(rescale), run(MgpuMoeConfig(fp8_acc="promote"))
     want = np.asarray(routed_experts_reference(x, ids, weights, gate_up, down, LIMIT, **kw), F32)

@@ -65,7 +65,7 @@ F32 = jnp.float32
 TILE_M = 128  # rows per CTA tile: two consumer warpgroups × 64 (one wgmma M)
 PART_N = 128  # weight rows per part; a CTA tile reads two parts
 _ACC_FORMS = ("in_place", "per_step")
-_FP8_ACCS = ("promote", "rescale", "pipelined")
+_FP8_ACCS = ("promote", "rescale")
 # The rescale form's floor on a step's combined scale, so that the ratio of two steps' scales stays finite; a block
 # whose weight scale is 0 holds zero weights, whose product is 0 at any scale.
 _RESCALE_FLOOR = 2.0**-64
@@ -106,9 +106,8 @@ class MgpuMoeConfig:
                form): each part's wgmma into a fresh accumulator, waited for and added as part · scale into the
                total, one part after the other. The same sum, rounded differently (one multiply a step instead of
                one multiply-add); rescale measured 1.16x the promote form on a 16K-token chunk's experts (H100,
-               docs/kernels/moe.md, "Rescaled accumulation"). "pipelined" (not yet timed): the rescale form with
-               the two parts half a step apart, each part's total read back while the other's wgmma runs. The CPU
-               interpreter runs the in-place wgmmas as a fresh accumulator plus an add, and "pipelined" as "rescale".
+               docs/kernels/moe.md, "Rescaled accumulation"). The CPU interpreter runs the in-place wgmmas as a
+               fresh accumulator plus an add.
     profile_dir: measurement switch, off ("") in use: a folder for Mosaic GPU's trace of each warpgroup's phases,
                one JSON a launch (`*-trace.json`; `scripts/bench_moe.py --mosaic-trace` writes and reads them).
                The consumers record each item's "k_loop" and "epilogue", the producer each item's "loads" (issuing
@@ -120,14 +119,6 @@ class MgpuMoeConfig:
     num_ctas: int | None = None
     acc_form: str = "in_place"
     fp8_acc: str = "rescale"
-    # rescale form: each K step's two weight block scales (GMEM scalar loads the step's rescale waits on) loaded
-    # one step ahead, so their latency hides under the step before. Not yet timed; off.
-    scales_ahead: bool = False
-    # CTAs in clusters of two on the same row tile and neighbouring column tiles, each step's x tile loaded once for
-    # both (TMA multicast, each CTA loading half) with a slot refilled only once both CTAs' consumers released it
-    # (a cluster barrier): 40 instead of 48 KiB a CTA's step from L2. Shapes with an odd number of column tiles run
-    # unclustered. Not yet timed; off.
-    multicast: bool = False
     profile_dir: str = ""
     profile_ranges: int = 256
 
@@ -201,11 +192,6 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
     m_tiles = mp // TILE_M
     items = m_tiles * n_tiles
     num_ctas = max(1, min(config.num_ctas or sm_count(), items))
-    # multicast pairs CTAs 2q and 2q + 1: with an even CTA count and an even number of column tiles a row, the two
-    # always hold the same row tile (and expert) at the same step, on neighbouring column tiles
-    pairs = config.multicast and n_tiles % 2 == 0 and num_ctas >= 2
-    if pairs:
-        num_ctas -= num_ctas % 2
     slots = config.num_slots or default_num_slots(gate_up=gate_up, fp8=fp8, m_tiles=m_tiles, experts=w.shape[0],
                                                       fp8_acc=config.fp8_acc)  # fmt: skip
     per_step = fp8 or config.acc_form == "per_step"
@@ -224,8 +210,6 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
     def body(te_ref, x_ref, w_ref, xs_ref, ws_ref, out_ref, os_ref, x_smem, a_smem, b_smem, xs_smem, o_smem, os_smem,
              full_bar, consumed_bar):  # fmt: skip
         c, wg = lax.axis_index("c"), lax.axis_index("wg")
-        if pairs:
-            c = c * 2 + lax.axis_index("pair")
         n_mine = lax.div(jnp.int32(items) - c + (num_ctas - 1), jnp.int32(num_ctas))
 
         def item_at(j):
@@ -247,7 +231,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                 return ws_ref[e, lax.div(row0, QUANT_BLOCK), ks]
 
             def step_scales(slot, w_a, w_b):
-                """The rescale forms' combined scale of a step for each part: x's row scales × the part's weight
+                """The rescale form's combined scale of a step for each part: x's row scales × the part's weight
                 block scale, floored (`_RESCALE_FLOOR`)."""
                 xs = plgpu.load(xs_smem.at[slot, rows], layout=row_layout)  # [64] this step's x scales
                 return jnp.maximum(xs * w_a, _RESCALE_FLOOR), jnp.maximum(xs * w_b, _RESCALE_FLOOR)
@@ -287,64 +271,17 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
 
             def rescaled_totals(step, e, a0, b0):
                 """`MgpuMoeConfig.fp8_acc="rescale"`: the K loop with the totals in units of the step's scale."""
-                def weight_scales(ks):  # the two parts' weight block scales of K step ks (GMEM scalar loads)
-                    kc = jnp.minimum(ks, k_steps - 1)  # the last step's look-ahead reads its own again
-                    return weight_scale(e, a0, kc), weight_scale(e, b0, kc)
-
                 def k_body(ks, carry):
-                    tot_a, tot_b, s_a, s_b, w_a, w_b = carry
-                    if config.scales_ahead:  # this step's scales were loaded a step ago; load the next step's now
-                        next_w = weight_scales(ks + 1)
+                    tot_a, tot_b, s_a, s_b = carry
                     slot = wait_step(step + ks)
-                    if not config.scales_ahead:
-                        w_a, w_b = next_w = weight_scales(ks)
-                    new_a, new_b = step_scales(slot, w_a, w_b)
+                    new_a, new_b = step_scales(slot, weight_scale(e, a0, ks), weight_scale(e, b0, ks))
                     tot_a, tot_b = accumulate(slot, tot_a * row_bcast(s_a / new_a), tot_b * row_bcast(s_b / new_b))
                     plgpu.barrier_arrive(consumed_bar.at[slot])
-                    return tot_a, tot_b, new_a, new_b, *next_w
+                    return tot_a, tot_b, new_a, new_b
 
                 one = plgpu.layout_cast(jnp.ones((half_rows,), F32), row_layout)
-                ahead = weight_scales(0) if config.scales_ahead else (jnp.float32(0), jnp.float32(0))  # (unused)
-                init = (zeros(), zeros(), one, one, *ahead)
-                tot_a, tot_b, s_a, s_b, _, _ = lax.fori_loop(0, k_steps, k_body, init)
+                tot_a, tot_b, s_a, s_b = lax.fori_loop(0, k_steps, k_body, (zeros(), zeros(), one, one))
                 return tot_a * row_bcast(s_a), tot_b * row_bcast(s_b)
-
-            def pipelined_totals(step, e, a0, b0):
-                """`MgpuMoeConfig.fp8_acc="pipelined"`: the rescale form with the two parts a half step apart. Each
-                part's total is read back (`wgmma_accumulator_load(wait_n=1)`) while the other part's wgmma still
-                runs, rescaled, and its next wgmma issued; a slot is released once both of its parts are read."""
-                def scales(ks, slot):
-                    return step_scales(slot, weight_scale(e, a0, ks), weight_scale(e, b0, ks))
-
-                def issue(acc, slot, smem):
-                    plgpu.wgmma(acc, x_smem.at[slot].at[rows], smem.at[slot].transpose((1, 0)))
-
-                def run(accs):
-                    acc_a, acc_b = accs
-                    slot = wait_step(step)
-                    s0 = scales(0, slot)
-                    issue(acc_a, slot, a_smem)
-                    issue(acc_b, slot, b_smem)
-
-                    def k_body(ks, carry):
-                        s_a, s_b = carry
-                        slot = wait_step(step + ks)
-                        new_a, new_b = scales(ks, slot)
-                        total = plgpu.wgmma_accumulator_load(acc_a, wait_n=1)  # part A of step ks - 1 is done
-                        acc_a[...] = total * row_bcast(s_a / new_a)
-                        issue(acc_a, slot, a_smem)
-                        total = plgpu.wgmma_accumulator_load(acc_b, wait_n=1)  # and part B: its slot is free
-                        plgpu.barrier_arrive(consumed_bar.at[lax.rem(step + ks - 1, jnp.int32(slots))])
-                        acc_b[...] = total * row_bcast(s_b / new_b)
-                        issue(acc_b, slot, b_smem)
-                        return new_a, new_b
-
-                    s_a, s_b = lax.fori_loop(1, k_steps, k_body, s0)
-                    acc_a[...] = plgpu.wgmma_accumulator_load(acc_a, wait_n=0) * row_bcast(s_a)
-                    acc_b[...] = plgpu.wgmma_accumulator_load(acc_b, wait_n=0) * row_bcast(s_b)
-                    plgpu.barrier_arrive(consumed_bar.at[lax.rem(step + k_steps - 1, jnp.int32(slots))])
-
-                return pl.run_state(run)((plgpu.ACC.init(zeros()), plgpu.ACC.init(zeros())))
 
             def tile_result(step, e, nt):
                 """The K loop of one item → (part A, part B) [64, 128] f32 in registers."""
@@ -360,9 +297,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                     return pl.run_scoped(run, plgpu.ACC((half_rows, PART_N), F32),
                                          plgpu.ACC((half_rows, PART_N), F32))  # fmt: skip
                 a0, b0 = part_rows(nt)
-                if fp8 and config.fp8_acc == "pipelined" and interpret is None:
-                    return pipelined_totals(step, e, a0, b0)
-                if fp8 and config.fp8_acc != "promote":  # (the interpreter runs "pipelined" as "rescale")
+                if fp8 and config.fp8_acc == "rescale":
                     return rescaled_totals(step, e, a0, b0)
 
                 def k_body(ks, totals):
@@ -455,8 +390,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
 
                         cols = pl.ds(ks * bk, bk)
                         bar = full_bar.at[slot]
-                        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(mt * TILE_M, TILE_M), cols], x_smem.at[slot], bar,
-                                                collective_axes="pair" if pairs else None)  # fmt: skip
+                        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(mt * TILE_M, TILE_M), cols], x_smem.at[slot], bar)
                         plgpu.copy_gmem_to_smem(w_ref.at[e, pl.ds(a0, PART_N), cols], a_smem.at[slot], bar)
                         plgpu.copy_gmem_to_smem(w_ref.at[e, pl.ds(b0, PART_N), cols], b_smem.at[slot], bar)
                         if fp8:
@@ -473,16 +407,13 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
     tiled_in = _tiled(bk, itemsize)
     out_minor = 128 // out_itemsize
     copies = 4 if fp8 else 3
-    # slot consumed by both consumer warpgroups (of both CTAs of a pair: the multicast writes into both)
-    consumed = dict(num_arrivals=2, num_barriers=slots)
-    consumed = plgpu.ClusterBarrier(collective_axes=("pair",), **consumed) if pairs else plgpu.Barrier(**consumed)
     scratch = [
         plgpu.SMEM((slots, TILE_M, bk), x.dtype, transforms=tiled_in),
         plgpu.SMEM((slots, PART_N, bk), w.dtype, transforms=tiled_in),
         plgpu.SMEM((slots, PART_N, bk), w.dtype, transforms=tiled_in),
         plgpu.SMEM((2, half_rows, PART_N), store_dtype, transforms=_tiled(out_minor, out_itemsize)),
         plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # slot full: every TMA of the step has landed
-        consumed,
+        plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # slot consumed by both consumer warpgroups
     ]
     # Only the buffers this build uses: every buffer is aligned to 1 KiB, and with a stub down's fourth ring slot
     # (bf16 y) missed an H200's shared memory by 64 bytes.
@@ -507,13 +438,12 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
     out_type = jax.ShapeDtypeStruct((mp, n_out), store_dtype)
     if quantize_out:
         out_type = (out_type, jax.ShapeDtypeStruct((n_out // QUANT_BLOCK, mp), F32))
-    cluster = dict(grid=(num_ctas // 2,), cluster=(2,), cluster_names=("pair",)) if pairs else dict(grid=(num_ctas,))
     return plgpu.kernel(
         kernel_body,
         out_type=out_type,
         scratch_types=scratch,
+        grid=(num_ctas,),
         grid_names=("c",),
-        **cluster,
         num_threads=3,
         thread_name="wg",
         # NOTE: exact math: the quantizing epilogue divides by the scale exactly as quantize_per_token_group does.
