@@ -102,30 +102,24 @@ def test_rope_in_place_with_scale_takes_the_rms_before_rotating():
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 def test_gpu_q_rope_copies_nothing():
-    """On a GPU, the attention block's q (V4-Flash's 64 heads × 512, RMS folded into the core) is rotated in the
-    buffer of the projection that made it: the compiled program holds no copy of q's size (XLA adds one, 1 GiB for a
-    16K-token chunk, when the RMS's read of q is not ordered before the update)."""
+    """On a GPU, V4-Flash's attention block at a 16K-token chunk (q 64 heads × 512, its RMS folded into the core)
+    rotates q in the buffer of the projection that made it: the compiled program holds no copy of q's size (1 GiB;
+    XLA adds one when the RMS's read of q is not ordered before the update). Compiled only, from abstract shapes."""
     from flax import nnx
 
     from dsv4.attention.block import Attention
     from dsv4.config import CSA
 
-    config = Config.from_hf({
-        "vocab_size": 256, "hidden_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 1,
-        "num_attention_heads": 64, "head_dim": 512, "q_lora_rank": 256, "qk_rope_head_dim": 64, "o_groups": 2,
-        "o_lora_rank": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "sliding_window": 128,
-        "compress_rates": {"compressed_sparse_attention": 4}, "layer_types": ["compressed_sparse_attention"],
-        "mlp_layer_types": ["moe"], "n_routed_experts": 8, "num_experts_per_tok": 2,
-    })  # fmt: skip
-    block = Attention(config, CSA, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    config = Config.preset("v4-flash")
+    block = nnx.eval_shape(lambda: Attention(config, CSA, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
     graph, state = nnx.split(block)
 
     def project(state, x, positions):
         return nnx.merge(graph, state).project_qkv(x, positions, fold=True)
 
-    s = 2048
-    x = jax.random.normal(jax.random.key(11), (1, s, 256), jnp.bfloat16)
-    text = jax.jit(project).lower(state, x, jnp.arange(s)[None]).compile().as_text()
+    s = 16384
+    x = jax.ShapeDtypeStruct((1, s, config.hidden_size), jnp.bfloat16)
+    text = jax.jit(project).lower(state, x, jax.ShapeDtypeStruct((1, s), jnp.int32)).compile().as_text()
     q_sized = (f"[1,{s},64,512]", f"[1,{s},64,256]")  # bf16, or as the uint32 pairs the update writes
     big = [line.strip()[:160] for line in text.splitlines() if " copy(" in line and any(q in line for q in q_sized)]
     assert not big, big
