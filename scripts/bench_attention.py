@@ -339,10 +339,10 @@ def csa(args):
         for warps in (int(x) for x in args.csa_warps.split(",")):  # MgpuConfig.csa_warps: TMA-issuing warps
             name = ("" if barriers == "on" else "nobar-") + f"w{warps}-"
             for nb in batches:
-                if (VARIANTS["mgpu-persistent"].block_kv // warps) % nb:
-                    continue  # a batch past a warp's share: MgpuConfig caps it there, the form of a smaller batch
-                configs[f"mosaic-{name}g{nb}"] = dataclasses.replace(
-                    VARIANTS["mgpu-persistent"], gather_batch=nb, auto_barriers=barriers == "on", csa_warps=warps)
+                config = dataclasses.replace(VARIANTS["mgpu-persistent"], gather_batch=nb,
+                                             auto_barriers=barriers == "on", csa_warps=warps)  # fmt: skip
+                if config.csa_batch == nb:  # past a warp's share the batch is capped: a smaller batch's form
+                    configs[f"mosaic-{name}g{nb}"] = config
 
     probes = {}  # timing probes with wrong results (MgpuConfig.debug "csa_*"), at the last gather batch
     for probe in filter(None, args.csa_debug.split(",")):

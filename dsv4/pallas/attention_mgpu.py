@@ -175,8 +175,7 @@ class MgpuConfig:
             raise ValueError(f"MgpuConfig.variant={self.variant!r} must be one of {_VARIANTS}")
         if self.gather_batch < 1 or self.block_kv % self.gather_batch:
             raise ValueError(f"MgpuConfig.gather_batch={self.gather_batch} must divide block_kv={self.block_kv}")
-        share = self.block_kv // self.csa_warps
-        if self.csa_warps not in (1, 2, 4) or share % min(self.gather_batch, share):
+        if self.csa_warps not in (1, 2, 4) or (self.block_kv // self.csa_warps) % self.csa_batch:
             raise ValueError(f"MgpuConfig.csa_warps={self.csa_warps} must be 1, 2 or 4, each warp's share of "
                              f"block_kv={self.block_kv} rows whole batches of gather_batch={self.gather_batch}")
         if self.num_ctas < 0:
@@ -188,6 +187,11 @@ class MgpuConfig:
 
     def _persistent_applies(self) -> bool:
         return self.variant == "ws" and self.block_kv >= HEADS_PER_CTA and not {"no_exchange", "dump"} & set(self.debug)
+
+    @property
+    def csa_batch(self) -> int:
+        """The row indices a CSA warp loads together: `gather_batch`, capped at a warp's share of a step's rows."""
+        return min(self.gather_batch, self.block_kv // self.csa_warps)
 
     @property
     def is_persistent(self) -> bool:
@@ -453,7 +457,7 @@ def v4_attention_mgpu_kernel_call(q, kv, n_visible, sinks_log2, *, sliding_windo
                 return
             n_warps = config.csa_warps
             share = bk // n_warps  # rows a warp issues
-            nb = min(config.gather_batch, share)
+            nb = config.csa_batch
 
             def issue_rows(warp):
                 @pl.loop(0, share // nb)
