@@ -24,8 +24,10 @@ CHOICES = {
     # GPU kernel on Hopper, on the Triton kernel elsewhere; "pallas-triton" always on the Triton kernel; "pallas-fp8"
     # scores in e4m3 (Mosaic on Hopper)
     "indexer": ("jnp", "pallas", "pallas-triton", "pallas-fp8", "pallas-stream"),
-    # one-token steps' indexer: "pallas" scores the keys where the cache stores them, through the block table
-    "paged_indexer": ("jnp", "pallas"),
+    # one-token steps' indexer: "pallas" scores the keys where the cache stores them, through the block table (bf16
+    # pages on the Mosaic GPU kernel on Hopper, the Triton kernel otherwise); "pallas-triton" always on the Triton
+    # kernel
+    "paged_indexer": ("jnp", "pallas", "pallas-triton"),
     # each refinement level of the exact grouped top-k: XLA's sort and gather, or one Pallas select kernel
     "topk_refine": ("jnp", "pallas"),
     "moe": ("jnp", "pallas"),
@@ -114,7 +116,7 @@ class Kernels:
             attention=attention,
             decode="jnp",
             indexer=indexer,
-            paged_indexer="pallas" if indexer in ("pallas", "pallas-triton") else "jnp",
+            paged_indexer=indexer if indexer in ("pallas", "pallas-triton") else "jnp",
             topk_refine="pallas" if hopper else "jnp",  # measured on Hopper only
             moe="pallas" if gpu else "jnp",
             dense="jnp",  # W8A8 measured no faster end to end (docs/BENCHMARKS.md, "Dense layers in FP8")

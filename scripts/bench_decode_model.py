@@ -19,9 +19,11 @@ a model built with its own `dsv4.Kernels` value, `ROUTE_KERNELS`; the MoE on XLA
             device);
     jnp-loop  jnp with sinkhorn="jnp": the mHC Sinkhorn as XLA's while loop;
     jnp-dense-index  jnp with paged_indexer="jnp": the CSA indexer's keys read out densely (every listed page
-            dequantized into a copy), then scored.
+            dequantized into a copy), then scored;
+    jnp-triton-index  jnp with paged_indexer="pallas-triton": the CSA indexer's keys scored where the cache stores
+            them by the Triton kernel, on every page format.
 Every other route's CSA indexer takes `Kernels.paged_indexer`'s default: on a GPU it scores its keys where the
-cache stores them (`dsv4.pallas.indexer_paged`).
+cache stores them (`dsv4.pallas.indexer_paged`; bf16 pages on Hopper by `indexer_paged_mgpu`'s Mosaic kernel).
 
 Model: tests/test_gpu_decode.py's (V4-Flash attention shapes: 64 heads x 512, window 128, CSA 4:1 with a
 64 x 128 indexer keeping 512, HCA 128:1; narrow residual stream, few experts; layers sliding, CSA, HCA), bf16,
@@ -92,6 +94,7 @@ ROUTE_KERNELS = {
     "auto": Kernels(),
     "jnp-loop": dataclasses.replace(_JNP, sinkhorn="jnp"),
     "jnp-dense-index": dataclasses.replace(_JNP, paged_indexer="jnp"),
+    "jnp-triton-index": dataclasses.replace(_JNP, paged_indexer="pallas-triton"),
 }
 ROUTES = tuple(ROUTE_KERNELS)
 

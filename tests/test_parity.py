@@ -361,6 +361,8 @@ def test_which_decode_steps_take_the_paged_kernel(monkeypatch, decode, backend, 
     ("pallas", "cpu", 4, "bf16", 2, "auto", False),  # a two-token chunk: the dense route
     ("pallas", "cpu", 4, "bf16", 1, "jnp", False),  # the paged route switched off
     ("jnp", "gpu", 16, "bf16", 1, "auto", False),  # follows the indexer's path
+    ("pallas-triton", "gpu", 16, "bf16", 1, "auto", True),  # "pallas-triton" there too
+    ("jnp", "cpu", 4, "bf16", 1, "pallas-triton", True),
     ("auto", "cpu", 16, "bf16", 1, "auto", False),  # "auto" is jnp off a GPU
     ("auto", "gpu", 16, "fp8-channel", 1, "auto", True),  # "auto" is pallas on a GPU for a 16-bit model
     ("auto", "gpu", 4, "bf16", 1, "auto", False),  # 4 heads: below the compiled kernel's 16 dot rows
@@ -379,6 +381,8 @@ def test_which_decode_steps_take_the_paged_indexer(monkeypatch, impl, backend, i
           {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
           "layer_types": ["compressed_sparse_attention"], "mlp_layer_types": ["moe"]}  # fmt: skip
     kernels = dsv4.Kernels(indexer=impl, paged_indexer=paged).resolve(jnp.bfloat16, gpu=backend == "gpu")
+    assert kernels.paged_indexer == (paged if paged != "auto" else impl if impl.startswith("pallas") else
+                                     "pallas" if impl == "auto" and backend == "gpu" else "jnp")  # fmt: skip
     model = dsv4.init_random(dsv4.Config.from_hf(hf), seed=0, dtype=jnp.bfloat16, kernels=kernels)
     cache = model.init_cache(1, max_len=64, kv_format=kv_format, page_tokens=16, num_pages=6)
     monkeypatch.setattr(indexer_module, "on_gpu", lambda: backend == "gpu")

@@ -94,7 +94,7 @@ class Indexer(Compressor):
         one-token step, a store with room for entries, and keys stored in a form the paged kernel takes (unquantized in
         the compute dtype, or FP8 split rows with scales per tensor, per channel or per row and 64-channel tile),
         with the compiled kernel's shapes on a GPU."""
-        if not (self.paged == "pallas" and num_queries == 1):
+        if not (self.paged in ("pallas", "pallas-triton") and num_queries == 1):
             return False
         if store.capacity(block_table if store.paged else None) == 0:
             return False
@@ -121,7 +121,8 @@ class Indexer(Compressor):
         return index_topk_paged(q, weights, positions, rows["pages"], table, rate=self.rate,
                                 k=min(self.topk, store.capacity(block_table)), softmax_scale=self.head_dim**-0.5,
                                 key_scales=rows["scales"], key_rope_pages=rows["rope"], interpret=not on_gpu(),
-                                selection=self.selection, ordered=False)  # fmt: skip
+                                selection=self.selection, ordered=False,
+                                scores_impl="triton" if self.paged == "pallas-triton" else "auto")  # fmt: skip
 
 
 def quantize_rows_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from dsv4.pallas.attention_common import check_page_scales, check_rope_pages
+
 F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn
 NEG_INF = float("-inf")
+MAX_QUERIES = 16  # a paged scores call's queries per request (decode steps have one; the Triton kernel unrolls them)
 
 
 def next_power_of_2(n: int) -> int:
@@ -88,3 +91,34 @@ def topk_of_scores(scores, visible, k: int, select):
         scores = jnp.pad(scores, ((0, 0), (0, 0), (0, k - c)), constant_values=NEG_INF)
     values, idx = select(scores, k)  # [B, S, k]
     return jnp.where(jnp.isneginf(values) | (idx >= visible[..., None]), -1, idx).astype(jnp.int32)
+
+
+def check_paged_inputs(q, weights, positions, key_pages, key_scales, key_rope_pages, block_table) -> str | None:
+    """Validates shapes and dtypes (ValueError naming the tensor). → the scale layout: None, "channel" or "tile"."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, S, Hi, Di], got shape {q.shape}")
+    b, s, h, d = q.shape
+    if q.dtype not in (jnp.bfloat16, jnp.float16, F32):
+        raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
+    if s > MAX_QUERIES:
+        raise ValueError(f"q.shape={q.shape}: at most {MAX_QUERIES} queries a request (decode steps, short chunks); "
+                         "score longer chunks over dense keys (dsv4.pallas.indexer.index_topk_two_pass)")
+    if weights.shape != (b, s, h):
+        raise ValueError(f"weights must be {(b, s, h)} for q.shape={q.shape}, got {weights.shape}")
+    if positions.shape != (b, s) or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions must be integer {(b, s)}, got {positions.dtype} {positions.shape}")
+    if block_table.ndim != 2 or block_table.shape[0] != b or not jnp.issubdtype(block_table.dtype, jnp.integer):
+        raise ValueError(f"block_table must be integer [B={b}, max_pages], got {block_table.dtype} "
+                         f"{block_table.shape}")  # fmt: skip
+    if key_pages.ndim != 3:
+        raise ValueError(f"key_pages must be [pages, rows_per_page, n], got shape {key_pages.shape}")
+    n = key_pages.shape[-1]
+    if key_pages.dtype != FP8 and (key_pages.dtype != q.dtype or n != d):
+        raise ValueError(f"unquantized key_pages must be {q.dtype} [P, R, {d}] (q's dtype and Di), got "
+                         f"{key_pages.dtype} {key_pages.shape}")  # fmt: skip
+    if key_rope_pages is not None:
+        check_rope_pages(key_rope_pages, key_pages, d, "key_rope_pages", "key_pages")
+    elif n != d:
+        raise ValueError(f"key_pages.shape={key_pages.shape} holds {n} of q's Di = {d} channels: the other "
+                         f"{d - n} come as key_rope_pages")  # fmt: skip
+    return check_page_scales("key_scales", key_scales, key_pages, "key_pages", mixed=key_rope_pages is not None)

@@ -47,7 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dsv4.pallas._device import is_hopper
 from dsv4.pallas.indexer_common import FP8, check_index_inputs, fold_scales, visible_entries
 
-__all__ = ["MgpuScoreConfig", "default_config", "index_scores_mgpu", "is_hopper"]
+__all__ = ["MgpuScoreConfig", "default_config", "index_scores_mgpu", "is_hopper", "score_columns"]
 
 F32 = jnp.float32
 KEYS_PER_TILE = 64  # M of the wgmma
@@ -122,6 +122,18 @@ def default_config(dtype) -> MgpuScoreConfig:
     return MgpuScoreConfig() if jnp.dtype(dtype).itemsize == 1 else MgpuScoreConfig(tokens=8)
 
 
+def score_columns(acc, w_row, key_scale, visible):
+    """One query's scores from its [64 keys, 64 heads] accumulator block (WGMMA layout): Σ_h ReLU(acc) · w'_h, the
+    head sum within each warp, times the keys' scales (None: unscaled), -0.0 written as +0.0, -inf where not
+    `visible`. A key row the cache never wrote (NaN) spoils only its own score, which the mask replaces."""
+    weighted = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(w_row, acc.shape, [1])
+    score = weighted.sum(axis=1)
+    if key_scale is not None:
+        score = score * key_scale
+    score = jnp.where(score == 0.0, 0.0, score)  # -0.0 → +0.0
+    return jnp.where(visible, score, -jnp.inf)
+
+
 def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, interpret=None):
     """q [B, S, 64, Di] e4m3 or bf16 (S a multiple of config.tokens); keys [B, C, Di] as q (C a multiple of 64);
     k_scale [B, C] f32; weights [B, S, 64] f32 (folded); n_vis [B, S] int32. → f32 [B, S, C]."""
@@ -182,10 +194,7 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
                         for j in range(j0, j0 + g):
                             acc = acc_g if g == 1 else acc_g[:, (j - j0) * HEADS : (j - j0 + 1) * HEADS]
                             wj = plgpu.load(w_smem.at[w, j], layout=col_layout)
-                            weighted = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(wj, acc.shape, [1])
-                            score = weighted.sum(axis=1) * kscale
-                            score = jnp.where(score == 0.0, 0.0, score)  # -0.0 → +0.0
-                            buf[j] = jnp.where(key < vis[j], score, -jnp.inf)
+                            buf[j] = score_columns(acc, wj, kscale, key < vis[j])
                     plgpu.barrier_arrive(consumed.at[slot])
 
                 @pl.when(i >= n_live)

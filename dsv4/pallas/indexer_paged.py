@@ -43,24 +43,32 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dsv4.pallas._device import is_hopper
+
 # The paged rows are the decode kernel's (attention_common): dequantized as `dsv4.cache.quant.dequantize` rounds.
 from dsv4.pallas.attention_common import (
     SCALE_TILE,
-    check_page_scales,
-    check_rope_pages,
     gather_pages_reference,
     load_paged_rows,
     load_rope_rows,
 )
 from dsv4.pallas.indexer import index_scores_reference
-from dsv4.pallas.indexer_common import F32, FP8, NEG_INF, next_power_of_2, topk_of_scores, visible_entries
+from dsv4.pallas.indexer_common import (
+    F32,
+    MAX_QUERIES,
+    NEG_INF,
+    check_paged_inputs,
+    next_power_of_2,
+    topk_of_scores,
+    visible_entries,
+)
+from dsv4.pallas.indexer_paged_mgpu import index_scores_paged_mgpu, mgpu_takes
 from dsv4.pallas.select import refine_for
 
 __all__ = ["MAX_QUERIES", "PagedScoreBlocks", "index_scores_paged", "index_scores_paged_kernel",
            "index_scores_paged_reference", "index_topk_paged"]  # fmt: skip
 
 _MIN_DOT_DIM = 16  # `tl.dot` needs every matmul dimension >= 16
-MAX_QUERIES = 16  # queries per request: each program loops over them statically (decode steps have one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,37 +174,6 @@ def index_scores_paged_kernel(
 # ---------------------------------------------------------------------------------------------
 # Public entries.
 # ---------------------------------------------------------------------------------------------
-def _check_inputs(q, weights, positions, key_pages, key_scales, key_rope_pages, block_table) -> str | None:
-    """Validates shapes and dtypes (ValueError naming the tensor). → the scale layout: None, "channel" or "tile"."""
-    if q.ndim != 4:
-        raise ValueError(f"q must be [B, S, Hi, Di], got shape {q.shape}")
-    b, s, h, d = q.shape
-    if q.dtype not in (jnp.bfloat16, jnp.float16, F32):
-        raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
-    if s > MAX_QUERIES:
-        raise ValueError(f"q.shape={q.shape}: at most {MAX_QUERIES} queries a request (decode steps, short chunks); "
-                         "score longer chunks over dense keys (dsv4.pallas.indexer.index_topk_two_pass)")
-    if weights.shape != (b, s, h):
-        raise ValueError(f"weights must be {(b, s, h)} for q.shape={q.shape}, got {weights.shape}")
-    if positions.shape != (b, s) or not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(f"positions must be integer {(b, s)}, got {positions.dtype} {positions.shape}")
-    if block_table.ndim != 2 or block_table.shape[0] != b or not jnp.issubdtype(block_table.dtype, jnp.integer):
-        raise ValueError(f"block_table must be integer [B={b}, max_pages], got {block_table.dtype} "
-                         f"{block_table.shape}")  # fmt: skip
-    if key_pages.ndim != 3:
-        raise ValueError(f"key_pages must be [pages, rows_per_page, n], got shape {key_pages.shape}")
-    n = key_pages.shape[-1]
-    if key_pages.dtype != FP8 and (key_pages.dtype != q.dtype or n != d):
-        raise ValueError(f"unquantized key_pages must be {q.dtype} [P, R, {d}] (q's dtype and Di), got "
-                         f"{key_pages.dtype} {key_pages.shape}")  # fmt: skip
-    if key_rope_pages is not None:
-        check_rope_pages(key_rope_pages, key_pages, d, "key_rope_pages", "key_pages")
-    elif n != d:
-        raise ValueError(f"key_pages.shape={key_pages.shape} holds {n} of q's Di = {d} channels: the other "
-                         f"{d - n} come as key_rope_pages")  # fmt: skip
-    return check_page_scales("key_scales", key_scales, key_pages, "key_pages", mixed=key_rope_pages is not None)
-
-
 @functools.partial(jax.jit, static_argnames=("rate", "softmax_scale", "blocks", "interpret"))
 def index_scores_paged(
     q: jax.Array,
@@ -221,7 +198,7 @@ def index_scores_paged(
     (entries past what a request sees are never dereferenced). out_init: an aliased float32 [B, S, C] buffer for
     poisoning in tests. Grid (C / span, B).
     """
-    scale_layout = _check_inputs(q, weights, positions, key_pages, key_scales, key_rope_pages, block_table)
+    scale_layout = check_paged_inputs(q, weights, positions, key_pages, key_scales, key_rope_pages, block_table)
     b, s, h, d = q.shape
     pages, rows, n = key_pages.shape
     capacity = block_table.shape[1] * rows
@@ -278,7 +255,7 @@ def index_scores_paged(
 
 
 @functools.partial(jax.jit, static_argnames=("rate", "k", "softmax_scale", "blocks", "group", "interpret",
-                                             "selection", "ordered"))  # fmt: skip
+                                             "selection", "ordered", "scores_impl"))  # fmt: skip
 def index_topk_paged(
     q: jax.Array,
     weights: jax.Array,
@@ -296,17 +273,32 @@ def index_topk_paged(
     interpret: bool = False,
     selection: str = "auto",
     ordered: bool = True,
+    scores_impl: str = "auto",
 ) -> jax.Array:
-    """The indexer's top-k over its paged key cache: `index_scores_paged`, then `dsv4.topk.top_k` (group,
-    selection, ordered as `dsv4.pallas.indexer.index_topk_two_pass`: "auto" refines by the `select.py` kernel on
-    Hopper). → int32 [B, S, k], ordered as `index_topk` (score descending, ties to the lower index, -1 past the
-    visible count; k may exceed C), or the same picks in any order (ordered=False)."""
+    """The indexer's top-k over its paged key cache: the scores, then `dsv4.topk.top_k` (group, selection, ordered
+    as `dsv4.pallas.indexer.index_topk_two_pass`: "auto" refines by the `select.py` kernel on Hopper). → int32
+    [B, S, k], ordered as `index_topk` (score descending, ties to the lower index, -1 past the visible count; k may
+    exceed C), or the same picks in any order (ordered=False).
+
+    scores_impl: "triton" (`index_scores_paged`, every stored format), "mgpu" (`index_scores_paged_mgpu`: bf16 or
+    f16 pages on Hopper) or "auto" (the Mosaic kernel on a Hopper GPU wherever it takes the operands)."""
     from dsv4.topk import top_k
 
+    if scores_impl not in ("auto", "triton", "mgpu"):
+        raise ValueError(f"scores_impl={scores_impl!r} must be 'auto', 'triton' or 'mgpu'")
+    if scores_impl == "auto":
+        mgpu = not interpret and is_hopper() and mgpu_takes(q, key_pages, key_scales, key_rope_pages)
+        scores_impl = "mgpu" if mgpu else "triton"
     refine = refine_for(selection, interpret)
-    scores = index_scores_paged(q, weights, positions, key_pages, block_table, rate=rate, softmax_scale=softmax_scale,
-                                key_scales=key_scales, key_rope_pages=key_rope_pages, blocks=blocks,
-                                interpret=interpret)  # fmt: skip
+    if scores_impl == "mgpu":
+        if key_scales is not None or key_rope_pages is not None:
+            raise ValueError("scores_impl='mgpu' takes unquantized pages only (no key_scales, no key_rope_pages)")
+        scores = index_scores_paged_mgpu(q, weights, positions, key_pages, block_table, rate=rate,
+                                         softmax_scale=softmax_scale, interpret=interpret or None)  # fmt: skip
+    else:
+        scores = index_scores_paged(q, weights, positions, key_pages, block_table, rate=rate,
+                                    softmax_scale=softmax_scale, key_scales=key_scales, key_rope_pages=key_rope_pages,
+                                    blocks=blocks, interpret=interpret)  # fmt: skip
     select = functools.partial(top_k, group=group, refine=refine, ordered=ordered)
     return topk_of_scores(scores, visible_entries(positions, rate, scores.shape[-1]), k, lambda x, kk: select(x, kk))
 
@@ -319,7 +311,7 @@ def index_scores_paged_reference(q, weights, positions, key_pages, block_table, 
                                  key_scales=None, key_rope_pages=None) -> jax.Array:  # fmt: skip
     """`index_scores_paged` from the spec: every row the table lists gathered and dequantized to q's dtype (as
     `KVStore.read` does), then `indexer.index_scores_reference`. → float32 [B, S, C]."""
-    _check_inputs(q, weights, positions, key_pages, key_scales, key_rope_pages, block_table)
+    check_paged_inputs(q, weights, positions, key_pages, key_scales, key_rope_pages, block_table)
     capacity = block_table.shape[1] * key_pages.shape[1]
     entry = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (q.shape[0], capacity))
     keys = gather_pages_reference(key_pages, key_scales, block_table, entry, q.dtype, rope=key_rope_pages)  # [B, C, Di]
