@@ -37,7 +37,7 @@ SHAPE = dict(batch=3, heads=64, head_dim=64, rope_dim=0, rows=64, max_pages=4, e
 
 
 @pytest.mark.parametrize("queries, config, races", [
-    (1, MgpuPagedConfig(span=128, slots=1), True),  # 2 CTAs a request; each consumer's ring of one slot refilled
+    (1, MgpuPagedConfig(span=256, slots=1), True),  # 4 tiles a CTA: each consumer's ring of one slot refilled
     (2, MgpuPagedConfig(span=64, consumers=3, slots=2), False),  # a consumer with no tile; 4 spans a request
     (3, MgpuPagedConfig(consumers=1), False),  # 4 queries a CTA, one padded; the automatic span
 ])  # fmt: skip

@@ -118,7 +118,8 @@ def _paged_call(q, weights, n_vis, key_pages, block_table, *, tokens, span, conf
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # [64] per key (accumulator rows)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # [64] per head (accumulator columns)
 
-    def body(q_ref, w_ref, nvis_ref, table_ref, k_ref, o_ref, q_smem, k_smem, w_smem, o_smem, q_bar, k_bar, consumed):
+    def paged_scores(q_ref, w_ref, nvis_ref, table_ref, k_ref, o_ref, q_smem, k_smem, w_smem, o_smem, q_bar, k_bar,
+                     consumed):  # fmt: skip
         ci, qi, bi = lax.axis_index("c"), lax.axis_index("q"), lax.axis_index("b")
         wg = lax.axis_index("wg")
         q0 = qi * tokens
@@ -206,7 +207,7 @@ def _paged_call(q, weights, n_vis, key_pages, block_table, *, tokens, span, conf
         plgpu.Barrier(num_barriers=n_cons * slots),  # key tile consumed
     ]
     return plgpu.kernel(
-        body,
+        paged_scores,
         out_type=jax.ShapeDtypeStruct((b, s, c), F32),
         scratch_types=scratch,
         grid=(pl.cdiv(c, span), s // tokens, b),
