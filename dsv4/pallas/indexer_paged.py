@@ -1,5 +1,6 @@
 """The lightning indexer over its paged key cache, for decode steps: a Triton-lowered Pallas scores kernel that reads
-the cache's stored rows through the block table, then the exact grouped top-k; with its jnp reference.
+the cache's stored rows through the block table, then the exact grouped top-k; with its jnp reference. On Hopper,
+bf16 pages take the Mosaic GPU form instead (`indexer_paged_mgpu.py`, chosen by `index_topk_paged`).
 
 A decode step has one query per request (a few for short chunks) against every visible key of its request. The
 dense route first reads the whole key cache out (`KVStore.read`: every page of the table gathered and dequantized
@@ -27,9 +28,10 @@ A key's score is the f32 sum of its two dots (stored channels, RoPE channels), e
 operands in q's dtype: the same operands as the dense route, summed in another order.
 
 NOTE (cost): the work is 2 · Hi · Di FLOPs per key (16 KiFLOP for V4's 64 heads × 128) against the stored row
-(192 B in FP8 with bf16 RoPE channels, 256 B in bf16): 85-64 FLOP per byte, so the matmuls, not the reads, set
-the pace of a Triton kernel at these shapes. What the kernel saves is the dense route's copy: its reads of every
-page the table lists (not only the visible ones) and its write and re-read of 256 B a key.
+(192 B in FP8 with bf16 RoPE channels, 256 B in bf16): 85-64 FLOP per byte. Measured on bf16 pages (H100, 128K
+context × 32 requests) both this kernel and the Mosaic one read the keys at 2.7 TB/s: the reads set the pace. What
+the kernel saves is the dense route's copy: its reads of every page the table lists (not only the visible ones) and
+its write and re-read of 256 B a key.
 """
 
 from __future__ import annotations
