@@ -47,7 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dsv4.pallas._device import is_hopper
 from dsv4.pallas.indexer_common import FP8, check_index_inputs, fold_scales, visible_entries
 
-__all__ = ["MgpuScoreConfig", "default_config", "index_scores_mgpu", "is_hopper", "score_columns"]
+__all__ = ["MgpuScoreConfig", "default_config", "index_scores_mgpu", "fill_neg_inf", "is_hopper", "score_columns"]
 
 F32 = jnp.float32
 KEYS_PER_TILE = 64  # M of the wgmma
@@ -134,6 +134,12 @@ def score_columns(acc, w_row, key_scale, visible):
     return jnp.where(visible, score, -jnp.inf)
 
 
+def fill_neg_inf(buf, row_layout):
+    """Every row of a [queries, 64] staging tile set to -inf: a key tile past every query's visible count."""
+    for j in range(buf.shape[0]):
+        buf[j] = plgpu.layout_cast(jnp.full((KEYS_PER_TILE,), -jnp.inf, F32), row_layout)
+
+
 def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, interpret=None):
     """q [B, S, 64, Di] e4m3 or bf16 (S a multiple of config.tokens); keys [B, C, Di] as q (C a multiple of 64);
     k_scale [B, C] f32; weights [B, S, 64] f32 (folded); n_vis [B, S] int32. → f32 [B, S, C]."""
@@ -197,11 +203,7 @@ def _scores_call(q, keys, k_scale, weights, n_vis, *, config: MgpuScoreConfig, i
                             buf[j] = score_columns(acc, wj, kscale, key < vis[j])
                     plgpu.barrier_arrive(consumed.at[slot])
 
-                @pl.when(i >= n_live)
-                def _():
-                    for j in range(per):
-                        buf[j] = plgpu.layout_cast(jnp.full((KEYS_PER_TILE,), -jnp.inf, F32), row_layout)
-
+                pl.when(i >= n_live)(functools.partial(fill_neg_inf, buf, row_layout))
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(buf, o_ref.at[bi, pl.ds(first, per), pl.ds(c0, KEYS_PER_TILE)])
 

@@ -46,7 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsv4.pallas._device import sm_count
 from dsv4.pallas.indexer_common import F32, check_paged_inputs, visible_entries
-from dsv4.pallas.indexer_mgpu import HEADS, KEYS_PER_TILE, score_columns
+from dsv4.pallas.indexer_mgpu import HEADS, KEYS_PER_TILE, fill_neg_inf, score_columns
 
 __all__ = ["MgpuPagedConfig", "index_scores_paged_mgpu", "mgpu_takes"]
 
@@ -159,11 +159,7 @@ def _paged_call(q, weights, n_vis, key_pages, block_table, *, tokens, span, conf
                         buf[j] = score_columns(acc, wj, None, key < vis[j])
                     plgpu.barrier_arrive(consumed.at[slot])
 
-                @pl.when(i >= n_live)
-                def _():
-                    for j in range(tokens):
-                        buf[j] = plgpu.layout_cast(jnp.full((KEYS_PER_TILE,), -jnp.inf, F32), row_layout)
-
+                pl.when(i >= n_live)(functools.partial(fill_neg_inf, buf, row_layout))
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(buf, o_ref.at[bi, pl.ds(q0, tokens), pl.ds(c0, KEYS_PER_TILE)])
 
