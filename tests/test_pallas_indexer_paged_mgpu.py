@@ -54,6 +54,15 @@ def test_interpreter_matches_reference(queries, config, races):
         assert not get_races().races_found
 
 
+def test_topk_through_the_mosaic_kernel_interpreted():
+    """`index_topk_paged(scores_impl="mgpu", interpret=True)` runs the Mosaic kernel in the interpreter: the picks of
+    the dense reference on the same keys (integer inputs: exact scores)."""
+    inputs, kw, dense_keys = make_inputs(21, fmt="whole", dtype=jnp.bfloat16, **SHAPE)
+    picks = index_topk_paged(**inputs, **kw, k=40, interpret=True, scores_impl="mgpu")
+    want = index_topk_reference(inputs["q"], dense_keys, inputs["weights"], inputs["positions"], k=40, **kw)
+    np.testing.assert_array_equal(np.asarray(picks), np.asarray(want))
+
+
 @pytest.mark.parametrize("queries", [1, 3, 16])
 def test_lowers_for_h200_at_v4_shapes(queries):
     b, pages, rows = 32, 512, 64

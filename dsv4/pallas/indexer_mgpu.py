@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsv4.pallas._device import is_hopper
+from dsv4.pallas.attention_common import SMEM_LIMIT
 from dsv4.pallas.indexer_common import FP8, check_index_inputs, fold_scales, visible_entries
 
 __all__ = ["MgpuScoreConfig", "default_config", "index_scores_mgpu", "fill_neg_inf", "is_hopper", "score_columns"]
@@ -52,7 +53,6 @@ __all__ = ["MgpuScoreConfig", "default_config", "index_scores_mgpu", "fill_neg_i
 F32 = jnp.float32
 KEYS_PER_TILE = 64  # M of the wgmma
 HEADS = 64  # N of the wgmma (V4's index_n_heads)
-_SMEM_LIMIT = 227 * 1024
 _GRID_DIM_MAX = 65535
 
 
@@ -297,9 +297,9 @@ def index_scores_mgpu(
         raise ValueError(f"q.shape={q.shape}: index_scores_mgpu needs Hi = {HEADS} and Di <= 256 a multiple of "
                          f"{128 // itemsize} for {q.dtype}")  # fmt: skip
     config = config or default_config(q.dtype)
-    if config.smem_bytes(d, itemsize) > _SMEM_LIMIT:
+    if config.smem_bytes(d, itemsize) > SMEM_LIMIT:
         raise ValueError(f"{config} needs {config.smem_bytes(d, itemsize)} B of shared memory at Di={d} in "
-                         f"{q.dtype}; limit {_SMEM_LIMIT}")  # fmt: skip
+                         f"{q.dtype}; limit {SMEM_LIMIT}")  # fmt: skip
     weights, k_scale = fold_scales(weights, softmax_scale, q_scale, k_scale, q_layout, k_layout)
     weights = jnp.broadcast_to(weights, (b, s, h)).astype(F32)
     k_scale = jnp.ones((b, c), F32) if k_scale is None else jnp.broadcast_to(k_scale, (b, c)).astype(F32)

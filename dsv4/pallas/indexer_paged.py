@@ -295,8 +295,11 @@ def index_topk_paged(
     if scores_impl == "mgpu":
         if key_scales is not None or key_rope_pages is not None:
             raise ValueError("scores_impl='mgpu' takes unquantized pages only (no key_scales, no key_rope_pages)")
+        from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+
         scores = index_scores_paged_mgpu(q, weights, positions, key_pages, block_table, rate=rate,
-                                         softmax_scale=softmax_scale, interpret=interpret or None)  # fmt: skip
+                                         softmax_scale=softmax_scale,
+                                         interpret=InterpretGPUParams() if interpret else None)  # fmt: skip
     else:
         scores = index_scores_paged(q, weights, positions, key_pages, block_table, rate=rate,
                                     softmax_scale=softmax_scale, key_scales=key_scales, key_rope_pages=key_rope_pages,

@@ -45,12 +45,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsv4.pallas._device import sm_count
-from dsv4.pallas.indexer_common import F32, check_paged_inputs, visible_entries
+from dsv4.pallas.attention_common import SMEM_LIMIT
+from dsv4.pallas.indexer_common import F32, check_paged_inputs, next_power_of_2, visible_entries
 from dsv4.pallas.indexer_mgpu import HEADS, KEYS_PER_TILE, fill_neg_inf, score_columns
 
 __all__ = ["MgpuPagedConfig", "index_scores_paged_mgpu", "mgpu_takes"]
-
-_SMEM_LIMIT = 227 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,12 +241,12 @@ def index_scores_paged_mgpu(
                          f"{q.shape}, key_pages {key_pages.dtype} {key_pages.shape}")  # fmt: skip
     b, s, h, d = q.shape
     capacity = block_table.shape[1] * key_pages.shape[1]
-    tokens = config.tokens or min(4, 1 << max(0, (s - 1).bit_length()))
+    tokens = config.tokens or min(4, next_power_of_2(s))
     s_pad = -(-s // tokens) * tokens
     span = config.span or config.span_for(capacity, b * (s_pad // tokens), sm_count())
-    if config.smem_bytes(tokens, d, q.dtype.itemsize) > _SMEM_LIMIT:
+    if config.smem_bytes(tokens, d, q.dtype.itemsize) > SMEM_LIMIT:
         raise ValueError(f"{config} needs {config.smem_bytes(tokens, d, q.dtype.itemsize)} B of shared memory at "
-                         f"Di={d}, {tokens} queries a CTA; limit {_SMEM_LIMIT}")  # fmt: skip
+                         f"Di={d}, {tokens} queries a CTA; limit {SMEM_LIMIT}")  # fmt: skip
     weights = weights.astype(F32) * softmax_scale
     n_vis = visible_entries(positions.astype(jnp.int32), rate, capacity)
     if s_pad != s:  # padded queries see nothing
