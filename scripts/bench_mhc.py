@@ -17,8 +17,12 @@ requests (B = 32, S = 1) and a 16K-token prefill chunk (B = 1, S = 16384).
     mgpu     `dsv4.pallas.sinkhorn.sinkhorn_mgpu`: the same rounds as a Mosaic GPU kernel, IEEE divisions (Hopper
              only; the mgpu variants are skipped elsewhere)
     mgpu-approx  the same with Mosaic's approx_math (approximate divisions, as the Triton lowering's)
+    mgpu-recip   `MgpuSinkhornConfig(reciprocal=True)`: each sum inverted once, the entries multiplied by it
+    mgpu-recip-approx  both
 
-Each variant's result is compared with the loop's (max abs difference).
+Each variant's result is compared with the loop's (max abs difference). `--trace DIR` also profiles one call of each
+and reports what the GPU spends per normalization (its busy time, and the largest kernel's): the wall time of a call
+carries its launches and the host's wait, which a decode step's CUDA graph does not.
 
 The merge (`dsv4.layers.hc_merge`, twice a layer) makes the hc = 4 new residual copies of a 16K-token chunk (D =
 4096, bf16): new_k = post_k · output + Σ_j comb[j, k] · copy_j. It moves 1.15 GiB (the copies and the block output
@@ -68,8 +72,16 @@ def mgpu_approx(comb, iters, eps):
     return sinkhorn_mgpu(comb, iters, eps, config=MgpuSinkhornConfig(approx_math=True))
 
 
+def mgpu_recip(comb, iters, eps):
+    return sinkhorn_mgpu(comb, iters, eps, config=MgpuSinkhornConfig(reciprocal=True))
+
+
+def mgpu_recip_approx(comb, iters, eps):
+    return sinkhorn_mgpu(comb, iters, eps, config=MgpuSinkhornConfig(approx_math=True, reciprocal=True))
+
+
 VARIANTS = {"loop": sinkhorn_reference, "unroll": unrolled, "kernel": sinkhorn, "mgpu": sinkhorn_mgpu,
-            "mgpu-approx": mgpu_approx}  # fmt: skip
+            "mgpu-approx": mgpu_approx, "mgpu-recip": mgpu_recip, "mgpu-recip-approx": mgpu_recip_approx}
 
 
 F32 = jnp.float32
@@ -183,6 +195,8 @@ def main():
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
     p.add_argument("--parts", default="sinkhorn,merge", help="sinkhorn, merge or both (default)")
+    p.add_argument("--trace", default=None, help="also profile one call of each Sinkhorn variant into this folder "
+                   "and report the GPU's busy time and largest kernel per normalization")  # fmt: skip
     args = p.parse_args()
     parts = set(args.parts.split(","))
     if not parts or parts - {"sinkhorn", "merge"}:
@@ -210,14 +224,37 @@ def bench_sinkhorn(p, args):
         for name, fn in fns.items():
             t = median_s(fn, comb, args.reps) / args.calls
             diff = float(jnp.max(jnp.abs(fn(comb) - base)))
-            rows.append((b, s, name, t))
-            print(f"  B={b} S={s} {name:7s} {t * 1e6:9.1f} us a normalization, max |diff| vs loop {diff:.1e}",
+            gpu = trace_gpu_us(fn, comb, f"{args.trace}/{b}x{s}-{name}", args.calls) if args.trace else {}
+            rows.append((b, s, name, t, gpu))
+            print(f"  B={b} S={s} {name:7s} {t * 1e6:9.1f} us a normalization, max |diff| vs loop {diff:.1e}"
+                  + (f"; GPU busy {gpu['busy']:.1f} us, {gpu['kernel']} {gpu['kernel_us']:.1f} us" if gpu else ""),
                   flush=True)  # fmt: skip
-    print("\n| B | S | variant | us a normalization | vs loop |")
-    print("| --- | --- | --- | --- | --- |")
-    for b, s, name, t in rows:
+    traced = " | GPU busy us | largest kernel us" if args.trace else ""
+    print(f"\n| B | S | variant | us a normalization | vs loop{traced} |")
+    print("| --- | --- | --- | --- | --- |" + (" --- | --- |" if args.trace else ""))
+    for b, s, name, t, gpu in rows:
         loop = next(r[3] for r in rows if r[:2] == (b, s) and r[2] == "loop")
-        print(f"| {b} | {s} | {name} | {t * 1e6:.1f} | {loop / t:.2f}x faster |")
+        extra = f" | {gpu['busy']:.1f} | {gpu['kernel_us']:.1f}" if gpu else (" | | " if args.trace else "")
+        print(f"| {b} | {s} | {name} | {t * 1e6:.1f} | {loop / t:.2f}x faster{extra} |")
+
+
+def trace_gpu_us(fn, x, trace_dir, calls):
+    """One call of fn(x) under the profiler: the GPU's busy time and its largest kernel's (name, time), each per
+    normalization. Wall time a call carries the launches and the host's wait; this is what the GPU spends."""
+    from trace_overlap import kernel_table
+
+    jax.block_until_ready(fn(x))
+    with jax.profiler.trace(trace_dir):
+        jax.block_until_ready(fn(x))
+    try:
+        table = kernel_table(trace_dir)
+    except FileNotFoundError:
+        return {}
+    if not table:
+        return {}
+    gpu = table[sorted(table)[0]]
+    name, (total, _) = max(gpu["kernels"].items(), key=lambda kv: kv[1][0])
+    return dict(busy=gpu["busy_us"] / calls, kernel=name[:40], kernel_us=total / calls)
 
 
 if __name__ == "__main__":

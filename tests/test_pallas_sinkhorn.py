@@ -105,17 +105,23 @@ def _mgpu_interpret():
     return InterpretGPUParams(uninitialized_memory="nan")  # the output buffer starts poisoned
 
 
-@pytest.mark.parametrize("shape, hc, iters, block_tokens", [
-    ((3, 100), 4, 2, 128),  # 300 tokens: 3 blocks, the last one padded
-    ((1, 5), 3, 3, 256),    # fewer tokens than a block, an hc that is not a power of two
+@pytest.mark.parametrize("shape, hc, iters, block_tokens, reciprocal", [
+    ((3, 100), 4, 2, 128, False),  # 300 tokens: 3 blocks, the last one padded
+    ((1, 5), 3, 3, 256, False),    # fewer tokens than a block, an hc that is not a power of two
+    ((2, 33), 4, 20, 128, True),   # a decode step's few tokens, V4's 20 rounds, sums inverted once
 ])  # fmt: skip
-def test_mgpu_interpreter_matches_reference(shape, hc, iters, block_tokens):
+def test_mgpu_interpreter_matches_reference(shape, hc, iters, block_tokens, reciprocal):
     comb = random_comb(hash((shape, hc, "mgpu")) % 1000, shape, hc)
     want = np.asarray(sinkhorn_reference(comb, iters, EPS))
-    got = sinkhorn_mgpu(comb, iters, EPS, config=MgpuSinkhornConfig(block_tokens), interpret=_mgpu_interpret())
-    got = np.asarray(got)
+    config = MgpuSinkhornConfig(block_tokens, reciprocal=reciprocal)
+    got = np.asarray(sinkhorn_mgpu(comb, iters, EPS, config=config, interpret=_mgpu_interpret()))
     assert got.shape == comb.shape and got.dtype == np.float32 and not np.isnan(got).any()
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    # a product by an IEEE reciprocal is within 1.5 ulp of the division: the Triton kernel's tolerance
+    np.testing.assert_allclose(got, want, rtol=2e-6 if reciprocal else 1e-6, atol=1e-7)
+    if reciprocal:
+        exact = np.asarray(sinkhorn_mgpu(comb, iters, EPS, config=MgpuSinkhornConfig(block_tokens),
+                                         interpret=_mgpu_interpret()))  # fmt: skip
+        assert not np.array_equal(got, exact), "the reciprocal form must round differently somewhere"
 
 
 def test_mgpu_lowers_for_h200():
@@ -139,11 +145,11 @@ def test_mgpu_bad_arguments_are_named():
 @gpu
 @requires_gpu
 @pytest.mark.parametrize("shape", [(32, 1), (1, 16384 + 3)])
-@pytest.mark.parametrize("approx_math", [False, True])
-def test_gpu_mgpu_matches_reference(shape, approx_math):
+@pytest.mark.parametrize("approx_math, reciprocal", [(False, False), (True, False), (False, True), (True, True)])
+def test_gpu_mgpu_matches_reference(shape, approx_math, reciprocal):
     """Compiled on Hopper, after a NaN-input run of the same shape (a recycled output buffer then holds NaN wherever
     the kernel fails to write). Approximate divisions get the Triton kernel's tolerance."""
-    config = MgpuSinkhornConfig(approx_math=approx_math)
+    config = MgpuSinkhornConfig(approx_math=approx_math, reciprocal=reciprocal)
     comb = random_comb(8, shape, 4)
     jax.block_until_ready(sinkhorn_mgpu(jnp.full_like(comb, jnp.nan), 20, EPS, config=config))
     want = np.asarray(sinkhorn_reference(comb, 20, EPS))
