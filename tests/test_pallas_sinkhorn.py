@@ -124,12 +124,15 @@ def test_mgpu_interpreter_matches_reference(shape, hc, iters, block_tokens, reci
         assert not np.array_equal(got, exact), "the reciprocal form must round differently somewhere"
 
 
-def test_mgpu_lowers_for_h200():
-    """The Mosaic GPU module builds for an abstract H200 at a prefill chunk's token count (not a block multiple);
-    two rounds suffice, every round lowers the same primitives."""
-    comb = jax.ShapeDtypeStruct((16387, 1, 4, 4), jnp.float32)
+@pytest.mark.parametrize("tokens, config", [(16387, MgpuSinkhornConfig()),
+                                            (32, MgpuSinkhornConfig(approx_math=True, reciprocal=True))])
+def test_mgpu_lowers_for_h200(tokens, config):
+    """The Mosaic GPU module builds for an abstract H200 at a prefill chunk's token count (not a block multiple) and
+    at a decode step's in the reciprocal form; two rounds suffice, every round lowers the same primitives."""
+    comb = jax.ShapeDtypeStruct((tokens, 1, 4, 4), jnp.float32)
     with abstract_gpu_mesh():
-        hlo = jax.jit(lambda c: sinkhorn_mgpu(c, 2, EPS)).trace(comb).lower(lowering_platforms=("cuda",)).as_text()
+        hlo = (jax.jit(lambda c: sinkhorn_mgpu(c, 2, EPS, config=config)).trace(comb)
+               .lower(lowering_platforms=("cuda",)).as_text())  # fmt: skip
     assert "mosaic_gpu" in hlo
 
 
