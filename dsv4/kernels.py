@@ -37,9 +37,9 @@ CHOICES = {
     "dense": ("jnp", "pallas"),
     # cache writes: XLA's quantize + scatter, or the quantize-and-write kernel
     "kv_write": ("jnp", "pallas"),
-    # "pallas": Triton, or on Hopper the Mosaic GPU form for prefill-sized inputs (faster there, slower for a decode
-    # step: dsv4.layers.SINKHORN_MGPU_MIN_TOKENS); "pallas-mgpu": always the Mosaic GPU form
-    "sinkhorn": ("jnp", "pallas", "pallas-mgpu"),
+    # "pallas": on Hopper the Mosaic GPU form (dsv4.layers.SINKHORN_MGPU_CONFIG), elsewhere Triton;
+    # "pallas-triton": the Triton kernel; "pallas-mgpu": the Mosaic GPU form with its default config
+    "sinkhorn": ("jnp", "pallas", "pallas-triton", "pallas-mgpu"),
     # q's RMS normalization in prefill: "jnp" normalizes q (XLA) before the core; "fold" rotates q in place and hands
     # the core q's inverse RMS per (token, head), which the attention kernels fold into their logit scale (the
     # whole-prompt sequence-parallel core applies it to q); one-token steps always take q normalized. "auto": "fold"

@@ -239,32 +239,30 @@ def normalize_and_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, eps: float)
 # ---------------------------------------------------------------------------------------------
 # Manifold-constrained hyper-connections (mHC).
 # ---------------------------------------------------------------------------------------------
-SINKHORN_MGPU_MIN_TOKENS = 4096
-"""impl="pallas" on Hopper runs the Mosaic GPU kernel on a shard of at least this many tokens (a prefill chunk:
-1.27× the Triton kernel at 16K tokens) and the Triton one below (a decode step: Triton 1.27× faster at 32 tokens);
-the crossing in between is not measured (docs/BENCHMARKS.md, "mHC Sinkhorn")."""
+SINKHORN_MGPU_CONFIG = sk.MgpuSinkhornConfig(reciprocal=True, approx_math=True)
+"""The Mosaic GPU Sinkhorn as `impl="pallas"` runs it on Hopper, at every token count: each row or column sum
+inverted once by an approximate reciprocal (within 2 ulp, as the Triton lowering's division) and the entries
+multiplied by it (docs/BENCHMARKS.md, "mHC Sinkhorn")."""
 
 
 def sinkhorn_normalize(comb: jax.Array, iters: int, eps: float, impl: str = "jnp") -> jax.Array:
     """comb [B, S, hc, hc] (positive) → doubly stochastic, float32: columns first, then (iters - 1) rounds of rows
     and columns, as in the reference. impl="pallas": one kernel launch (per sequence shard under a
-    sequence-parallel layout; interpreted off a GPU) instead of XLA's host-driven loop, for hc a power of two: the
-    Triton kernel, or on Hopper the Mosaic GPU one from `SINKHORN_MGPU_MIN_TOKENS` tokens a shard; "pallas-mgpu":
-    always the Mosaic GPU kernel (the Mosaic GPU interpreter off a GPU), any hc."""
+    sequence-parallel layout; interpreted off a GPU) instead of XLA's host-driven loop: on Hopper the Mosaic GPU
+    kernel (`SINKHORN_MGPU_CONFIG`), elsewhere the Triton one (hc a power of two); "pallas-triton": the Triton
+    kernel; "pallas-mgpu": the Mosaic GPU kernel with its default config (the Mosaic GPU interpreter off a GPU),
+    any hc."""
     hc = comb.shape[-1]
-    if impl == "pallas" and hc & (hc - 1) == 0:
-        gpu = on_gpu()
-
-        def kernel(c):
-            if gpu and is_hopper() and c.shape[0] * c.shape[1] >= SINKHORN_MGPU_MIN_TOKENS:
-                return sk.sinkhorn_mgpu(c, iters, eps)
-            return sk.sinkhorn(c, iters, eps, interpret=not gpu)
-
-        return per_sequence_shard(kernel, (comb,), fill=(1.0,))
+    gpu = on_gpu()
+    if impl == "pallas" and gpu and is_hopper():
+        return per_sequence_shard(lambda c: sk.sinkhorn_mgpu(c, iters, eps, config=SINKHORN_MGPU_CONFIG), (comb,),
+                                  fill=(1.0,))  # fmt: skip
+    if impl in ("pallas", "pallas-triton") and hc & (hc - 1) == 0:
+        return per_sequence_shard(lambda c: sk.sinkhorn(c, iters, eps, interpret=not gpu), (comb,), fill=(1.0,))
     if impl == "pallas-mgpu":
         from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 
-        interpret = None if on_gpu() else InterpretGPUParams()
+        interpret = None if gpu else InterpretGPUParams()
         return per_sequence_shard(lambda c: sk.sinkhorn_mgpu(c, iters, eps, interpret=interpret), (comb,),
                                   fill=(1.0,))  # fmt: skip
     return sk.sinkhorn_reference(comb, iters, eps)

@@ -22,8 +22,8 @@ a model built with its own `dsv4.Kernels` value, `ROUTE_KERNELS`; the MoE on XLA
             dequantized into a copy), then scored;
     jnp-triton-index  jnp with paged_indexer="pallas-triton": the CSA indexer's keys scored where the cache stores
             them by the Triton kernel, on every page format;
-    jnp-mgpu-sinkhorn  jnp with sinkhorn="pallas-mgpu": the mHC Sinkhorn by its Mosaic GPU kernel at any token
-            count (the default keeps the Triton kernel below 4096 tokens a shard).
+    jnp-triton-sinkhorn  jnp with sinkhorn="pallas-triton": the mHC Sinkhorn on its Triton kernel (the default
+            on Hopper is the Mosaic GPU one).
 Every other route's CSA indexer takes `Kernels.paged_indexer`'s default: on a GPU it scores its keys where the
 cache stores them (`dsv4.pallas.indexer_paged`; bf16 pages on Hopper by `indexer_paged_mgpu`'s Mosaic kernel).
 
@@ -97,7 +97,7 @@ ROUTE_KERNELS = {
     "jnp-loop": dataclasses.replace(_JNP, sinkhorn="jnp"),
     "jnp-dense-index": dataclasses.replace(_JNP, paged_indexer="jnp"),
     "jnp-triton-index": dataclasses.replace(_JNP, paged_indexer="pallas-triton"),
-    "jnp-mgpu-sinkhorn": dataclasses.replace(_JNP, sinkhorn="pallas-mgpu"),
+    "jnp-triton-sinkhorn": dataclasses.replace(_JNP, sinkhorn="pallas-triton"),
 }
 ROUTES = tuple(ROUTE_KERNELS)
 

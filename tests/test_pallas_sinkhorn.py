@@ -201,8 +201,7 @@ def test_hyper_connection_takes_the_kernel_when_asked(monkeypatch):
 
 def test_sinkhorn_normalize_takes_the_mosaic_kernel_when_asked(monkeypatch):
     """`Kernels.sinkhorn="pallas-mgpu"` reaches `sinkhorn_mgpu` through the model's `sinkhorn_normalize` (the Mosaic
-    GPU interpreter off a GPU), with the reference's result. "auto" stays on the Triton kernel on Hopper: the
-    Mosaic form is chosen by name only."""
+    GPU interpreter off a GPU), with the reference's result."""
     import dsv4.layers as layers
     import dsv4.pallas.sinkhorn as sk
     from dsv4.kernels import Kernels
@@ -220,3 +219,27 @@ def test_sinkhorn_normalize_takes_the_mosaic_kernel_when_asked(monkeypatch):
     np.testing.assert_allclose(np.asarray(got), np.asarray(sinkhorn_reference(comb, 2, EPS)), rtol=1e-6, atol=1e-7)
     assert Kernels().resolve(jnp.bfloat16, gpu=True, hopper=True).sinkhorn == "pallas"
     assert Kernels.parse("sinkhorn=pallas-mgpu").resolve(jnp.bfloat16, gpu=True).sinkhorn == "pallas-mgpu"
+
+
+@pytest.mark.parametrize("impl, hopper, want", [("pallas", True, "mgpu"), ("pallas", False, "triton"),
+                                                ("pallas-triton", True, "triton")])  # fmt: skip
+def test_sinkhorn_normalize_picks_the_form_by_device(monkeypatch, impl, hopper, want):
+    """On a GPU, "pallas" (the default) runs the Mosaic GPU form on Hopper at any token count (a decode step's too),
+    in `layers.SINKHORN_MGPU_CONFIG`'s reciprocal form, and the Triton kernel on other GPUs; "pallas-triton" keeps
+    Triton on Hopper. The kernels are stood in for by the reference (no GPU here); what is checked is the pick."""
+    import dsv4.layers as layers
+    import dsv4.pallas.sinkhorn as sk
+
+    calls = []
+    monkeypatch.setattr(layers, "on_gpu", lambda: True)
+    monkeypatch.setattr(layers, "is_hopper", lambda: hopper)
+    monkeypatch.setattr(sk, "sinkhorn_mgpu", lambda c, it, e, config=None, **kw: calls.append(("mgpu", config))
+                        or sinkhorn_reference(c, it, e))  # fmt: skip
+    monkeypatch.setattr(sk, "sinkhorn", lambda c, it, e, **kw: calls.append(("triton", kw.get("interpret")))
+                        or sinkhorn_reference(c, it, e))  # fmt: skip
+    comb = random_comb(5, (32, 1), 4)
+    got = layers.sinkhorn_normalize(comb, 3, EPS, impl)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(sinkhorn_reference(comb, 3, EPS)), rtol=1e-6)
+    assert calls == [("mgpu", layers.SINKHORN_MGPU_CONFIG) if want == "mgpu" else ("triton", False)]
+    if want == "mgpu":
+        assert layers.SINKHORN_MGPU_CONFIG.reciprocal
