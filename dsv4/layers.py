@@ -255,17 +255,15 @@ def sinkhorn_normalize(comb: jax.Array, iters: int, eps: float, impl: str = "jnp
     any hc."""
     hc = comb.shape[-1]
     gpu = on_gpu()
-    if impl == "pallas" and gpu and is_hopper():
-        return per_sequence_shard(lambda c: sk.sinkhorn_mgpu(c, iters, eps, config=SINKHORN_MGPU_CONFIG), (comb,),
-                                  fill=(1.0,))  # fmt: skip
-    if impl in ("pallas", "pallas-triton") and hc & (hc - 1) == 0:
-        return per_sequence_shard(lambda c: sk.sinkhorn(c, iters, eps, interpret=not gpu), (comb,), fill=(1.0,))
-    if impl == "pallas-mgpu":
+    if impl == "pallas-mgpu" or (impl == "pallas" and gpu and is_hopper()):
         from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 
+        config = SINKHORN_MGPU_CONFIG if impl == "pallas" else sk.MgpuSinkhornConfig()
         interpret = None if gpu else InterpretGPUParams()
-        return per_sequence_shard(lambda c: sk.sinkhorn_mgpu(c, iters, eps, interpret=interpret), (comb,),
-                                  fill=(1.0,))  # fmt: skip
+        return per_sequence_shard(lambda c: sk.sinkhorn_mgpu(c, iters, eps, config=config, interpret=interpret),
+                                  (comb,), fill=(1.0,))  # fmt: skip
+    if impl in ("pallas", "pallas-triton") and hc & (hc - 1) == 0:
+        return per_sequence_shard(lambda c: sk.sinkhorn(c, iters, eps, interpret=not gpu), (comb,), fill=(1.0,))
     return sk.sinkhorn_reference(comb, iters, eps)
 
 

@@ -44,6 +44,7 @@ Each form's result is compared with `elementwise`'s (max abs difference, d-major
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -68,20 +69,14 @@ def unrolled(comb, iters, eps):
     return sinkhorn_reference(comb, iters, eps, unroll=True)
 
 
-def mgpu_approx(comb, iters, eps):
-    return sinkhorn_mgpu(comb, iters, eps, config=MgpuSinkhornConfig(approx_math=True))
-
-
-def mgpu_recip(comb, iters, eps):
-    return sinkhorn_mgpu(comb, iters, eps, config=MgpuSinkhornConfig(reciprocal=True))
-
-
-def mgpu_recip_approx(comb, iters, eps):
-    return sinkhorn_mgpu(comb, iters, eps, config=MgpuSinkhornConfig(approx_math=True, reciprocal=True))
+def mgpu_with(**config):
+    """sinkhorn_mgpu in a given MgpuSinkhornConfig."""
+    return functools.partial(sinkhorn_mgpu, config=MgpuSinkhornConfig(**config))
 
 
 VARIANTS = {"loop": sinkhorn_reference, "unroll": unrolled, "kernel": sinkhorn, "mgpu": sinkhorn_mgpu,
-            "mgpu-approx": mgpu_approx, "mgpu-recip": mgpu_recip, "mgpu-recip-approx": mgpu_recip_approx}
+            "mgpu-approx": mgpu_with(approx_math=True), "mgpu-recip": mgpu_with(reciprocal=True),
+            "mgpu-recip-approx": mgpu_with(approx_math=True, reciprocal=True)}
 
 
 F32 = jnp.float32

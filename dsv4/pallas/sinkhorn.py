@@ -1,4 +1,5 @@
-"""The mHC mixing matrices' Sinkhorn normalization as one Triton-lowered Pallas kernel, with its jnp reference.
+"""The mHC mixing matrices' Sinkhorn normalization as one Pallas kernel (Mosaic GPU and Triton lowerings), with its
+jnp reference.
 
 Every hyper-connection (two a layer: before attention and before the MoE) makes each token's `hc × hc` mixing matrix
 doubly stochastic: columns normalized once, then `iters - 1` rounds of rows then columns (V4: hc = 4, 20 iterations).
@@ -9,11 +10,12 @@ decode step's kernels are these loops' and the GPU sits idle between them (docs/
 The kernel does all of it in registers, one launch per hyper-connection: a program holds `block_tokens` tokens'
 matrices as hc² vectors (layout [hc, hc, N], tokens along the lanes), and every row or column sum is hc - 1 adds of
 whole vectors, so nothing is reduced across lanes. The arithmetic is the reference's (the same divisions in the same
-order; only the order of each 4-term sum may differ).
+order; only the order of each 4-term sum may differ), or in the reciprocal form each sum inverted once and the
+entries multiplied by it.
 
-Two lowerings of that one body (`_normalize`): `sinkhorn` (Triton, `Kernels.sinkhorn="pallas"`) and `sinkhorn_mgpu`
-(Mosaic GPU, `"pallas-mgpu"`: one warpgroup per CTA, the vectors loaded from and stored to GMEM straight through
-registers; the tokens are padded to whole blocks in the wrapper, so nothing is masked).
+Two lowerings of that one body (`_normalize`): `sinkhorn_mgpu` (Mosaic GPU: one warpgroup per CTA, the vectors loaded
+from and stored to GMEM straight through registers; the tokens are padded to whole blocks in the wrapper, so nothing
+is masked; `Kernels.sinkhorn="pallas"` on Hopper) and `sinkhorn` (Triton: other GPUs and `"pallas-triton"`).
 """
 
 from __future__ import annotations
