@@ -9,9 +9,9 @@ each layer type, and the ceilings they are compared with:
     python3 scripts/bench_ttft.py --lengths 512k --chunk 16384 --variants chunked,chunked-fp8idx \
         --weights bf16,fp8,fp8-fp4-experts --no-breakdown --no-chunk-split --no-whole-check --budget 560 --out $OUT
                                                                           # H200: the weights formats side by side
-    python3 scripts/bench_ttft.py --lengths 512k --chunk 16384 --variants xla-cap,chunked-fp8idx --weights fp8,bf16 \
-        --no-breakdown --no-chunk-split --no-whole-check --ceiling-sizes 8192 --budget 400 --out $OUT
-                                                                          # H200: released weights against the baseline
+    python3 scripts/bench_ttft.py --lengths 512k --chunk 16384 --variants xla-cap,chunked,chunked-2x \
+        --weights fp8,bf16=xla-cap --no-breakdown --no-chunk-split --no-whole-check --ceiling-sizes 8192 --budget 400 \
+        --out $OUT                                                        # H200: released weights against the baseline
     python3 scripts/bench_ttft.py --smoke --out /tmp/ttft_smoke           # CPU: tiny + small flash-like configs
 
 Model: `Config.preset("v4-flash")` at its real widths (hidden 4096, 64 heads × 512, q LoRA 1024, 8 output groups ×
@@ -334,7 +334,8 @@ def parse_args():
                         "e2m1 with per-32 scales, re-blocked as FP8 each step for the same kernels), "
                         "fp8-fp4-experts-fp8 (those experts re-blocked once, at build: LLM(fp4_experts='fp8')); a "
                         "comma list (bf16,fp8,fp8-fp4-experts) runs each in turn, in this process, and tabulates "
-                        "them side by side")  # fmt: skip
+                        "them side by side; FORMAT=V1+V2 runs only those of --variants in that format "
+                        "(fp8,bf16=xla-cap: the bf16 model is built for the baseline alone)")  # fmt: skip
     p.add_argument("--ceiling-sizes", default=None, help="n of the n³ matmul ceilings (GPU default 8192,16384)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-component breakdown")
     p.add_argument("--no-chunk-split", action="store_true", help="skip the layer-by-layer pass of the chunked variant")
@@ -351,10 +352,19 @@ def parse_args():
         if v not in VARIANTS:
             p.error(f"--variants: unknown {v!r}; known: {PRIORITY}")
     args.variants = [v for v in PRIORITY if v in args.variants]
-    args.weights = list(dict.fromkeys(w.strip() for w in args.weights.split(",") if w.strip()))
-    for w in args.weights:
+    args.weight_variants = {}  # format → the variants it runs (None: every one of --variants)
+    for spec in (w.strip() for w in args.weights.split(",")):
+        if not spec:
+            continue
+        w, _, only = spec.partition("=")
         if w not in BENCH_WEIGHTS:
             p.error(f"--weights: unknown format {w!r}; known: {','.join(BENCH_WEIGHTS)}")
+        only = [v.strip() for v in only.split("+") if v.strip()] if only else None
+        for v in only or ():
+            if v not in args.variants:
+                p.error(f"--weights {spec}: {v!r} is not among --variants ({','.join(args.variants)})")
+        args.weight_variants.setdefault(w, only)
+    args.weights = list(args.weight_variants)
     if not args.weights:
         p.error("--weights: name at least one format")
     args.ceiling_sizes = parse_lengths(args.ceiling_sizes or ("256,512" if args.smoke else "8192,16384"))
@@ -1523,7 +1533,10 @@ class Bench:
         # (per-layer-type times of (4)), then the breakdowns (largest length first), then the whole-model check.
         for seq in self.setup.lengths:
             self.rec.log(f"--- {self.name} S={fmt_len(seq)}: variants ---")
+            only = self.args.weight_variants.get(self.weights)
             for vkey in self.setup.variants or self.args.variants:
+                if only is not None and vkey not in only:
+                    continue
                 try:
                     self.run_variant(vkey, seq)
                 except Exception as exc:  # the bookkeeping around a variant failed; the next one still runs
