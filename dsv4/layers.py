@@ -242,8 +242,8 @@ def normalize_and_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, eps: float)
 SINKHORN_MGPU_CONFIG = sk.MgpuSinkhornConfig(reciprocal=True, approx_math=True)
 """The Mosaic GPU Sinkhorn as `impl="pallas"` runs it on Hopper, at every token count: each row or column sum
 inverted once by an approximate reciprocal and the entries multiplied by it (within about 2.5 ulp of the quotient,
-the class of the Triton lowering's approximate division); the fastest form measured at a 16K-token chunk, and at a
-decode step's 32 tokens within the launch noise of the others (docs/BENCHMARKS.md, "mHC Sinkhorn")."""
+the class of the Triton lowering's approximate division); by GPU time the fastest form measured at a decode step's
+32 tokens and at a 16K-token chunk, ahead of the Triton kernel at both (docs/BENCHMARKS.md, "mHC Sinkhorn")."""
 
 
 def sinkhorn_normalize(comb: jax.Array, iters: int, eps: float, impl: str = "jnp") -> jax.Array:
