@@ -320,17 +320,18 @@ def test_gpu_w8a8_four_slots():
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("slots", [None, 3])
-def test_gpu_w8a8_rescale_matches_reference(slots):
-    """The rescale accumulation (the default: both parts' wgmmas in place, the totals rescaled between steps)
-    against the reference, as the routed experts are held, and close to the promote form's result (the same sums,
-    rounded differently); after a run whose x is NaN, so rows it fails to write show."""
+@pytest.mark.parametrize("slots, pingpong", [(None, False), (3, False), (None, True)])
+def test_gpu_w8a8_rescale_matches_reference(slots, pingpong):
+    """The rescale accumulation (the default: both parts' wgmmas in place, the totals rescaled between steps; with
+    the consumers taking turns under pingpong) against the reference, as the routed experts are held, and close to
+    the promote form's result (the same sums, rounded differently); after a run whose x is NaN, so rows it fails to
+    write show."""
     x, ids, weights, gate_up, down, kw = _gpu_problem(25, w8a8=True)
 
     def run(config, x=x):
         return np.asarray(routed_experts_mgpu(x, ids, weights, gate_up, down, LIMIT, config=config, **kw), F32)
 
-    rescale = MgpuMoeConfig(fp8_acc="rescale", num_slots=slots)
+    rescale = MgpuMoeConfig(fp8_acc="rescale", num_slots=slots, pingpong=pingpong)
     run(rescale, jnp.full_like(x, jnp.nan))
     got, promote = run(rescale), run(MgpuMoeConfig(fp8_acc="promote"))
     want = np.asarray(routed_experts_reference(x, ids, weights, gate_up, down, LIMIT, **kw), F32)
