@@ -41,6 +41,7 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
                           the stored values (`dsv4.layers.project`); the same as (4f) with bf16 weights
     chunked-loop     (4l) as (4) with the mHC Sinkhorn normalization as XLA's while loop (Kernels.sinkhorn="jnp")
     chunked-2x       (4x) as (4) in chunks of twice ``--chunk`` (the chunk size's effect, side by side in one process)
+    chunked-4x       (4xx) as (4) in chunks of four times ``--chunk``
     chunked-qnorm    (4n) as (4) with Kernels.q_norm="jnp": q normalized by XLA before the core, where (4) on Hopper
                           only rotates q and folds its inverse RMS into the attention kernels' logit scale
     chunked-csatriton (4c) as (4) with Kernels.csa="pallas-triton": CSA layers' attention on the Triton kernel
@@ -251,6 +252,7 @@ VARIANTS = {v.key: v for v in [
     Variant("chunked-loop", "(4l)", "(4) with the mHC Sinkhorn as XLA's loop", "chunked", "pallas", "pallas",
             sinkhorn_loop=True),
     Variant("chunked-2x", "(4x)", "(4) in chunks of 2 x --chunk", "chunked", "pallas", "pallas", chunks_of=2),
+    Variant("chunked-4x", "(4xx)", "(4) in chunks of 4 x --chunk", "chunked", "pallas", "pallas", chunks_of=4),
     Variant("chunked-qnorm", "(4n)", "(4) with q normalized before the core", "chunked", "pallas", "pallas",
             q_norm="jnp"),
     Variant("chunked-csatriton", "(4c)", "(4) with CSA on the Triton kernel", "chunked", "pallas", "pallas",
