@@ -16,7 +16,7 @@ from jax import lax
 from dsv4.pallas._device import is_hopper, on_gpu
 from dsv4.pallas.moe import grouped_down
 from dsv4.pallas.moe_common import FP8, QUANT_BLOCK, dequantize_blocks, quantize_per_token_group
-from dsv4.pallas.moe_mgpu import TILE_M, grouped_down_mgpu, mgpu_moe_unsupported
+from dsv4.pallas.moe_mgpu import TILE_M, MgpuMoeConfig, grouped_down_mgpu, mgpu_moe_unsupported
 
 F32 = jnp.float32
 IMPLS = ("auto", "mgpu", "triton")
@@ -35,12 +35,14 @@ def w8a8_unsupported(q: jax.Array, scale: jax.Array) -> str:
     return ""
 
 
-def linear_w8a8(x: jax.Array, q: jax.Array, scale: jax.Array, *, impl: str = "auto", interpret=None) -> jax.Array:
+def linear_w8a8(x: jax.Array, q: jax.Array, scale: jax.Array, *, impl: str = "auto", interpret=None,
+                config: MgpuMoeConfig | None = None) -> jax.Array:  # fmt: skip
     """x [..., K] (bf16 / f16) · dequantize(q, scale)ᵀ, q [N, K] e4m3 with scale [N / 128, K / 128] float32, x
     quantized per token and 128-group (`quantize_per_token_group`). Accumulates in float32; → [..., N] in x's dtype.
 
     impl: "mgpu" (the Mosaic GPU kernel; N a multiple of 256), "triton", or "auto": Mosaic on Hopper where the shape
-    fits, else Triton. interpret: run the kernel in its interpreter (None: off a GPU).
+    fits, else Triton. interpret: run the kernel in its interpreter (None: off a GPU). config: the Mosaic kernel's
+    launch parameters (None: its defaults; the Triton path has none).
     """
     why = w8a8_unsupported(q, scale)
     if why:
@@ -77,7 +79,7 @@ def linear_w8a8(x: jax.Array, q: jax.Array, scale: jax.Array, *, impl: str = "au
 
             mgpu_interpret = InterpretGPUParams()
         y = grouped_down_mgpu(xq, q[None], tiles, h_scales=xs, down_scales=scale[None], out_dtype=x.dtype,
-                              interpret=mgpu_interpret)[:m]  # fmt: skip
+                              config=config or MgpuMoeConfig(), interpret=mgpu_interpret)[:m]  # fmt: skip
     else:
         y = grouped_down(xq, q[None], jnp.array([m], jnp.int32), h_scales=xs, down_scales=scale[None],
                          out_dtype=x.dtype, interpret=interpret)  # fmt: skip
