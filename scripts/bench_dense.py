@@ -38,9 +38,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from bench_kernels import Rounds, parse_lengths, randn  # noqa: E402
-from bench_moe import CUBLASLT_FP8, parse_variant  # noqa: E402
+from bench_moe import CUBLASLT_FP8, parse_variant, rel_l2  # noqa: E402
 
 from dsv4.config import Config  # noqa: E402
 from dsv4.layers import linear  # noqa: E402
@@ -75,11 +74,6 @@ def parse_args():
     a.tokens = parse_lengths(a.tokens or ("150" if a.smoke else "16k"))
     a.variants = [parse_variant(v) for v in a.variants.split(";") if v]
     return a
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def main():
