@@ -43,9 +43,9 @@ from bench_moe import CUBLASLT_FP8, parse_variant, rel_l2  # noqa: E402
 
 from dsv4.config import Config  # noqa: E402
 from dsv4.layers import linear  # noqa: E402
-from dsv4.pallas.linear_fp8 import linear_w8a8, linear_w8a8_reference  # noqa: E402
+from dsv4.pallas.linear_fp8 import linear_w8a8, linear_w8a8_reference, w8a8_gemm_mgpu  # noqa: E402
 from dsv4.pallas.moe_common import quantize_per_token_group  # noqa: E402
-from dsv4.pallas.moe_mgpu import TILE_M, MgpuMoeConfig, grouped_down_mgpu  # noqa: E402
+from dsv4.pallas.moe_mgpu import MgpuMoeConfig  # noqa: E402
 from dsv4.quantization import BlockQuantized  # noqa: E402
 from dsv4.random_weights import quantize_fp8  # noqa: E402
 
@@ -68,7 +68,7 @@ def parse_args():
     p.add_argument("--shapes", default=None, help="comma-separated names to keep (default every one)")
     p.add_argument("--variants", default="default", help="W8A8 kernel variants, ';'-separated name:key=value,...")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--smoke", action="store_true", help="CPU: a tiny config, the kernels interpreted")
+    p.add_argument("--smoke", action="store_true", help="CPU: two small shapes, the Mosaic kernel interpreted")
     p.add_argument("--out", default=None, help="folder for dense.json")
     a = p.parse_args()
     a.tokens = parse_lengths(a.tokens or ("150" if a.smoke else "16k"))
@@ -82,9 +82,8 @@ def main():
     on_gpu = jax.devices()[0].platform == "gpu"
     if not smoke and not on_gpu:
         sys.exit("bench_dense: needs a GPU (or --smoke)")
-    cfg = Config.preset("tiny" if smoke else "v4-flash")
-    shapes = dense_shapes(cfg)
-    if smoke:  # tiny's widths are below the 128 × 128 blocks: two roles at small legal shapes (the interpreter is slow)
+    shapes = dense_shapes(Config.preset("v4-flash"))
+    if smoke:  # two of the roles at small shapes of whole 128 × 128 blocks (the interpreter is slow)
         shapes = [(name, 256 * (1 + i % 2), 128 * (1 + i % 3)) for i, (name, _, _) in enumerate(shapes)][:2]
     if args.shapes:
         keep = set(args.shapes.split(","))
@@ -123,11 +122,7 @@ def main():
                 checks[f"w8a8 {vname}"] = rel_l2(add(f"w8a8 {vname}", lambda fn=fn: fn(x, q, scale)), want)
             if on_gpu:  # the kernel alone and the cuBLASLt ceiling: GPU only (the kernel is Hopper's Mosaic one)
                 xq, xs = quantize_per_token_group(x)
-                pad = -m % TILE_M
-                xq, xs = jnp.pad(xq, ((0, pad), (0, 0))), jnp.pad(xs, ((0, pad), (0, 0)), constant_values=1.0)
-                tiles = jnp.zeros(((m + pad) // TILE_M,), jnp.int32)
-                kern = jax.jit(lambda xq, xs, q, s: grouped_down_mgpu(xq, q[None], tiles, h_scales=xs,
-                                                                      down_scales=s[None], out_dtype=BF16))  # fmt: skip
+                kern = jax.jit(lambda xq, xs, q, s: w8a8_gemm_mgpu(xq, xs, q, s, out_dtype=BF16))
                 add("kernel", lambda: kern(xq, xs, q, scale))
                 a8, b8 = x.astype(FP8), q.T
                 lt = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=F32)).lower(a8, b8).compile(

@@ -69,21 +69,29 @@ def linear_w8a8(x: jax.Array, q: jax.Array, scale: jax.Array, *, impl: str = "au
     m = rows.shape[0]
     xq, xs = quantize_per_token_group(rows)
     if impl == "mgpu":
-        pad = -m % TILE_M  # whole 128-row tiles: the kernel's TMA stores write whole boxes
-        if pad:
-            xq, xs = jnp.pad(xq, ((0, pad), (0, 0))), jnp.pad(xs, ((0, pad), (0, 0)), constant_values=1.0)
-        tiles = jnp.zeros(((m + pad) // TILE_M,), jnp.int32)  # every row tile is "expert" 0
-        mgpu_interpret = None
-        if interpret:
-            from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
-
-            mgpu_interpret = InterpretGPUParams()
-        y = grouped_down_mgpu(xq, q[None], tiles, h_scales=xs, down_scales=scale[None], out_dtype=x.dtype,
-                              config=config or MgpuMoeConfig(), interpret=mgpu_interpret)[:m]  # fmt: skip
+        y = w8a8_gemm_mgpu(xq, xs, q, scale, out_dtype=x.dtype, config=config, interpret=interpret)
     else:
         y = grouped_down(xq, q[None], jnp.array([m], jnp.int32), h_scales=xs, down_scales=scale[None],
                          out_dtype=x.dtype, interpret=interpret)  # fmt: skip
     return y.reshape(*lead, n)
+
+
+def w8a8_gemm_mgpu(xq: jax.Array, xs: jax.Array, q: jax.Array, scale: jax.Array, *, out_dtype,
+                   config: MgpuMoeConfig | None = None, interpret: bool = False) -> jax.Array:  # fmt: skip
+    """`linear_w8a8`'s GEMM on rows already quantized (xq e4m3 [M, K], xs float32 [M, K // 128]): the Mosaic grouped
+    `down` kernel with one group. → [M, N] in out_dtype."""
+    m = xq.shape[0]
+    pad = -m % TILE_M  # whole 128-row tiles: the kernel's TMA stores write whole boxes
+    if pad:
+        xq, xs = jnp.pad(xq, ((0, pad), (0, 0))), jnp.pad(xs, ((0, pad), (0, 0)), constant_values=1.0)
+    tiles = jnp.zeros(((m + pad) // TILE_M,), jnp.int32)  # every row tile is "expert" 0
+    mgpu_interpret = None
+    if interpret:
+        from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+
+        mgpu_interpret = InterpretGPUParams()
+    return grouped_down_mgpu(xq, q[None], tiles, h_scales=xs, down_scales=scale[None], out_dtype=out_dtype,
+                             config=config or MgpuMoeConfig(), interpret=mgpu_interpret)[:m]  # fmt: skip
 
 
 def linear_w8a8_reference(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:

@@ -215,7 +215,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
             return nt * PART_N, half_n + nt * PART_N
         return nt * 2 * PART_N, nt * 2 * PART_N + PART_N
 
-    pingpong = fp8 and config.pingpong and config.fp8_acc == "rescale"
+    pingpong = fp8 and config.pingpong  # the config allows it with the rescale form only
 
     def body(te_ref, x_ref, w_ref, xs_ref, ws_ref, out_ref, os_ref, x_smem, a_smem, b_smem, xs_smem, o_smem, os_smem,
              full_bar, consumed_bar, turn_bar):  # fmt: skip
