@@ -9,12 +9,18 @@ rows (448 e4m3 channels + 64 bf16 RoPE channels for FP8 formats) into a pool of 
 block table (a pool of 512K rows for B = 1), in rounds that alternate the two routes; the median of each route's
 per-round time. Items: a CSA layer's compressed entries from an 8K-token prefill chunk (B = 1, n = 2048 rows, the
 largest write of a chunk: the window ring keeps only the chunk's last 128 rows), 32K rows at once (where bandwidth,
-not launch, sets the time), and a decode step of 32 requests (B = 32, n = 1). Formats: bf16, fp8-channel (scales from
-a bound), fp8-tile-e8m0.
+not launch, sets the time), and a decode step of 32 requests (B = 32, n = 1). Formats: bf16, fp8-channel (the engine's
+FP8 default; scales from a bound), fp8-tile (float32 scales), fp8-tile-e8m0.
 
 Bandwidth: bytes the write must move (the rows read in their dtype + the stored row bytes written) / time, next to a
-copy ceiling (`x + 1` over a 1 GiB uint32 buffer, read + written) timed in the same run. Before timing, each item's
-two routes are run on the same store and their stored bytes compared (they must be equal).
+copy ceiling (`x + 1` over a 1 GiB uint32 buffer, read + written) timed in the same run.
+
+Before timing, each item's two routes are run on the same store and their stored bytes compared with the spec: the
+jnp route run by XLA on the host CPU, whose float32 division is IEEE (`x / scale` rounded to nearest), as the
+kernel's inline `div.rn.f32` is. XLA's GPU backend compiles float32 division as `div.full.f32` (LLVM's
+`-nvptx-prec-divf32=1`: within 2 ulp, not rounded to nearest), so on a GPU the jnp route itself can store a different
+e4m3 byte where a quotient sits at a rounding boundary; the table counts those bytes for each route. The kernel must
+match the spec exactly (the run fails otherwise); the jnp route's count is reported.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import numpy as np  # noqa: E402
 from dsv4.cache.layout import KVFormat  # noqa: E402
 from dsv4.cache.store import KVStore  # noqa: E402
 
-FORMATS = ("bf16", "fp8-channel", "fp8-tile-e8m0")
+FORMATS = ("bf16", "fp8-channel", "fp8-tile", "fp8-tile-e8m0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +71,19 @@ def make_case(item: Item, fmt_name: str, width: int, page_rows: int, seed: int):
     index = (start[:, None] + np.arange(item.rows)[None]).astype(np.int32)  # consecutive rows, as a chunk writes
     rows = jnp.asarray(rng.standard_normal((item.batch, item.rows, width)), jnp.bfloat16)
     return store, rows, jnp.asarray(index), jnp.asarray(table, jnp.int32)
+
+
+def spec_write(store: KVStore, rows: jax.Array, index: jax.Array, table: jax.Array) -> KVStore:
+    """The write as `dsv4.cache.quant` defines it, run by XLA on the host CPU (IEEE float32 division)."""
+    cpu = jax.devices("cpu")[0]
+    args = jax.device_put((store, rows, index, table), cpu)
+    return jax.jit(lambda s, r, i, t: s.write(r, i, t, impl="jnp"))(*args)
+
+
+def differing_bytes(a: KVStore, b: KVStore) -> int:
+    """How many stored bytes (every leaf, the scale state included) differ between two stores."""
+    return int(sum(np.count_nonzero(np.asarray(x).view(np.uint8) != np.asarray(y).view(np.uint8))
+                   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)))  # fmt: skip
 
 
 def moved_bytes(store: KVStore, rows: jax.Array) -> int:
@@ -102,7 +121,7 @@ def main() -> None:
         print(f"copy ceiling: {copy / 1e12:.3f} TB/s (read + write, 1 GiB uint32, median of 9)")
     results = []
     header = f"{'item':>20} {'format':>14} {'rows':>7} {'MiB':>7} {'jnp us':>9} {'pallas us':>10} {'ratio':>6} " \
-             f"{'pallas TB/s':>11} {'% copy':>7} {'equal':>6}"  # fmt: skip
+             f"{'pallas TB/s':>11} {'% copy':>7} {'bytes off spec: jnp':>20} {'pallas':>6}"  # fmt: skip
     print(header)
     for item in items:
         for fmt_name in args.formats.split(","):
@@ -110,8 +129,8 @@ def main() -> None:
             writes = {impl: jax.jit(lambda s, r, i, t, impl=impl: s.write(r, i, t, impl=impl), donate_argnums=0)
                       for impl in ("jnp", "pallas")}  # fmt: skip
             out = {impl: writes[impl](jax.tree.map(jnp.copy, store), rows, index, table) for impl in writes}
-            equal = all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-                        for a, b in zip(jax.tree.leaves(out["jnp"]), jax.tree.leaves(out["pallas"])))  # fmt: skip
+            spec = spec_write(store, rows, index, table)
+            differ = {impl: differing_bytes(out[impl], spec) for impl in writes}
             stores = {impl: out[impl] for impl in writes}
             times = {impl: [] for impl in writes}
             for _ in range(rounds):
@@ -128,18 +147,18 @@ def main() -> None:
             rate = nbytes / med["pallas"]
             row = dict(item=item.name, format=fmt_name, batch=item.batch, rows=item.rows, bytes=nbytes,
                        jnp_s=med["jnp"], pallas_s=med["pallas"], ratio=med["pallas"] / med["jnp"], pallas_Bps=rate,
-                       copy_Bps=copy, equal=equal, rounds=times)  # fmt: skip
+                       copy_Bps=copy, bytes_off_spec=differ, rounds=times)  # fmt: skip
             results.append(row)
             pct = f"{100 * rate / copy:6.1f}%" if copy else "      -"
             print(f"{item.name:>20} {fmt_name:>14} {item.batch * item.rows:>7} {nbytes / 2**20:>7.2f} "
                   f"{med['jnp'] * 1e6:>9.1f} {med['pallas'] * 1e6:>10.1f} {row['ratio']:>6.3f} {rate / 1e12:>11.3f} "
-                  f"{pct} {str(equal):>6}")  # fmt: skip
+                  f"{pct} {differ['jnp']:>20} {differ['pallas']:>6}")  # fmt: skip
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_kv_write.json").write_text(json.dumps(dict(device=device.device_kind,
                                                                       jax=jax.__version__, results=results), indent=1))
-    if not all(r["equal"] for r in results):
-        sys.exit("the two routes stored different bytes")
+    if any(r["bytes_off_spec"]["pallas"] for r in results):
+        sys.exit("the kernel stored bytes that differ from the spec (XLA's jnp route on the host CPU)")
 
 
 if __name__ == "__main__":
