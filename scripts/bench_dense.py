@@ -2,7 +2,7 @@
 and both against the same shape's matmul ceilings, in interleaved rounds on one GPU.
 
     PYTHONPATH=. python3 scripts/bench_dense.py --out $OUT                 # one Hopper GPU (~2 min)
-    PYTHONPATH=. python3 scripts/bench_dense.py --tokens 16k,32k --variants "default;pp:pp=1"
+    PYTHONPATH=. python3 scripts/bench_dense.py --tokens 16k,32k --variants "default;promote:acc8=promote"
     PYTHONPATH=. python3 scripts/bench_dense.py --smoke                    # CPU: two small shapes, Mosaic interpreted
 
 Why: W8A8 dense layers (`Kernels.dense="pallas"`) ran a 512K prefill no faster end to end than the default

@@ -26,8 +26,8 @@ order), so no variant is favoured by when it ran (run one after another, the fir
 the same configuration timed later); each row gives its median. The first call of each Mosaic e2e row is compared
 with the Triton e2e output of the same mode (relative L2; both dropless, independent code paths).
 
-Mosaic variants (`--variants`, applied to every mode): `name:sl=3,form=per_step,ctas=132,acc8=promote,pp=1`
-(num_slots, acc_form, num_ctas, fp8_acc, pingpong of `MgpuMoeConfig`). The first variant is the default config.
+Mosaic variants (`--variants`, applied to every mode): `name:sl=3,form=per_step,ctas=132,acc8=promote` (num_slots,
+acc_form, num_ctas, fp8_acc of `MgpuMoeConfig`). The first variant is the default config.
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ import dsv4.pallas.moe_mgpu as mm  # noqa: E402
 from dsv4.pallas._device import sm_count  # noqa: E402
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
-KEYS = {"sl": ("num_slots", int), "form": ("acc_form", str), "ctas": ("num_ctas", int), "acc8": ("fp8_acc", str),
-        "pp": ("pingpong", lambda v: bool(int(v)))}
+KEYS = {"sl": ("num_slots", int), "form": ("acc_form", str), "ctas": ("num_ctas", int), "acc8": ("fp8_acc", str)}
 
 
 def parse_args():

@@ -31,12 +31,12 @@ def test_smoke_times_every_route_and_checks_it(tmp_path):
     rounding of `linear_w8a8_reference`, the dequant route equal to the bf16 dot on the same weight."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_dense.py"), "--smoke", "--shapes", "wq_a",
-                          "--variants", "default;pp:pp=1", "--out", str(tmp_path)], env=env, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+                          "--variants", "default;promote:acc8=promote", "--out", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = json.loads((tmp_path / "dense.json").read_text())["rows"]
     by_row = {r["row"]: r for r in rows}
-    assert set(by_row) == {"bf16", "dequant", "w8a8 default", "w8a8 pp"}
+    assert set(by_row) == {"bf16", "dequant", "w8a8 default", "w8a8 promote"}
     assert by_row["dequant"]["rel_l2"] == 0.0
-    assert all(by_row[r]["rel_l2"] < 1e-3 for r in ("w8a8 default", "w8a8 pp"))
+    assert all(by_row[r]["rel_l2"] < 1e-3 for r in ("w8a8 default", "w8a8 promote"))
     assert all(r["ms"] > 0 and r["n"] == 256 and r["k"] == 128 for r in rows)

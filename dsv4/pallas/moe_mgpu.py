@@ -108,11 +108,6 @@ class MgpuMoeConfig:
                one multiply-add); rescale measured 1.16x the promote form on a 16K-token chunk's experts (H100,
                docs/kernels/moe.md, "Rescaled accumulation"). The CPU interpreter runs the in-place wgmmas as a
                fresh accumulator plus an add.
-    pingpong:  FP8 rescale form only (bf16 ignores it): the two consumer warpgroups take turns issuing their K
-               steps' wgmmas (FA3's ping-pong), warpgroup 0 first, each step's issue waiting for the other
-               warpgroup's issue of the step before (two SMEM barriers), so that the tensor core runs one
-               warpgroup's wgmmas while the other rescales its totals and waits for its next slot, instead of both
-               rescaling at once with the tensor core idle. Off by default until measured on a GPU.
     profile_dir: measurement switch, off ("") in use: a folder for Mosaic GPU's trace of each warpgroup's phases,
                one JSON a launch (`*-trace.json`; `scripts/bench_moe.py --mosaic-trace` writes and reads them).
                The consumers record each item's "k_loop" and "epilogue", the producer each item's "loads" (issuing
@@ -124,7 +119,6 @@ class MgpuMoeConfig:
     num_ctas: int | None = None
     acc_form: str = "in_place"
     fp8_acc: str = "rescale"
-    pingpong: bool = False
     profile_dir: str = ""
     profile_ranges: int = 256
 
@@ -137,8 +131,6 @@ class MgpuMoeConfig:
             raise ValueError(f"MgpuMoeConfig.acc_form={self.acc_form!r} must be one of {_ACC_FORMS}")
         if self.fp8_acc not in _FP8_ACCS:
             raise ValueError(f"MgpuMoeConfig.fp8_acc={self.fp8_acc!r} must be one of {_FP8_ACCS}")
-        if self.pingpong and self.fp8_acc != "rescale":
-            raise ValueError(f"MgpuMoeConfig.pingpong takes fp8_acc='rescale', not {self.fp8_acc!r}")
         if self.profile_ranges < 1:
             raise ValueError(f"MgpuMoeConfig.profile_ranges={self.profile_ranges} must be >= 1")
 
@@ -215,10 +207,8 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
             return nt * PART_N, half_n + nt * PART_N
         return nt * 2 * PART_N, nt * 2 * PART_N + PART_N
 
-    pingpong = fp8 and config.pingpong  # the config allows it with the rescale form only
-
     def body(te_ref, x_ref, w_ref, xs_ref, ws_ref, out_ref, os_ref, x_smem, a_smem, b_smem, xs_smem, o_smem, os_smem,
-             full_bar, consumed_bar, turn_bar):  # fmt: skip
+             full_bar, consumed_bar):  # fmt: skip
         c, wg = lax.axis_index("c"), lax.axis_index("wg")
         n_mine = lax.div(jnp.int32(items) - c + (num_ctas - 1), jnp.int32(num_ctas))
 
@@ -265,37 +255,16 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
 
                 return pl.run_scoped(run, plgpu.ACC((half_rows, PART_N), F32))
 
-            def take_turn(s):
-                """`MgpuMoeConfig.pingpong`: wait until the other warpgroup has issued its wgmmas of the step before
-                this one (warpgroup 0's first step waits for nothing)."""
-                if not pingpong:
-                    return
-                if wi == 1:
-                    plgpu.barrier_wait(turn_bar.at[1])
-                    return
-
-                @pl.when(s > 0)
-                def _():
-                    plgpu.barrier_wait(turn_bar.at[0])
-
-            def pass_turn():
-                if pingpong:
-                    plgpu.barrier_arrive(turn_bar.at[1 - wi])
-
             def accumulate(slot, tot_a, tot_b):
-                """tot_a + x · partAᵀ, tot_b + x · partBᵀ: both wgmmas in place, issued back to back (then the turn
-                passed, under pingpong), then waited."""
+                """tot_a + x · partAᵀ, tot_b + x · partBᵀ: both wgmmas in place, issued back to back, then waited."""
                 xt = x_smem.at[slot].at[rows]
                 if interpret is not None:  # the CPU interpreter's wgmma takes a fresh accumulator only
-                    part_a, part_b = fresh(slot, a_smem), fresh(slot, b_smem)
-                    pass_turn()
-                    return tot_a + part_a, tot_b + part_b
+                    return tot_a + fresh(slot, a_smem), tot_b + fresh(slot, b_smem)
 
                 def run(accs):
                     acc_a, acc_b = accs
                     plgpu.wgmma(acc_a, xt, a_smem.at[slot].transpose((1, 0)))
                     plgpu.wgmma(acc_b, xt, b_smem.at[slot].transpose((1, 0)))
-                    pass_turn()
                     plgpu.wgmma_wait(0)
 
                 return pl.run_state(run)((plgpu.ACC.init(tot_a), plgpu.ACC.init(tot_b)))
@@ -306,9 +275,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
                     tot_a, tot_b, s_a, s_b = carry
                     slot = wait_step(step + ks)
                     new_a, new_b = step_scales(slot, weight_scale(e, a0, ks), weight_scale(e, b0, ks))
-                    tot_a, tot_b = tot_a * row_bcast(s_a / new_a), tot_b * row_bcast(s_b / new_b)
-                    take_turn(step + ks)
-                    tot_a, tot_b = accumulate(slot, tot_a, tot_b)
+                    tot_a, tot_b = accumulate(slot, tot_a * row_bcast(s_a / new_a), tot_b * row_bcast(s_b / new_b))
                     plgpu.barrier_arrive(consumed_bar.at[slot])
                     return tot_a, tot_b, new_a, new_b
 
@@ -390,13 +357,7 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
 
                 return step + jnp.where(e >= 0, k_steps, 0)
 
-            total = lax.fori_loop(0, n_mine, item_fn, jnp.int32(0))
-            if pingpong and wi == 0:  # observe warpgroup 1's last pass, which no step of warpgroup 0 waited for
-
-                @pl.when(total > 0)
-                def _():
-                    plgpu.barrier_wait(turn_bar.at[0])
-
+            lax.fori_loop(0, n_mine, item_fn, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 0)
@@ -454,8 +415,6 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
         plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # slot full: every TMA of the step has landed
         plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # slot consumed by both consumer warpgroups
     ]
-    if pingpong:
-        scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=2))  # warpgroup w's turn to issue its wgmmas
     # Only the buffers this build uses: every buffer is aligned to 1 KiB, and with a stub down's fourth ring slot
     # (bf16 y) missed an H200's shared memory by 64 bytes.
     if fp8:
@@ -467,11 +426,10 @@ def _grouped_call(x, w, tile_expert, x_scales_t, w_scales, *, gate_up: bool, lim
         xs_ref, ws_ref, rest = (rest[0], rest[1], rest[2:]) if fp8 else (None, None, rest)
         out_ref, os_ref, scr = (rest[0], rest[1], rest[2:]) if quantize_out else (rest[0], None, rest[1:])
         x_smem, a_smem, b_smem, o_smem, full_bar, consumed_bar, *extra = scr
-        turn_bar = extra.pop(0) if pingpong else None
         xs_smem = extra.pop(0) if fp8 else None
         os_smem = extra.pop(0) if quantize_out else None
         return body(te_ref, x_ref, w_ref, xs_ref, ws_ref, out_ref, os_ref, x_smem, a_smem, b_smem, xs_smem, o_smem,
-                    os_smem, full_bar, consumed_bar, turn_bar)  # fmt: skip
+                    os_smem, full_bar, consumed_bar)  # fmt: skip
 
     args = (tile_expert, x, w) + ((x_scales_t, w_scales) if fp8 else ())
     profile = {}
