@@ -104,9 +104,10 @@ class Kernels:
         what the device says).
 
         On a GPU: the Pallas kernels wherever they are measured faster than XLA, for 16-bit models (a float32
-        model keeps XLA's full-precision dots in attention and the indexer); decode steps and cache writes stay on
-        XLA, whose step measured as fast as the kernels' (the step is host-bound); on Hopper q's normalization folds
-        into the Mosaic attention kernel, whose CSA mode takes the CSA layers too. Off a GPU: jnp everywhere."""
+        model keeps XLA's full-precision dots in attention, the indexer and the dense layers); decode steps and cache
+        writes stay on XLA, whose step measured as fast as the kernels' (the step is host-bound); on Hopper q's
+        normalization folds into the Mosaic attention kernel, whose CSA mode takes the CSA layers too, and linear
+        layers whose weights are kept FP8 run W8A8. Off a GPU: jnp everywhere."""
         gpu = on_gpu() if gpu is None else gpu
         hopper = gpu and (is_hopper() if hopper is None else hopper)
         fast = gpu and jnp.dtype(dtype) in _FAST_DTYPES
@@ -119,7 +120,9 @@ class Kernels:
             paged_indexer=indexer if indexer in ("pallas", "pallas-triton") else "jnp",
             topk_refine="pallas" if hopper else "jnp",  # measured on Hopper only
             moe="pallas" if gpu else "jnp",
-            dense="jnp",  # W8A8 measured no faster end to end (docs/BENCHMARKS.md, "Dense layers in FP8")
+            # W8A8 on the stored FP8 values (Mosaic, Hopper): TTFT 512K 1.020x the dequantized route (H100,
+            # docs/BENCHMARKS.md, "Dense layers in FP8"); a float32 model keeps the dequantized weights' full dot
+            dense="pallas" if hopper and fast else "jnp",
             kv_write="jnp",
             sinkhorn="pallas" if gpu else "jnp",
             # the fold saves the normalized q's write and read: 1.007-1.012x TTFT at 512K (docs/BENCHMARKS.md)

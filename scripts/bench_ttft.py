@@ -38,8 +38,10 @@ Variants (``--variants``, keys below), all on the same model, weights and token 
     chunked-tritonidx (4t) as (4) with Kernels.indexer="pallas-triton": the bf16 indexer's scores by the Triton
                           kernel instead of the Mosaic one (bf16 operands) that (4) takes on Hopper
     chunked-w8a8     (4w) as (4f) with Kernels.dense="pallas": the dense matrices a release stores in FP8 run W8A8 on
-                          the stored values (`dsv4.layers.project`); the same as (4f) with bf16 weights
-    chunked-dense8   (4d) as (4) with Kernels.dense="pallas" (W8A8 dense layers on the stored FP8 values)
+                          the stored values (`dsv4.layers.project`); the same as (4f) with bf16 weights, and on
+                          Hopper, where W8A8 is the default
+    chunked-dequant  (4d) as (4) with Kernels.dense="jnp": the dense FP8 matrices dequantized in the step and run as
+                          bf16 dots, where (4) on Hopper runs them W8A8 on the stored values
     chunked-loop     (4l) as (4) with the mHC Sinkhorn normalization as XLA's while loop (Kernels.sinkhorn="jnp")
     chunked-2x       (4x) as (4) in chunks of twice ``--chunk`` (the chunk size's effect, side by side in one process)
     chunked-4x       (4xx) as (4) in chunks of four times ``--chunk``
@@ -206,7 +208,7 @@ class Variant:
     moe: str  # "jnp" | "pallas" | "xla_cap" (this script's capacity MoE)
     kv: str | None = None  # chunked only: the cache's storage format, paged (None: dense, the model's dtype)
     indexer: str | None = None  # Kernels.indexer (None: "jnp" under the jnp attention, "pallas" otherwise)
-    dense: str | None = None  # Kernels.dense (None: "jnp")
+    dense: str | None = None  # Kernels.dense (None: "auto", W8A8 on Hopper)
     sinkhorn_loop: bool = False  # the mHC Sinkhorn as XLA's while loop (Kernels.sinkhorn="jnp")
     q_norm: str | None = None  # Kernels.q_norm (None: "auto", "fold" under the Pallas core on Hopper)
     csa: str | None = None  # Kernels.csa (None: "auto", the Mosaic kernel's CSA mode on Hopper)
@@ -250,8 +252,8 @@ VARIANTS = {v.key: v for v in [
             indexer="pallas-triton"),
     Variant("chunked-w8a8", "(4w)", "(4f) + W8A8 dense layers (FP8 weights)", "chunked", "pallas", "pallas",
             indexer="pallas-fp8", dense="pallas"),
-    Variant("chunked-dense8", "(4d)", "(4) + W8A8 dense layers (FP8 weights)", "chunked", "pallas", "pallas",
-            dense="pallas"),
+    Variant("chunked-dequant", "(4d)", "(4) with dense weights dequantized", "chunked", "pallas", "pallas",
+            dense="jnp"),
     Variant("chunked-loop", "(4l)", "(4) with the mHC Sinkhorn as XLA's loop", "chunked", "pallas", "pallas",
             sinkhorn_loop=True),
     Variant("chunked-2x", "(4x)", "(4) in chunks of 2 x --chunk", "chunked", "pallas", "pallas", chunks_of=2),
@@ -265,10 +267,10 @@ VARIANTS = {v.key: v for v in [
     Variant("pallas-attn-cap", "(2c)", "+ Pallas attn + idx, capacity MoE", "full", "pallas", "xla_cap"),
 ]}  # fmt: skip
 PRIORITY = ["pallas", "chunked", "engine", "xla-cap", "pallas-attn-cap", "chunked-fp8", "xla", "pallas-attn",
-            "chunked-fp8idx", "chunked-tritonidx", "chunked-w8a8", "chunked-dense8", "chunked-loop", "chunked-2x",
+            "chunked-fp8idx", "chunked-tritonidx", "chunked-w8a8", "chunked-dequant", "chunked-loop", "chunked-2x",
             "chunked-4x", "chunked-qnorm", "chunked-csatriton"]  # fmt: skip
 TABLE_ORDER = ["xla", "xla-cap", "pallas-attn", "pallas-attn-cap", "pallas", "chunked-loop", "chunked", "chunked-2x",
-               "chunked-4x", "chunked-qnorm", "chunked-csatriton", "chunked-dense8", "engine", "chunked-tritonidx",
+               "chunked-4x", "chunked-qnorm", "chunked-csatriton", "chunked-dequant", "engine", "chunked-tritonidx",
                "chunked-fp8idx", "chunked-w8a8", "chunked-fp8"]  # fmt: skip
 # --variants runs PRIORITY's order and the table prints TABLE_ORDER's: a variant missing from either would be dropped
 if set(PRIORITY) != set(VARIANTS) or set(TABLE_ORDER) != set(VARIANTS):

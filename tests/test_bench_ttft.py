@@ -25,7 +25,7 @@ def test_every_variant_is_run_in_order_and_tabled():
     assert sorted(bench_ttft.TABLE_ORDER) == keys
 
 
-@pytest.mark.parametrize("key, changed", [("chunked-dense8", {"dense": "pallas"}), ("chunked-4x", {}),
+@pytest.mark.parametrize("key, changed", [("chunked-dequant", {"dense": "jnp"}), ("chunked-4x", {}),
                                           ("chunked-w8a8", {"dense": "pallas", "indexer": "pallas-fp8"})])  # fmt: skip
 def test_chunked_variants_change_only_what_they_name(key, changed):
     """Each variant's Kernels is the chunked path's (4) with the named fields changed, and nothing else."""

@@ -92,6 +92,19 @@ def test_project_routes_by_weight_form():
     np.testing.assert_array_equal(np.asarray(project(x, fp4, "pallas")), np.asarray(linear(x, fp4[...])))
 
 
+def test_dense_resolves_to_w8a8_on_hopper_for_16_bit_models():
+    """`Kernels.dense="auto"` runs W8A8 where it was measured faster (the Mosaic kernel, Hopper) for bf16 / f16
+    models; a float32 model, another GPU, or the CPU keeps the dequantized weights' dot; an explicit choice stays."""
+    from dsv4 import Kernels
+
+    assert Kernels().resolve(jnp.bfloat16, gpu=True, hopper=True).dense == "pallas"
+    assert Kernels().resolve(jnp.float16, gpu=True, hopper=True).dense == "pallas"
+    assert Kernels().resolve(jnp.float32, gpu=True, hopper=True).dense == "jnp"
+    assert Kernels().resolve(jnp.bfloat16, gpu=True, hopper=False).dense == "jnp"
+    assert Kernels().resolve(jnp.bfloat16, gpu=False).dense == "jnp"
+    assert Kernels(dense="jnp").resolve(jnp.bfloat16, gpu=True, hopper=True).dense == "jnp"
+
+
 @pytest.mark.parametrize("args, match", [
     (dict(n=200), "multiples of 128"),
     (dict(impl="mgpu", n=384), "N a multiple of 256"),
