@@ -5,16 +5,17 @@ and both against the same shape's matmul ceilings, in interleaved rounds on one 
     PYTHONPATH=. python3 scripts/bench_dense.py --tokens 16k,32k --variants "default;promote:acc8=promote"
     PYTHONPATH=. python3 scripts/bench_dense.py --smoke                    # CPU: two small shapes, Mosaic interpreted
 
-Why: W8A8 dense layers (`Kernels.dense="pallas"`) ran a 512K prefill no faster end to end than the default
-(docs/BENCHMARKS.md, "Dense layers in FP8"), and its shapes were timed only by a one-off probe. The matrices a release
-stores in FP8 outside the experts (`dsv4.weights.RELEASED_FP8`), at `Config.preset("v4-flash")`'s widths, [N, K]:
-attention wq_a [1024, 4096], wq_b [32768, 1024], wkv [512, 4096], wo_b [4096, 8192]; the indexer's wq_b [8192, 1024];
-the shared expert's w1 / w3 [2048, 4096] and w2 [4096, 2048]. x is [M, K] bf16, M = a prefill chunk's tokens.
+Why: which of V4's dense matrices W8A8 (`Kernels.dense="pallas"`, the default on Hopper) runs faster than the
+dequantized route, and what the activations' quantization costs (docs/BENCHMARKS.md, "Dense layers in FP8"). The
+matrices a release stores in FP8 outside the experts (`dsv4.weights.RELEASED_FP8`), at `Config.preset("v4-flash")`'s
+widths, [N, K]: attention wq_a [1024, 4096], wq_b [32768, 1024], wkv [512, 4096], wo_b [4096, 8192]; the indexer's
+wq_b [8192, 1024]; the shared expert's w1 / w3 [2048, 4096] and w2 [4096, 2048]. x is [M, K] bf16, M = a prefill
+chunk's tokens.
 
 Rows of one shape, each the median of --reps interleaved rounds:
-    dequant   the default route (`Kernels.dense="jnp"`): `BlockQuantized.dequantize()` to bf16 inside the step, then
+    dequant   the dequantized route (`Kernels.dense="jnp"`): `BlockQuantized.dequantize()` to bf16 inside the step, then
               XLA's dot (`dsv4.layers.linear`'s einsum)
-    bf16      the same dot on a weight already bf16: what the default would take if dequantization were free
+    bf16      the same dot on a weight already bf16: what that route would take if dequantization were free
     w8a8      `linear_w8a8`: x quantized per token and 128-group, then the Mosaic grouped `down` kernel with one
               group (one row per --variants entry, `MgpuMoeConfig` keys as in bench_moe.py)
     kernel    that kernel alone on x already quantized (w8a8 less the activation quantization)
