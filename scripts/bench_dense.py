@@ -1,5 +1,5 @@
-"""V4's dense FP8 matrices shape by shape: the route the model takes by default against W8A8 on the stored values,
-and both against the same shape's matmul ceilings, in interleaved rounds on one GPU.
+"""V4's dense FP8 matrices shape by shape: the dequantized route against W8A8 on the stored values (the default on
+Hopper), and both against the same shape's matmul ceilings, in interleaved rounds on one GPU.
 
     PYTHONPATH=. python3 scripts/bench_dense.py --out $OUT                 # one Hopper GPU (~2 min)
     PYTHONPATH=. python3 scripts/bench_dense.py --tokens 16k,32k --variants "default;promote:acc8=promote"

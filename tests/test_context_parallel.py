@@ -182,6 +182,19 @@ KERNELS_SCRIPT = """
     want = np.asarray(x * r) + 3000 + (np.arange(10) // 3)[None, :, None] * 100
     print("pad_ok", bool(got.shape == (2, 10, 3) and np.array_equal(got, want)))
 
+    # W8A8 dense layers (Kernels.dense="pallas", the default on Hopper) through it: each token is quantized on its
+    # own, so 10 tokens over 4 shards give the unsharded result bit for bit.
+    from dsv4.layers import project
+    from dsv4.quantization import BlockQuantized
+    from dsv4.random_weights import quantize_fp8
+    q8, s8 = quantize_fp8(jax.random.normal(jax.random.key(5), (256, 256), jnp.float32) * 0.05)
+    w8 = nnx.Param(BlockQuantized(q8, s8, "fp8", (128, 128), (256, 256), "bfloat16"))
+    xb = jax.random.normal(jax.random.key(6), (1, 10, 256), jnp.bfloat16)
+    alone = np.asarray(project(xb, w8, "pallas"), np.float32)
+    with use_mesh(mesh):
+        sharded = np.asarray(jax.jit(lambda a: project(a, w8, "pallas"))(xb), np.float32)
+    print("w8a8_ok", bool(sharded.shape == alone.shape and np.array_equal(sharded, alone) and np.isfinite(alone).all()))
+
     # The mHC Sinkhorn kernel as `dsv4.layers.sinkhorn_normalize` runs it on a GPU under a sequence mesh (interpreted
     # here): S = 10 over 4 shards, the padding filled with ones, against the reference.
     from dsv4.pallas.sinkhorn import sinkhorn, sinkhorn_reference
@@ -197,13 +210,13 @@ def test_pallas_indexer_and_moe_run_per_sequence_shard():
     """Under a sequence mesh the Pallas indexer and MoE (custom calls XLA cannot partition) run inside shard_map on
     each shard's own tokens, and the model still matches its reference logits (tiny_long: 2 CSA layers → 2
     indexers, 4 MoE layers; Pallas interpreted on 4 CPU devices). Then `per_sequence_shard` alone: padding a length
-    that does not divide over the shards, a replicated operand, and each shard seeing only its own rows; and the mHC
-    Sinkhorn kernel through it, as a GPU runs it under a sequence mesh."""
+    that does not divide over the shards, a replicated operand, and each shard seeing only its own rows; a W8A8 dense
+    layer and the mHC Sinkhorn kernel through it, as a GPU runs them under a sequence mesh."""
     env = host_devices_env(8)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(KERNELS_SCRIPT)], env=env, capture_output=True,
                          text=True, timeout=900, cwd=ROOT)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    wanted = ("err", "shard_maps_with_pallas", "pad_ok", "sinkhorn_err")
+    wanted = ("err", "shard_maps_with_pallas", "pad_ok", "w8a8_ok", "sinkhorn_err")
     values = dict(line.split() for line in out.stdout.strip().splitlines() if line.split()[0] in wanted)
     assert float(values["err"]) < 1e-4, values
     from dsv4.config import Config
@@ -212,6 +225,7 @@ def test_pallas_indexer_and_moe_run_per_sequence_shard():
     expected = cfg.layer_types.count("compressed_sparse_attention") + cfg.num_hidden_layers
     assert int(values["shard_maps_with_pallas"]) == expected, (values, expected)
     assert values["pad_ok"] == "True", values
+    assert values["w8a8_ok"] == "True", values
     assert float(values["sinkhorn_err"]) < 1e-6, values
 
 
