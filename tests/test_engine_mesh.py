@@ -17,6 +17,8 @@ import pytest
 from host_devices import host_devices_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# one xdist worker for the whole module: the subprocess fixture takes 1.5-2.5 minutes (scripts/dev --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("engine_mesh")
 
 SCRIPT = """
     import json, os, numpy as np, dsv4

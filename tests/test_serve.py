@@ -28,6 +28,9 @@ pytest.importorskip("jinja2")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 httpx = pytest.importorskip("httpx")
 
+# one xdist worker for the whole module: its fixtures start a server and an engine, once (scripts/dev --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("serve")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny_mixed"
 TEMPLATE = (
