@@ -18,7 +18,7 @@ from flax import nnx
 from dsv4.config import Config, RopeConfig
 from dsv4.pallas import sinkhorn as sk
 from dsv4.pallas._device import is_hopper, on_gpu
-from dsv4.pallas.linear_fp8 import linear_w8a8, w8a8_unsupported
+from dsv4.pallas.linear_fp8 import linear_w8a8, linear_w8a8_stacked, stacked_w8a8_unsupported, w8a8_unsupported
 from dsv4.quantization import BlockQuantized
 from dsv4.sharding.sequence import per_sequence_shard
 
@@ -67,6 +67,39 @@ def project(x: jax.Array, weight: nnx.Variable, impl: str = "jnp") -> jax.Array:
         return per_sequence_shard(lambda x_, q_, s_: linear_w8a8(x_, q_, s_), (x,), (value.q, value.scale),
                                   fill=(0,))  # fmt: skip
     return linear(x, weight[...])
+
+
+# Rows from which `project_shared` stacks its weights: below it (decode steps) copying the weights into one stack
+# each call costs about what quantizing x once more does.
+STACK_MIN_ROWS = 1024
+
+
+def stackable_w8a8(x: jax.Array, weights, impl: str) -> list[tuple[jax.Array, jax.Array]] | None:
+    """The (values, scales) of weight variables that read the same x [B, S, in] when they should run as one stacked
+    W8A8 GEMM (`linear_w8a8_stacked`): impl "pallas", every weight FP8 in 128 × 128 blocks over one K, and at least
+    `STACK_MIN_ROWS` rows of x. Else None."""
+    values = [w.get_value() for w in weights]
+    if impl != "pallas" or math.prod(x.shape[:-1]) < STACK_MIN_ROWS:
+        return None
+    if not all(isinstance(v, BlockQuantized) and v.fmt == "fp8" and tuple(v.block) == (128, 128) for v in values):
+        return None
+    pairs = [(v.q, v.scale) for v in values]
+    return None if stacked_w8a8_unsupported(pairs) else pairs
+
+
+def project_shared(x: jax.Array, weights, impl: str = "jnp") -> tuple[jax.Array, ...]:
+    """`tuple(project(x, w, impl) for w in weights)` for weight variables that read the same x [B, S, in]: one W8A8
+    GEMM over the weights stacked along N where `stackable_w8a8` says so (x quantized once; bit-equal results)."""
+    pairs = stackable_w8a8(x, weights, impl)
+    if pairs is None:
+        return tuple(project(x, w, impl) for w in weights)
+    n = len(pairs)
+
+    def stacked(x_, *flat):
+        return linear_w8a8_stacked(x_, list(zip(flat[:n], flat[n:], strict=True)))
+
+    y = per_sequence_shard(stacked, (x,), (*(q for q, _ in pairs), *(s for _, s in pairs)), fill=(0,))
+    return tuple(jnp.split(y, np.cumsum([q.shape[0] for q, _ in pairs])[:-1], axis=-1))
 
 
 def matmul_in_dtype(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv4.config import Config
-from dsv4.layers import F32, Buffer, param, project
+from dsv4.layers import F32, Buffer, param, project, project_shared, stackable_w8a8
 from dsv4.pallas._device import on_gpu
+from dsv4.pallas.linear_fp8 import linear_w8a8_stacked, quantize_rows
 from dsv4.pallas.moe import quantize_per_token_group, routed_experts
 from dsv4.quantization import BlockQuantized, fp4_fits_fp8_blocks, fp4_to_fp8_blocks
 from dsv4.sharding.expert_parallel import DEFAULT_CHUNK_TOKENS, ep_layout, routed_experts_ep
@@ -157,6 +158,9 @@ class MoE(nnx.Module):
         ids, weights = self.route(flat, token_ids.reshape(-1))
         gate_up, down, scales = self.expert_weights()
         impl = MOE_IMPLS[self.moe_impl]
+        sh, dense = self.shared_experts, self.dense_impl
+        shared_gate_up = (sh["gate_proj"]["weight"], sh["up_proj"]["weight"])
+        shared_h = None  # the shared expert's gate and up projections, where the routed path computes them
         layout = ep_layout(gate_up.shape[0])
         if layout is not None:
             # Expert parallelism: each device keeps its slice of the experts and the tokens are sent to them. Too
@@ -172,21 +176,37 @@ class MoE(nnx.Module):
                                        chunk_tokens=self.ep_chunk_tokens, schedule=self.ep_schedule,
                                        combine_dtype=self.ep_combine_dtype).reshape(b * s, d)  # fmt: skip
         elif self.moe_impl == "pallas":
+            # W8A8 experts and a stacked W8A8 shared gate | up: x quantized once for both, in the same shards.
+            same_x = None
+            if scales and self.fp8_activations and x.dtype == jnp.bfloat16:
+                same_x = stackable_w8a8(x, shared_gate_up, dense)
+            shared_flat = () if same_x is None else (*(q for q, _ in same_x), *(s_ for _, s_ in same_x))
+
             # A custom call: split it over the sequence shards by hand (experts gathered to every shard), else
             # XLA would gather the tokens and run every token's experts on every device.
-            def local(x_, ids_, weights_, gate_up_, down_, *scales_):
+            def local(x_, ids_, weights_, gate_up_, down_, *rest):
                 n = x_.shape[0] * x_.shape[1]
+                scales_, shared_ = rest[: len(scales)], rest[len(scales) :]
                 kw = dict(zip(scales, scales_), fp8_activations=self.fp8_activations) if scales_ else {}
-                out = impl(x_.reshape(n, d), ids_.reshape(n, -1), weights_.reshape(n, -1), gate_up_, down_, self.limit,
-                           **kw)  # fmt: skip
-                return out.reshape(x_.shape)
+                args = (ids_.reshape(n, -1), weights_.reshape(n, -1), gate_up_, down_, self.limit)
+                if not shared_:
+                    return impl(x_.reshape(n, d), *args, **kw).reshape(x_.shape)
+                xq, xs = quantize_rows(x_)  # bit-equal to what each would quantize on its own (bf16 x)
+                out = impl(xq, *args, x_scales=xs, out_dtype=x_.dtype, **kw).reshape(x_.shape)
+                half = len(shared_) // 2
+                gu = linear_w8a8_stacked(x_, list(zip(shared_[:half], shared_[half:], strict=True)), x_q=(xq, xs))
+                return out, gu
 
             routed = per_sequence_shard(local, (x, ids.reshape(b, s, -1), weights.reshape(b, s, -1)),
-                                        (gate_up, down, *scales.values()), fill=(0, 0, 0.0))  # fmt: skip
+                                        (gate_up, down, *scales.values(), *shared_flat), fill=(0, 0, 0.0))  # fmt: skip
+            if same_x is not None:
+                routed, gate_up_x = routed
+                shared_h = jnp.split(gate_up_x, [same_x[0][0].shape[0]], axis=-1)
             routed = routed.reshape(b * s, d)
         else:
             routed = impl(flat, ids, weights, gate_up, down, self.limit)  # the jnp path: FP8 experts read dequantized
-        sh, dense = self.shared_experts, self.dense_impl
-        h = swiglu(project(x, sh["gate_proj"]["weight"], dense), project(x, sh["up_proj"]["weight"], dense), self.limit)
+        if shared_h is None:
+            shared_h = project_shared(x, shared_gate_up, dense)
+        h = swiglu(*shared_h, self.limit)
         shared = project(h, sh["down_proj"]["weight"], dense)  # [B, S, D]: the sequence axis kept for its shards
         return (routed + shared.reshape(b * s, d)).reshape(b, s, d)

@@ -194,6 +194,16 @@ KERNELS_SCRIPT = """
     with use_mesh(mesh):
         sharded = np.asarray(jax.jit(lambda a: project(a, w8, "pallas"))(xb), np.float32)
     print("w8a8_ok", bool(sharded.shape == alone.shape and np.array_equal(sharded, alone) and np.isfinite(alone).all()))
+    # ... and two weights of one x stacked into one GEMM per shard (`project_shared`; STACK_MIN_ROWS lowered to 10)
+    import dsv4.layers as layers
+    from dsv4.layers import project_shared
+    q8b, s8b = quantize_fp8(jax.random.normal(jax.random.key(7), (256, 256), jnp.float32) * 0.05)
+    w8b = nnx.Param(BlockQuantized(q8b, s8b, "fp8", (128, 128), (256, 256), "bfloat16"))
+    layers.STACK_MIN_ROWS = 10
+    with use_mesh(mesh):
+        pair = [np.asarray(y, np.float32) for y in jax.jit(lambda a: project_shared(a, (w8, w8b), "pallas"))(xb)]
+    each = [alone, np.asarray(project(xb, w8b, "pallas"), np.float32)]
+    print("stacked_ok", all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(pair, each)))
 
     # The mHC Sinkhorn kernel as `dsv4.layers.sinkhorn_normalize` runs it on a GPU under a sequence mesh (interpreted
     # here): S = 10 over 4 shards, the padding filled with ones, against the reference.
@@ -211,12 +221,13 @@ def test_pallas_indexer_and_moe_run_per_sequence_shard():
     each shard's own tokens, and the model still matches its reference logits (tiny_long: 2 CSA layers → 2
     indexers, 4 MoE layers; Pallas interpreted on 4 CPU devices). Then `per_sequence_shard` alone: padding a length
     that does not divide over the shards, a replicated operand, and each shard seeing only its own rows; a W8A8 dense
-    layer and the mHC Sinkhorn kernel through it, as a GPU runs them under a sequence mesh."""
+    layer (one weight, and two stacked) and the mHC Sinkhorn kernel through it, as a GPU runs them under a sequence
+    mesh."""
     env = host_devices_env(8)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(KERNELS_SCRIPT)], env=env, capture_output=True,
                          text=True, timeout=900, cwd=ROOT)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    wanted = ("err", "shard_maps_with_pallas", "pad_ok", "w8a8_ok", "sinkhorn_err")
+    wanted = ("err", "shard_maps_with_pallas", "pad_ok", "w8a8_ok", "stacked_ok", "sinkhorn_err")
     values = dict(line.split() for line in out.stdout.strip().splitlines() if line.split()[0] in wanted)
     assert float(values["err"]) < 1e-4, values
     from dsv4.config import Config
@@ -226,6 +237,7 @@ def test_pallas_indexer_and_moe_run_per_sequence_shard():
     assert int(values["shard_maps_with_pallas"]) == expected, (values, expected)
     assert values["pad_ok"] == "True", values
     assert values["w8a8_ok"] == "True", values
+    assert values["stacked_ok"] == "True", values
     assert float(values["sinkhorn_err"]) < 1e-6, values
 
 

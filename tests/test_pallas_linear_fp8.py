@@ -17,8 +17,15 @@ from flax import nnx
 from gpu_mesh import abstract_gpu_mesh
 from test_pallas_moe import make_weights, quantize_weights
 
-from dsv4.layers import linear, project
-from dsv4.pallas.linear_fp8 import linear_w8a8, linear_w8a8_reference
+import dsv4.layers as layers
+from dsv4.layers import linear, project, project_shared
+from dsv4.pallas.linear_fp8 import (
+    linear_w8a8,
+    linear_w8a8_reference,
+    linear_w8a8_stacked,
+    quantize_rows,
+    stacked_w8a8_unsupported,
+)
 from dsv4.quantization import BlockQuantized, quantize_fp4
 
 FP8 = jnp.float8_e4m3fn
@@ -92,6 +99,99 @@ def test_project_routes_by_weight_form():
     np.testing.assert_array_equal(np.asarray(project(x, fp4, "pallas")), np.asarray(linear(x, fp4[...])))
 
 
+@pytest.mark.parametrize("impl, rows, ns, k", [("triton", (2, 37), (128, 384), 256),
+                                               ("mgpu", (1, 150), (256, 512), 384)])  # fmt: skip
+def test_stacked_weights_give_each_weight_alone_bit_for_bit(impl, rows, ns, k):
+    """One GEMM over weights stacked along N (x quantized once) writes each weight's own W8A8 output in its columns,
+    bit for bit: every output column is the same K sum in the same order."""
+    x = make_weights(20, (*rows, k), jnp.bfloat16, 1.0)
+    weights = [tuple(a[0] for a in quantize_weights(make_weights(21 + i, (1, n, k), F32, 0.05)))
+               for i, n in enumerate(ns)]  # fmt: skip
+    got = np.asarray(linear_w8a8_stacked(x, weights, impl=impl, interpret=True), F32)
+    assert got.shape == (*rows, sum(ns)) and not np.isnan(got).any()
+    alone = [np.asarray(linear_w8a8(x, q, s, impl=impl, interpret=True), F32) for q, s in weights]
+    np.testing.assert_array_equal(got, np.concatenate(alone, -1))
+
+
+def test_project_shared_stacks_fp8_weights_of_one_x_from_enough_rows(monkeypatch):
+    """`project_shared` (wq_a with wkv, the shared expert's w1 with w3) runs one stacked GEMM where every weight is FP8
+    in 128-blocks and x has `STACK_MIN_ROWS` rows, with `project`'s outputs; else one `project` a weight."""
+    x = make_weights(30, (1, 40, 256), jnp.bfloat16, 1.0)
+    fp8 = []
+    for i, n in enumerate((384, 128)):
+        q, scale = quantize_weights(make_weights(31 + i, (1, n, 256), F32, 0.05))
+        fp8.append(nnx.Param(BlockQuantized(q[0], scale[0], "fp8", (128, 128), (n, 256), "bfloat16")))
+    calls = []
+    count = lambda *a, **kw: calls.append(1) or linear_w8a8_stacked(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(layers, "linear_w8a8_stacked", count)
+    alone = [np.asarray(project(x, w, "pallas")) for w in fp8]
+
+    def run(weights, impl="pallas"):
+        calls.clear()
+        return [np.asarray(y) for y in project_shared(x, weights, impl)], len(calls)
+
+    monkeypatch.setattr(layers, "STACK_MIN_ROWS", 40)
+    got, stacked = run(fp8)
+    assert stacked == 1 and [y.shape for y in got] == [(1, 40, 384), (1, 40, 128)]
+    for g, a in zip(got, alone, strict=True):
+        np.testing.assert_array_equal(g, a)
+    assert run(fp8, "jnp")[1] == 0  # the dequantized route: one dot a weight
+    plain = [fp8[0], nnx.Param(fp8[1][...])]  # one weight not FP8: each on its own route
+    got, stacked = run(plain)
+    assert stacked == 0
+    np.testing.assert_array_equal(got[1], np.asarray(linear(x, fp8[1][...])))
+    monkeypatch.setattr(layers, "STACK_MIN_ROWS", 41)  # fewer rows (decode steps): no stacking copy
+    got, stacked = run(fp8)
+    assert stacked == 0
+    for g, a in zip(got, alone, strict=True):
+        np.testing.assert_array_equal(g, a)
+
+
+def test_moe_quantizes_x_once_for_its_w8a8_experts_and_stacked_shared_expert(monkeypatch):
+    """With W8A8 routed experts and FP8 shared gate and up projections, the MoE quantizes x once for the experts and
+    one stacked shared GEMM (`project_shared`'s), and its output is the one of each quantizing x on its own, bit for
+    bit; with too few rows each quantizes its own x."""
+    import dsv4.moe as moe_module
+    from dsv4.config import Config
+    from dsv4.moe import MoE
+
+    d, i, e = 256, 128, 8
+    cfg = Config.preset("tiny").replace(hidden_size=d, moe_intermediate_size=i, n_routed_experts=e,
+                                        num_experts_per_tok=3, swiglu_limit=7.0)  # fmt: skip
+    moe = MoE(cfg, "moe", rngs=nnx.Rngs(1), dtype=jnp.bfloat16, moe_impl="pallas", dense_impl="pallas")
+    for holder, name, shape, seed in ((moe.experts, "gate_up_proj", (e, 2 * i, d), 40),
+                                      (moe.experts, "down_proj", (e, d, i), 41),
+                                      (moe.shared_experts["gate_proj"], "weight", (1, i, d), 42),
+                                      (moe.shared_experts["up_proj"], "weight", (1, i, d), 43)):  # fmt: skip
+        q, scale = quantize_weights(make_weights(seed, shape, F32, 0.1))
+        if shape[0] == 1:
+            q, scale, shape = q[0], scale[0], shape[1:]
+        holder[name].set_value(BlockQuantized(q, scale, "fp8", (128, 128), shape, "bfloat16"))
+    x = make_weights(44, (1, 29, d), jnp.bfloat16, 1.0)
+    tokens = jnp.arange(29, dtype=jnp.int32)[None]
+    quantized = []
+    monkeypatch.setattr(moe_module, "quantize_rows", lambda x_: quantized.append(1) or quantize_rows(x_))
+
+    monkeypatch.setattr(layers, "STACK_MIN_ROWS", 30)  # 29 rows: each quantizes its own x
+    separate = np.asarray(moe(x, tokens), F32)
+    assert quantized == []
+    monkeypatch.setattr(layers, "STACK_MIN_ROWS", 29)
+    once = np.asarray(moe(x, tokens), F32)
+    assert quantized == [1] and not np.isnan(once).any()
+    np.testing.assert_array_equal(once, separate)
+
+
+def test_stacking_refusals_name_the_problem():
+    w = lambda n, k: (jnp.zeros((n, k), FP8), jnp.ones((n // 128, k // 128), F32))  # noqa: E731
+    assert stacked_w8a8_unsupported([w(256, 256), w(512, 256)]) == ""
+    assert "different K" in stacked_w8a8_unsupported([w(256, 256), w(256, 384)])
+    assert "multiples of 256" in stacked_w8a8_unsupported([w(256, 256), w(128, 256)])  # 256 alone runs on Mosaic
+    assert stacked_w8a8_unsupported([w(128, 256), w(128, 256)]) == ""  # neither alone does; 256 together does
+    assert "fewer than two" in stacked_w8a8_unsupported([w(256, 256)])
+    with pytest.raises(ValueError, match="different K"):
+        linear_w8a8_stacked(jnp.zeros((4, 256), jnp.bfloat16), [w(256, 256), w(256, 384)], interpret=True)
+
+
 def test_dense_resolves_to_w8a8_on_hopper_for_16_bit_models():
     """`Kernels.dense="auto"` runs W8A8 where it was measured faster (the Mosaic kernel, Hopper) for bf16 / f16
     models; a float32 model, another GPU, or the CPU keeps the dequantized weights' dot; an explicit choice stays."""
@@ -128,3 +228,42 @@ def test_gpu_default_route_matches_reference():
     """The default route (Mosaic on Hopper) at a shape with several row, column and K tiles and a partial row tile."""
     x, q, scale = _case(11, (700,), 512, 1024)
     _assert_close(linear_w8a8(x, q, scale), linear_w8a8_reference(x, q, scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_gpu_stacked_projections_and_shared_quantization_equal_separate(monkeypatch):
+    """At V4-Flash's widths and a 2048-token chunk on the default route: wq_a with wkv stacked (N = 1024 + 512), and
+    the MoE's x quantized once for W8A8 experts and the stacked shared w1 | w3, equal the separate calls bit for bit."""
+    from dsv4.config import Config
+    from dsv4.moe import MoE
+
+    d = 4096
+    x = make_weights(50, (1, 2048, d), jnp.bfloat16, 1.0)
+    ws = []
+    for i, n in enumerate((1024, 512)):
+        q, scale = quantize_weights(make_weights(51 + i, (1, n, d), F32, 0.05))
+        ws.append(nnx.Param(BlockQuantized(q[0], scale[0], "fp8", (128, 128), (n, d), "bfloat16")))
+    stacked = project_shared(x, ws, "pallas")
+    for got, w in zip(stacked, ws, strict=True):
+        np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(project(x, w, "pallas"), F32))
+
+    i, e = 2048, 8
+    cfg = Config.preset("tiny").replace(hidden_size=d, moe_intermediate_size=i, n_routed_experts=e,
+                                        num_experts_per_tok=4, swiglu_limit=10.0)  # fmt: skip
+    moe = MoE(cfg, "moe", rngs=nnx.Rngs(1), dtype=jnp.bfloat16, moe_impl="pallas", dense_impl="pallas")
+    for holder, name, shape, seed in ((moe.experts, "gate_up_proj", (e, 2 * i, d), 60),
+                                      (moe.experts, "down_proj", (e, d, i), 61),
+                                      (moe.shared_experts["gate_proj"], "weight", (1, i, d), 62),
+                                      (moe.shared_experts["up_proj"], "weight", (1, i, d), 63),
+                                      (moe.shared_experts["down_proj"], "weight", (1, d, i), 64)):  # fmt: skip
+        q, scale = quantize_weights(make_weights(seed, shape, F32, 0.02))
+        if shape[0] == 1:
+            q, scale, shape = q[0], scale[0], shape[1:]
+        holder[name].set_value(BlockQuantized(q, scale, "fp8", (128, 128), shape, "bfloat16"))
+    tokens = jnp.arange(2048, dtype=jnp.int32)[None]
+    once = np.asarray(moe(x, tokens), F32)
+    monkeypatch.setattr(layers, "STACK_MIN_ROWS", 1 << 30)
+    separate = np.asarray(moe(x, tokens), F32)
+    assert np.isfinite(once).all()
+    np.testing.assert_array_equal(once, separate)

@@ -32,6 +32,7 @@ from dsv4.layers import (
     normalize_and_rope,
     param,
     project,
+    project_shared,
     rope_in_place_with_scale,
 )
 from dsv4.pallas._device import on_gpu
@@ -80,7 +81,8 @@ class Attention(nnx.Module):
         cos, sin = self.rope.cos_sin(positions)
         cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
         dense = self.kernels.dense
-        q_residual = self.q_a_norm(project(x, self.q_a_proj["weight"], dense))
+        q_a, kv = project_shared(x, (self.q_a_proj["weight"], self.kv_proj["weight"]), dense)
+        q_residual = self.q_a_norm(q_a)
         q = project(q_residual, self.q_b_proj["weight"], dense).reshape(b, s, self.n_heads, self.head_dim)
         q_scale = None
         if fold:
@@ -88,7 +90,7 @@ class Attention(nnx.Module):
             q_scale = q_scale[..., 0]
         else:
             q = normalize_and_rope(q, cos, sin, self.eps)
-        kv = apply_rope(self.kv_norm(project(x, self.kv_proj["weight"], dense)), cos, sin)
+        kv = apply_rope(self.kv_norm(kv), cos, sin)
         return q, kv, q_residual, cos, sin, q_scale
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:

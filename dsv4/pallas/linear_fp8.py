@@ -9,6 +9,8 @@ GPU). `linear_w8a8_reference` is the jnp form both are tested against.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -35,14 +37,25 @@ def w8a8_unsupported(q: jax.Array, scale: jax.Array) -> str:
     return ""
 
 
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., K] as `linear_w8a8` quantizes it: rows [M, K] e4m3 and their scales [M, K / 128] float32
+    (`quantize_per_token_group`), for callers that feed one x to several W8A8 GEMMs (`x_q=`)."""
+    # NOTE: x materialized first. Otherwise XLA fuses x's producer (the mHC pre-mix over 4 residual copies, 4x x's
+    # bytes) into both the scales' reduce and the quantizing pass and computes it twice: 0.39 + 0.33 ms for a 16K
+    # chunk's [16384, 4096] x (H100 profile, docs/kernels/moe.md "W8A8 dense layers").
+    return quantize_per_token_group(lax.optimization_barrier(x.reshape(-1, x.shape[-1])))
+
+
 def linear_w8a8(x: jax.Array, q: jax.Array, scale: jax.Array, *, impl: str = "auto", interpret=None,
-                config: MgpuMoeConfig | None = None) -> jax.Array:  # fmt: skip
+                config: MgpuMoeConfig | None = None, x_q: tuple[jax.Array, jax.Array] | None = None,
+                ) -> jax.Array:  # fmt: skip
     """x [..., K] (bf16 / f16) · dequantize(q, scale)ᵀ, q [N, K] e4m3 with scale [N / 128, K / 128] float32, x
-    quantized per token and 128-group (`quantize_per_token_group`). Accumulates in float32; → [..., N] in x's dtype.
+    quantized per token and 128-group (`quantize_rows`). Accumulates in float32; → [..., N] in x's dtype.
 
     impl: "mgpu" (the Mosaic GPU kernel; N a multiple of 256), "triton", or "auto": Mosaic on Hopper where the shape
     fits, else Triton. interpret: run the kernel in its interpreter (None: off a GPU). config: the Mosaic kernel's
-    launch parameters (None: its defaults; the Triton path has none).
+    launch parameters (None: its defaults; the Triton path has none). x_q: `quantize_rows(x)` when the caller has it
+    already (x then gives only the shape and the output dtype).
     """
     why = w8a8_unsupported(q, scale)
     if why:
@@ -62,18 +75,50 @@ def linear_w8a8(x: jax.Array, q: jax.Array, scale: jax.Array, *, impl: str = "au
         impl = "mgpu" if gpu and not interpret and is_hopper() and mgpu_fits else "triton"
     if impl == "mgpu" and not mgpu_fits:
         raise ValueError(f"linear_w8a8: impl='mgpu' needs N a multiple of 256, got the weight {list(q.shape)}")
-    # NOTE: x materialized first. Otherwise XLA fuses x's producer (the mHC pre-mix over 4 residual copies, 4x x's
-    # bytes) into both the scales' reduce and the quantizing pass and computes it twice: 0.39 + 0.33 ms for a 16K
-    # chunk's [16384, 4096] x (H100 profile, docs/kernels/moe.md "W8A8 dense layers").
-    rows = lax.optimization_barrier(x.reshape(-1, k))
-    m = rows.shape[0]
-    xq, xs = quantize_per_token_group(rows)
+    xq, xs = quantize_rows(x) if x_q is None else x_q
+    m = xq.shape[0]
+    if xq.shape != (math.prod(lead), k) or xs.shape != (m, k // QUANT_BLOCK):
+        raise ValueError(f"linear_w8a8: x_q {xq.shape}, {xs.shape} is not x {x.shape} quantized")
     if impl == "mgpu":
         y = w8a8_gemm_mgpu(xq, xs, q, scale, out_dtype=x.dtype, config=config, interpret=interpret)
     else:
         y = grouped_down(xq, q[None], jnp.array([m], jnp.int32), h_scales=xs, down_scales=scale[None],
                          out_dtype=x.dtype, interpret=interpret)  # fmt: skip
     return y.reshape(*lead, n)
+
+
+def stacked_w8a8_unsupported(weights) -> str:
+    """Why `linear_w8a8_stacked` should not take these (q, scale) weights ("" when it should): each must run W8A8,
+    all over one K, and stacking must not move the GEMM off the Mosaic kernel where a part alone would run on it (N
+    a multiple of 256 there)."""
+    if len(weights) < 2:
+        return "fewer than two weights"
+    for q, scale in weights:
+        why = w8a8_unsupported(q, scale)
+        if why:
+            return why
+    ks = {q.shape[1] for q, _ in weights}
+    if len(ks) != 1:
+        return f"weights over different K: {sorted(ks)}"
+    k, ns = ks.pop(), [q.shape[0] for q, _ in weights]
+    fits = lambda n: not mgpu_moe_unsupported(n, k, w_dtype=FP8, x_dtype=FP8)  # noqa: E731
+    if any(map(fits, ns)) and not fits(sum(ns)):
+        return f"N = {' + '.join(map(str, ns))} leaves the Mosaic kernel's multiples of 256"
+    return ""
+
+
+def linear_w8a8_stacked(x: jax.Array, weights, **kwargs) -> jax.Array:
+    """`linear_w8a8` over several (q, scale) weights of one K as one GEMM: x quantized once, the weights stacked
+    along N. → [..., ΣN], each weight's output in its own columns, in order, bit-equal to its own `linear_w8a8`
+    (each output column is the same K sum in the same order either way). What goes is a quantization pass over x
+    and a narrow GEMM's poor fit (a 16K chunk's wkv, N = 512, ran 0.85x the dequantized route on its own). kwargs:
+    `linear_w8a8`'s."""
+    why = stacked_w8a8_unsupported(weights)
+    if why:
+        raise ValueError(f"linear_w8a8_stacked: {why}")
+    q = jnp.concatenate([w for w, _ in weights])
+    scale = jnp.concatenate([s for _, s in weights])
+    return linear_w8a8(x, q, scale, **kwargs)
 
 
 def w8a8_gemm_mgpu(xq: jax.Array, xs: jax.Array, q: jax.Array, scale: jax.Array, *, out_dtype,
