@@ -9,8 +9,10 @@ Why: which of V4's dense matrices W8A8 (`Kernels.dense="pallas"`, the default on
 dequantized route, and what the activations' quantization costs (docs/BENCHMARKS.md, "Dense layers in FP8"). The
 matrices a release stores in FP8 outside the experts (`dsv4.weights.RELEASED_FP8`), at `Config.preset("v4-flash")`'s
 widths, [N, K]: attention wq_a [1024, 4096], wq_b [32768, 1024], wkv [512, 4096], wo_b [4096, 8192]; the indexer's
-wq_b [8192, 1024]; the shared expert's w1 / w3 [2048, 4096] and w2 [4096, 2048]. x is [M, K] bf16, M = a prefill
-chunk's tokens.
+wq_b [8192, 1024]; the shared expert's w1 / w3 [2048, 4096] and w2 [4096, 2048]. Then the GEMMs the model runs where
+weights of one x are stacked (`dsv4.layers.project_shared`, prefill chunks): wq_a + wkv [1536, 4096] and w1 + w3
+[4096, 4096] (timed as one matrix of that shape: the model's stacking copy of the weights is not in it). x is [M, K]
+bf16, M = a prefill chunk's tokens.
 
 Rows of one shape, each the median of --reps interleaved rounds:
     dequant   the dequantized route (`Kernels.dense="jnp"`): `BlockQuantized.dequantize()` to bf16 inside the step, then
@@ -60,7 +62,8 @@ def dense_shapes(cfg: Config) -> list[tuple[str, int, int]]:
     return [("wq_a", cfg.q_lora_rank, d), ("wq_b", heads * hd, cfg.q_lora_rank), ("wkv", hd, d),
             ("wo_b", d, cfg.o_groups * cfg.o_lora_rank),
             ("indexer.wq_b", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
-            ("shared.w1|w3", inter, d), ("shared.w2", d, inter)]  # fmt: skip
+            ("shared.w1|w3", inter, d), ("shared.w2", d, inter),
+            ("stacked.wq_a+wkv", cfg.q_lora_rank + hd, d), ("stacked.w1+w3", 2 * inter, d)]  # fmt: skip
 
 
 def parse_args():
@@ -98,7 +101,7 @@ def main():
 
     say(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, tokens {args.tokens}, reps {args.reps}, "
         f"variants {[v for v, _ in args.variants]}")  # fmt: skip
-    say(f"{'M':>6} {'matrix':13} {'N':>6} {'K':>5} {'row':12} {'ms':>9} {'TF/s':>7} {'% lt':>6} {'% bf16':>6}  check")
+    say(f"{'M':>6} {'matrix':16} {'N':>6} {'K':>5} {'row':12} {'ms':>9} {'TF/s':>7} {'% lt':>6} {'% bf16':>6}  check")
     for m in args.tokens:
         for name, n, k in shapes:
             kx, kw = jax.random.split(jax.random.key(zlib.crc32(f"{m} {name}".encode())))
@@ -142,7 +145,7 @@ def main():
                     check += f"  {got['dequant'] / ms:.2f}x dequant"
                 rows.append(dict(tokens=m, matrix=name, n=n, k=k, row=row, ms=ms, tflops=tf[row], pct_lt=pct_lt,
                                  pct_bf16=pct16, rel_l2=checks.get(row)))  # fmt: skip
-                say(f"{m:>6} {name:13} {n:>6} {k:>5} {row:12} {ms:9.3f} {tf[row]:7.1f} {pct_lt:6.1f} {pct16:6.1f}  "
+                say(f"{m:>6} {name:16} {n:>6} {k:>5} {row:12} {ms:9.3f} {tf[row]:7.1f} {pct_lt:6.1f} {pct16:6.1f}  "
                     f"{check}")  # fmt: skip
             bad = {row: v for row, v in checks.items() if not v < 2e-2}
             if bad:

@@ -20,10 +20,12 @@ spec.loader.exec_module(bench_dense)
 
 def test_shapes_are_v4_flash_dense_fp8_matrices():
     """[N, K] as DeepSeek-V4-Flash stores them (hidden 4096, q LoRA 1024, 64 heads × 512, 8 output groups × 1024,
-    indexer 64 × 128, shared expert 2048), worked out from the released config by hand."""
+    indexer 64 × 128, shared expert 2048), worked out from the released config by hand, and the two stacks of
+    weights that read one x."""
     got = {name: (n, k) for name, n, k in bench_dense.dense_shapes(Config.preset("v4-flash"))}
     assert got == {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
-                   "indexer.wq_b": (8192, 1024), "shared.w1|w3": (2048, 4096), "shared.w2": (4096, 2048)}  # fmt: skip
+                   "indexer.wq_b": (8192, 1024), "shared.w1|w3": (2048, 4096), "shared.w2": (4096, 2048),
+                   "stacked.wq_a+wkv": (1536, 4096), "stacked.w1+w3": (4096, 4096)}  # fmt: skip
 
 
 def test_smoke_times_every_route_and_checks_it(tmp_path):
