@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dsv4.config import Config
@@ -73,6 +74,21 @@ def _ep_local_experts(impl: str, limit: float, fp8_activations: bool | None = No
         return MOE_IMPLS[impl](x, ids, weights, gate_up, down, limit, out_dtype=F32, **fp8, **extra)
 
     return local_experts
+
+
+def _stacked_on_quantized(x: jax.Array, xq: jax.Array, xs: jax.Array, pairs) -> list[jax.Array]:
+    """`linear_w8a8_stacked` of x [B, S, D] over (q, scale) pairs on its rows already quantized (xq [B·S, D], xs
+    [B·S, D / 128]), per sequence shard. → each weight's output [B, S, N_i]."""
+    b, s, d = x.shape
+    n = len(pairs)
+
+    def local(x_, xq_, xs_, *flat):
+        rows = (xq_.reshape(-1, d), xs_.reshape(-1, xs_.shape[-1]))
+        return linear_w8a8_stacked(x_, list(zip(flat[:n], flat[n:], strict=True)), x_q=rows)
+
+    y = per_sequence_shard(local, (x, xq.reshape(b, s, d), xs.reshape(b, s, -1)),
+                           (*(q for q, _ in pairs), *(sc for _, sc in pairs)), fill=(0, 0, 1.0))  # fmt: skip
+    return jnp.split(y, np.cumsum([q.shape[0] for q, _ in pairs])[:-1], axis=-1)
 
 
 def kernel_ready_fp8(w) -> bool:
@@ -170,38 +186,38 @@ class MoE(nnx.Module):
             if scales and self.fp8_activations:  # W8A8: quantized where the token lives, sent as 1-byte values
                 xq, xs = quantize_per_token_group(flat)
                 x_sent, x_scales = xq.reshape(rows, cols, d), xs.reshape(rows, cols, -1)
+                same_x = stackable_w8a8(x, shared_gate_up, dense) if x.dtype == jnp.bfloat16 else None
+                if same_x is not None:  # the stacked shared gate | up on the same quantized rows
+                    shared_h = _stacked_on_quantized(x, xq, xs, same_x)
             local = _ep_local_experts(self.moe_impl, self.limit, self.fp8_activations if scales else None)
             routed = routed_experts_ep(local, x_sent, ids.reshape(rows, cols, -1), weights.reshape(rows, cols, -1),
                                        gate_up, down, x_scales=x_scales, **scales, out_dtype=x.dtype,
                                        chunk_tokens=self.ep_chunk_tokens, schedule=self.ep_schedule,
                                        combine_dtype=self.ep_combine_dtype).reshape(b * s, d)  # fmt: skip
         elif self.moe_impl == "pallas":
-            # W8A8 experts and a stacked W8A8 shared gate | up: x quantized once for both, in the same shards.
+            sharded, fill = [x, ids.reshape(b, s, -1), weights.reshape(b, s, -1)], [0, 0, 0.0]
             same_x = None
             if scales and self.fp8_activations and x.dtype == jnp.bfloat16:
                 same_x = stackable_w8a8(x, shared_gate_up, dense)
-            shared_flat = () if same_x is None else (*(q for q, _ in same_x), *(s_ for _, s_ in same_x))
+            if same_x is not None:  # W8A8 experts and the stacked shared gate | up on x quantized once
+                xq, xs = quantize_rows(x)
+                shared_h = _stacked_on_quantized(x, xq, xs, same_x)
+                sharded, fill = [xq.reshape(b, s, d), *sharded[1:], xs.reshape(b, s, -1)], [*fill, 1.0]
 
             # A custom call: split it over the sequence shards by hand (experts gathered to every shard), else
             # XLA would gather the tokens and run every token's experts on every device.
-            def local(x_, ids_, weights_, gate_up_, down_, *rest):
+            def local(x_, ids_, weights_, *rest):
                 n = x_.shape[0] * x_.shape[1]
-                scales_, shared_ = rest[: len(scales)], rest[len(scales) :]
+                xs_ = rest[0] if same_x is not None else None
+                gate_up_, down_, *scales_ = rest[1:] if same_x is not None else rest
                 kw = dict(zip(scales, scales_), fp8_activations=self.fp8_activations) if scales_ else {}
-                args = (ids_.reshape(n, -1), weights_.reshape(n, -1), gate_up_, down_, self.limit)
-                if not shared_:
-                    return impl(x_.reshape(n, d), *args, **kw).reshape(x_.shape)
-                xq, xs = quantize_rows(x_)  # bit-equal to what each would quantize on its own (bf16 x)
-                out = impl(xq, *args, x_scales=xs, out_dtype=x_.dtype, **kw).reshape(x_.shape)
-                half = len(shared_) // 2
-                gu = linear_w8a8_stacked(x_, list(zip(shared_[:half], shared_[half:], strict=True)), x_q=(xq, xs))
-                return out, gu
+                if xs_ is not None:
+                    kw.update(x_scales=xs_.reshape(n, -1), out_dtype=x.dtype)
+                out = impl(x_.reshape(n, d), ids_.reshape(n, -1), weights_.reshape(n, -1), gate_up_, down_, self.limit,
+                           **kw)  # fmt: skip
+                return out.reshape(*x_.shape[:2], d)
 
-            routed = per_sequence_shard(local, (x, ids.reshape(b, s, -1), weights.reshape(b, s, -1)),
-                                        (gate_up, down, *scales.values(), *shared_flat), fill=(0, 0, 0.0))  # fmt: skip
-            if same_x is not None:
-                routed, gate_up_x = routed
-                shared_h = jnp.split(gate_up_x, [same_x[0][0].shape[0]], axis=-1)
+            routed = per_sequence_shard(local, sharded, (gate_up, down, *scales.values()), fill=fill)
             routed = routed.reshape(b * s, d)
         else:
             routed = impl(flat, ids, weights, gate_up, down, self.limit)  # the jnp path: FP8 experts read dequantized

@@ -315,6 +315,21 @@ FP8_SCRIPT = """
         with use_mesh(make_mesh(2)):
             got_ep = moe(xm, tok)[0]
         print("moe", acts, "ep", rel(got_ep.astype(jnp.float32), want.astype(jnp.float32)))
+
+    # The shared expert FP8 too, on W8A8 dense layers: its gate | up stacked on x quantized once with the experts'
+    # (from any row count here), alone and expert-parallel, bit-equal to each quantizing x on its own.
+    import dsv4.layers as layers
+    moe.fp8_activations, moe.dense_impl = True, "pallas"
+    for name, shape in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
+        wq, ws = map(jnp.asarray, quantize_fp8(rng.normal(0, 0.1, shape), (128, 128), None))
+        sh[name]["weight"].set_value(BlockQuantized(wq, ws, "fp8", (128, 128), shape, "bfloat16"))
+    outs = {}
+    for rows in (1, 1 << 30):
+        layers.STACK_MIN_ROWS = rows
+        outs[rows, "single"] = np.asarray(moe(xm, tok), np.float32)
+        with use_mesh(make_mesh(2)):
+            outs[rows, "ep"] = np.asarray(moe(xm, tok), np.float32)
+    print("stacked", *(bool(np.array_equal(outs[1, w], outs[1 << 30, w])) for w in ("single", "ep")))
 """
 
 
@@ -322,7 +337,8 @@ def test_fp8_experts_run_w8a8_and_send_fp8_tokens():
     """FP8 expert weights (DeepSeek's 128 × 128 blocks): under expert parallelism the tokens travel as fp8 values
     with their scales (no bf16 token is sent) and the result equals one device's W8A8 run; the model's MoE with
     experts kept quantized runs the FP8 kernels (W8A8, or W8A16 with fp8_activations False), alone and
-    expert-parallel, against the jnp reference that quantizes the same way."""
+    expert-parallel, against the jnp reference that quantizes the same way; with the shared expert FP8 as well, its
+    gate and up stacked on the experts' quantized x, alone and expert-parallel, bit-equal to separate quantizations."""
     rows = [line.split() for line in _run(FP8_SCRIPT, devices=4).strip().splitlines()]
     (one_vs_ref,) = [float(r[1]) for r in rows if r[0] == "one-vs-ref"]
     assert one_vs_ref < 2**-6, one_vs_ref  # bf16 output of the reference vs float32: rounding only
@@ -339,6 +355,7 @@ def test_fp8_experts_run_w8a8_and_send_fp8_tokens():
     for key, err in moes.items():
         # bf16 outputs (and, expert-parallel, bf16 remote parts) against the reference's own bf16 rounding
         assert err < 2**-6, (key, err)
+    assert [r for r in rows if r[0] == "stacked"] == [["stacked", "True", "True"]]
 
 
 @pytest.mark.gpu

@@ -4,7 +4,8 @@ GEMM). It reads the stored e4m3 values: no dequantized copy of the weight is wri
 
 No kernel of its own: the grouped expert GEMMs with a single group (docs/kernels/moe.md). On Hopper the Mosaic GPU
 `down` kernel (rows padded to its 128-row tiles, N a multiple of 256), elsewhere the Triton one (interpreted off a
-GPU). `linear_w8a8_reference` is the jnp form both are tested against.
+GPU). `linear_w8a8_reference` is the jnp form both are tested against. Weights that read one x run stacked along N as
+one GEMM (`linear_w8a8_stacked`), and x quantized once can feed several GEMMs (`quantize_rows`, `x_q=`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def w8a8_unsupported(q: jax.Array, scale: jax.Array) -> str:
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., K] as `linear_w8a8` quantizes it: rows [M, K] e4m3 and their scales [M, K / 128] float32
-    (`quantize_per_token_group`), for callers that feed one x to several W8A8 GEMMs (`x_q=`)."""
+    (`quantize_per_token_group`), for callers that feed one x to several W8A8 GEMMs (`linear_w8a8(x_q=...)`, the
+    MoE's routed experts)."""
     # NOTE: x materialized first. Otherwise XLA fuses x's producer (the mHC pre-mix over 4 residual copies, 4x x's
     # bytes) into both the scales' reduce and the quantizing pass and computes it twice: 0.39 + 0.33 ms for a 16K
     # chunk's [16384, 4096] x (H100 profile, docs/kernels/moe.md "W8A8 dense layers").

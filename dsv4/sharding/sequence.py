@@ -33,7 +33,7 @@ def sp_layout(mesh: Mesh | None = None, axis: str | None = None) -> tuple[Mesh, 
 
 def per_sequence_shard(fn, sharded, replicated=(), *, fill, mesh: Mesh | None = None, axis: str | None = None):
     """fn over each sequence shard of the active (or given) mesh: `fn(*local sharded, *replicated)`. → the global
-    result (an array or a tuple of them), its axis 1 the sequence axis like every array in `sharded` ([B, S, ...]).
+    result, its axis 1 the sequence axis like every array in `sharded` ([B, S, ...]).
 
     For token-local work that lowers to a custom call (the Pallas indexer, the Pallas MoE): XLA's SPMD partitioner
     cannot split a custom call, so given sequence-sharded operands it would gather them and every device would
@@ -54,7 +54,7 @@ def per_sequence_shard(fn, sharded, replicated=(), *, fill, mesh: Mesh | None = 
     spec = P(None, axis)
     out = jax.shard_map(fn, mesh=mesh, in_specs=(*(spec for _ in sharded), *(P() for _ in replicated)),
                         out_specs=spec, check_vma=False)(*sharded, *replicated)  # fmt: skip
-    return jax.tree.map(lambda o: o[:, :s], out) if pad else out
+    return out[:, :s] if pad else out
 
 
 def zigzag_shards() -> int | None:
