@@ -18,7 +18,13 @@ from flax import nnx
 from dsv4.config import Config, RopeConfig
 from dsv4.pallas import sinkhorn as sk
 from dsv4.pallas._device import is_hopper, on_gpu
-from dsv4.pallas.linear_fp8 import linear_w8a8, linear_w8a8_stacked, stacked_w8a8_unsupported, w8a8_unsupported
+from dsv4.pallas.linear_fp8 import (
+    linear_w8a8,
+    linear_w8a8_stacked,
+    quantize_rows,
+    stacked_w8a8_unsupported,
+    w8a8_unsupported,
+)
 from dsv4.quantization import BlockQuantized
 from dsv4.sharding.sequence import per_sequence_shard
 
@@ -93,12 +99,20 @@ def project_shared(x: jax.Array, weights, impl: str = "jnp") -> tuple[jax.Array,
     pairs = stackable_w8a8(x, weights, impl)
     if pairs is None:
         return tuple(project(x, w, impl) for w in weights)
+    return stacked_on_rows(x, *quantize_rows(x), pairs)
+
+
+def stacked_on_rows(x: jax.Array, xq: jax.Array, xs: jax.Array, pairs) -> tuple[jax.Array, ...]:
+    """`linear_w8a8_stacked` of x [B, S, D] over (q, scale) pairs on x already quantized (`quantize_rows(x)`: xq
+    [B, S, D] or [B·S, D], xs [..., D / 128]), per sequence shard. → each weight's output [B, S, N_i]."""
+    b, s, d = x.shape
     n = len(pairs)
 
-    def stacked(x_, *flat):
-        return linear_w8a8_stacked(x_, list(zip(flat[:n], flat[n:], strict=True)))
+    def local(x_, xq_, xs_, *flat):
+        return linear_w8a8_stacked(x_, list(zip(flat[:n], flat[n:], strict=True)), x_q=(xq_, xs_))
 
-    y = per_sequence_shard(stacked, (x,), (*(q for q, _ in pairs), *(s for _, s in pairs)), fill=(0,))
+    y = per_sequence_shard(local, (x, xq.reshape(b, s, d), xs.reshape(b, s, -1)),
+                           (*(q for q, _ in pairs), *(sc for _, sc in pairs)), fill=(0, 0, 1.0))  # fmt: skip
     return tuple(jnp.split(y, np.cumsum([q.shape[0] for q, _ in pairs])[:-1], axis=-1))
 
 

@@ -6,13 +6,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dsv4.config import Config
-from dsv4.layers import F32, Buffer, param, project, project_shared, stackable_w8a8
+from dsv4.layers import F32, Buffer, param, project, project_shared, stackable_w8a8, stacked_on_rows
 from dsv4.pallas._device import on_gpu
-from dsv4.pallas.linear_fp8 import linear_w8a8_stacked, quantize_rows
+from dsv4.pallas.linear_fp8 import quantize_rows
 from dsv4.pallas.moe import quantize_per_token_group, routed_experts
 from dsv4.quantization import BlockQuantized, fp4_fits_fp8_blocks, fp4_to_fp8_blocks
 from dsv4.sharding.expert_parallel import DEFAULT_CHUNK_TOKENS, ep_layout, routed_experts_ep
@@ -74,21 +73,6 @@ def _ep_local_experts(impl: str, limit: float, fp8_activations: bool | None = No
         return MOE_IMPLS[impl](x, ids, weights, gate_up, down, limit, out_dtype=F32, **fp8, **extra)
 
     return local_experts
-
-
-def _stacked_on_quantized(x: jax.Array, xq: jax.Array, xs: jax.Array, pairs) -> list[jax.Array]:
-    """`linear_w8a8_stacked` of x [B, S, D] over (q, scale) pairs on its rows already quantized (xq [B·S, D], xs
-    [B·S, D / 128]), per sequence shard. → each weight's output [B, S, N_i]."""
-    b, s, d = x.shape
-    n = len(pairs)
-
-    def local(x_, xq_, xs_, *flat):
-        rows = (xq_.reshape(-1, d), xs_.reshape(-1, xs_.shape[-1]))
-        return linear_w8a8_stacked(x_, list(zip(flat[:n], flat[n:], strict=True)), x_q=rows)
-
-    y = per_sequence_shard(local, (x, xq.reshape(b, s, d), xs.reshape(b, s, -1)),
-                           (*(q for q, _ in pairs), *(sc for _, sc in pairs)), fill=(0, 0, 1.0))  # fmt: skip
-    return jnp.split(y, np.cumsum([q.shape[0] for q, _ in pairs])[:-1], axis=-1)
 
 
 def kernel_ready_fp8(w) -> bool:
@@ -188,7 +172,7 @@ class MoE(nnx.Module):
                 x_sent, x_scales = xq.reshape(rows, cols, d), xs.reshape(rows, cols, -1)
                 same_x = stackable_w8a8(x, shared_gate_up, dense) if x.dtype == jnp.bfloat16 else None
                 if same_x is not None:  # the stacked shared gate | up on the same quantized rows
-                    shared_h = _stacked_on_quantized(x, xq, xs, same_x)
+                    shared_h = stacked_on_rows(x, xq, xs, same_x)
             local = _ep_local_experts(self.moe_impl, self.limit, self.fp8_activations if scales else None)
             routed = routed_experts_ep(local, x_sent, ids.reshape(rows, cols, -1), weights.reshape(rows, cols, -1),
                                        gate_up, down, x_scales=x_scales, **scales, out_dtype=x.dtype,
@@ -200,9 +184,9 @@ class MoE(nnx.Module):
             if scales and self.fp8_activations and x.dtype == jnp.bfloat16:
                 same_x = stackable_w8a8(x, shared_gate_up, dense)
             if same_x is not None:  # W8A8 experts and the stacked shared gate | up on x quantized once
-                xq, xs = quantize_rows(x)
-                shared_h = _stacked_on_quantized(x, xq, xs, same_x)
-                sharded, fill = [xq.reshape(b, s, d), *sharded[1:], xs.reshape(b, s, -1)], [*fill, 1.0]
+                xq, xs = quantize_rows(x)  # [B, S, D], [B, S, D / 128]
+                shared_h = stacked_on_rows(x, xq, xs, same_x)
+                sharded, fill = [xq, *sharded[1:], xs], [*fill, 1.0]
 
             # A custom call: split it over the sequence shards by hand (experts gathered to every shard), else
             # XLA would gather the tokens and run every token's experts on every device.

@@ -39,13 +39,13 @@ def w8a8_unsupported(q: jax.Array, scale: jax.Array) -> str:
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [..., K] as `linear_w8a8` quantizes it: rows [M, K] e4m3 and their scales [M, K / 128] float32
+    """x [..., K] as `linear_w8a8` quantizes it: e4m3 values [..., K] and their scales [..., K / 128] float32
     (`quantize_per_token_group`), for callers that feed one x to several W8A8 GEMMs (`linear_w8a8(x_q=...)`, the
-    MoE's routed experts)."""
+    MoE's routed experts). The leading axes stay, so a sequence-sharded x is quantized where it lives."""
     # NOTE: x materialized first. Otherwise XLA fuses x's producer (the mHC pre-mix over 4 residual copies, 4x x's
     # bytes) into both the scales' reduce and the quantizing pass and computes it twice: 0.39 + 0.33 ms for a 16K
     # chunk's [16384, 4096] x (H100 profile, docs/kernels/moe.md "W8A8 dense layers").
-    return quantize_per_token_group(lax.optimization_barrier(x.reshape(-1, x.shape[-1])))
+    return quantize_per_token_group(lax.optimization_barrier(x))
 
 
 def linear_w8a8(x: jax.Array, q: jax.Array, scale: jax.Array, *, impl: str = "auto", interpret=None,
@@ -78,9 +78,10 @@ def linear_w8a8(x: jax.Array, q: jax.Array, scale: jax.Array, *, impl: str = "au
     if impl == "mgpu" and not mgpu_fits:
         raise ValueError(f"linear_w8a8: impl='mgpu' needs N a multiple of 256, got the weight {list(q.shape)}")
     xq, xs = quantize_rows(x) if x_q is None else x_q
-    m = xq.shape[0]
-    if xq.shape != (math.prod(lead), k) or xs.shape != (m, k // QUANT_BLOCK):
+    m = math.prod(lead)
+    if xq.size != m * k or xs.size != m * (k // QUANT_BLOCK):
         raise ValueError(f"linear_w8a8: x_q {xq.shape}, {xs.shape} is not x {x.shape} quantized")
+    xq, xs = xq.reshape(m, k), xs.reshape(m, k // QUANT_BLOCK)
     if impl == "mgpu":
         y = w8a8_gemm_mgpu(xq, xs, q, scale, out_dtype=x.dtype, config=config, interpret=interpret)
     else:

@@ -20,19 +20,19 @@ AMAX_FLOOR = 1e-4  # as DeepSeek's act_quant: an all-zero group gets a finite sc
 
 
 def quantize_per_token_group(x: jax.Array, *, pow2_scale: bool = False) -> tuple[jax.Array, jax.Array]:
-    """x [R, K] (K % 128 == 0) → (float8_e4m3fn [R, K], float32 scales [R, K // 128]), x ≈ fp8 · scale.
+    """x [..., K] (K % 128 == 0) → (float8_e4m3fn [..., K], float32 scales [..., K // 128]), x ≈ fp8 · scale.
 
     DeepSeek's `act_quant`: scale = max(amax of the group, 1e-4) / 448, fp8 = x / scale rounded to nearest even.
     pow2_scale rounds the scale up to a power of two (the "ue8m0" scale format of DeepSeek-V3.1 and later).
     """
-    r, k = x.shape
+    *lead, k = x.shape
     if k % QUANT_BLOCK:
         raise ValueError(f"quantize_per_token_group: x.shape={x.shape} needs K % {QUANT_BLOCK} == 0")
-    groups = x.astype(F32).reshape(r, k // QUANT_BLOCK, QUANT_BLOCK)
-    scale = jnp.maximum(jnp.abs(groups).max(-1), AMAX_FLOOR) / FP8_MAX  # [R, K // 128]
+    groups = x.astype(F32).reshape(*lead, k // QUANT_BLOCK, QUANT_BLOCK)
+    scale = jnp.maximum(jnp.abs(groups).max(-1), AMAX_FLOOR) / FP8_MAX  # [..., K // 128]
     if pow2_scale:
         scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
-    values = (groups / scale[..., None]).astype(FP8).reshape(r, k)
+    values = (groups / scale[..., None]).astype(FP8).reshape(*lead, k)
     return values, scale
 
 
