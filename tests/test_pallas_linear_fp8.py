@@ -147,26 +147,35 @@ def test_project_shared_stacks_fp8_weights_of_one_x_from_enough_rows(monkeypatch
         np.testing.assert_array_equal(g, a)
 
 
+def _fp8_moe(d: int, i: int, e: int, k: int, *, seed: int):
+    """A bf16 MoE on the Pallas kernels with every weight FP8 in 128-blocks (routed experts, shared w1, w3, w2), W8A8
+    dense layers."""
+    from dsv4.config import Config
+    from dsv4.moe import MoE
+
+    cfg = Config.preset("tiny").replace(hidden_size=d, moe_intermediate_size=i, n_routed_experts=e,
+                                        num_experts_per_tok=k, swiglu_limit=7.0)  # fmt: skip
+    moe = MoE(cfg, "moe", rngs=nnx.Rngs(1), dtype=jnp.bfloat16, moe_impl="pallas", dense_impl="pallas")
+    sh = moe.shared_experts
+    parts = ((moe.experts, "gate_up_proj", (e, 2 * i, d)), (moe.experts, "down_proj", (e, d, i)),
+             (sh["gate_proj"], "weight", (1, i, d)), (sh["up_proj"], "weight", (1, i, d)),
+             (sh["down_proj"], "weight", (1, d, i)))  # fmt: skip
+    for n, (holder, name, shape) in enumerate(parts):
+        q, scale = quantize_weights(make_weights(seed + n, shape, F32, 0.1 * (256 / d) ** 0.5))
+        if shape[0] == 1:
+            q, scale, shape = q[0], scale[0], shape[1:]
+        holder[name].set_value(BlockQuantized(q, scale, "fp8", (128, 128), shape, "bfloat16"))
+    return moe
+
+
 def test_moe_quantizes_x_once_for_its_w8a8_experts_and_stacked_shared_expert(monkeypatch):
     """With W8A8 routed experts and FP8 shared gate and up projections, the MoE quantizes x once for the experts and
     one stacked shared GEMM (`project_shared`'s), and its output is the one of each quantizing x on its own, bit for
     bit; with too few rows each quantizes its own x."""
     import dsv4.moe as moe_module
-    from dsv4.config import Config
-    from dsv4.moe import MoE
 
-    d, i, e = 256, 128, 8
-    cfg = Config.preset("tiny").replace(hidden_size=d, moe_intermediate_size=i, n_routed_experts=e,
-                                        num_experts_per_tok=3, swiglu_limit=7.0)  # fmt: skip
-    moe = MoE(cfg, "moe", rngs=nnx.Rngs(1), dtype=jnp.bfloat16, moe_impl="pallas", dense_impl="pallas")
-    for holder, name, shape, seed in ((moe.experts, "gate_up_proj", (e, 2 * i, d), 40),
-                                      (moe.experts, "down_proj", (e, d, i), 41),
-                                      (moe.shared_experts["gate_proj"], "weight", (1, i, d), 42),
-                                      (moe.shared_experts["up_proj"], "weight", (1, i, d), 43)):  # fmt: skip
-        q, scale = quantize_weights(make_weights(seed, shape, F32, 0.1))
-        if shape[0] == 1:
-            q, scale, shape = q[0], scale[0], shape[1:]
-        holder[name].set_value(BlockQuantized(q, scale, "fp8", (128, 128), shape, "bfloat16"))
+    d = 256
+    moe = _fp8_moe(d, 128, 8, 3, seed=40)
     x = make_weights(44, (1, 29, d), jnp.bfloat16, 1.0)
     tokens = jnp.arange(29, dtype=jnp.int32)[None]
     quantized = []
@@ -235,9 +244,6 @@ def test_gpu_default_route_matches_reference():
 def test_gpu_stacked_projections_and_shared_quantization_equal_separate(monkeypatch):
     """At V4-Flash's widths and a 2048-token chunk on the default route: wq_a with wkv stacked (N = 1024 + 512), and
     the MoE's x quantized once for W8A8 experts and the stacked shared w1 | w3, equal the separate calls bit for bit."""
-    from dsv4.config import Config
-    from dsv4.moe import MoE
-
     d = 4096
     x = make_weights(50, (1, 2048, d), jnp.bfloat16, 1.0)
     ws = []
@@ -248,19 +254,7 @@ def test_gpu_stacked_projections_and_shared_quantization_equal_separate(monkeypa
     for got, w in zip(stacked, ws, strict=True):
         np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(project(x, w, "pallas"), F32))
 
-    i, e = 2048, 8
-    cfg = Config.preset("tiny").replace(hidden_size=d, moe_intermediate_size=i, n_routed_experts=e,
-                                        num_experts_per_tok=4, swiglu_limit=10.0)  # fmt: skip
-    moe = MoE(cfg, "moe", rngs=nnx.Rngs(1), dtype=jnp.bfloat16, moe_impl="pallas", dense_impl="pallas")
-    for holder, name, shape, seed in ((moe.experts, "gate_up_proj", (e, 2 * i, d), 60),
-                                      (moe.experts, "down_proj", (e, d, i), 61),
-                                      (moe.shared_experts["gate_proj"], "weight", (1, i, d), 62),
-                                      (moe.shared_experts["up_proj"], "weight", (1, i, d), 63),
-                                      (moe.shared_experts["down_proj"], "weight", (1, d, i), 64)):  # fmt: skip
-        q, scale = quantize_weights(make_weights(seed, shape, F32, 0.02))
-        if shape[0] == 1:
-            q, scale, shape = q[0], scale[0], shape[1:]
-        holder[name].set_value(BlockQuantized(q, scale, "fp8", (128, 128), shape, "bfloat16"))
+    moe = _fp8_moe(d, 2048, 8, 4, seed=60)
     tokens = jnp.arange(2048, dtype=jnp.int32)[None]
     once = np.asarray(moe(x, tokens), F32)
     monkeypatch.setattr(layers, "STACK_MIN_ROWS", 1 << 30)
