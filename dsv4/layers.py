@@ -60,6 +60,11 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     return matmul_in_dtype("...i,oi->...o", x, weight)
 
 
+def _fp8_blocks(value) -> bool:
+    """A weight kept FP8 in DeepSeek's 128 × 128 blocks: what the W8A8 linear layers read as stored."""
+    return isinstance(value, BlockQuantized) and value.fmt == "fp8" and tuple(value.block) == (128, 128)
+
+
 def project(x: jax.Array, weight: nnx.Variable, impl: str = "jnp") -> jax.Array:
     """`linear(x, weight[...])` for a weight variable, x [B, S, in].
 
@@ -68,8 +73,7 @@ def project(x: jax.Array, weight: nnx.Variable, impl: str = "jnp") -> jax.Array:
     DeepSeek's FP8 linear layers do, on each sequence shard. Any other weight is read dequantized.
     """
     value = weight.get_value()
-    fp8_blocks = isinstance(value, BlockQuantized) and value.fmt == "fp8" and tuple(value.block) == (128, 128)
-    if impl == "pallas" and fp8_blocks and not w8a8_unsupported(value.q, value.scale):
+    if impl == "pallas" and _fp8_blocks(value) and not w8a8_unsupported(value.q, value.scale):
         return per_sequence_shard(lambda x_, q_, s_: linear_w8a8(x_, q_, s_), (x,), (value.q, value.scale),
                                   fill=(0,))  # fmt: skip
     return linear(x, weight[...])
@@ -84,10 +88,10 @@ def stackable_w8a8(x: jax.Array, weights, impl: str) -> list[tuple[jax.Array, ja
     """The (values, scales) of weight variables that read the same x [B, S, in] when they should run as one stacked
     W8A8 GEMM (`linear_w8a8_stacked`): impl "pallas", every weight FP8 in 128 × 128 blocks over one K, and at least
     `STACK_MIN_ROWS` rows of x. Else None."""
-    values = [w.get_value() for w in weights]
     if impl != "pallas" or math.prod(x.shape[:-1]) < STACK_MIN_ROWS:
         return None
-    if not all(isinstance(v, BlockQuantized) and v.fmt == "fp8" and tuple(v.block) == (128, 128) for v in values):
+    values = [w.get_value() for w in weights]
+    if not all(map(_fp8_blocks, values)):
         return None
     pairs = [(v.q, v.scale) for v in values]
     return None if stacked_w8a8_unsupported(pairs) else pairs

@@ -161,6 +161,10 @@ class MoE(nnx.Module):
         sh, dense = self.shared_experts, self.dense_impl
         shared_gate_up = (sh["gate_proj"]["weight"], sh["up_proj"]["weight"])
         shared_h = None  # the shared expert's gate and up projections, where the routed path computes them
+        # W8A8 experts (FP8 weights on the Pallas kernels) and a stackable shared gate | up: one quantized x for both
+        same_x = None
+        if scales and self.fp8_activations and x.dtype == jnp.bfloat16:
+            same_x = stackable_w8a8(x, shared_gate_up, dense)
         layout = ep_layout(gate_up.shape[0])
         if layout is not None:
             # Expert parallelism: each device keeps its slice of the experts and the tokens are sent to them. Too
@@ -170,7 +174,6 @@ class MoE(nnx.Module):
             if scales and self.fp8_activations:  # W8A8: quantized where the token lives, sent as 1-byte values
                 xq, xs = quantize_per_token_group(flat)
                 x_sent, x_scales = xq.reshape(rows, cols, d), xs.reshape(rows, cols, -1)
-                same_x = stackable_w8a8(x, shared_gate_up, dense) if x.dtype == jnp.bfloat16 else None
                 if same_x is not None:  # the stacked shared gate | up on the same quantized rows
                     shared_h = stacked_on_rows(x, xq, xs, same_x)
             local = _ep_local_experts(self.moe_impl, self.limit, self.fp8_activations if scales else None)
@@ -180,10 +183,7 @@ class MoE(nnx.Module):
                                        combine_dtype=self.ep_combine_dtype).reshape(b * s, d)  # fmt: skip
         elif self.moe_impl == "pallas":
             sharded, fill = [x, ids.reshape(b, s, -1), weights.reshape(b, s, -1)], [0, 0, 0.0]
-            same_x = None
-            if scales and self.fp8_activations and x.dtype == jnp.bfloat16:
-                same_x = stackable_w8a8(x, shared_gate_up, dense)
-            if same_x is not None:  # W8A8 experts and the stacked shared gate | up on x quantized once
+            if same_x is not None:  # x quantized once, for the experts (per shard) and the stacked gate | up
                 xq, xs = quantize_rows(x)  # [B, S, D], [B, S, D / 128]
                 shared_h = stacked_on_rows(x, xq, xs, same_x)
                 sharded, fill = [xq, *sharded[1:], xs], [*fill, 1.0]
